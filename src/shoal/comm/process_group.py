@@ -1,0 +1,64 @@
+"""Create and destroy the torch.distributed world, and the small object collectives used at start-up."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+def select_backend() -> str:
+    """gloo for CPU tensors, plus NCCL for CUDA tensors where CUDA and NCCL are both present."""
+    if torch.cuda.is_available() and dist.is_nccl_available():
+        return "cpu:gloo,cuda:nccl"
+    return "gloo"
+
+
+def init_world(store: dist.Store, rank: int, size: int, timeout_s: float) -> str:
+    """Join the default process group through ``store``; returns the backend string used."""
+    backend = select_backend()
+    dist.init_process_group(
+        backend=backend, store=store, rank=rank, world_size=size, timeout=timedelta(seconds=timeout_s)
+    )
+    return backend
+
+
+def destroy_world() -> None:
+    """Leave the default process group, if this process is in one."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def allgather_object(obj: Any) -> list[Any]:
+    """Gather one picklable object from every rank of the default group, in rank order."""
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, obj)
+    return gathered
+
+
+def world_is_initialized() -> bool:
+    """True while this process is in a torch.distributed default group."""
+    return dist.is_initialized()
+
+
+def gloo_available() -> bool:
+    """True when this torch build has gloo."""
+    return dist.is_gloo_available()
+
+
+def nccl_version_code() -> int:
+    """NCCL's version as Horovod reports it (e.g. 21805 for 2.18.5), or 0 when NCCL is absent."""
+    if not dist.is_nccl_available():
+        return 0
+    try:
+        major, minor, patch = torch.cuda.nccl.version()[:3]
+    except (RuntimeError, AttributeError, TypeError):  # a CUDA build on a host whose driver cannot load NCCL
+        return 0
+    return major * 10000 + minor * 100 + patch
+
+
+def mpi_available() -> bool:
+    """True when this torch build has the MPI backend."""
+    return dist.is_mpi_available()

@@ -1,0 +1,25 @@
+"""Shoal's logger: one ``logging`` logger named ``shoal``, its level set by ``SHOAL_LOG_LEVEL``."""
+
+from __future__ import annotations
+
+import logging
+
+from shoal.config import env_str
+
+_LEVELS = {"trace": logging.DEBUG, "debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING}
+_LEVELS.update({"error": logging.ERROR, "fatal": logging.CRITICAL, "critical": logging.CRITICAL})
+
+
+def get_logger() -> logging.Logger:
+    """Return the ``shoal`` logger, configured once from ``SHOAL_LOG_LEVEL`` (default ``warning``)."""
+    logger = logging.getLogger("shoal")
+    if not logger.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("[shoal %(levelname)s] %(message)s"))
+        logger.addHandler(handler)
+        logger.propagate = False
+        level_name = (env_str("LOG_LEVEL") or "warning").lower()
+        if level_name not in _LEVELS:
+            raise ValueError(f"SHOAL_LOG_LEVEL must be one of {sorted(_LEVELS)}, got {level_name!r}")
+        logger.setLevel(_LEVELS[level_name])
+    return logger

@@ -1,0 +1,108 @@
+"""shoalrun's command line. The flags mirror horovodrun's, so job scripts only change the program name."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import NoReturn
+
+import shoal
+
+
+class _OneLineErrorParser(argparse.ArgumentParser):
+    """argparse prints the usage before an error; shoalrun prints one line and exits 2."""
+
+    def error(self, message: str) -> NoReturn:
+        print(f"shoalrun: error: {message} (see shoalrun --help)", file=sys.stderr)
+        sys.exit(2)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Return shoalrun's argument parser (the flag set is frozen by a test)."""
+    parser = _OneLineErrorParser(
+        prog="shoalrun",
+        description="Launch a Shoal (or Horovod-style) training job: local workers directly, remote ones over ssh.",
+        epilog="Example: shoalrun -np 4 -H a:2,b:2 python train.py",
+    )
+    parser.add_argument("-v", "--version", action="version", version=f"shoalrun {shoal.__version__}")
+    parser.add_argument("-np", "--num-proc", dest="num_proc", type=int, help="number of worker processes")
+    parser.add_argument(
+        "-cb", "--check-build", action="store_true", help="show which frameworks and backends are available, then exit"
+    )
+    hosts = parser.add_argument_group("hosts")
+    hosts.add_argument("-H", "--hosts", help="comma-separated host:slots list; default localhost:NP")
+    hosts.add_argument("-hostfile", "--hostfile", help="file with one 'host slots=N' (or host:N) per line")
+    hosts.add_argument("-p", "--ssh-port", type=int, help="ssh port on the remote hosts")
+    hosts.add_argument("-i", "--ssh-identity-file", help="ssh identity (private key) file")
+    hosts.add_argument(
+        "--start-timeout", type=float, default=30.0, help="seconds the workers may take to rendezvous (default 30)"
+    )
+    hosts.add_argument(
+        "--network-interface", help="network interface whose address remote workers use to reach the rendezvous"
+    )
+    hosts.add_argument(
+        "--gloo",
+        action="store_true",
+        help="accepted for horovodrun compatibility; Shoal always uses gloo (and NCCL for CUDA tensors)",
+    )
+    output = parser.add_argument_group("output")
+    output.add_argument(
+        "--output-filename", help="directory; each rank's stdout and stderr also go to DIR/rank.N/{stdout,stderr}"
+    )
+    output.add_argument("--verbose", action="store_true", help="print what shoalrun does (hosts, rendezvous, commands)")
+    output.add_argument(
+        "--log-level",
+        choices=["TRACE", "DEBUG", "INFO", "WARNING", "ERROR", "FATAL"],
+        help="Shoal log level in the workers (SHOAL_LOG_LEVEL)",
+    )
+    tuning = parser.add_argument_group("engine tuning (passed to the workers as environment variables)")
+    tuning.add_argument(
+        "--timeline-filename", help="write a Chrome-trace timeline of the engine to this file (SHOAL_TIMELINE)"
+    )
+    tuning.add_argument("--timeline-mark-cycles", action="store_true", help="mark engine cycles in the timeline")
+    tuning.add_argument(
+        "--fusion-threshold-mb", type=float, help="tensor fusion buffer size in MiB (SHOAL_FUSION_THRESHOLD)"
+    )
+    tuning.add_argument("--cycle-time-ms", type=float, help="engine cycle time in ms (SHOAL_CYCLE_TIME)")
+    tuning.add_argument(
+        "--cache-capacity", type=int, help="response cache capacity; 0 disables it (SHOAL_CACHE_CAPACITY)"
+    )
+    tuning.add_argument(
+        "--disable-cache", action="store_true", help="disable the response cache (same as --cache-capacity 0)"
+    )
+    tuning.add_argument("--no-stall-check", action="store_true", help="disable the stall inspector")
+    tuning.add_argument(
+        "--stall-check-warning-time-seconds",
+        type=float,
+        help="warn about a stalled tensor after this long (default 60)",
+    )
+    tuning.add_argument(
+        "--stall-check-shutdown-time-seconds",
+        type=float,
+        help="fail the job when a tensor stalls this long (default: never)",
+    )
+    parser.add_argument("command", nargs=argparse.REMAINDER, help="the command each worker runs")
+    return parser
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Parse and validate shoalrun's flags; bad flags print one line and exit 2."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command and args.command[0] == "--":
+        args.command = args.command[1:]
+    if args.check_build:
+        return args
+    if not args.command:
+        parser.error("no command given; usage: shoalrun -np N [flags] command [args ...]")
+    if args.hosts and args.hostfile:
+        parser.error("use either -H/--hosts or --hostfile, not both")
+    if args.num_proc is None and not (args.hosts or args.hostfile):
+        parser.error("-np is required when no hosts are given")
+    if args.start_timeout <= 0:
+        parser.error(f"--start-timeout must be > 0, got {args.start_timeout}")
+    for name in ("fusion_threshold_mb", "cycle_time_ms", "cache_capacity"):
+        value = getattr(args, name)
+        if value is not None and value < 0:
+            parser.error(f"--{name.replace('_', '-')} must be >= 0, got {value}")
+    return args

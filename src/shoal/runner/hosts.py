@@ -1,0 +1,147 @@
+"""Host lists (``-H a:4,b:4`` or a hostfile) and the assignment of ranks to slots."""
+
+from __future__ import annotations
+
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+
+
+class HostSpecError(ValueError):
+    """A host list or hostfile that cannot be parsed, or that cannot hold the requested processes."""
+
+
+@dataclass(frozen=True)
+class HostSlots:
+    """One host and how many processes it may run."""
+
+    hostname: str
+    slots: int
+
+
+@dataclass(frozen=True)
+class SlotInfo:
+    """Where one rank runs and its place in the topology, as shoalrun hands it to the worker."""
+
+    hostname: str
+    rank: int
+    size: int
+    local_rank: int
+    local_size: int
+    cross_rank: int
+    cross_size: int
+
+
+def _parse_entry(entry: str, origin: str) -> HostSlots:
+    entry = entry.strip()
+    if not entry:
+        raise HostSpecError(f"empty host entry in {origin}")
+    if entry.count(":") > 1:
+        raise HostSpecError(f"cannot parse host entry {entry!r} in {origin}; expected host or host:slots")
+    host, _, slots_text = entry.partition(":")
+    if not host or any(ch.isspace() for ch in host):
+        raise HostSpecError(f"cannot parse host entry {entry!r} in {origin}; expected host or host:slots")
+    if not slots_text:
+        return HostSlots(host, 1)
+    try:
+        slots = int(slots_text)
+    except ValueError:
+        raise HostSpecError(f"slots for host {host!r} in {origin} must be an integer, got {slots_text!r}") from None
+    if slots < 1:
+        raise HostSpecError(f"slots for host {host!r} in {origin} must be >= 1, got {slots}")
+    return HostSlots(host, slots)
+
+
+def _check_unique(hosts: list[HostSlots], origin: str) -> list[HostSlots]:
+    seen: set[str] = set()
+    for host in hosts:
+        if host.hostname in seen:
+            raise HostSpecError(f"host {host.hostname!r} is listed twice in {origin}")
+        seen.add(host.hostname)
+    return hosts
+
+
+def parse_hosts(spec: str) -> list[HostSlots]:
+    """Parse ``-H host1:slots,host2:slots`` (a host without ``:slots`` has one slot)."""
+    if not spec.strip():
+        raise HostSpecError("the host list (-H) is empty")
+    return _check_unique([_parse_entry(part, "-H") for part in spec.split(",")], "-H")
+
+
+def parse_hostfile(path: str) -> list[HostSlots]:
+    """Parse a hostfile: one ``host slots=N`` or ``host:N`` per line; ``#`` starts a comment."""
+    try:
+        text = Path(path).read_text()
+    except OSError as error:
+        raise HostSpecError(f"cannot read hostfile {path!r}: {error.strerror}") from None
+    hosts = []
+    for number, raw_line in enumerate(text.splitlines(), start=1):
+        line = raw_line.split("#", 1)[0].strip()
+        if not line:
+            continue
+        origin = f"hostfile {path} line {number}"
+        words = line.split()
+        if len(words) == 2 and words[1].startswith("slots="):
+            hosts.append(_parse_entry(f"{words[0]}:{words[1][len('slots=') :]}", origin))
+        elif len(words) == 1:
+            hosts.append(_parse_entry(words[0], origin))
+        else:
+            raise HostSpecError(f"cannot parse {origin}: {raw_line!r}; expected 'host slots=N' or 'host:N'")
+    if not hosts:
+        raise HostSpecError(f"hostfile {path!r} lists no hosts")
+    return _check_unique(hosts, f"hostfile {path}")
+
+
+def assign_slots(hosts: list[HostSlots], num_proc: int) -> list[SlotInfo]:
+    """Fill hosts in order, as horovodrun does, and compute each rank's local and cross ranks.
+
+    Raises:
+        HostSpecError: when ``num_proc`` exceeds the slots available.
+    """
+    total = sum(h.slots for h in hosts)
+    if num_proc < 1:
+        raise HostSpecError(f"-np must be >= 1, got {num_proc}")
+    if num_proc > total:
+        raise HostSpecError(f"-np {num_proc} is larger than the {total} slots available on the hosts given")
+    per_host: list[tuple[str, int]] = []
+    remaining = num_proc
+    for host in hosts:
+        used = min(host.slots, remaining)
+        if used:
+            per_host.append((host.hostname, used))
+        remaining -= used
+    slots = []
+    rank = 0
+    for host_index, (hostname, count) in enumerate(per_host):
+        for local_rank in range(count):
+            cross_hosts = [i for i, (_, c) in enumerate(per_host) if c > local_rank]
+            slots.append(
+                SlotInfo(
+                    hostname=hostname,
+                    rank=rank,
+                    size=num_proc,
+                    local_rank=local_rank,
+                    local_size=count,
+                    cross_rank=cross_hosts.index(host_index),
+                    cross_size=len(cross_hosts),
+                )
+            )
+            rank += 1
+    return slots
+
+
+def is_local_host(hostname: str) -> bool:
+    """True when ``hostname`` names this machine (so its workers are spawned directly, not over ssh)."""
+    if hostname in ("localhost", "127.0.0.1", "::1", socket.gethostname(), socket.getfqdn()):
+        return True
+    try:
+        address = socket.gethostbyname(hostname)
+    except OSError:
+        return False
+    if address == "127.0.0.1":
+        return True
+    try:
+        own = set(socket.gethostbyname_ex(socket.gethostname())[2])
+    except OSError:
+        own = set()
+    return address in own

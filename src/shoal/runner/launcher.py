@@ -1,0 +1,308 @@
+"""shoalrun's job: host the rendezvous store, start every worker, copy their output, and end them together.
+
+Local slots are spawned directly, each in its own session so that the whole tree (grandchildren included) can be
+signalled at once. Remote slots go through the system OpenSSH client, wrapped by ``shoal.runner.remote``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import secrets
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from shoal.runner.hosts import HostSlots, SlotInfo, assign_slots, is_local_host, parse_hostfile, parse_hosts
+from shoal.runner.output import OutputPump
+from shoal.runner.rendezvous_address import pick_rendezvous_address
+
+TERMINATE_GRACE_S = 2.0
+"""After SIGTERM, how long workers get before SIGKILL; the whole tree is gone well within 5 s."""
+
+_ENV_NOT_FORWARDED = ("HOSTNAME", "PWD", "OLDPWD", "SHLVL", "_", "TERM", "DISPLAY", "PS1", "LS_COLORS")
+
+
+def knob_env(args: argparse.Namespace) -> dict[str, str]:
+    """The engine knobs given as flags, as the SHOAL_ environment variables the workers read."""
+    env: dict[str, str] = {"SHOAL_START_TIMEOUT": str(args.start_timeout)}
+    if args.timeline_filename:
+        env["SHOAL_TIMELINE"] = os.path.abspath(args.timeline_filename)
+    if args.timeline_mark_cycles:
+        env["SHOAL_TIMELINE_MARK_CYCLES"] = "1"
+    if args.fusion_threshold_mb is not None:
+        env["SHOAL_FUSION_THRESHOLD"] = str(int(args.fusion_threshold_mb * 1024 * 1024))
+    if args.cycle_time_ms is not None:
+        env["SHOAL_CYCLE_TIME"] = str(args.cycle_time_ms)
+    if args.cache_capacity is not None:
+        env["SHOAL_CACHE_CAPACITY"] = str(args.cache_capacity)
+    if args.disable_cache:
+        env["SHOAL_CACHE_CAPACITY"] = "0"
+    if args.no_stall_check:
+        env["SHOAL_STALL_CHECK_DISABLE"] = "1"
+    if args.stall_check_warning_time_seconds is not None:
+        env["SHOAL_STALL_CHECK_TIME_SECONDS"] = str(args.stall_check_warning_time_seconds)
+    if args.stall_check_shutdown_time_seconds is not None:
+        env["SHOAL_STALL_SHUTDOWN_TIME_SECONDS"] = str(args.stall_check_shutdown_time_seconds)
+    if args.log_level:
+        env["SHOAL_LOG_LEVEL"] = args.log_level.lower()
+    return env
+
+
+def slot_env(slot: SlotInfo) -> dict[str, str]:
+    """The rank and topology variables of one worker, under both the SHOAL_ and HOROVOD_ names."""
+    values = {
+        "RANK": slot.rank,
+        "SIZE": slot.size,
+        "LOCAL_RANK": slot.local_rank,
+        "LOCAL_SIZE": slot.local_size,
+        "CROSS_RANK": slot.cross_rank,
+        "CROSS_SIZE": slot.cross_size,
+        "HOSTNAME": slot.hostname,
+    }
+    env = {}
+    for name, value in values.items():
+        env[f"SHOAL_{name}"] = str(value)
+        env[f"HOROVOD_{name}"] = str(value)
+    return env
+
+
+@dataclass
+class Worker:
+    """One running worker process (local, or the ssh client for a remote one)."""
+
+    slot: SlotInfo
+    process: subprocess.Popen[bytes]
+    pumps: list[OutputPump] = field(default_factory=list)
+
+    @property
+    def returncode(self) -> int | None:
+        """The exit status so far (negative: killed by that signal)."""
+        return self.process.poll()
+
+    def signal_tree(self, sig: int) -> None:
+        """Send ``sig`` to the worker's whole process group; closing stdin also ends a remote tree."""
+        if self.process.stdin is not None and sig == signal.SIGTERM:
+            try:
+                self.process.stdin.close()
+            except OSError:
+                pass
+        try:
+            os.killpg(self.process.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def _describe_status(code: int) -> str:
+    if code < 0:
+        try:
+            return f"was killed by signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+class Job:
+    """A whole shoalrun job; ``run()`` returns shoalrun's exit code."""
+
+    def __init__(self, args: argparse.Namespace, slots: list[SlotInfo]) -> None:
+        self.args = args
+        self.slots = slots
+        self.secret = secrets.token_hex(16)
+        self.all_local = all(is_local_host(s.hostname) for s in slots)
+        remote_hosts = [s.hostname for s in slots if not is_local_host(s.hostname)]
+        self.rendezvous_addr = pick_rendezvous_address(remote_hosts, args.network_interface)
+        self._listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._listener.bind(("127.0.0.1" if self.all_local else "", 0))
+        self._listener.listen(128)
+        self.rendezvous_port = self._listener.getsockname()[1]
+        self.workers: list[Worker] = []
+        self._sink_lock = threading.Lock()
+        self._store: Any = None
+        self._store_error: BaseException | None = None
+        self._store_thread = threading.Thread(target=self._host_store, name="shoalrun-store", daemon=True)
+        self._stop_signal: int | None = None
+
+    def _verbose(self, message: str) -> None:
+        if self.args.verbose:
+            print(f"shoalrun: {message}", file=sys.stderr, flush=True)
+
+    def _host_store(self) -> None:
+        # torch takes seconds to import; doing it here overlaps with the workers' own start-up.
+        try:
+            from shoal.comm.store import host_store
+
+            # The store takes ownership of the listening socket and closes it when it is destroyed.
+            self._store = host_store(
+                self.rendezvous_addr,
+                self.rendezvous_port,
+                self.secret,
+                self.args.start_timeout,
+                listen_fd=self._listener.detach(),
+            )
+        except BaseException as error:  # reported by the supervisor loop, which ends the job
+            self._store_error = error
+
+    def _worker_env(self, slot: SlotInfo) -> dict[str, str]:
+        env = {
+            "SHOAL_RENDEZVOUS_ADDR": self.rendezvous_addr,
+            "SHOAL_RENDEZVOUS_PORT": str(self.rendezvous_port),
+            "SHOAL_SECRET": self.secret,
+        }
+        env.update(slot_env(slot))
+        env.update(knob_env(self.args))
+        return env
+
+    def _spawn(self, slot: SlotInfo) -> Worker:
+        extra = self._worker_env(slot)
+        if is_local_host(slot.hostname):
+            env = dict(os.environ)
+            env.setdefault("PYTHONUNBUFFERED", "1")
+            env.update(extra)
+            argv = list(self.args.command)
+            stdin: int = subprocess.DEVNULL
+        else:
+            forwarded = {
+                k: v
+                for k, v in os.environ.items()
+                if k not in _ENV_NOT_FORWARDED and not k.startswith(("SSH_", "BASH_FUNC_"))
+            }
+            forwarded.setdefault("PYTHONUNBUFFERED", "1")
+            forwarded.update(extra)
+            assignments = " ".join(shlex.quote(f"{k}={v}") for k, v in forwarded.items())
+            remote_cmd = (
+                f"cd {shlex.quote(os.getcwd())} && exec env {assignments} "
+                f"{shlex.quote(sys.executable)} -m shoal.runner.remote -- {shlex.join(self.args.command)}"
+            )
+            argv = ["ssh", "-o", "BatchMode=yes", "-o", "StrictHostKeyChecking=no", "-o", "LogLevel=ERROR"]
+            if self.args.ssh_port:
+                argv += ["-p", str(self.args.ssh_port)]
+            if self.args.ssh_identity_file:
+                argv += ["-i", self.args.ssh_identity_file]
+            argv += [slot.hostname, remote_cmd]
+            env = dict(os.environ)
+            stdin = subprocess.PIPE
+        shown = argv if is_local_host(slot.hostname) else [*argv[:-1], "<remote command>"]
+        self._verbose(f"rank {slot.rank} on {slot.hostname}: {shlex.join(shown)}")
+        try:
+            process = subprocess.Popen(
+                argv, env=env, stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True
+            )
+        except OSError as error:
+            raise LaunchError(f"cannot start rank {slot.rank} on {slot.hostname}: {error}") from error
+        worker = Worker(slot=slot, process=process)
+        for stream_name, stream, sink in (
+            ("stdout", process.stdout, sys.stdout.buffer),
+            ("stderr", process.stderr, sys.stderr.buffer),
+        ):
+            assert stream is not None
+            log_path = None
+            if self.args.output_filename:
+                rank_dir = Path(self.args.output_filename) / f"rank.{slot.rank}"
+                rank_dir.mkdir(parents=True, exist_ok=True)
+                log_path = rank_dir / stream_name
+            pump = OutputPump(stream, sink, self._sink_lock, slot.rank, stream_name, log_path)
+            pump.start()
+            worker.pumps.append(pump)
+        return worker
+
+    def _on_signal(self, signum: int, _frame: object) -> None:
+        self._stop_signal = signum
+
+    def terminate_all(self) -> None:
+        """SIGTERM every worker tree, then SIGKILL whatever is left after the grace period."""
+        for worker in self.workers:
+            worker.signal_tree(signal.SIGTERM)
+        deadline = time.monotonic() + TERMINATE_GRACE_S
+        while time.monotonic() < deadline and any(w.returncode is None for w in self.workers):
+            time.sleep(0.05)
+        for worker in self.workers:
+            worker.signal_tree(signal.SIGKILL)  # also reaches grandchildren left in a finished leader's group
+        for worker in self.workers:
+            try:
+                worker.process.wait(timeout=TERMINATE_GRACE_S)
+            except subprocess.TimeoutExpired:
+                pass
+
+    def _drain_output(self) -> None:
+        for worker in self.workers:
+            for pump in worker.pumps:
+                pump.join(timeout_s=2.0)
+
+    def run(self) -> int:
+        """Start everything, supervise, and return shoalrun's exit code."""
+        previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+        try:
+            self._verbose(f"rendezvous at {self.rendezvous_addr}:{self.rendezvous_port}")
+            self._store_thread.start()
+            for slot in self.slots:
+                self.workers.append(self._spawn(slot))
+            return self._supervise()
+        except LaunchError as error:
+            print(f"shoalrun: {error}", file=sys.stderr, flush=True)
+            self.terminate_all()
+            return 1
+        finally:
+            self._drain_output()
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+            if self._listener.fileno() != -1:  # the store never took it over
+                self._listener.close()
+
+    def _supervise(self) -> int:
+        while True:
+            if self._stop_signal is not None:
+                name = signal.Signals(self._stop_signal).name
+                print(f"shoalrun: received {name}; terminating all workers", file=sys.stderr, flush=True)
+                self.terminate_all()
+                return 128 + self._stop_signal
+            if self._store_error is not None:
+                print(f"shoalrun: cannot host the rendezvous store: {self._store_error}", file=sys.stderr, flush=True)
+                self.terminate_all()
+                return 1
+            failed = next((w for w in self.workers if w.returncode not in (None, 0)), None)
+            if failed is not None:
+                code = failed.returncode
+                assert code is not None
+                others = [w for w in self.workers if w is not failed and w.returncode is None]
+                self._drain_output_of(failed)
+                print(
+                    f"shoalrun: rank {failed.slot.rank} on host {failed.slot.hostname} {_describe_status(code)}"
+                    + ("; terminating the other workers" if others else ""),
+                    file=sys.stderr,
+                    flush=True,
+                )
+                self.terminate_all()
+                return 128 - code if code < 0 else code
+            if all(w.returncode == 0 for w in self.workers):
+                return 0
+            time.sleep(0.05)
+
+    @staticmethod
+    def _drain_output_of(worker: Worker) -> None:
+        for pump in worker.pumps:
+            pump.join(timeout_s=1.0)
+
+
+class LaunchError(RuntimeError):
+    """shoalrun could not start a worker."""
+
+
+def build_slots(args: argparse.Namespace) -> list[SlotInfo]:
+    """Hosts from -H or --hostfile (default localhost), filled in order with -np ranks."""
+    if args.hosts:
+        hosts = parse_hosts(args.hosts)
+    elif args.hostfile:
+        hosts = parse_hostfile(args.hostfile)
+    else:
+        hosts = [HostSlots("localhost", args.num_proc)]
+    num_proc = args.num_proc if args.num_proc is not None else sum(h.slots for h in hosts)
+    return assign_slots(hosts, num_proc)

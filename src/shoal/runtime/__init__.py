@@ -1,0 +1,1 @@
+"""Process runtime: launcher detection, rendezvous, topology and the process-wide context."""

@@ -1,0 +1,111 @@
+"""The process-wide Shoal context: ``init()`` builds it, ``shutdown()`` tears it down.
+
+Horovod's API is module-level (``hvd.rank()``), so one context per process is unavoidable; it lives here, in one
+object with explicit fields, and nowhere else.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from shoal.comm import process_group, store
+from shoal.config import env_float
+from shoal.log import get_logger
+from shoal.runtime.launch_env import LaunchInfo, detect_launch
+from shoal.runtime.topology import Topology, build_topology
+
+DEFAULT_START_TIMEOUT_S = 30.0
+
+
+@dataclass
+class Context:
+    """Everything ``init()`` established for this process."""
+
+    launch: LaunchInfo
+    topology: Topology
+    backend: str
+    generation: int
+    store: Any
+    """The job store scoped to this generation; later layers keep their own keys under it."""
+
+
+_lock = threading.RLock()
+_context: Context | None = None
+_shutdown_hooks: list[Callable[[], None]] = []
+_init_hooks: list[Callable[[Context], None]] = []
+
+
+def register_init_hook(hook: Callable[[Context], None]) -> None:
+    """Run ``hook(context)`` at the end of every ``init()`` (the engine starts itself this way)."""
+    _init_hooks.append(hook)
+
+
+def register_shutdown_hook(hook: Callable[[], None]) -> None:
+    """Run ``hook()`` at the start of every ``shutdown()``, before the process group is destroyed."""
+    _shutdown_hooks.append(hook)
+
+
+def init() -> Context:
+    """Join the job described by the environment; a no-op when already initialized.
+
+    Returns:
+        The process context.
+
+    Raises:
+        RuntimeError: when rendezvous fails (unreachable store, wrong secret, timeout).
+        ValueError: when the launcher environment is inconsistent.
+    """
+    global _context
+    with _lock:
+        if _context is not None:
+            return _context
+        launch = detect_launch(os.environ)
+        timeout_s = env_float("START_TIMEOUT", DEFAULT_START_TIMEOUT_S)
+        job_store = store.connect_store(launch, timeout_s)
+        scoped_store, generation = store.generation_store(job_store, launch.secret, launch.rank)
+        backend = process_group.init_world(scoped_store, launch.rank, launch.size, timeout_s=max(timeout_s, 300.0))
+        gathered = process_group.allgather_object((launch.host_key, launch.local_rank))
+        topology = build_topology(launch.rank, [g[0] for g in gathered], [g[1] for g in gathered])
+        _context = Context(launch=launch, topology=topology, backend=backend, generation=generation, store=scoped_store)
+        get_logger().debug(
+            "rank %d/%d initialized by %s (generation %d, backend %s)",
+            topology.rank,
+            topology.size,
+            launch.launcher,
+            generation,
+            backend,
+        )
+        for hook in _init_hooks:
+            hook(_context)
+        return _context
+
+
+def shutdown() -> None:
+    """Leave the job: stop the engine, destroy the process group. ``init()`` may be called again afterwards."""
+    global _context
+    with _lock:
+        if _context is None:
+            return
+        try:
+            for hook in _shutdown_hooks:
+                hook()
+        finally:
+            process_group.destroy_world()
+            _context = None
+
+
+def current() -> Context:
+    """Return the context, or raise the error Horovod users expect when ``init()`` was not called."""
+    context = _context
+    if context is None:
+        raise ValueError("Shoal has not been initialized; use shoal.torch.init() (hvd.init()).")
+    return context
+
+
+def is_initialized() -> bool:
+    """True between ``init()`` and ``shutdown()``."""
+    return _context is not None

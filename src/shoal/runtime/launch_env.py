@@ -1,0 +1,196 @@
+"""Work out who started this process and where the rendezvous is, from the environment alone.
+
+Supported launchers, tried in this order: shoalrun (``SHOAL_RANK``), torchrun (``TORCHELASTIC_RUN_ID`` or
+``RANK`` + ``WORLD_SIZE`` + ``MASTER_ADDR``), OpenMPI's mpirun (``OMPI_COMM_WORLD_*``), PMI-based MPIs
+(``PMI_RANK``/``PMIX_RANK``), Slurm's srun (``SLURM_PROCID``), and a plain process (size 1).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import socket
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class LaunchInfo:
+    """What the launcher told this process."""
+
+    launcher: str
+    """One of ``shoalrun``, ``torchrun``, ``mpirun``, ``slurm``, ``single``."""
+    rank: int
+    """Global rank of this process."""
+    size: int
+    """Number of processes in the job."""
+    host_key: str
+    """Identifies this process's host; ranks with the same key share a host (and shared memory)."""
+    local_rank: int | None = None
+    """Rank within the host, when the launcher says; otherwise derived from the ranks sharing ``host_key``."""
+    store_addr: str | None = None
+    """Address of the TCPStore used for rendezvous; None for a single process."""
+    store_port: int | None = None
+    """Port of that TCPStore."""
+    store_hosted_by_launcher: bool = False
+    """True when the launcher (shoalrun, torchrun's agent) hosts the store, so every rank is a client."""
+    secret: str | None = None
+    """The per-job secret that shoalrun hands out; checked at rendezvous."""
+
+    def __post_init__(self) -> None:
+        if self.size < 1:
+            raise ValueError(f"{self.launcher}: world size must be >= 1, got {self.size}")
+        if not 0 <= self.rank < self.size:
+            raise ValueError(f"{self.launcher}: rank {self.rank} is outside [0, {self.size})")
+        if self.size > 1 and (self.store_addr is None or self.store_port is None):
+            raise ValueError(f"{self.launcher}: a job of size {self.size} needs a rendezvous address and port")
+
+
+def _int(env: Mapping[str, str], name: str) -> int:
+    raw = env.get(name)
+    if raw is None:
+        raise ValueError(f"environment variable {name} is required by this launcher but is not set")
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"environment variable {name} must be an integer, got {raw!r}") from None
+
+
+def _optional_int(env: Mapping[str, str], name: str) -> int | None:
+    return _int(env, name) if env.get(name) not in (None, "") else None
+
+
+def _derived_port(token: str) -> int:
+    """A port in [20000, 40000) that every rank derives from the same job token, for launchers that give none."""
+    digest = hashlib.sha256(token.encode()).digest()
+    return 20000 + int.from_bytes(digest[:4], "big") % 20000
+
+
+def first_slurm_host(nodelist: str) -> str:
+    """Return the first host of a Slurm node list such as ``node[01-04,07],gpu3``."""
+    match = re.match(r"([^,\[]+)(\[([^\]]+)\])?", nodelist.strip())
+    if match is None:
+        raise ValueError(f"cannot parse the Slurm node list {nodelist!r}")
+    prefix, bracket = match.group(1), match.group(3)
+    if bracket is None:
+        return prefix
+    first = bracket.split(",")[0].split("-")[0]
+    return prefix + first
+
+
+def _from_shoalrun(env: Mapping[str, str]) -> LaunchInfo:
+    return LaunchInfo(
+        launcher="shoalrun",
+        rank=_int(env, "SHOAL_RANK"),
+        size=_int(env, "SHOAL_SIZE"),
+        local_rank=_optional_int(env, "SHOAL_LOCAL_RANK"),
+        host_key=env.get("SHOAL_HOSTNAME") or socket.gethostname(),
+        store_addr=env.get("SHOAL_RENDEZVOUS_ADDR"),
+        store_port=_optional_int(env, "SHOAL_RENDEZVOUS_PORT"),
+        store_hosted_by_launcher=True,
+        secret=env.get("SHOAL_SECRET"),
+    )
+
+
+def _from_torchrun(env: Mapping[str, str]) -> LaunchInfo:
+    return LaunchInfo(
+        launcher="torchrun",
+        rank=_int(env, "RANK"),
+        size=_int(env, "WORLD_SIZE"),
+        local_rank=_optional_int(env, "LOCAL_RANK"),
+        host_key=socket.gethostname(),
+        store_addr=env.get("MASTER_ADDR"),
+        store_port=_optional_int(env, "MASTER_PORT"),
+        store_hosted_by_launcher=env.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
+        secret=env.get("SHOAL_SECRET"),
+    )
+
+
+def _mpi_rendezvous(env: Mapping[str, str], size: int, local_size: int | None, token: str) -> tuple[str, int]:
+    """Rendezvous for MPI launchers: MASTER_ADDR/PORT if exported, else mpi4py, else a single-host default."""
+    if env.get("MASTER_ADDR") and env.get("MASTER_PORT"):
+        return env["MASTER_ADDR"], _int(env, "MASTER_PORT")
+    try:
+        from mpi4py import MPI  # type: ignore[import-not-found]
+    except ImportError:
+        MPI = None
+    if MPI is not None:
+        comm = MPI.COMM_WORLD
+        address = None
+        if comm.Get_rank() == 0:
+            with socket.socket() as probe:
+                probe.bind(("", 0))
+                address = (socket.gethostname(), probe.getsockname()[1])
+        addr, port = comm.bcast(address, root=0)
+        return str(addr), int(port)
+    if local_size is not None and local_size == size:
+        return "127.0.0.1", _derived_port(token)
+    raise ValueError(
+        "mpirun started ranks on several hosts but no rendezvous address is known: export MASTER_ADDR and "
+        "MASTER_PORT (mpirun -x MASTER_ADDR=... -x MASTER_PORT=...) or install mpi4py"
+    )
+
+
+def _from_openmpi(env: Mapping[str, str]) -> LaunchInfo:
+    size = _int(env, "OMPI_COMM_WORLD_SIZE")
+    local_size = _optional_int(env, "OMPI_COMM_WORLD_LOCAL_SIZE")
+    token = env.get("OMPI_MCA_ess_base_jobid") or env.get("OMPI_MCA_orte_hnp_uri") or env.get("PMIX_NAMESPACE", "")
+    addr, port = _mpi_rendezvous(env, size, local_size, "ompi:" + token)
+    return LaunchInfo(
+        launcher="mpirun",
+        rank=_int(env, "OMPI_COMM_WORLD_RANK"),
+        size=size,
+        local_rank=_optional_int(env, "OMPI_COMM_WORLD_LOCAL_RANK"),
+        host_key=socket.gethostname(),
+        store_addr=addr,
+        store_port=port,
+        secret=env.get("SHOAL_SECRET"),
+    )
+
+
+def _from_pmi(env: Mapping[str, str]) -> LaunchInfo:
+    rank_name, size_name = ("PMI_RANK", "PMI_SIZE") if "PMI_RANK" in env else ("PMIX_RANK", "PMI_SIZE")
+    size = _int(env, size_name)
+    local_size = _optional_int(env, "MPI_LOCALNRANKS")
+    addr, port = _mpi_rendezvous(env, size, local_size, "pmi:" + env.get("PMI_ID", env.get("PMIX_NAMESPACE", "")))
+    return LaunchInfo(
+        launcher="mpirun",
+        rank=_int(env, rank_name),
+        size=size,
+        local_rank=_optional_int(env, "MPI_LOCALRANKID"),
+        host_key=socket.gethostname(),
+        store_addr=addr,
+        store_port=port,
+        secret=env.get("SHOAL_SECRET"),
+    )
+
+
+def _from_slurm(env: Mapping[str, str]) -> LaunchInfo:
+    nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or "127.0.0.1"
+    job_token = f"slurm:{env.get('SLURM_JOB_ID', '')}.{env.get('SLURM_STEP_ID', '')}"
+    port = _optional_int(env, "MASTER_PORT") or _derived_port(job_token)
+    return LaunchInfo(
+        launcher="slurm",
+        rank=_int(env, "SLURM_PROCID"),
+        size=_int(env, "SLURM_STEP_NUM_TASKS" if "SLURM_STEP_NUM_TASKS" in env else "SLURM_NTASKS"),
+        local_rank=_optional_int(env, "SLURM_LOCALID"),
+        host_key=env.get("SLURMD_NODENAME") or socket.gethostname(),
+        store_addr=env.get("MASTER_ADDR") or first_slurm_host(nodelist),
+        store_port=port,
+        secret=env.get("SHOAL_SECRET"),
+    )
+
+
+def detect_launch(env: Mapping[str, str]) -> LaunchInfo:
+    """Return what the launcher that started this process said, or a size-1 job when there was none."""
+    if "SHOAL_RANK" in env:
+        return _from_shoalrun(env)
+    if "TORCHELASTIC_RUN_ID" in env or ("RANK" in env and "WORLD_SIZE" in env and "MASTER_ADDR" in env):
+        return _from_torchrun(env)
+    if "OMPI_COMM_WORLD_RANK" in env:
+        return _from_openmpi(env)
+    if "PMI_RANK" in env or ("PMIX_RANK" in env and "PMI_SIZE" in env):
+        return _from_pmi(env)
+    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+        return _from_slurm(env)
+    return LaunchInfo(launcher="single", rank=0, size=1, local_rank=0, host_key=socket.gethostname())

@@ -1,0 +1,175 @@
+"""init() under every launcher's environment: plain process, torchrun, mpirun (real and OMPI env), Slurm env, ssh."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from conftest import SHOALRUN, clean_env
+
+# One write per line, so that launchers which forward raw output chunks (mpirun) cannot interleave lines.
+PRINT_TOPOLOGY = (
+    "import sys, shoal.torch as hvd; hvd.init(); "
+    "values = (hvd.rank(), hvd.size(), hvd.local_rank(), hvd.local_size(), hvd.cross_rank(), hvd.cross_size()); "
+    "sys.stdout.write(' '.join(map(str, values)) + chr(10)); sys.stdout.flush()"
+)
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def run_all(envs: list[dict[str, str]], timeout: float = 60) -> list[str]:
+    """Start one plain python per env at once (as a launcher would) and return each one's stdout."""
+    processes = [
+        subprocess.Popen(
+            [sys.executable, "-c", PRINT_TOPOLOGY], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+        )
+        for env in envs
+    ]
+    outputs = []
+    try:
+        for process in processes:
+            out, err = process.communicate(timeout=timeout)
+            assert process.returncode == 0, err.decode()
+            outputs.append(out.decode().strip())
+    finally:
+        for process in processes:
+            process.kill()
+    return outputs
+
+
+def test_plain_process_is_size_one() -> None:
+    assert run_all([clean_env()]) == ["0 1 0 1 0 1"]
+
+
+def test_real_torchrun(tmp_path: Path) -> None:
+    script = tmp_path / "print_topology.py"
+    script.write_text(PRINT_TOPOLOGY + "\n")
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--master-port",
+        str(free_port()),
+    ]
+    result = subprocess.run([*command, str(script)], env=clean_env(), capture_output=True, text=True, timeout=90)
+    assert result.returncode == 0, result.stderr
+    assert sorted(result.stdout.split("\n")[:-1]) == ["0 2 0 2 0 1", "1 2 1 2 0 1"]
+
+
+def test_openmpi_environment() -> None:
+    job = str(time.time_ns())
+    envs = []
+    for rank in range(2):
+        env = clean_env()
+        env.update(
+            OMPI_COMM_WORLD_RANK=str(rank),
+            OMPI_COMM_WORLD_SIZE="2",
+            OMPI_COMM_WORLD_LOCAL_RANK=str(rank),
+            OMPI_COMM_WORLD_LOCAL_SIZE="2",
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(free_port()) if rank == 0 else "",
+            OMPI_MCA_ess_base_jobid=job,
+        )
+        envs.append(env)
+    envs[1]["MASTER_PORT"] = envs[0]["MASTER_PORT"]
+    assert run_all(envs) == ["0 2 0 2 0 1", "1 2 1 2 0 1"]
+
+
+@pytest.mark.skipif(shutil.which("mpirun") is None, reason="OpenMPI's mpirun is not installed")
+def test_real_mpirun() -> None:
+    command = ["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", "2", sys.executable, "-c", PRINT_TOPOLOGY]
+    result = subprocess.run(command, env=clean_env(), capture_output=True, text=True, timeout=90)
+    assert result.returncode == 0, result.stderr
+    assert sorted(result.stdout.split("\n")[:-1]) == ["0 2 0 2 0 1", "1 2 1 2 0 1"]
+
+
+def test_slurm_environment() -> None:
+    port = str(free_port())
+    envs = []
+    for rank in range(2):
+        env = clean_env()
+        env.update(
+            SLURM_PROCID=str(rank),
+            SLURM_NTASKS="2",
+            SLURM_LOCALID=str(rank),
+            SLURM_STEP_NODELIST="localhost",
+            SLURM_JOB_ID="1",
+            MASTER_PORT=port,
+        )
+        envs.append(env)
+    assert run_all(envs) == ["0 2 0 2 0 1", "1 2 1 2 0 1"]
+
+
+SSHD = "/usr/sbin/sshd"
+
+
+@pytest.fixture
+def loopback_sshd(tmp_path: Path) -> Iterator[tuple[int, Path]]:
+    """An sshd on 127.0.0.2 that accepts a fresh key for the current user; yields (port, private key)."""
+    if not os.path.exists(SSHD) or shutil.which("ssh-keygen") is None or os.geteuid() != 0:
+        pytest.skip("needs root and an OpenSSH server (.ci/run installs openssh-server)")
+    os.makedirs("/run/sshd", exist_ok=True)
+    for name in ("host_key", "user_key"):
+        subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(tmp_path / name)], check=True)
+    (tmp_path / "authorized_keys").write_text((tmp_path / "user_key.pub").read_text())
+    port = free_port()
+    options = {
+        "Port": str(port),
+        "ListenAddress": "127.0.0.2",
+        "HostKey": str(tmp_path / "host_key"),
+        "AuthorizedKeysFile": str(tmp_path / "authorized_keys"),
+        "StrictModes": "no",
+        "PidFile": str(tmp_path / "sshd.pid"),
+        "PermitRootLogin": "prohibit-password",
+        "UsePAM": "no",
+        "PasswordAuthentication": "no",
+    }
+    argv = [SSHD, "-D", "-e", "-f", "/dev/null"]
+    for key, value in options.items():
+        argv += ["-o", f"{key}={value}"]
+    server = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            socket.create_connection(("127.0.0.2", port), timeout=1).close()
+            break
+        except OSError:
+            if server.poll() is not None or time.monotonic() > deadline:
+                server.kill()
+                pytest.skip(f"sshd did not start: {server.stderr.read().decode() if server.stderr else ''}")
+            time.sleep(0.1)
+    try:
+        yield port, tmp_path / "user_key"
+    finally:
+        server.terminate()
+        server.wait(timeout=10)
+
+
+def test_two_host_run_over_ssh(loopback_sshd: tuple[int, Path]) -> None:
+    port, key = loopback_sshd
+    env = clean_env()
+    env["SHOAL_TEST_MARK"] = "forwarded"
+    code = PRINT_TOPOLOGY + "; import os; print(os.environ.get('SHOAL_TEST_MARK'), os.getcwd(), flush=True)"
+    args = ["-np", "2", "-H", "localhost:1,127.0.0.2:1", "-p", str(port), "-i", str(key), "--start-timeout", "60"]
+    result = subprocess.run(
+        [*SHOALRUN, *args, sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    lines = sorted(result.stdout.splitlines())
+    # Two hosts, one rank each: local rank 0 on both, so the cross communicator spans both hosts.
+    assert lines[0] == "[0]<stdout>:0 2 0 1 0 2" and lines[2] == "[1]<stdout>:1 2 0 1 1 2"
+    assert lines[3] == f"[1]<stdout>:forwarded {os.getcwd()}"

@@ -1,0 +1,56 @@
+"""Freeze the public surface: hvd names, shoalrun flags and environment variables. Changing them is deliberate."""
+
+from __future__ import annotations
+
+import shoal.torch as hvd
+from shoal.config import KNOB_NAMES, RENDEZVOUS_ENV_NAMES, WORKER_ENV_NAMES
+from shoal.runner.cli import build_parser
+
+HVD_NAMES = {
+    "ccl_built",
+    "cross_rank",
+    "cross_size",
+    "cuda_built",
+    "ddl_built",
+    "gloo_built",
+    "gloo_enabled",
+    "init",
+    "is_homogeneous",
+    "is_initialized",
+    "local_rank",
+    "local_size",
+    "mpi_built",
+    "mpi_enabled",
+    "mpi_threads_supported",
+    "nccl_built",
+    "rank",
+    "rocm_built",
+    "shutdown",
+    "size",
+}
+
+SHOALRUN_FLAGS = {
+    "-h", "--help", "-v", "--version", "-np", "--num-proc", "-cb", "--check-build", "-H", "--hosts",
+    "-hostfile", "--hostfile", "-p", "--ssh-port", "-i", "--ssh-identity-file", "--start-timeout",
+    "--network-interface", "--gloo", "--output-filename", "--verbose", "--log-level", "--timeline-filename",
+    "--timeline-mark-cycles", "--fusion-threshold-mb", "--cycle-time-ms", "--cache-capacity", "--disable-cache",
+    "--no-stall-check", "--stall-check-warning-time-seconds", "--stall-check-shutdown-time-seconds",
+}  # fmt: skip
+
+
+def test_hvd_public_names_are_frozen() -> None:
+    assert set(hvd.__all__) == HVD_NAMES
+    for name in HVD_NAMES:
+        assert callable(getattr(hvd, name)), name
+
+
+def test_shoalrun_flags_are_frozen() -> None:
+    flags = {option for action in build_parser()._actions for option in action.option_strings}
+    assert flags == SHOALRUN_FLAGS
+
+
+def test_environment_names_are_frozen() -> None:
+    assert WORKER_ENV_NAMES == ("RANK", "SIZE", "LOCAL_RANK", "LOCAL_SIZE", "CROSS_RANK", "CROSS_SIZE", "HOSTNAME")
+    assert RENDEZVOUS_ENV_NAMES == ("SHOAL_RENDEZVOUS_ADDR", "SHOAL_RENDEZVOUS_PORT", "SHOAL_SECRET")
+    assert {"FUSION_THRESHOLD", "CYCLE_TIME", "CACHE_CAPACITY", "TIMELINE", "LOG_LEVEL"} <= set(KNOB_NAMES)
+    assert {"STALL_CHECK_TIME_SECONDS", "STALL_SHUTDOWN_TIME_SECONDS"} <= set(KNOB_NAMES)

@@ -1,0 +1,152 @@
+"""shoalrun end to end: env, output prefixing, exit codes, kill-on-failure, signals, bad flags."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import SHOALRUN, process_alive
+
+
+def shoalrun(args: list[str], env: dict[str, str], timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(SHOALRUN + args, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def test_issue_example_prints_prefixed_rank_and_size(worker_env: dict[str, str]) -> None:
+    code = "import shoal.torch as hvd; hvd.init(); print(hvd.rank(), hvd.size())"
+    result = shoalrun(["-np", "2", sys.executable, "-c", code], worker_env)
+    assert result.returncode == 0, result.stderr
+    assert sorted(result.stdout.splitlines()) == ["[0]<stdout>:0 2", "[1]<stdout>:1 2"]
+
+
+def test_workers_get_rank_topology_rendezvous_secret_and_knobs(worker_env: dict[str, str], tmp_path: Path) -> None:
+    names = ["RANK", "SIZE", "LOCAL_RANK", "LOCAL_SIZE", "CROSS_RANK", "CROSS_SIZE"]
+    code = textwrap.dedent(
+        f"""
+        import os, json
+        names = {names!r}
+        keys = ["SHOAL_" + n for n in names] + ["HOROVOD_" + n for n in names]
+        keys += ["SHOAL_RENDEZVOUS_ADDR", "SHOAL_RENDEZVOUS_PORT", "SHOAL_SECRET", "SHOAL_FUSION_THRESHOLD",
+                 "SHOAL_CYCLE_TIME", "SHOAL_CACHE_CAPACITY", "SHOAL_TIMELINE", "SHOAL_LOG_LEVEL"]
+        print(json.dumps({{k: os.environ.get(k) for k in keys}}))
+        """
+    )
+    args = ["-np", "3", "-H", "localhost:3", "--fusion-threshold-mb", "2", "--cycle-time-ms", "1.5"]
+    args += ["--cache-capacity", "16", "--timeline-filename", "tl.json", "--log-level", "DEBUG"]
+    result = shoalrun([*args, sys.executable, "-c", code], worker_env)
+    assert result.returncode == 0, result.stderr
+    import json
+
+    envs = {}
+    for line in result.stdout.splitlines():
+        prefix, _, payload = line.partition(":")
+        envs[int(prefix[1 : prefix.index("]")])] = json.loads(payload)
+    assert sorted(envs) == [0, 1, 2]
+    secrets = {e["SHOAL_SECRET"] for e in envs.values()}
+    assert len(secrets) == 1 and len(secrets.pop() or "") >= 32
+    for rank, env in envs.items():
+        for prefix in ("SHOAL_", "HOROVOD_"):
+            assert env[prefix + "RANK"] == str(rank) and env[prefix + "SIZE"] == "3"
+            assert env[prefix + "LOCAL_RANK"] == str(rank) and env[prefix + "LOCAL_SIZE"] == "3"
+            assert env[prefix + "CROSS_RANK"] == "0" and env[prefix + "CROSS_SIZE"] == "1"
+        assert env["SHOAL_RENDEZVOUS_ADDR"] == "127.0.0.1" and int(env["SHOAL_RENDEZVOUS_PORT"]) > 0
+        assert env["SHOAL_FUSION_THRESHOLD"] == str(2 * 1024 * 1024)
+        assert env["SHOAL_CYCLE_TIME"] == "1.5" and env["SHOAL_CACHE_CAPACITY"] == "16"
+        assert env["SHOAL_TIMELINE"] == os.path.abspath("tl.json") and env["SHOAL_LOG_LEVEL"] == "debug"
+
+
+def test_stdout_and_stderr_are_prefixed_and_logged_per_rank(worker_env: dict[str, str], tmp_path: Path) -> None:
+    code = "import sys, os; r = os.environ['SHOAL_RANK']; print('out', r); print('err', r, file=sys.stderr)"
+    logs = tmp_path / "logs"
+    result = shoalrun(["-np", "2", "--output-filename", str(logs), sys.executable, "-c", code], worker_env)
+    assert result.returncode == 0
+    assert sorted(result.stdout.splitlines()) == ["[0]<stdout>:out 0", "[1]<stdout>:out 1"]
+    assert sorted(result.stderr.splitlines()) == ["[0]<stderr>:err 0", "[1]<stderr>:err 1"]
+    assert (logs / "rank.1" / "stdout").read_text() == "out 1\n"
+    assert (logs / "rank.0" / "stderr").read_text() == "err 0\n"
+
+
+def test_failed_worker_ends_the_job_with_its_code_and_names_it(worker_env: dict[str, str]) -> None:
+    code = "import os, sys, time\nif os.environ['SHOAL_RANK'] == '1': sys.exit(3)\ntime.sleep(120)"
+    start = time.monotonic()
+    result = shoalrun(["-np", "3", sys.executable, "-c", code], worker_env)
+    elapsed = time.monotonic() - start
+    assert result.returncode == 3
+    assert "rank 1 on host localhost exited with code 3" in result.stderr
+    assert elapsed < 10, f"the other workers were not terminated promptly ({elapsed:.1f} s)"
+
+
+def test_worker_killed_by_a_signal(worker_env: dict[str, str]) -> None:
+    code = "import os, signal, time\nif os.environ['SHOAL_RANK'] == '0': os.kill(os.getpid(), 9)\ntime.sleep(120)"
+    result = shoalrun(["-np", "2", sys.executable, "-c", code], worker_env)
+    assert result.returncode == 128 + signal.SIGKILL
+    assert "rank 0 on host localhost was killed by signal SIGKILL" in result.stderr
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_signal_to_shoalrun_ends_the_whole_tree(worker_env: dict[str, str], tmp_path: Path, sig: int) -> None:
+    # Each worker starts a grandchild that ignores nothing and would outlive a careless launcher.
+    code = textwrap.dedent(
+        f"""
+        import os, subprocess, sys, time
+        child = subprocess.Popen(["sleep", "300"])
+        with open(os.path.join({str(tmp_path)!r}, "pids." + os.environ["SHOAL_RANK"]), "w") as f:
+            f.write(f"{{os.getpid()}} {{child.pid}}")
+        print("ready", flush=True)
+        time.sleep(300)
+        """
+    )
+    process = subprocess.Popen(
+        [*SHOALRUN, "-np", "2", sys.executable, "-c", code],
+        env=worker_env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    deadline = time.monotonic() + 30
+    while len(list(tmp_path.glob("pids.*"))) < 2 or any(p.stat().st_size == 0 for p in tmp_path.glob("pids.*")):
+        assert time.monotonic() < deadline, "workers did not start"
+        time.sleep(0.1)
+    pids = [int(pid) for path in tmp_path.glob("pids.*") for pid in path.read_text().split()]
+    assert all(process_alive(pid) for pid in pids)
+    process.send_signal(sig)
+    _, stderr = process.communicate(timeout=15)
+    assert process.returncode == 128 + sig
+    assert f"received {signal.Signals(sig).name}" in stderr.decode()
+    deadline = time.monotonic() + 5
+    while any(process_alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [pid for pid in pids if process_alive(pid)], "orphan processes survived shoalrun"
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["-np", "3", "-H", "localhost:2", "true"], "larger than the 2 slots"),
+        (["-np", "2", "-H", "a:x", "true"], "must be an integer"),
+        (["-np", "2"], "no command given"),
+        (["true"], "-np is required"),
+        (["-np", "2", "--no-such-flag", "true"], "unrecognized arguments"),
+        (["-np", "two", "true"], "invalid int value"),
+        (["-np", "1", "--hostfile", "/nonexistent/hosts", "true"], "cannot read hostfile"),
+        (["-np", "0", "true"], "-np must be >= 1"),
+    ],
+)
+def test_bad_flags_give_one_line_and_exit_2(worker_env: dict[str, str], args: list[str], message: str) -> None:
+    result = shoalrun(args, worker_env, timeout=30)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("shoalrun: error:") and message in lines[0], result.stderr
+
+
+def test_python_dash_m_runner_and_version(worker_env: dict[str, str]) -> None:
+    result = shoalrun(["--version"], worker_env)
+    assert result.returncode == 0 and result.stdout.startswith("shoalrun ")
+    build = shoalrun(["--check-build"], worker_env)
+    assert build.returncode == 0 and "[X] PyTorch" in build.stdout and "[X] Gloo" in build.stdout
