@@ -52,9 +52,7 @@ def test_torchrun_env_with_agent_store() -> None:
 
 def test_openmpi_env_on_one_host_derives_the_same_port_on_every_rank() -> None:
     base = {"OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_LOCAL_SIZE": "2", "OMPI_MCA_ess_base_jobid": "77"}
-    infos = [
-        detect_launch({**base, "OMPI_COMM_WORLD_RANK": str(r), "OMPI_COMM_WORLD_LOCAL_RANK": str(r)}) for r in (0, 1)
-    ]
+    infos = [detect_launch({**base, "OMPI_COMM_WORLD_RANK": str(r), "OMPI_COMM_WORLD_LOCAL_RANK": str(r)}) for r in (0, 1)]
     assert [i.launcher for i in infos] == ["mpirun", "mpirun"]
     assert infos[0].store_port == infos[1].store_port
     assert infos[0].store_addr == "127.0.0.1"
@@ -100,18 +98,14 @@ def test_slurm_env() -> None:
     assert 20000 <= (info.store_port or 0) < 40000
 
 
-@pytest.mark.parametrize(
-    ("nodelist", "first"), [("n1", "n1"), ("n[1-3]", "n1"), ("gpu[07,09-10],cpu1", "gpu07"), ("a,b", "a")]
-)
+@pytest.mark.parametrize(("nodelist", "first"), [("n1", "n1"), ("n[1-3]", "n1"), ("gpu[07,09-10],cpu1", "gpu07"), ("a,b", "a")])
 def test_first_slurm_host(nodelist: str, first: str) -> None:
     assert first_slurm_host(nodelist) == first
 
 
 def test_inconsistent_env_is_rejected() -> None:
     with pytest.raises(ValueError, match="outside"):
-        detect_launch(
-            {"SHOAL_RANK": "2", "SHOAL_SIZE": "2", "SHOAL_RENDEZVOUS_ADDR": "a", "SHOAL_RENDEZVOUS_PORT": "1"}
-        )
+        detect_launch({"SHOAL_RANK": "2", "SHOAL_SIZE": "2", "SHOAL_RENDEZVOUS_ADDR": "a", "SHOAL_RENDEZVOUS_PORT": "1"})
     with pytest.raises(ValueError, match="integer"):
         detect_launch({"SHOAL_RANK": "x", "SHOAL_SIZE": "2"})
     with pytest.raises(ValueError, match="rendezvous"):

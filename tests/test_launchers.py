@@ -32,9 +32,7 @@ def free_port() -> int:
 def run_all(envs: list[dict[str, str]], timeout: float = 60) -> list[str]:
     """Start one plain python per env at once (as a launcher would) and return each one's stdout."""
     processes = [
-        subprocess.Popen(
-            [sys.executable, "-c", PRINT_TOPOLOGY], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE
-        )
+        subprocess.Popen([sys.executable, "-c", PRINT_TOPOLOGY], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         for env in envs
     ]
     outputs = []

@@ -19,9 +19,7 @@ def select_backend() -> str:
 def init_world(store: dist.Store, rank: int, size: int, timeout_s: float) -> str:
     """Join the default process group through ``store``; returns the backend string used."""
     backend = select_backend()
-    dist.init_process_group(
-        backend=backend, store=store, rank=rank, world_size=size, timeout=timedelta(seconds=timeout_s)
-    )
+    dist.init_process_group(backend=backend, store=store, rank=rank, world_size=size, timeout=timedelta(seconds=timeout_s))
     return backend
 
 

@@ -37,9 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
     hosts.add_argument(
         "--start-timeout", type=float, default=30.0, help="seconds the workers may take to rendezvous (default 30)"
     )
-    hosts.add_argument(
-        "--network-interface", help="network interface whose address remote workers use to reach the rendezvous"
-    )
+    hosts.add_argument("--network-interface", help="network interface whose address remote workers use to reach the rendezvous")
     hosts.add_argument(
         "--gloo",
         action="store_true",
@@ -56,20 +54,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="Shoal log level in the workers (SHOAL_LOG_LEVEL)",
     )
     tuning = parser.add_argument_group("engine tuning (passed to the workers as environment variables)")
-    tuning.add_argument(
-        "--timeline-filename", help="write a Chrome-trace timeline of the engine to this file (SHOAL_TIMELINE)"
-    )
+    tuning.add_argument("--timeline-filename", help="write a Chrome-trace timeline of the engine to this file (SHOAL_TIMELINE)")
     tuning.add_argument("--timeline-mark-cycles", action="store_true", help="mark engine cycles in the timeline")
-    tuning.add_argument(
-        "--fusion-threshold-mb", type=float, help="tensor fusion buffer size in MiB (SHOAL_FUSION_THRESHOLD)"
-    )
+    tuning.add_argument("--fusion-threshold-mb", type=float, help="tensor fusion buffer size in MiB (SHOAL_FUSION_THRESHOLD)")
     tuning.add_argument("--cycle-time-ms", type=float, help="engine cycle time in ms (SHOAL_CYCLE_TIME)")
-    tuning.add_argument(
-        "--cache-capacity", type=int, help="response cache capacity; 0 disables it (SHOAL_CACHE_CAPACITY)"
-    )
-    tuning.add_argument(
-        "--disable-cache", action="store_true", help="disable the response cache (same as --cache-capacity 0)"
-    )
+    tuning.add_argument("--cache-capacity", type=int, help="response cache capacity; 0 disables it (SHOAL_CACHE_CAPACITY)")
+    tuning.add_argument("--disable-cache", action="store_true", help="disable the response cache (same as --cache-capacity 0)")
     tuning.add_argument("--no-stall-check", action="store_true", help="disable the stall inspector")
     tuning.add_argument(
         "--stall-check-warning-time-seconds",

@@ -171,9 +171,7 @@ class Job:
             stdin: int = subprocess.DEVNULL
         else:
             forwarded = {
-                k: v
-                for k, v in os.environ.items()
-                if k not in _ENV_NOT_FORWARDED and not k.startswith(("SSH_", "BASH_FUNC_"))
+                k: v for k, v in os.environ.items() if k not in _ENV_NOT_FORWARDED and not k.startswith(("SSH_", "BASH_FUNC_"))
             }
             forwarded.setdefault("PYTHONUNBUFFERED", "1")
             forwarded.update(extra)

@@ -22,9 +22,7 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
         NotImplementedError: when ``comm`` or ``process_sets`` is given.
     """
     if comm is not None:
-        raise NotImplementedError(
-            "shoal.torch.init(comm=...) is not supported: Shoal takes its world from the launcher"
-        )
+        raise NotImplementedError("shoal.torch.init(comm=...) is not supported: Shoal takes its world from the launcher")
     if process_sets is not None:
         raise NotImplementedError("shoal.torch.init(process_sets=...) is not supported yet; use add_process_set()")
     context.init()

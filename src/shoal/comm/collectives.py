@@ -1,0 +1,65 @@
+"""The collectives the engine issues, over torch.distributed groups (gloo for CPU tensors, NCCL for CUDA)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+Group = Any
+"""A torch.distributed process group, or None for the default (world) group."""
+
+_SUM, _MIN, _MAX, _PRODUCT = dist.ReduceOp.SUM, dist.ReduceOp.MIN, dist.ReduceOp.MAX, dist.ReduceOp.PRODUCT
+_REDUCE_OPS = {"sum": _SUM, "min": _MIN, "max": _MAX, "product": _PRODUCT}
+
+
+def allreduce_(tensor: torch.Tensor, reduction: str, group: Group) -> None:
+    """Reduce ``tensor`` in place across the group; ``reduction`` is sum, min, max or product."""
+    dist.all_reduce(tensor, op=_REDUCE_OPS[reduction], group=group)
+
+
+def bitwise_and_(words: torch.Tensor, group: Group) -> None:
+    """AND an int64 bit vector across the group, in place: the negotiation cycle's one collective."""
+    dist.all_reduce(words, op=dist.ReduceOp.BAND, group=group)
+
+
+def broadcast_(tensor: torch.Tensor, root: int, group: Group) -> None:
+    """Broadcast ``tensor`` from global rank ``root`` to the group, in place."""
+    dist.broadcast(tensor, src=root, group=group)
+
+
+def allgather_equal(tensor: torch.Tensor, group_size: int, group: Group) -> list[torch.Tensor]:
+    """Gather equally shaped tensors from every group member, in group-rank order."""
+    chunks = [torch.empty_like(tensor) for _ in range(group_size)]
+    dist.all_gather(chunks, tensor, group=group)
+    return chunks
+
+
+def alltoall(
+    output: torch.Tensor, tensor: torch.Tensor, output_splits: list[int], input_splits: list[int], group: Group
+) -> None:
+    """Send ``input_splits[i]`` rows of ``tensor`` to member i; receive ``output_splits[i]`` rows from it."""
+    dist.all_to_all_single(output, tensor, output_splits, input_splits, group=group)
+
+
+def barrier(group: Group) -> None:
+    """Wait until every member of the group arrives."""
+    dist.barrier(group=group)
+
+
+def allgather_object(obj: Any, group_size: int, group: Group) -> list[Any]:
+    """Gather a picklable object from every group member, in group-rank order."""
+    gathered: list[Any] = [None] * group_size
+    dist.all_gather_object(gathered, obj, group=group)
+    return gathered
+
+
+def new_group(ranks: list[int]) -> Group:
+    """Create a process group of ``ranks``; every world rank must call this in the same order."""
+    return dist.new_group(ranks=ranks)
+
+
+def destroy_group(group: Group) -> None:
+    """Release a process group created by ``new_group``."""
+    dist.destroy_process_group(group)

@@ -1,0 +1,1 @@
+"""The background engine: request queue -> negotiation -> fusion -> execution -> completed handles."""

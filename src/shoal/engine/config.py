@@ -1,0 +1,58 @@
+"""The engine's knobs, as one typed config. Precedence: defaults < SHOAL_/HOROVOD_ env < explicit arguments."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from shoal.config import env_bool, env_float, env_int, env_str
+
+
+@dataclass
+class EngineConfig:
+    """Engine settings; ``from_env()`` applies the environment layer."""
+
+    fusion_threshold_bytes: int = 64 * 1024 * 1024
+    """Largest fused allreduce buffer (SHOAL_FUSION_THRESHOLD, bytes). 0 disables fusion."""
+    cycle_time_ms: float = 1.0
+    """Pause between busy engine cycles (SHOAL_CYCLE_TIME). Idle engines sleep until work arrives."""
+    idle_cycle_time_ms: float = 20.0
+    """How often an idle engine still joins a cycle, so that a rank with work never waits longer than this."""
+    cache_capacity: int = 1024
+    """Response cache entries (SHOAL_CACHE_CAPACITY); 0 disables the cache."""
+    timeline_path: str | None = None
+    """Chrome-trace timeline file (SHOAL_TIMELINE)."""
+    timeline_mark_cycles: bool = False
+    """Mark every engine cycle in the timeline (SHOAL_TIMELINE_MARK_CYCLES)."""
+    stall_check_disabled: bool = False
+    """Turn the stall inspector off (SHOAL_STALL_CHECK_DISABLE)."""
+    stall_check_time_s: float = 60.0
+    """Warn when a tensor has waited this long for other ranks (SHOAL_STALL_CHECK_TIME_SECONDS)."""
+    stall_shutdown_time_s: float = 0.0
+    """Fail every pending request when a tensor stalls this long; 0 never (SHOAL_STALL_SHUTDOWN_TIME_SECONDS)."""
+
+    def __post_init__(self) -> None:
+        if self.fusion_threshold_bytes < 0:
+            raise ValueError(f"fusion threshold must be >= 0 bytes, got {self.fusion_threshold_bytes}")
+        if self.cycle_time_ms < 0 or self.idle_cycle_time_ms <= 0:
+            raise ValueError("cycle times must be positive")
+        if self.cache_capacity < 0:
+            raise ValueError(f"cache capacity must be >= 0, got {self.cache_capacity}")
+        if self.stall_check_time_s <= 0:
+            raise ValueError(f"stall check time must be > 0 s, got {self.stall_check_time_s}")
+        if self.stall_shutdown_time_s < 0:
+            raise ValueError(f"stall shutdown time must be >= 0 s, got {self.stall_shutdown_time_s}")
+
+    @classmethod
+    def from_env(cls) -> EngineConfig:
+        """Defaults overridden by the SHOAL_ (or HOROVOD_) environment variables."""
+        defaults = cls()
+        return cls(
+            fusion_threshold_bytes=env_int("FUSION_THRESHOLD", defaults.fusion_threshold_bytes),
+            cycle_time_ms=env_float("CYCLE_TIME", defaults.cycle_time_ms),
+            cache_capacity=env_int("CACHE_CAPACITY", defaults.cache_capacity),
+            timeline_path=env_str("TIMELINE"),
+            timeline_mark_cycles=env_bool("TIMELINE_MARK_CYCLES", False),
+            stall_check_disabled=env_bool("STALL_CHECK_DISABLE", False),
+            stall_check_time_s=env_float("STALL_CHECK_TIME_SECONDS", defaults.stall_check_time_s),
+            stall_shutdown_time_s=env_float("STALL_SHUTDOWN_TIME_SECONDS", defaults.stall_shutdown_time_s),
+        )

@@ -1,0 +1,291 @@
+"""The background engine thread and its cycle.
+
+Each cycle, on every rank, in lockstep:
+
+1. take newly submitted requests; those whose signature is in the response cache just set their bit;
+2. one small allreduce (bitwise AND) of the bit vector plus three flags: "nothing new", "no stall", "no shutdown";
+3. only if some rank has new (uncached) requests: one allgather of their metadata, after which every rank runs
+   the coordinator's checks on the same data and derives the same responses (or the same mismatch errors);
+4. fuse the responses and execute them in the agreed order; completed handles wake their waiters.
+
+A rank with nothing to do sleeps until work arrives or ``idle_cycle_time_ms`` passes, so idle engines cost almost
+nothing, and a busy one never spins: its cycle blocks in the collective until the others arrive.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import torch
+
+from shoal.comm import collectives
+from shoal.engine.config import EngineConfig
+from shoal.engine.executor import Executor, ProcessSetState
+from shoal.engine.fusion import plan_batches
+from shoal.engine.negotiation import MessageTable, Response
+from shoal.engine.request import DATA_KINDS, Kind, Request, RequestMeta
+from shoal.engine.response_cache import ResponseCache
+from shoal.engine.stall import StallInspector
+from shoal.engine.timeline import Timeline
+from shoal.log import get_logger
+
+_FLAG_NOTHING_NEW, _FLAG_NO_STALL, _FLAG_NO_SHUTDOWN = 1, 2, 4
+_ALL_FLAGS = _FLAG_NOTHING_NEW | _FLAG_NO_STALL | _FLAG_NO_SHUTDOWN
+
+
+class EngineStoppedError(RuntimeError):
+    """The engine is no longer running (shut down, or failed); no new request can be served."""
+
+
+class Engine:
+    """One per process: owns the request queue and the thread that issues every collective."""
+
+    def __init__(self, rank: int, size: int, config: EngineConfig) -> None:
+        self.rank = rank
+        self.size = size
+        self.config = config
+        self.process_sets: dict[int, ProcessSetState] = {0: ProcessSetState(tuple(range(size)), None)}
+        self.timeline: Timeline | None = None
+        if config.timeline_path:
+            self.timeline = self._open_timeline(config.timeline_path, config.timeline_mark_cycles)
+        self._executor = Executor(rank, self.process_sets, lambda: self.timeline)
+        self._cache = ResponseCache(config.cache_capacity, rank)
+        self._table = MessageTable(size)
+        self._stall = StallInspector(
+            config.stall_check_time_s, config.stall_shutdown_time_s, disabled=config.stall_check_disabled
+        )
+        self._lock = threading.Condition()
+        self._queue: list[Request] = []
+        self._in_flight: set[tuple[int, str]] = set()
+        self._pending: dict[tuple[int, str], Request] = {}
+        self._pending_cached: dict[tuple[int, str], int] = {}
+        self._to_send: list[RequestMeta] = []
+        self._shutdown_requested = False
+        self._stopped: BaseException | None = None
+        self.cycles = 0
+        self._thread = threading.Thread(target=self._run, name="shoal-engine", daemon=True)
+        self._thread.start()
+
+    # ----- user-thread side -----
+
+    def submit(self, requests: list[Request]) -> None:
+        """Queue requests together (a grouped call lands in one cycle, hence one fused buffer).
+
+        Raises:
+            ValueError: a name is already in flight (nothing is queued then).
+            EngineStoppedError: the engine has stopped.
+        """
+        keys = [(request.meta.process_set, request.meta.name) for request in requests]
+        with self._lock:
+            if self._stopped is not None:
+                raise EngineStoppedError(f"Shoal's engine is not running: {self._stopped}")
+            for request, key in zip(requests, keys, strict=True):
+                if key in self._in_flight or keys.count(key) > 1:
+                    raise ValueError(
+                        f"a request named '{request.meta.name}' is already in flight; names of outstanding "
+                        "requests must be unique (wait for it with synchronize(), or pass a different name=)"
+                    )
+            self._in_flight.update(keys)
+            self._queue.extend(requests)
+            self._lock.notify()
+        if self.timeline is not None:
+            for request in requests:
+                self.timeline.begin(request.meta.name, f"NEGOTIATE_{request.meta.kind.value.upper()}")
+
+    @property
+    def collective_calls(self) -> int:
+        """Data collectives issued so far (a fused buffer counts once)."""
+        return self._executor.collective_calls
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """Ask every rank's engine to stop, fail what is pending, and wait for the thread to end."""
+        with self._lock:
+            self._shutdown_requested = True
+            self._lock.notify()
+        self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            self._fail_everything(EngineStoppedError("Shoal's engine did not stop in time; pending requests failed"))
+        if self.timeline is not None:
+            self.timeline.close()
+
+    def _open_timeline(self, path: str, mark_cycles: bool) -> Timeline | None:
+        """As in Horovod, rank 0 writes the timeline; a path containing ``{rank}`` gives every rank its own file."""
+        if "{rank}" in path:
+            return Timeline(path.replace("{rank}", str(self.rank)), self.rank, mark_cycles)
+        return Timeline(path, self.rank, mark_cycles) if self.rank == 0 else None
+
+    def start_timeline(self, path: str, mark_cycles: bool = False) -> None:
+        """Start writing a timeline at run time (replacing any current one)."""
+        old, self.timeline = self.timeline, self._open_timeline(path, mark_cycles)
+        if old is not None:
+            old.close()
+
+    def stop_timeline(self) -> None:
+        """Stop writing the timeline and close its file."""
+        old, self.timeline = self.timeline, None
+        if old is not None:
+            old.close()
+
+    # ----- engine-thread side -----
+
+    def _run(self) -> None:
+        try:
+            busy = False
+            while True:
+                with self._lock:
+                    if not self._queue and not self._shutdown_requested:
+                        wait_ms = self.config.cycle_time_ms if busy or self._pending else self.config.idle_cycle_time_ms
+                        self._lock.wait(wait_ms / 1000.0)
+                busy, stop = self._cycle()
+                if stop is not None:
+                    self._fail_everything(stop)
+                    return
+        except BaseException as error:  # a collective failed (a peer died, a timeout): fail loudly, never hang
+            get_logger().error("engine stopped after an error: %s", error)
+            self._fail_everything(EngineStoppedError(f"Shoal's engine failed: {error}"))
+
+    def _fail_everything(self, error: BaseException) -> None:
+        with self._lock:
+            self._stopped = error
+            requests = list(self._pending.values()) + self._queue
+            self._queue = []
+            self._pending.clear()
+            self._pending_cached.clear()
+            self._in_flight.clear()
+        for request in requests:
+            request.fail(error)
+
+    def _members_of(self) -> dict[int, tuple[int, ...]]:
+        return {set_id: state.members for set_id, state in self.process_sets.items()}
+
+    def _take_new_requests(self) -> bool:
+        with self._lock:
+            new, self._queue = self._queue, []
+            shutting_down = self._shutdown_requested
+        for request in new:
+            key = (request.meta.process_set, request.meta.name)
+            self._pending[key] = request
+            cache_id = self._cache.lookup(request.meta) if self._cache.capacity else None
+            if cache_id is not None:
+                self._pending_cached[key] = cache_id
+            else:
+                self._to_send.append(request.meta)
+        return shutting_down
+
+    def _bit_vector(self, shutting_down: bool, stall_wanted: bool) -> torch.Tensor:
+        words = torch.zeros(1 + (self._cache.capacity + 62) // 63, dtype=torch.int64)
+        flags = _ALL_FLAGS
+        if self._to_send:
+            flags &= ~_FLAG_NOTHING_NEW
+        if stall_wanted:
+            flags &= ~_FLAG_NO_STALL
+        if shutting_down:
+            flags &= ~_FLAG_NO_SHUTDOWN
+        words[0] = flags
+        joined = set(self._table.joined)
+        ready = set(self._pending_cached.values())
+        for cache_id in self._cache.ids():
+            members = self.process_sets.get(self._cache.response(cache_id).process_set)
+            outsider = members is not None and self.rank not in members.members
+            all_joined = members is not None and all(m in joined for m in members.members)
+            if cache_id in ready or outsider or (self.rank in joined and not all_joined):
+                words[1 + cache_id // 63] |= 1 << (cache_id % 63)
+        return words
+
+    def _cycle(self) -> tuple[bool, BaseException | None]:
+        self.cycles += 1
+        if self.timeline is not None:
+            self.timeline.mark_cycle(self.cycles)
+        shutting_down = self._take_new_requests()
+        now = time.monotonic()
+        oldest = max((now - r.submitted_at for r in self._pending.values()), default=0.0)
+        words = self._bit_vector(shutting_down, self._stall.wants_check(oldest))
+        collectives.bitwise_and_(words, None)
+        flags = int(words[0])
+        if not flags & _FLAG_NO_SHUTDOWN:
+            return False, EngineStoppedError("Shoal was shut down (shutdown() was called on a rank)")
+        responses: list[Response] = []
+        for cache_id in self._cache.ids():
+            if int(words[1 + cache_id // 63]) >> (cache_id % 63) & 1:
+                self._cache.touch(cache_id)
+                responses.append(self._cache.response(cache_id))
+        if not flags & _FLAG_NOTHING_NEW:
+            responses.extend(self._negotiate_new(responses))
+        stop = None
+        if not flags & _FLAG_NO_STALL:
+            stop = self._inspect_stalls()
+        self._execute(responses)
+        if self.timeline is not None:
+            self.timeline.flush()
+        return bool(self._pending or responses), stop
+
+    def _negotiate_new(self, cached: list[Response]) -> list[Response]:
+        sending, self._to_send = self._to_send, []
+        gathered = collectives.allgather_object(sending, self.size, None)
+        ready_now = {(r.process_set, r.name) for r in cached}
+        for metas in gathered:
+            for meta in metas:
+                key = (meta.process_set, meta.name)
+                cache_id = self._cache.id_for_name(*key)
+                if cache_id is not None and key not in ready_now:
+                    # Some rank sent a different signature under a cached name: every rank drops the entry and
+                    # re-sends its own request for that name through the coordinator.
+                    self._cache.evict(cache_id)
+                    self._requeue_cached(key)
+        self._table.ingest(gathered)
+        return self._table.take_ready(self._members_of())
+
+    def _requeue_cached(self, key: tuple[int, str]) -> None:
+        if self._pending_cached.pop(key, None) is not None:
+            self._to_send.append(self._pending[key].meta)
+
+    def _inspect_stalls(self) -> BaseException | None:
+        now = time.monotonic()
+        report = [(k[0], k[1], now - r.submitted_at) for k, r in self._pending.items()]
+        reports = collectives.allgather_object(report, self.size, None)
+        message = self._stall.inspect(reports, self._members_of(), self.rank)
+        return RuntimeError(message) if message is not None else None
+
+    def _execute(self, responses: list[Response]) -> None:
+        for response in responses:
+            key = (response.process_set, response.name)
+            self._pending_cached.pop(key, None)
+            if self.timeline is not None and key in self._pending:
+                self.timeline.end(response.name, f"NEGOTIATE_{response.kind.value.upper()}")
+        done: dict[tuple[int, str], Request] = {}
+        for response in responses:
+            key = (response.process_set, response.name)
+            request = self._pending.pop(key, None)
+            if request is not None:
+                done[key] = request
+        with self._lock:  # before completion wakes a waiter that may resubmit the same name at once
+            for key in done:
+                self._in_flight.discard(key)
+        for batch in plan_batches(responses, self.config.fusion_threshold_bytes):
+            self._executor.run(batch, done)
+        for response in responses:
+            if self._cacheable(response):
+                evicted = self._cache.insert(response)
+                if evicted is not None:
+                    self._requeue_cached((evicted.process_set, evicted.name))
+
+    def _cacheable(self, response: Response) -> bool:
+        """Cache only clean data collectives that every member submitted (no joined rank stood in)."""
+        if not self._cache.capacity or response.error is not None or response.kind not in DATA_KINDS:
+            return False
+        state = self.process_sets.get(response.process_set)
+        if state is None or self._cache.id_for_name(response.process_set, response.name) is not None:
+            return False
+        return all(response.rank_metas[r] is not None for r in state.members)
+
+
+def describe(engine: Engine | None) -> dict[str, Any]:
+    """A small status dict for debugging and tests."""
+    if engine is None:
+        return {"running": False}
+    return {"running": engine._stopped is None, "cycles": engine.cycles, "cached": len(engine._cache)}
+
+
+__all__ = ["Engine", "EngineStoppedError", "Kind", "describe"]

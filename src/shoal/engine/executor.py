@@ -1,0 +1,259 @@
+"""Run agreed responses: copy into fusion buffers, issue the collective through ``shoal.comm``, copy out."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from shoal.comm import collectives
+from shoal.engine.fusion import FusedBatch
+from shoal.engine.negotiation import Response
+from shoal.engine.request import Kind, ReduceOp, Request, RequestMeta
+from shoal.engine.timeline import Timeline
+
+# gloo has no int16 kernels; such tensors travel as int32 (exact, and wraps the same way once cast back).
+_WIRE_DTYPES = {torch.int16: torch.int32}
+_REDUCTIONS = {ReduceOp.Average: "sum", ReduceOp.Sum: "sum", ReduceOp.Min: "min", ReduceOp.Max: "max"}
+_REDUCTIONS[ReduceOp.Product] = "product"
+
+
+@dataclass
+class ProcessSetState:
+    """A registered process set: its global ranks (ascending) and its torch.distributed group (None = world)."""
+
+    members: tuple[int, ...]
+    group: Any
+
+
+def _dtype(meta: RequestMeta) -> torch.dtype:
+    return getattr(torch, meta.dtype)
+
+
+def _scale_(tensor: torch.Tensor, factor: float) -> None:
+    """Multiply in place; integer tensors are scaled in float64 and truncated, as Horovod does."""
+    if factor == 1.0:
+        return
+    if tensor.is_floating_point():
+        tensor.mul_(factor)
+    else:
+        tensor.copy_((tensor.double() * factor).to(tensor.dtype))
+
+
+def _divide_(tensor: torch.Tensor, divisor: int) -> None:
+    """Average's division: floor division for integers (Horovod's rule), true division for floats."""
+    if tensor.is_floating_point():
+        tensor.div_(divisor)
+    elif tensor.dtype != torch.bool:
+        tensor.floor_divide_(divisor)
+
+
+def split_rows(rows: int, parts: int) -> list[int]:
+    """Rows per part when ``rows`` are split as evenly as possible, the first parts taking the remainder."""
+    base, extra = divmod(rows, parts)
+    return [base + (1 if i < extra else 0) for i in range(parts)]
+
+
+class Executor:
+    """Executes batches of responses on this rank."""
+
+    def __init__(self, rank: int, process_sets: dict[int, ProcessSetState], timeline: Callable[[], Timeline | None]):
+        self.rank = rank
+        self.process_sets = process_sets
+        self._timeline = timeline
+        self.next_process_set_id = 1
+        self.collective_calls = 0
+
+    def _begin(self, responses: list[Response], phase: str) -> None:
+        timeline = self._timeline()
+        if timeline is not None:
+            for response in responses:
+                timeline.begin(response.name, phase)
+
+    def _end(self, responses: list[Response], phase: str) -> None:
+        timeline = self._timeline()
+        if timeline is not None:
+            for response in responses:
+                timeline.end(response.name, phase)
+
+    def run(self, batch: FusedBatch, local: dict[tuple[int, str], Request]) -> None:
+        """Execute one batch; completes (or fails) this rank's requests in it."""
+        first = batch.responses[0]
+        requests = [local.pop((r.process_set, r.name), None) for r in batch.responses]
+        if first.error is not None:
+            for request in requests:
+                if request is not None:
+                    request.fail(RuntimeError(first.error))
+            return
+        if first.kind == Kind.JOIN:
+            for request in requests:
+                if request is not None:
+                    request.complete(first.last_joined)
+            return
+        if first.kind in (Kind.ADD_PROCESS_SET, Kind.REMOVE_PROCESS_SET):
+            self._manage_process_set(first, requests[0])
+            return
+        state = self.process_sets[first.process_set]
+        if self.rank not in state.members:
+            return
+        phase = f"{first.kind.value.upper()}"
+        self.collective_calls += 1
+        self._begin(batch.responses, phase)
+        try:
+            if first.kind == Kind.ALLREDUCE:
+                self._allreduce(batch.responses, requests, state)
+            elif first.kind == Kind.ALLGATHER:
+                self._allgather(first, requests[0], state)
+            elif first.kind == Kind.BROADCAST:
+                self._broadcast(first, requests[0], state)
+            elif first.kind == Kind.ALLTOALL:
+                self._alltoall(first, requests[0], state)
+            elif first.kind == Kind.REDUCESCATTER:
+                self._reducescatter(first, requests[0], state)
+            elif first.kind == Kind.BARRIER:
+                collectives.barrier(state.group)
+                if requests[0] is not None:
+                    requests[0].complete(None)
+        finally:
+            self._end(batch.responses, phase)
+
+    def _input(self, response: Response, request: Request | None, rows: int | None = None) -> torch.Tensor:
+        """This rank's input for a response, or zeros when it joined and submitted nothing."""
+        if request is not None and request.tensor is not None:
+            return request.tensor
+        meta = response.meta
+        shape = (rows, *meta.shape[1:]) if rows is not None else meta.shape
+        return torch.zeros(shape, dtype=_dtype(meta), device=meta.device)
+
+    def _allreduce(self, responses: list[Response], requests: list[Request | None], state: ProcessSetState) -> None:
+        meta = responses[0].meta
+        dtype = _dtype(meta)
+        wire = _WIRE_DTYPES.get(dtype, dtype)
+        inputs = [self._input(r, q) for r, q in zip(responses, requests, strict=True)]
+        single_in_place = (
+            len(responses) == 1 and requests[0] is not None and requests[0].output is requests[0].tensor and wire == dtype
+        )
+        self._begin(responses, "MEMCPY_IN_FUSION_BUFFER")
+        if single_in_place:
+            buffer = inputs[0].view(-1)
+        else:
+            buffer = torch.empty(sum(t.numel() for t in inputs), dtype=wire, device=inputs[0].device)
+            offset = 0
+            for tensor in inputs:
+                buffer[offset : offset + tensor.numel()].copy_(tensor.reshape(-1))
+                offset += tensor.numel()
+        _scale_(buffer, meta.prescale)
+        self._end(responses, "MEMCPY_IN_FUSION_BUFFER")
+        assert meta.op is not None  # allreduce and reducescatter requests always carry their op
+        op = ReduceOp(meta.op)
+        self._begin(responses, f"{'NCCL' if buffer.is_cuda else 'GLOO'}_ALLREDUCE")
+        collectives.allreduce_(buffer, _REDUCTIONS[op], state.group)
+        self._end(responses, f"{'NCCL' if buffer.is_cuda else 'GLOO'}_ALLREDUCE")
+        self._begin(responses, "MEMCPY_OUT_FUSION_BUFFER")
+        if op == ReduceOp.Average:
+            _divide_(buffer, len(state.members))
+        _scale_(buffer, meta.postscale)
+        offset = 0
+        for request, tensor in zip(requests, inputs, strict=True):
+            piece = buffer[offset : offset + tensor.numel()]
+            offset += tensor.numel()
+            if request is None:
+                continue
+            output = request.output
+            assert output is not None
+            if not single_in_place:
+                output.view(-1).copy_(piece)
+            request.complete(output)
+        self._end(responses, "MEMCPY_OUT_FUSION_BUFFER")
+
+    def _allgather(self, response: Response, request: Request | None, state: ProcessSetState) -> None:
+        rows = [(m.shape[0] if m.shape else 1) if m is not None else 0 for m in (response.rank_metas[r] for r in state.members)]
+        own = self._input(response, request, rows=rows[state.members.index(self.rank)])
+        dtype = own.dtype
+        wire = _WIRE_DTYPES.get(dtype, dtype)
+        longest = max(rows)
+        padded = torch.zeros((longest, *own.shape[1:]), dtype=wire, device=own.device)
+        padded[: own.shape[0] if own.dim() else 1].copy_(own.reshape(-1, *own.shape[1:]) if own.dim() else own.reshape(1))
+        chunks = collectives.allgather_equal(padded, len(state.members), state.group)
+        result = torch.cat([chunk[:count] for chunk, count in zip(chunks, rows, strict=True)]).to(dtype)
+        if request is not None:
+            request.complete(result)
+
+    def _broadcast(self, response: Response, request: Request | None, state: ProcessSetState) -> None:
+        root = response.meta.root
+        assert root is not None
+        buffer = self._input(response, request)
+        if request is not None and request.output is not None and request.output is not buffer:
+            request.output.copy_(buffer)
+            buffer = request.output
+        wire = _WIRE_DTYPES.get(buffer.dtype)
+        moved = buffer.to(wire) if wire is not None else buffer
+        collectives.broadcast_(moved, root, state.group)
+        if moved is not buffer:
+            buffer.copy_(moved)
+        if request is not None:
+            request.complete(buffer)
+
+    def _alltoall(self, response: Response, request: Request | None, state: ProcessSetState) -> None:
+        members = state.members
+        me = members.index(self.rank)
+
+        def splits_of(meta: RequestMeta | None) -> list[int]:
+            if meta is None:
+                return [0] * len(members)
+            if meta.splits is not None:
+                return list(meta.splits)
+            return split_rows(meta.shape[0] if meta.shape else 0, len(members))
+
+        send = splits_of(response.rank_metas[self.rank])
+        receive = [splits_of(response.rank_metas[member])[me] for member in members]
+        tensor = self._input(response, request, rows=sum(send))
+        wire = _WIRE_DTYPES.get(tensor.dtype, tensor.dtype)
+        output = torch.empty((sum(receive), *tensor.shape[1:]), dtype=wire, device=tensor.device)
+        collectives.alltoall(output, tensor.to(wire), receive, send, state.group)
+        if request is not None:
+            request.complete((output.to(tensor.dtype), torch.tensor(receive, dtype=torch.int32)))
+
+    def _reducescatter(self, response: Response, request: Request | None, state: ProcessSetState) -> None:
+        meta = response.meta
+        tensor = self._input(response, request)
+        wire = _WIRE_DTYPES.get(tensor.dtype, tensor.dtype)
+        buffer = tensor.to(wire, copy=True)
+        _scale_(buffer, meta.prescale)
+        assert meta.op is not None  # allreduce and reducescatter requests always carry their op
+        op = ReduceOp(meta.op)
+        collectives.allreduce_(buffer, _REDUCTIONS[op], state.group)
+        if op == ReduceOp.Average:
+            _divide_(buffer, len(state.members))
+        _scale_(buffer, meta.postscale)
+        counts = split_rows(buffer.shape[0], len(state.members))
+        me = state.members.index(self.rank)
+        start = sum(counts[:me])
+        if request is not None:
+            request.complete(buffer[start : start + counts[me]].to(tensor.dtype).clone())
+
+    def _manage_process_set(self, response: Response, request: Request | None) -> None:
+        meta = response.meta
+        if response.kind == Kind.ADD_PROCESS_SET:
+            members = tuple(meta.payload or ())
+            existing = [pid for pid, s in self.process_sets.items() if s.members == members]
+            if existing:
+                if request is not None:
+                    request.fail(ValueError(f"a process set with ranks {list(members)} already exists (id {existing[0]})"))
+                return
+            # new_group is collective over the world: every rank creates it, members or not.
+            group = collectives.new_group(list(members))
+            set_id = self.next_process_set_id
+            self.next_process_set_id += 1
+            self.process_sets[set_id] = ProcessSetState(members, group)
+            if request is not None:
+                request.complete(set_id)
+        else:
+            set_id = (meta.payload or (-1,))[0]
+            state = self.process_sets.pop(set_id, None)
+            if state is not None and state.group is not None and self.rank in state.members:
+                collectives.destroy_group(state.group)
+            if request is not None:
+                request.complete(state is not None)

@@ -1,0 +1,49 @@
+"""Tensor fusion: pack agreed allreduce responses that can share one collective into buffers up to a threshold."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from shoal.engine.negotiation import Response
+from shoal.engine.request import Kind
+
+
+@dataclass
+class FusedBatch:
+    """Responses executed together: several allreduces in one buffer, or any single response."""
+
+    responses: list[Response] = field(default_factory=list)
+    nbytes: int = 0
+
+
+def _fusion_key(response: Response) -> tuple[object, ...] | None:
+    if response.kind != Kind.ALLREDUCE or response.error is not None:
+        return None
+    meta = response.meta
+    return (meta.dtype, meta.device, meta.op, meta.process_set, meta.prescale, meta.postscale)
+
+
+def plan_batches(responses: Sequence[Response], threshold_bytes: int) -> list[FusedBatch]:
+    """Group responses into batches, in an order every rank derives identically.
+
+    Allreduces with the same dtype, device, op, process set and scale factors share a batch until adding the next
+    would pass ``threshold_bytes``; a tensor larger than the threshold gets a batch of its own. Every other
+    response is a batch of one, kept in agreed order relative to the batch that opened before it.
+    """
+    batches: list[FusedBatch] = []
+    open_batches: dict[tuple[object, ...], FusedBatch] = {}
+    for response in responses:
+        key = _fusion_key(response)
+        size = response.meta.nbytes if key is not None else 0
+        if key is None or threshold_bytes == 0:
+            batches.append(FusedBatch([response], size))
+            continue
+        batch = open_batches.get(key)
+        if batch is None or batch.nbytes + size > threshold_bytes:
+            batch = FusedBatch()
+            batches.append(batch)
+            open_batches[key] = batch
+        batch.responses.append(response)
+        batch.nbytes += size
+    return batches

@@ -1,0 +1,365 @@
+"""The ``horovod.torch`` collective API: allreduce, allgather, broadcast, alltoall, reducescatter, barrier, join.
+
+Each operation comes in the forms Horovod has: ``op`` (returns the result, differentiable), ``op_async``
+(returns a handle), and for allreduce and broadcast the in-place ``op_`` and ``op_async_``; ``grouped_op``
+submits several tensors as one handle. Requests are keyed by ``name``; unnamed ones get
+``<op>.noname.<n>``, which matches across ranks as long as they issue unnamed requests in the same order.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from shoal.engine.request import Kind, ReduceOp, Request, RequestMeta
+from shoal.torch import handles
+from shoal.torch.compression import Compression, Compressor
+from shoal.torch.process_sets import ProcessSet, global_process_set, set_id_of
+
+Average, Sum, Adasum, Min, Max, Product = (ReduceOp.Average, ReduceOp.Sum, ReduceOp.Adasum, ReduceOp.Min,
+                                           ReduceOp.Max, ReduceOp.Product)  # fmt: skip
+
+_counters: dict[tuple[str, int], itertools.count[int]] = {}
+
+
+def _auto_name(kind: Kind, name: str | None, process_set: ProcessSet = global_process_set) -> str:
+    """``name``, or the next ``<op>.noname.<n>``, counted per process set so that ranks outside a set stay in step."""
+    if name is not None:
+        return name
+    set_id = process_set.process_set_id or 0
+    counter = _counters.setdefault((kind.value, set_id), itertools.count())
+    suffix = f".set{set_id}" if set_id else ""
+    return f"{kind.value}.noname{suffix}.{next(counter)}"
+
+
+def _resolve_op(op: int | None, average: bool | None) -> ReduceOp:
+    """Horovod's rules: ``average`` is deprecated; ``op`` defaults to Average."""
+    if average is not None:
+        if op is not None:
+            raise ValueError("the 'average' argument is deprecated and cannot be combined with 'op'")
+        return ReduceOp.Average if average else ReduceOp.Sum
+    resolved = ReduceOp.Average if op is None else ReduceOp(op)
+    if resolved == ReduceOp.Adasum:
+        raise NotImplementedError("Adasum is not supported by Shoal yet; use Average or Sum")
+    return resolved
+
+
+def _check_tensor(tensor: Any, what: str) -> torch.Tensor:
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{what} expects a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.is_sparse:
+        raise ValueError(f"{what} does not support sparse tensors; densify it first (tensor.to_dense())")
+    return tensor
+
+
+def _meta(tensor: torch.Tensor, kind: Kind, name: str, process_set: ProcessSet, **fields: Any) -> RequestMeta:
+    return RequestMeta(
+        name=name,
+        kind=kind,
+        process_set=set_id_of(process_set),
+        dtype=str(tensor.dtype).removeprefix("torch."),
+        shape=tuple(tensor.shape),
+        device=str(tensor.device),
+        **fields,
+    )
+
+
+def _allreduce_request(
+    tensor: torch.Tensor,
+    name: str | None,
+    op: ReduceOp,
+    prescale_factor: float,
+    postscale_factor: float,
+    process_set: ProcessSet,
+    in_place: bool,
+) -> Request:
+    _check_tensor(tensor, "allreduce")
+    meta = _meta(tensor, Kind.ALLREDUCE, _auto_name(Kind.ALLREDUCE, name, process_set), process_set, op=int(op),
+                 prescale=float(prescale_factor), postscale=float(postscale_factor))  # fmt: skip
+    detached = tensor.detach()
+    contiguous = detached.contiguous()
+    if in_place:
+        request = Request(meta, contiguous, contiguous)
+        if contiguous is not detached:  # a non-contiguous tensor: reduce a copy, write the result back
+            request.user_tensor = tensor
+        return request
+    return Request(meta, contiguous, torch.empty_like(contiguous, memory_format=torch.contiguous_format))
+
+
+def _single(results: list[Any]) -> Any:
+    return results[0]
+
+
+def _as_list(results: list[Any]) -> list[Any]:
+    return list(results)
+
+
+# ----- allreduce -----
+
+
+def allreduce_async(tensor: torch.Tensor, average: bool | None = None, name: str | None = None, op: int | None = None,
+                    prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                    process_set: ProcessSet = global_process_set) -> int:  # fmt: skip
+    """Start averaging (or summing, ...) ``tensor`` over all ranks; returns a handle. The input is not modified."""
+    request = _allreduce_request(tensor, name, _resolve_op(op, average), prescale_factor, postscale_factor,
+                                 process_set, in_place=False)  # fmt: skip
+    return handles.submit([request], _single)
+
+
+def allreduce_async_(tensor: torch.Tensor, average: bool | None = None, name: str | None = None, op: int | None = None,
+                     prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                     process_set: ProcessSet = global_process_set) -> int:  # fmt: skip
+    """In-place form of ``allreduce_async``: the result is written into ``tensor``."""
+    request = _allreduce_request(tensor, name, _resolve_op(op, average), prescale_factor, postscale_factor,
+                                 process_set, in_place=True)  # fmt: skip
+    return handles.submit([request], _single)
+
+
+def allreduce_(tensor: torch.Tensor, average: bool | None = None, name: str | None = None, op: int | None = None,
+               prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+               process_set: ProcessSet = global_process_set) -> torch.Tensor:  # fmt: skip
+    """Reduce ``tensor`` in place over all ranks and return it."""
+    handle = allreduce_async_(tensor, average, name, op, prescale_factor, postscale_factor, process_set)
+    return handles.synchronize(handle)
+
+
+def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
+              compression: type[Compressor] = Compression.none, op: int | None = None,
+              prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+              process_set: ProcessSet = global_process_set) -> torch.Tensor:  # fmt: skip
+    """Return ``tensor`` averaged (or summed, ...) over all ranks. Differentiable: the gradient is allreduced too."""
+    from shoal.torch.autograd import AllreduceFunction
+
+    compressed, ctx = compression.compress(tensor)
+    reduced = AllreduceFunction.apply(compressed, name, int(_resolve_op(op, average)), prescale_factor,
+                                      postscale_factor, process_set)  # fmt: skip
+    return compression.decompress(reduced, ctx)
+
+
+def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average: bool | None = None, name: str | None = None,
+                            op: int | None = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                            process_set: ProcessSet = global_process_set) -> int:  # fmt: skip
+    """Start reducing several tensors as one handle (they are fused together when they fit)."""
+    resolved = _resolve_op(op, average)
+    base = _auto_name(Kind.ALLREDUCE, name, process_set)
+    requests = [_allreduce_request(t, f"{base}.{i}", resolved, prescale_factor, postscale_factor, process_set, False)
+                for i, t in enumerate(tensors)]  # fmt: skip
+    return handles.submit(requests, _as_list)
+
+
+def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: bool | None = None, name: str | None = None,
+                             op: int | None = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                             process_set: ProcessSet = global_process_set) -> int:  # fmt: skip
+    """In-place form of ``grouped_allreduce_async``."""
+    resolved = _resolve_op(op, average)
+    base = _auto_name(Kind.ALLREDUCE, name, process_set)
+    requests = [_allreduce_request(t, f"{base}.{i}", resolved, prescale_factor, postscale_factor, process_set, True)
+                for i, t in enumerate(tensors)]  # fmt: skip
+    return handles.submit(requests, _as_list)
+
+
+def grouped_allreduce(tensors: Sequence[torch.Tensor], average: bool | None = None, name: str | None = None,
+                      compression: type[Compressor] = Compression.none, op: int | None = None,
+                      prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                      process_set: ProcessSet = global_process_set) -> list[torch.Tensor]:  # fmt: skip
+    """Reduce several tensors at once; returns the reduced tensors in order."""
+    compressed = [compression.compress(t) for t in tensors]
+    handle = grouped_allreduce_async([c[0] for c in compressed], average, name, op, prescale_factor,
+                                     postscale_factor, process_set)  # fmt: skip
+    results = handles.synchronize(handle)
+    return [compression.decompress(r, c[1]) for r, c in zip(results, compressed, strict=True)]
+
+
+def grouped_allreduce_(tensors: Sequence[torch.Tensor], average: bool | None = None, name: str | None = None,
+                       op: int | None = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                       process_set: ProcessSet = global_process_set) -> list[torch.Tensor]:  # fmt: skip
+    """Reduce several tensors in place at once."""
+    handle = grouped_allreduce_async_(tensors, average, name, op, prescale_factor, postscale_factor, process_set)
+    return handles.synchronize(handle)
+
+
+# ----- allgather -----
+
+
+def _allgather_request(tensor: torch.Tensor, name: str | None, process_set: ProcessSet) -> Request:
+    _check_tensor(tensor, "allgather")
+    meta = _meta(tensor, Kind.ALLGATHER, _auto_name(Kind.ALLGATHER, name, process_set), process_set)
+    return Request(meta, tensor.detach().contiguous(), None)
+
+
+def allgather_async(tensor: torch.Tensor, name: str | None = None, process_set: ProcessSet = global_process_set) -> int:
+    """Start concatenating every rank's ``tensor`` along dimension 0 (the first dimension may differ per rank)."""
+    return handles.submit([_allgather_request(tensor, name, process_set)], _single)
+
+
+def allgather(tensor: torch.Tensor, name: str | None = None, process_set: ProcessSet = global_process_set) -> torch.Tensor:
+    """Concatenate every rank's ``tensor`` along dimension 0. Differentiable."""
+    from shoal.torch.autograd import AllgatherFunction
+
+    return AllgatherFunction.apply(tensor, name, process_set)
+
+
+def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: str | None = None,
+                            process_set: ProcessSet = global_process_set) -> int:  # fmt: skip
+    """Start allgathering several tensors as one handle."""
+    base = _auto_name(Kind.ALLGATHER, name, process_set)
+    return handles.submit([_allgather_request(t, f"{base}.{i}", process_set) for i, t in enumerate(tensors)], _as_list)
+
+
+def grouped_allgather(tensors: Sequence[torch.Tensor], name: str | None = None,
+                      process_set: ProcessSet = global_process_set) -> list[torch.Tensor]:  # fmt: skip
+    """Allgather several tensors at once."""
+    return handles.synchronize(grouped_allgather_async(tensors, name, process_set))
+
+
+# ----- broadcast -----
+
+
+def _broadcast_request(tensor: torch.Tensor, root_rank: int, name: str | None, process_set: ProcessSet,
+                       in_place: bool) -> Request:  # fmt: skip
+    _check_tensor(tensor, "broadcast")
+    meta = _meta(tensor, Kind.BROADCAST, _auto_name(Kind.BROADCAST, name, process_set), process_set, root=int(root_rank))
+    detached = tensor.detach()
+    contiguous = detached.contiguous()
+    if in_place:
+        request = Request(meta, contiguous, contiguous)
+        if contiguous is not detached:
+            request.user_tensor = tensor
+        return request
+    return Request(meta, contiguous, torch.empty_like(contiguous, memory_format=torch.contiguous_format))
+
+
+def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = None,
+                    process_set: ProcessSet = global_process_set) -> int:  # fmt: skip
+    """Start broadcasting ``tensor`` from ``root_rank`` (a global rank); the input is not modified."""
+    return handles.submit([_broadcast_request(tensor, root_rank, name, process_set, False)], _single)
+
+
+def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
+                     process_set: ProcessSet = global_process_set) -> int:  # fmt: skip
+    """In-place form of ``broadcast_async``."""
+    return handles.submit([_broadcast_request(tensor, root_rank, name, process_set, True)], _single)
+
+
+def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
+               process_set: ProcessSet = global_process_set) -> torch.Tensor:  # fmt: skip
+    """Broadcast in place from ``root_rank`` and return ``tensor``."""
+    return handles.synchronize(broadcast_async_(tensor, root_rank, name, process_set))
+
+
+def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None,
+              process_set: ProcessSet = global_process_set) -> torch.Tensor:  # fmt: skip
+    """Return ``root_rank``'s ``tensor`` on every rank. Differentiable."""
+    from shoal.torch.autograd import BroadcastFunction
+
+    return BroadcastFunction.apply(tensor, root_rank, name, process_set)
+
+
+# ----- alltoall -----
+
+
+def alltoall_async(tensor: torch.Tensor, splits: torch.Tensor | Sequence[int] | None = None, name: str | None = None,
+                   process_set: ProcessSet = global_process_set) -> int:  # fmt: skip
+    """Start an alltoall: rows ``splits[i]`` of ``tensor`` go to member i (default: an even split)."""
+    _check_tensor(tensor, "alltoall")
+    if tensor.dim() == 0:
+        raise ValueError("alltoall needs a tensor with at least one dimension")
+    split_list: tuple[int, ...] | None = None
+    members = process_set.size()
+    if splits is not None:
+        split_list = tuple(int(s) for s in (splits.tolist() if isinstance(splits, torch.Tensor) else splits))
+        if len(split_list) != members or any(s < 0 for s in split_list) or sum(split_list) != tensor.shape[0]:
+            raise ValueError(f"alltoall splits {list(split_list)} must be {members} non-negative counts summing to "
+                             f"the first dimension {tensor.shape[0]}")  # fmt: skip
+    elif tensor.shape[0] % members != 0:
+        raise ValueError(f"alltoall without splits needs the first dimension ({tensor.shape[0]}) divisible by "
+                         f"the number of ranks ({members})")  # fmt: skip
+    meta = _meta(tensor, Kind.ALLTOALL, _auto_name(Kind.ALLTOALL, name, process_set), process_set, splits=split_list)
+    return handles.submit([Request(meta, tensor.detach().contiguous(), None)], _single)
+
+
+def alltoall(tensor: torch.Tensor, splits: torch.Tensor | Sequence[int] | None = None, name: str | None = None,
+             process_set: ProcessSet = global_process_set) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """Scatter rows of ``tensor`` to every rank and gather theirs; returns (received tensor, received splits)."""
+    from shoal.torch.autograd import AlltoallFunction
+
+    return AlltoallFunction.apply(tensor, splits, name, process_set)
+
+
+# ----- reducescatter -----
+
+
+def _reducescatter_request(tensor: torch.Tensor, name: str | None, op: ReduceOp, process_set: ProcessSet,
+                           prescale_factor: float, postscale_factor: float) -> Request:  # fmt: skip
+    _check_tensor(tensor, "reducescatter")
+    if op not in (ReduceOp.Average, ReduceOp.Sum):
+        raise ValueError(f"reducescatter supports Average and Sum, not {op.name}")
+    if tensor.dim() == 0:
+        raise ValueError("reducescatter needs a tensor with at least one dimension")
+    meta = _meta(tensor, Kind.REDUCESCATTER, _auto_name(Kind.REDUCESCATTER, name, process_set), process_set, op=int(op),
+                 prescale=float(prescale_factor), postscale=float(postscale_factor))  # fmt: skip
+    return Request(meta, tensor.detach().contiguous(), None)
+
+
+def reducescatter_async(tensor: torch.Tensor, name: str | None = None, op: int = Average,
+                        process_set: ProcessSet = global_process_set, prescale_factor: float = 1.0,
+                        postscale_factor: float = 1.0) -> int:  # fmt: skip
+    """Start reducing ``tensor`` and scattering dimension 0: rank i keeps its block of rows (lower ranks get extras)."""
+    request = _reducescatter_request(tensor, name, ReduceOp(op), process_set, prescale_factor, postscale_factor)
+    return handles.submit([request], _single)
+
+
+def reducescatter(tensor: torch.Tensor, name: str | None = None, compression: type[Compressor] = Compression.none,
+                  op: int = Average, process_set: ProcessSet = global_process_set, prescale_factor: float = 1.0,
+                  postscale_factor: float = 1.0) -> torch.Tensor:  # fmt: skip
+    """Reduce ``tensor`` over all ranks and return this rank's block of rows. Differentiable."""
+    from shoal.torch.autograd import ReducescatterFunction
+
+    compressed, ctx = compression.compress(tensor)
+    result = ReducescatterFunction.apply(compressed, name, int(op), process_set, prescale_factor, postscale_factor)
+    return compression.decompress(result, ctx)
+
+
+def grouped_reducescatter_async(tensors: Sequence[torch.Tensor], name: str | None = None, op: int = Average,
+                                process_set: ProcessSet = global_process_set, prescale_factor: float = 1.0,
+                                postscale_factor: float = 1.0) -> int:  # fmt: skip
+    """Start reduce-scattering several tensors as one handle."""
+    base = _auto_name(Kind.REDUCESCATTER, name, process_set)
+    requests = [_reducescatter_request(t, f"{base}.{i}", ReduceOp(op), process_set, prescale_factor, postscale_factor)
+                for i, t in enumerate(tensors)]  # fmt: skip
+    return handles.submit(requests, _as_list)
+
+
+def grouped_reducescatter(tensors: Sequence[torch.Tensor], name: str | None = None,
+                          compression: type[Compressor] = Compression.none, op: int = Average,
+                          process_set: ProcessSet = global_process_set, prescale_factor: float = 1.0,
+                          postscale_factor: float = 1.0) -> list[torch.Tensor]:  # fmt: skip
+    """Reduce-scatter several tensors at once."""
+    compressed = [compression.compress(t) for t in tensors]
+    handle = grouped_reducescatter_async([c[0] for c in compressed], name, op, process_set, prescale_factor,
+                                         postscale_factor)  # fmt: skip
+    results = handles.synchronize(handle)
+    return [compression.decompress(r, c[1]) for r, c in zip(results, compressed, strict=True)]
+
+
+# ----- barrier and join -----
+
+
+def barrier(process_set: ProcessSet = global_process_set) -> None:
+    """Block until every rank of the process set reaches the barrier."""
+    meta = RequestMeta(name=_auto_name(Kind.BARRIER, None, process_set), kind=Kind.BARRIER, process_set=set_id_of(process_set))
+    handles.synchronize(handles.submit([Request(meta, None, None)], _single))
+
+
+def join(device: int = -1) -> int:
+    """Declare that this rank has no more work; returns the last rank to join once every rank has.
+
+    Until then this rank stands in for every collective the others run, contributing zeros (an empty slice to
+    allgather), so ranks with more batches never hang waiting for it. ``device`` is accepted for Horovod
+    compatibility.
+    """
+    meta = RequestMeta(name="shoal.join", kind=Kind.JOIN, process_set=0)
+    return handles.synchronize(handles.submit([Request(meta, None, None)], _single))
