@@ -46,7 +46,10 @@ class Engine:
         self.rank = rank
         self.size = size
         self.config = config
-        self.process_sets: dict[int, ProcessSetState] = {0: ProcessSetState(tuple(range(size)), None)}
+        # The engine owns a group of its own, so that the user's own torch.distributed calls on the default group
+        # (DDP, a raw all_reduce) never interleave with the engine's collectives on the same connections.
+        self._world = collectives.new_group(list(range(size)))
+        self.process_sets: dict[int, ProcessSetState] = {0: ProcessSetState(tuple(range(size)), self._world)}
         self.timeline: Timeline | None = None
         if config.timeline_path:
             self.timeline = self._open_timeline(config.timeline_path, config.timeline_mark_cycles)
@@ -202,7 +205,7 @@ class Engine:
         now = time.monotonic()
         oldest = max((now - r.submitted_at for r in self._pending.values()), default=0.0)
         words = self._bit_vector(shutting_down, self._stall.wants_check(oldest))
-        collectives.bitwise_and_(words, None)
+        collectives.bitwise_and_(words, self._world)
         flags = int(words[0])
         if not flags & _FLAG_NO_SHUTDOWN:
             return False, EngineStoppedError("Shoal was shut down (shutdown() was called on a rank)")
@@ -223,7 +226,7 @@ class Engine:
 
     def _negotiate_new(self, cached: list[Response]) -> list[Response]:
         sending, self._to_send = self._to_send, []
-        gathered = collectives.allgather_object(sending, self.size, None)
+        gathered = collectives.allgather_object(sending, self.size, self._world)
         ready_now = {(r.process_set, r.name) for r in cached}
         for metas in gathered:
             for meta in metas:
@@ -244,7 +247,7 @@ class Engine:
     def _inspect_stalls(self) -> BaseException | None:
         now = time.monotonic()
         report = [(k[0], k[1], now - r.submitted_at) for k, r in self._pending.items()]
-        reports = collectives.allgather_object(report, self.size, None)
+        reports = collectives.allgather_object(report, self.size, self._world)
         message = self._stall.inspect(reports, self._members_of(), self.rank)
         return RuntimeError(message) if message is not None else None
 

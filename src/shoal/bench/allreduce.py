@@ -1,0 +1,131 @@
+"""Allreduce benchmark: Shoal's engine against raw torch.distributed on the same backend, in the same run.
+
+Run: ``shoalrun -np 2 python -m shoal.bench.allreduce [--max-mib 256] [--iterations 10]``.
+Prints a table, then (rank 0) one JSON line:
+``{"bench":"allreduce","world":..,"rows":[{"bytes","shoal_ms","raw_ms","ratio","busbw_GBps"}],"memcpy_GBps":..,
+"small_tensors":{...},"empty_cycle_ms":..}``. ``ratio`` = raw_ms / shoal_ms (> 1: Shoal is faster).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+import shoal.torch as hvd
+from shoal.comm import collectives
+
+
+def _timed_ms(fn: Callable[[], object], iterations: int) -> float:
+    """Median wall time of ``fn`` in ms, after one warm-up call."""
+    fn()
+    samples = []
+    for _ in range(iterations):
+        start = time.perf_counter()
+        fn()
+        samples.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(samples)
+
+
+def memcpy_gbps(nbytes: int = 64 * 1024 * 1024) -> float:
+    """Single-process, single-thread copy bandwidth (bytes copied per second), the limit for any local path."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    source = torch.ones(nbytes // 4)
+    target = torch.empty_like(source)
+    ms = _timed_ms(lambda: target.copy_(source), 10)
+    torch.set_num_threads(threads)
+    return nbytes / (ms / 1e3) / 1e9
+
+
+def _max_ms(value: float) -> float:
+    """The slowest rank's time: a collective is only as fast as its last rank."""
+    return float(collectives_max(torch.tensor([value], dtype=torch.float64)))
+
+
+def collectives_max(tensor: torch.Tensor) -> float:
+    collectives.allreduce_(tensor, "max", None)
+    return float(tensor.item())
+
+
+def bench_sizes(max_bytes: int, iterations: int) -> list[dict[str, float]]:
+    """Shoal's in-place allreduce and raw all_reduce, alternating, for 4 KiB up to ``max_bytes``."""
+    rows = []
+    size = hvd.size()
+    nbytes = 4096
+    while nbytes <= max_bytes:
+        tensor = torch.ones(nbytes // 4)
+        count = max(3, iterations if nbytes <= 16 * 1024 * 1024 else iterations // 3)
+        raw_ms = _max_ms(_timed_ms(functools.partial(collectives.allreduce_, tensor, "sum", None), count))
+        shoal_ms = _max_ms(_timed_ms(functools.partial(hvd.allreduce_, tensor, op=hvd.Sum, name="bench"), count))
+        busbw = 2 * (size - 1) / size * nbytes / (shoal_ms / 1e3) / 1e9 if size > 1 else 0.0
+        rows.append({"bytes": nbytes, "shoal_ms": round(shoal_ms, 4), "raw_ms": round(raw_ms, 4),
+                     "ratio": round(raw_ms / shoal_ms, 3), "busbw_GBps": round(busbw, 3)})  # fmt: skip
+        nbytes *= 4
+    return rows
+
+
+def bench_small_tensors(count: int = 256, bytes_each: int = 16384, repeats: int = 5) -> dict[str, float]:
+    """``count`` tensors submitted asynchronously then synchronized, against one blocking raw allreduce each."""
+    tensors = [torch.ones(bytes_each // 4) for _ in range(count)]
+
+    def shoal_step() -> None:
+        handles = [hvd.allreduce_async_(t, op=hvd.Sum, name=f"small.{i}") for i, t in enumerate(tensors)]
+        for handle in handles:
+            hvd.synchronize(handle)
+
+    def raw_step() -> None:
+        for tensor in tensors:
+            collectives.allreduce_(tensor, "sum", None)
+
+    shoal_ms = _max_ms(_timed_ms(shoal_step, repeats))
+    raw_ms = _max_ms(_timed_ms(raw_step, repeats))
+    return {"count": count, "bytes_each": bytes_each, "shoal_ms": round(shoal_ms, 3),
+            "raw_per_tensor_ms": round(raw_ms / count, 4), "speedup": round(raw_ms / shoal_ms, 2)}  # fmt: skip
+
+
+def bench_empty_cycle(iterations: int = 200) -> float:
+    """The steady-state negotiation collective: one bitwise-AND allreduce of the cycle's bit vector (ms)."""
+    words = torch.zeros(1 + (hvd_cache_capacity() + 62) // 63, dtype=torch.int64)
+    return _max_ms(_timed_ms(lambda: collectives.bitwise_and_(words, None), iterations))
+
+
+def hvd_cache_capacity() -> int:
+    from shoal.torch import handles
+
+    return handles.engine().config.cache_capacity
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Run the benchmark and print the table and the JSON line (rank 0)."""
+    parser = argparse.ArgumentParser(prog="python -m shoal.bench.allreduce", description=__doc__.split("\n")[0])
+    parser.add_argument("--max-mib", type=int, default=256, help="largest message in MiB (default 256)")
+    parser.add_argument("--iterations", type=int, default=10, help="timed iterations per size (default 10)")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    hvd.init()
+    limit = memcpy_gbps()
+    rows = bench_sizes(args.max_mib * 1024 * 1024, args.iterations)
+    small = bench_small_tensors()
+    empty_cycle_ms = bench_empty_cycle()
+    if hvd.rank() == 0:
+        print(f"{'bytes':>12} {'shoal ms':>10} {'raw ms':>10} {'ratio':>7} {'busbw GB/s':>11}")
+        for row in rows:
+            print(f"{row['bytes']:>12} {row['shoal_ms']:>10.3f} {row['raw_ms']:>10.3f} {row['ratio']:>7.2f} "
+                  f"{row['busbw_GBps']:>11.3f}")  # fmt: skip
+        print(f"memcpy limit: {limit:.2f} GB/s; empty negotiation cycle: {empty_cycle_ms:.3f} ms")
+        print(f"{small['count']} x {small['bytes_each']} B: shoal {small['shoal_ms']:.2f} ms, "
+              f"raw {small['raw_per_tensor_ms']:.3f} ms per tensor, speedup {small['speedup']:.1f}x")  # fmt: skip
+        result = {"bench": "allreduce", "world": hvd.size(), "rows": rows, "memcpy_GBps": round(limit, 3),
+                  "small_tensors": small, "empty_cycle_ms": round(empty_cycle_ms, 4)}  # fmt: skip
+        print(json.dumps(result), flush=True)
+    hvd.shutdown()
+
+
+if __name__ == "__main__":
+    main()
