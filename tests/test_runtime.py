@@ -77,14 +77,14 @@ def _init_only() -> int:
 
 def test_wrong_secret_is_refused_with_a_clear_error() -> None:
     with pytest.raises(MultiRankError) as failure:
-        run_ranks(_init_only, 2, rank_env_overrides={1: {"SHOAL_SECRET": "not-the-secret"}}, timeout_s=40)
+        run_ranks(_init_only, 2, rank_env_overrides={1: {"SHOAL_SECRET": "not-the-secret"}}, timeout_s=40, failure_grace_s=1)
     outcome = failure.value.outcomes[1]
     assert outcome.error is not None and "rendezvous refused" in outcome.error and "does not match" in outcome.error
 
 
 def test_missing_secret_is_refused_with_a_clear_error() -> None:
     with pytest.raises(MultiRankError) as failure:
-        run_ranks(_init_only, 2, rank_env_overrides={0: {"SHOAL_SECRET": ""}}, timeout_s=40)
+        run_ranks(_init_only, 2, rank_env_overrides={0: {"SHOAL_SECRET": ""}}, timeout_s=40, failure_grace_s=1)
     outcome = failure.value.outcomes[0]
     assert outcome.error is not None and "SHOAL_SECRET is not set" in outcome.error
 

@@ -109,6 +109,7 @@ def run_ranks(
     env: Mapping[str, str] | None = None,
     timeout_s: float = 60.0,
     rank_env_overrides: Mapping[int, Mapping[str, str]] | None = None,
+    failure_grace_s: float = _FAILURE_GRACE_S,
 ) -> list[Any]:
     """Run ``fn(*args)`` on ``size`` ranks and return the results in rank order.
 
@@ -119,6 +120,7 @@ def run_ranks(
         env: extra environment for every rank (for example engine knobs).
         timeout_s: hard limit for the whole run; past it every rank is killed and the call fails.
         rank_env_overrides: extra environment for particular ranks (to give one rank a wrong secret, say).
+        failure_grace_s: once a rank failed, how long the others may still run before they are killed.
 
     Returns:
         ``fn``'s return value on each rank.
@@ -155,7 +157,7 @@ def run_ranks(
     try:
         while pending:
             now = time.monotonic()
-            limit = deadline if first_failure is None else min(deadline, first_failure + _FAILURE_GRACE_S)
+            limit = deadline if first_failure is None else min(deadline, first_failure + failure_grace_s)
             if now >= limit:
                 break
             ready = multiprocessing.connection.wait(
@@ -196,7 +198,7 @@ def run_ranks(
         for outcome in outcomes:
             if outcome.rank in pending and first_failure is not None:
                 lines.append(
-                    f"--- rank {outcome.rank}: still running {_FAILURE_GRACE_S:.0f} s after another rank failed; killed"
+                    f"--- rank {outcome.rank}: still running {failure_grace_s:.0f} s after another rank failed; killed"
                 )
             elif outcome.rank in pending:
                 lines.append(f"--- rank {outcome.rank}: still running after the timeout ({timeout_s:.0f} s); killed")
