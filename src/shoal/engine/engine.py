@@ -33,6 +33,8 @@ from shoal.log import get_logger
 
 _FLAG_NOTHING_NEW, _FLAG_NO_STALL, _FLAG_NO_SHUTDOWN = 1, 2, 4
 _ALL_FLAGS = _FLAG_NOTHING_NEW | _FLAG_NO_STALL | _FLAG_NO_SHUTDOWN
+_WORD_MASK = (1 << 63) - 1
+"""63 bits per int64 word, so that no word is negative and every bit means one cache id."""
 
 
 class EngineStoppedError(RuntimeError):
@@ -55,6 +57,7 @@ class Engine:
             self.timeline = self._open_timeline(config.timeline_path, config.timeline_mark_cycles)
         self._executor = Executor(rank, self.process_sets, lambda: self.timeline)
         self._cache = ResponseCache(config.cache_capacity, rank)
+        self._bit_words = (config.cache_capacity + 62) // 63
         self._table = MessageTable(size)
         self._stall = StallInspector(
             config.stall_check_time_s, config.stall_shutdown_time_s, disabled=config.stall_check_disabled
@@ -178,7 +181,11 @@ class Engine:
         return shutting_down
 
     def _bit_vector(self, shutting_down: bool, stall_wanted: bool) -> torch.Tensor:
-        words = torch.zeros(1 + (self._cache.capacity + 62) // 63, dtype=torch.int64)
+        """Flags in word 0, then one bit per cache id: set when this rank is ready for that cached response.
+
+        A rank also sets the bit of a response it cannot block: one of a process set it is not in, and, once it
+        has joined, any response it will stand in for (unless every member has joined: then nobody runs it).
+        """
         flags = _ALL_FLAGS
         if self._to_send:
             flags &= ~_FLAG_NOTHING_NEW
@@ -186,16 +193,32 @@ class Engine:
             flags &= ~_FLAG_NO_STALL
         if shutting_down:
             flags &= ~_FLAG_NO_SHUTDOWN
-        words[0] = flags
+        bits = 0
+        for cache_id in self._pending_cached.values():
+            bits |= 1 << cache_id
         joined = set(self._table.joined)
-        ready = set(self._pending_cached.values())
-        for cache_id in self._cache.ids():
-            members = self.process_sets.get(self._cache.response(cache_id).process_set)
-            outsider = members is not None and self.rank not in members.members
-            all_joined = members is not None and all(m in joined for m in members.members)
-            if cache_id in ready or outsider or (self.rank in joined and not all_joined):
-                words[1 + cache_id // 63] |= 1 << (cache_id % 63)
-        return words
+        if len(self.process_sets) > 1 or self.rank in joined:
+            for cache_id in self._cache.ids():
+                state = self.process_sets.get(self._cache.response(cache_id).process_set)
+                if state is None:
+                    continue
+                outsider = self.rank not in state.members
+                stand_in = self.rank in joined and not all(m in joined for m in state.members)
+                if outsider or stand_in:
+                    bits |= 1 << cache_id
+        words = [flags] + [(bits >> (63 * i)) & _WORD_MASK for i in range(self._bit_words)]
+        return torch.tensor(words, dtype=torch.int64)
+
+    @staticmethod
+    def _ready_ids(words: list[int]) -> list[int]:
+        """Cache ids whose bit survived the AND, ascending."""
+        ids = []
+        for index, word in enumerate(words[1:]):
+            while word:
+                low = word & -word
+                ids.append(63 * index + low.bit_length() - 1)
+                word ^= low
+        return ids
 
     def _cycle(self) -> tuple[bool, BaseException | None]:
         self.cycles += 1
@@ -206,14 +229,14 @@ class Engine:
         oldest = max((now - r.submitted_at for r in self._pending.values()), default=0.0)
         words = self._bit_vector(shutting_down, self._stall.wants_check(oldest))
         collectives.bitwise_and_(words, self._world)
-        flags = int(words[0])
+        agreed = words.tolist()
+        flags = agreed[0]
         if not flags & _FLAG_NO_SHUTDOWN:
             return False, EngineStoppedError("Shoal was shut down (shutdown() was called on a rank)")
         responses: list[Response] = []
-        for cache_id in self._cache.ids():
-            if int(words[1 + cache_id // 63]) >> (cache_id % 63) & 1:
-                self._cache.touch(cache_id)
-                responses.append(self._cache.response(cache_id))
+        for cache_id in self._ready_ids(agreed):
+            self._cache.touch(cache_id)
+            responses.append(self._cache.response(cache_id))
         if not flags & _FLAG_NOTHING_NEW:
             responses.extend(self._negotiate_new(responses))
         stop = None

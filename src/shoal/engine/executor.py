@@ -139,11 +139,11 @@ class Executor:
         if single_in_place:
             buffer = inputs[0].view(-1)
         else:
-            buffer = torch.empty(sum(t.numel() for t in inputs), dtype=wire, device=inputs[0].device)
-            offset = 0
-            for tensor in inputs:
-                buffer[offset : offset + tensor.numel()].copy_(tensor.reshape(-1))
-                offset += tensor.numel()
+            flat = [tensor.reshape(-1) for tensor in inputs]
+            if wire == dtype:
+                buffer = torch.cat(flat) if len(flat) > 1 else flat[0].clone()
+            else:
+                buffer = torch.cat([piece.to(wire) for piece in flat])
         _scale_(buffer, meta.prescale)
         self._end(responses, "MEMCPY_IN_FUSION_BUFFER")
         assert meta.op is not None  # allreduce and reducescatter requests always carry their op

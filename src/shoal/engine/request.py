@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import functools
 import itertools
 import threading
 import time
@@ -40,6 +41,11 @@ class Kind(str, enum.Enum):
 DATA_KINDS = (Kind.ALLREDUCE, Kind.ALLGATHER, Kind.BROADCAST, Kind.ALLTOALL, Kind.REDUCESCATTER)
 
 
+@functools.cache
+def _itemsize(dtype: str) -> int:
+    return torch.empty((), dtype=getattr(torch, dtype)).element_size()
+
+
 @dataclass(frozen=True)
 class RequestMeta:
     """What every rank must agree on before a collective runs; small and picklable, it is what is negotiated."""
@@ -62,10 +68,12 @@ class RequestMeta:
     @property
     def nbytes(self) -> int:
         """Bytes of the tensor this request carries."""
+        if not self.dtype:
+            return 0
         count = 1
         for dim in self.shape:
             count *= dim
-        return count * torch.empty((), dtype=getattr(torch, self.dtype)).element_size() if self.dtype else 0
+        return count * _itemsize(self.dtype)
 
 
 _handle_ids = itertools.count(1)
