@@ -155,17 +155,17 @@ class Executor:
         if op == ReduceOp.Average:
             _divide_(buffer, len(state.members))
         _scale_(buffer, meta.postscale)
-        offset = 0
-        for request, tensor in zip(requests, inputs, strict=True):
-            piece = buffer[offset : offset + tensor.numel()]
-            offset += tensor.numel()
-            if request is None:
-                continue
-            output = request.output
-            assert output is not None
-            if not single_in_place:
-                output.view(-1).copy_(piece)
-            request.complete(output)
+        if not single_in_place:
+            pieces = buffer.split([tensor.numel() for tensor in inputs])
+            kept = [
+                (q.output.view(-1), p) for q, p in zip(requests, pieces, strict=True) if q is not None and q.output is not None
+            ]
+            if kept:
+                # One multi-tensor copy instead of a Python-level copy per tensor.
+                torch._foreach_copy_([out for out, _ in kept], [piece.to(out.dtype) for out, piece in kept])
+        for request in requests:
+            if request is not None:
+                request.complete(request.output)
         self._end(responses, "MEMCPY_OUT_FUSION_BUFFER")
 
     def _allgather(self, response: Response, request: Request | None, state: ProcessSetState) -> None:
