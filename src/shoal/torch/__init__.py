@@ -57,17 +57,22 @@ from shoal.torch.functions import (
 )
 from shoal.torch.handles import poll, start_timeline, stop_timeline, synchronize
 from shoal.torch.objects import allgather_object, broadcast_object
+from shoal.torch.optimizer import DistributedOptimizer
 from shoal.torch.process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
+from shoal.torch.state import broadcast_optimizer_state, broadcast_parameters
+from shoal.torch.sync_batch_norm import SyncBatchNorm
 
 __all__ = [
     "Adasum",
     "Average",
     "Compression",
+    "DistributedOptimizer",
     "Max",
     "Min",
     "ProcessSet",
     "Product",
     "Sum",
+    "SyncBatchNorm",
     "add_process_set",
     "allgather",
     "allgather_async",
@@ -84,6 +89,8 @@ __all__ = [
     "broadcast_async",
     "broadcast_async_",
     "broadcast_object",
+    "broadcast_optimizer_state",
+    "broadcast_parameters",
     "ccl_built",
     "cross_rank",
     "cross_size",

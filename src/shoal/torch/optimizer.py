@@ -1,0 +1,255 @@
+"""DistributedOptimizer: wait-free backprop (Poseidon) behind Horovod's optimizer wrapper.
+
+Each parameter gets a post-accumulate-grad hook. The moment its gradient is final for the step, the hook submits an
+asynchronous in-place allreduce, so the engine fuses and reduces late layers while earlier layers are still in
+backprop. ``step()`` (or ``synchronize()``) waits for the results and then applies the wrapped optimizer's update.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+
+from shoal.engine.request import ReduceOp
+from shoal.torch import functions, handles
+from shoal.torch.compression import Compression, Compressor
+from shoal.torch.process_sets import ProcessSet, global_process_set
+
+
+class _DistributedOptimizer(torch.optim.Optimizer):
+    """Methods mixed into a subclass of the user's optimizer class (so ``isinstance`` still holds)."""
+
+    _shoal_base: type[torch.optim.Optimizer]
+
+    def _shoal_setup(self, named_parameters: list[tuple[str, torch.Tensor]] | None, compression: type[Compressor],
+                     backward_passes_per_step: int, op: ReduceOp, gradient_predivide_factor: float,
+                     groups: list[list[torch.Tensor]] | None, sparse_as_dense: bool,
+                     process_set: ProcessSet) -> None:  # fmt: skip
+        params = [p for group in self.param_groups for p in group["params"]]
+        if named_parameters is not None:
+            names = [name for name, _ in named_parameters]
+            if len(set(names)) != len(names):
+                duplicates = sorted({n for n in names if names.count(n) > 1})
+                raise ValueError(f"named_parameters has duplicate names: {duplicates}")
+            by_id = {id(p): name for name, p in named_parameters}
+            unnamed = [i for i, p in enumerate(params) if id(p) not in by_id]
+            if unnamed:
+                raise ValueError(
+                    "named_parameters was given, but the optimizer has parameters that are not in it "
+                    f"(positions {unnamed[:5]}{'...' if len(unnamed) > 5 else ''}); pass model.named_parameters() "
+                    "for the same model the optimizer was built on"
+                )
+            self._shoal_names = {id(p): by_id[id(p)] for p in params}
+        else:
+            self._shoal_names = {id(p): f"param.{i}" for i, p in enumerate(params)}
+        if backward_passes_per_step < 1:
+            raise ValueError(f"backward_passes_per_step must be >= 1, got {backward_passes_per_step}")
+        if op not in (ReduceOp.Average, ReduceOp.Sum, ReduceOp.Adasum):
+            raise ValueError(f"DistributedOptimizer supports op=Average or Sum, not {ReduceOp(op).name}")
+        if gradient_predivide_factor != 1.0 and op != ReduceOp.Average:
+            raise ValueError("gradient_predivide_factor is only valid with op=Average")
+        self._shoal_compression = compression
+        self._shoal_passes = backward_passes_per_step
+        self._shoal_op = ReduceOp(op)
+        # Divide before the sum (and multiply back after) to keep fp16 sums in range; Average divides by size.
+        self._shoal_prescale = 1.0 / gradient_predivide_factor
+        self._shoal_postscale = gradient_predivide_factor
+        self._shoal_sparse_as_dense = sparse_as_dense
+        self._shoal_process_set = process_set
+        self._shoal_params = [p for p in params if p.requires_grad]
+        self._shoal_group_of: dict[int, int] = {}
+        self._shoal_groups: list[list[torch.Tensor]] = []
+        if groups:
+            for index, group in enumerate(groups):
+                self._shoal_groups.append(list(group))
+                for p in group:
+                    self._shoal_group_of[id(p)] = index
+        self._shoal_counts: dict[int, int] = {id(p): 0 for p in self._shoal_params}
+        self._shoal_handles: dict[int, tuple[int, Any, torch.Tensor]] = {}
+        self._shoal_group_ready: dict[int, set[int]] = {}
+        self._shoal_group_handles: dict[int, tuple[int, list[torch.Tensor], list[Any]]] = {}
+        self._shoal_synchronized = False
+        self._shoal_should_synchronize = True
+        self._shoal_hooks = [p.register_post_accumulate_grad_hook(self._shoal_on_grad) for p in self._shoal_params]
+
+    # ----- hooks: start each reduction as soon as its gradient is final -----
+
+    def _shoal_on_grad(self, param: torch.Tensor) -> None:
+        key = id(param)
+        group = self._shoal_group_of.get(key)
+        if key in self._shoal_handles or (group is not None and group in self._shoal_group_handles):
+            raise AssertionError(
+                f"the gradient of '{self._shoal_names[key]}' was computed more than backward_passes_per_step="
+                f"{self._shoal_passes} times before step(); call optimizer.step() (or synchronize()) between "
+                "backward passes, or raise backward_passes_per_step to accumulate locally"
+            )
+        self._shoal_counts[key] += 1
+        if self._shoal_counts[key] < self._shoal_passes:
+            return
+        self._shoal_counts[key] = 0
+        if group is None:
+            self._shoal_submit(param)
+            return
+        ready = self._shoal_group_ready.setdefault(group, set())
+        ready.add(key)
+        if len(ready) == len(self._shoal_groups[group]):
+            self._shoal_submit_group(group)
+
+    def _shoal_grad(self, param: torch.Tensor) -> torch.Tensor:
+        if param.grad is None:
+            param.grad = torch.zeros_like(param)
+        elif param.grad.is_sparse and self._shoal_sparse_as_dense:
+            param.grad = param.grad.to_dense()
+        return param.grad
+
+    def _shoal_submit(self, param: torch.Tensor) -> None:
+        grad = self._shoal_grad(param)
+        name = f"DistributedOptimizer.{self._shoal_names[id(param)]}"
+        if grad.is_sparse:
+            self._shoal_handles[id(param)] = (-1, None, grad)
+            return
+        compressed, ctx = self._shoal_compression.compress(grad)
+        handle = functions.allreduce_async_(compressed, name=name, op=self._shoal_op, prescale_factor=self._shoal_prescale,
+                                            postscale_factor=self._shoal_postscale,
+                                            process_set=self._shoal_process_set)  # fmt: skip
+        self._shoal_handles[id(param)] = (handle, ctx, compressed)
+
+    def _shoal_submit_group(self, group: int) -> None:
+        params = self._shoal_groups[group]
+        grads = [self._shoal_grad(p) for p in params]
+        packed = [self._shoal_compression.compress(g) for g in grads]
+        handle = functions.grouped_allreduce_async_([c for c, _ in packed], name=f"DistributedOptimizer.group.{group}",
+                                                    op=self._shoal_op, prescale_factor=self._shoal_prescale,
+                                                    postscale_factor=self._shoal_postscale,
+                                                    process_set=self._shoal_process_set)  # fmt: skip
+        self._shoal_group_handles[group] = (handle, [c for c, _ in packed], [ctx for _, ctx in packed])
+        self._shoal_group_ready.pop(group, None)
+
+    # ----- the Horovod optimizer surface -----
+
+    def synchronize(self) -> None:
+        """Wait for every gradient reduction of this step (submitting any a parameter never started)."""
+        for param in self._shoal_params:
+            key = id(param)
+            group = self._shoal_group_of.get(key)
+            if group is None and key not in self._shoal_handles:
+                self._shoal_submit(param)  # no gradient this step here: stand in with zeros, never hang others
+            elif group is not None and group not in self._shoal_group_handles:
+                self._shoal_submit_group(group)
+        for key, (handle, ctx, compressed) in list(self._shoal_handles.items()):
+            param = next(p for p in self._shoal_params if id(p) == key)
+            if handle == -1:
+                param.grad = self._shoal_sparse_allreduce(param.grad, self._shoal_names[key])
+            else:
+                handles.synchronize(handle)
+                if compressed is not param.grad:
+                    assert param.grad is not None
+                    param.grad.copy_(self._shoal_compression.decompress(compressed, ctx))
+        for group, (handle, compressed_list, contexts) in list(self._shoal_group_handles.items()):
+            handles.synchronize(handle)
+            for param, compressed, ctx in zip(self._shoal_groups[group], compressed_list, contexts, strict=True):
+                if compressed is not param.grad:
+                    assert param.grad is not None
+                    param.grad.copy_(self._shoal_compression.decompress(compressed, ctx))
+        self._shoal_handles.clear()
+        self._shoal_group_handles.clear()
+        self._shoal_counts = dict.fromkeys(self._shoal_counts, 0)
+        self._shoal_synchronized = True
+
+    def _shoal_sparse_allreduce(self, grad: torch.Tensor | None, name: str) -> torch.Tensor:
+        """Sparse gradients: allgather indices and values, then sum duplicates (averaging if op is Average)."""
+        assert grad is not None
+        grad = grad.coalesce()
+        indices = functions.allgather(grad.indices().t().contiguous(), name=f"DistributedOptimizer.{name}.indices",
+                                      process_set=self._shoal_process_set).t()  # fmt: skip
+        values = functions.allgather(grad.values().contiguous(), name=f"DistributedOptimizer.{name}.values",
+                                     process_set=self._shoal_process_set)  # fmt: skip
+        if self._shoal_op == ReduceOp.Average:
+            values = values / self._shoal_process_set.size()
+        return torch.sparse_coo_tensor(indices, values, grad.shape).coalesce()
+
+    @contextlib.contextmanager
+    def skip_synchronize(self) -> Iterator[None]:
+        """Inside this block ``step()`` does not synchronize (call ``synchronize()`` yourself first, e.g. to clip)."""
+        self._shoal_should_synchronize = False
+        try:
+            yield
+        finally:
+            self._shoal_should_synchronize = True
+
+    def step(self, closure: Any = None) -> Any:
+        """Wait for the reduced gradients (unless inside ``skip_synchronize``), then apply the update."""
+        if self._shoal_should_synchronize:
+            if self._shoal_synchronized and not (self._shoal_handles or self._shoal_group_handles):
+                pass  # the user already called synchronize() for this step
+            else:
+                self.synchronize()
+        self._shoal_synchronized = False
+        return self._shoal_base.step(self, closure)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear gradients; refuses while reductions are still writing into them."""
+        if self._shoal_handles or self._shoal_group_handles:
+            raise AssertionError(
+                "optimizer.zero_grad() was called after loss.backward() but before optimizer.step() or "
+                "optimizer.synchronize(): the gradient reductions in flight would be lost"
+            )
+        self._shoal_base.zero_grad(self, set_to_none)
+
+
+def DistributedOptimizer(
+    optimizer: torch.optim.Optimizer,
+    named_parameters: Iterable[tuple[str, torch.Tensor]] | None = None,
+    compression: type[Compressor] = Compression.none,
+    backward_passes_per_step: int = 1,
+    op: int = ReduceOp.Average,
+    gradient_predivide_factor: float = 1.0,
+    num_groups: int = 0,
+    groups: list[list[torch.Tensor]] | int | None = None,
+    sparse_as_dense: bool = False,
+    process_set: ProcessSet = global_process_set,
+) -> torch.optim.Optimizer:
+    """Wrap ``optimizer`` so that gradients are averaged across ranks, overlapping backprop.
+
+    The returned object is an instance of a subclass of ``optimizer``'s class that shares its state, param groups
+    and hyperparameters. Arguments follow ``horovod.torch.DistributedOptimizer``; ``groups`` is a list of parameter
+    lists reduced together (or, as in Horovod, an int meaning ``num_groups``).
+    """
+    handles.engine()  # raises Horovod's ValueError before init()
+    if ReduceOp(op) == ReduceOp.Adasum:
+        raise NotImplementedError("op=Adasum is not supported by Shoal yet; use Average or Sum")
+    params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
+    if isinstance(groups, int):
+        num_groups, groups = groups, None
+    if num_groups < 0:
+        raise ValueError(f"num_groups must be >= 0, got {num_groups}")
+    if num_groups and groups:
+        raise ValueError("give either num_groups or groups, not both")
+    if num_groups:
+        count = min(num_groups, len(params))
+        size, extra = divmod(len(params), count)
+        groups, start = [], 0
+        for index in range(count):
+            stop = start + size + (1 if index < extra else 0)
+            groups.append(params[start:stop])
+            start = stop
+    if groups:
+        listed = [id(p) for group in groups for p in group]
+        if len(set(listed)) != len(listed):
+            raise ValueError("a parameter appears in more than one group")
+        known = {id(p) for p in params}
+        if any(key not in known for key in listed):
+            raise ValueError("groups contain a tensor that is not a trainable parameter of this optimizer")
+    base = type(optimizer)
+    methods = {k: v for k, v in vars(_DistributedOptimizer).items() if k not in ("__dict__", "__weakref__")}
+    cls: Any = type(base.__name__, (base,), methods)
+    cls._shoal_base = base
+    wrapped: Any = object.__new__(cls)  # shares the user's optimizer state: no second __init__
+    wrapped.__dict__.update(optimizer.__dict__)
+    named = list(named_parameters) if named_parameters is not None else None
+    wrapped._shoal_setup(named, compression, backward_passes_per_step, ReduceOp(op), gradient_predivide_factor,
+                         groups or None, sparse_as_dense, process_set)  # fmt: skip
+    return wrapped

@@ -1,0 +1,256 @@
+"""DistributedOptimizer, state broadcast, compression, SyncBatchNorm and join, against single-process references.
+
+Reference rule: N ranks x batch B must give the weights of one process with batch N*B. Tolerance: fp32 weights
+agree within atol 1e-5 (the only difference is the order of floating-point summation).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import shoal.torch as hvd
+from shoal.testing import run_ranks
+
+BATCH = 4
+STEPS = 3
+ATOL = 1e-5
+
+
+class Net(nn.Module):
+    def __init__(self, unused_branch: bool = False) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(8, 16)
+        self.fc2 = nn.Linear(16, 4)
+        self.unused = nn.Linear(16, 4) if unused_branch else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+def data(size: int, passes: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(123)
+    x = torch.randn(STEPS, passes, size * BATCH, 8, generator=generator)
+    y = torch.randn(STEPS, passes, size * BATCH, 4, generator=generator)
+    return x, y
+
+
+def train(model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor) -> None:
+    for step in range(x.shape[0]):
+        optimizer.zero_grad()
+        for micro in range(x.shape[1]):
+            nn.functional.mse_loss(model(x[step, micro]), y[step, micro]).backward()
+        optimizer.step()
+
+
+def reference(size: int, passes: int, unused_branch: bool) -> dict[str, np.ndarray]:
+    torch.manual_seed(0)
+    model = Net(unused_branch)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    x, y = data(size, passes)
+    train(model, optimizer, x, y)
+    return {k: v.numpy() for k, v in model.state_dict().items()}
+
+
+def _distributed(passes: int, unused_branch: bool, options: dict[str, object]) -> dict[str, np.ndarray]:
+    hvd.init()
+    torch.manual_seed(hvd.rank())  # different on purpose: the broadcast must fix it
+    model = Net(unused_branch)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    if options.pop("same_init", True):
+        torch.manual_seed(0)
+        model.load_state_dict(Net(unused_branch).state_dict())
+    if options.pop("num_groups", 0):
+        options["num_groups"] = 2
+    optimizer = hvd.DistributedOptimizer(
+        optimizer, named_parameters=model.named_parameters(), backward_passes_per_step=passes, **options
+    )  # type: ignore[arg-type]
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    hvd.broadcast_optimizer_state(optimizer, root_rank=0)
+    x, y = data(hvd.size(), passes)
+    rows = slice(hvd.rank() * BATCH, (hvd.rank() + 1) * BATCH)
+    train(model, optimizer, x[:, :, rows], y[:, :, rows])
+    return {k: v.numpy() for k, v in model.state_dict().items()}
+
+
+CASES = {
+    "plain": (1, False, {}),
+    "backward_passes_per_step=2": (2, False, {}),
+    "gradient_predivide_factor=2": (1, False, {"gradient_predivide_factor": 2.0}),
+    "num_groups=2": (1, False, {"num_groups": 2}),
+    "unused branch": (1, True, {}),
+}
+
+
+@pytest.mark.parametrize("size", [2, 3, 4])
+@pytest.mark.parametrize("case", list(CASES))
+def test_n_ranks_match_one_process_with_n_times_the_batch(size: int, case: str) -> None:
+    passes, unused, options = CASES[case]
+    expected = reference(size, passes, unused)
+    for rank, weights in enumerate(run_ranks(_distributed, size, args=(passes, unused, dict(options)), timeout_s=120)):
+        for name, value in expected.items():
+            np.testing.assert_allclose(weights[name], value, atol=ATOL, err_msg=f"{case}: rank {rank}, {name}")
+
+
+@pytest.mark.parametrize("compression", ["fp16", "bf16"])
+def test_compression_stays_close_to_fp32(compression: str) -> None:
+    expected = reference(2, 1, False)
+    options = {"compression": getattr(hvd.Compression, compression)}
+    tolerance = {"fp16": 2e-3, "bf16": 2e-2}[compression]  # stated: fp16 ~ 11 bits, bf16 ~ 8 bits of mantissa
+    for weights in run_ranks(_distributed, 2, args=(1, False, options)):
+        for name, value in expected.items():
+            np.testing.assert_allclose(weights[name], value, atol=tolerance, err_msg=name)
+
+
+def _broadcast_state() -> dict[str, object]:
+    hvd.init()
+    torch.manual_seed(100 + hvd.rank())
+    model = Net()
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01 * (hvd.rank() + 1), betas=(0.8 + 0.05 * hvd.rank(), 0.99))
+    nn.functional.mse_loss(model(torch.randn(3, 8)), torch.randn(3, 4)).backward()
+    optimizer.step()  # rank-specific, non-empty state
+    fresh = torch.optim.SGD(Net().parameters(), lr=0.3 + hvd.rank(), momentum=0.5 * hvd.rank())  # empty state
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    hvd.broadcast_optimizer_state(optimizer, root_rank=0)
+    hvd.broadcast_optimizer_state(fresh, root_rank=0)
+    state = optimizer.state_dict()
+    return {
+        "weights": {k: v.numpy() for k, v in model.state_dict().items()},
+        "groups": [{k: v for k, v in g.items() if k != "params"} for g in state["param_groups"]],
+        "state": {
+            i: {k: (v.numpy() if isinstance(v, torch.Tensor) else v) for k, v in s.items()} for i, s in state["state"].items()
+        },
+        "fresh": [{k: v for k, v in g.items() if k != "params"} for g in fresh.state_dict()["param_groups"]],
+        "fresh_state": len(fresh.state_dict()["state"]),
+    }
+
+
+def test_broadcast_makes_parameters_and_optimizer_state_identical() -> None:
+    results = run_ranks(_broadcast_state, 3)
+    root = results[0]
+    assert root["groups"][0]["lr"] == 0.01 and root["fresh"][0]["lr"] == 0.3  # type: ignore[index]
+    for result in results[1:]:
+        for name, value in root["weights"].items():  # type: ignore[attr-defined]
+            np.testing.assert_array_equal(result["weights"][name], value)  # type: ignore[index]
+        assert result["groups"] == root["groups"] and result["fresh"] == root["fresh"]
+        assert result["fresh_state"] == 0
+        for index, state in root["state"].items():  # type: ignore[attr-defined]
+            for key, value in state.items():
+                np.testing.assert_array_equal(result["state"][index][key], value)  # type: ignore[index]
+
+
+def _sync_batch_norm(x_all: torch.Tensor) -> dict[str, np.ndarray]:
+    hvd.init()
+    size, rank = hvd.size(), hvd.rank()
+    rows = x_all.shape[0] // size
+    x = x_all[rank * rows : (rank + 1) * rows].clone().requires_grad_(True)
+    torch.manual_seed(0)
+    layer = hvd.SyncBatchNorm(3)
+    with torch.no_grad():
+        layer.weight.copy_(torch.tensor([1.0, 2.0, 0.5]))
+        layer.bias.copy_(torch.tensor([0.1, -0.2, 0.3]))
+    out = layer(x)
+    (out * torch.arange(out.numel(), dtype=out.dtype).view_as(out).add(rank * out.numel())).sum().backward()
+    grad_w = hvd.allreduce(layer.weight.grad, op=hvd.Sum)
+    grad_b = hvd.allreduce(layer.bias.grad, op=hvd.Sum)
+    return {"out": out.detach().numpy(), "grad_x": x.grad.numpy(), "grad_w": grad_w.numpy(), "grad_b": grad_b.numpy(),
+            "running_mean": layer.running_mean.numpy(), "running_var": layer.running_var.numpy()}  # fmt: skip
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_sync_batch_norm_matches_batch_norm_on_the_global_batch(size: int) -> None:
+    x_all = torch.randn(size * 4, 3, 5, generator=torch.Generator().manual_seed(7)) * 3 + 1
+    results = run_ranks(_sync_batch_norm, size, args=(x_all,))
+    reference_layer = nn.BatchNorm1d(3)
+    with torch.no_grad():
+        reference_layer.weight.copy_(torch.tensor([1.0, 2.0, 0.5]))
+        reference_layer.bias.copy_(torch.tensor([0.1, -0.2, 0.3]))
+    x = x_all.clone().requires_grad_(True)
+    out = reference_layer(x)
+    (out * torch.arange(out.numel(), dtype=out.dtype).view_as(out)).sum().backward()
+    rows = x_all.shape[0] // size
+    for rank, result in enumerate(results):
+        part = slice(rank * rows, (rank + 1) * rows)
+        np.testing.assert_allclose(result["out"], out.detach().numpy()[part], atol=1e-5)
+        np.testing.assert_allclose(result["grad_x"], x.grad.numpy()[part], atol=1e-3, rtol=1e-4)
+        np.testing.assert_allclose(result["grad_w"], reference_layer.weight.grad.numpy(), rtol=1e-4)
+        np.testing.assert_allclose(result["grad_b"], reference_layer.bias.grad.numpy(), rtol=1e-4)
+        np.testing.assert_allclose(result["running_mean"], reference_layer.running_mean.numpy(), atol=1e-6)
+        np.testing.assert_allclose(result["running_var"], reference_layer.running_var.numpy(), atol=1e-5)
+
+
+def _uneven_with_join() -> tuple[int, int, bool]:
+    hvd.init()
+    torch.manual_seed(0)
+    model = Net()
+    optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                         named_parameters=model.named_parameters())  # fmt: skip
+    batches = 5 if hvd.rank() == 0 else 2
+    for _ in range(batches):
+        optimizer.zero_grad()
+        nn.functional.mse_loss(model(torch.randn(4, 8)), torch.randn(4, 4)).backward()
+        optimizer.step()
+    last = hvd.join()
+    finite = all(bool(torch.isfinite(p).all()) for p in model.parameters())
+    return batches, last, finite
+
+
+def test_join_with_uneven_batches_does_not_hang() -> None:
+    results = run_ranks(_uneven_with_join, 2, timeout_s=60)
+    assert results == [(5, 0, True), (2, 0, True)]
+
+
+def _rank_dependent_unused_branch() -> list[float]:
+    hvd.init()
+    torch.manual_seed(0)
+    model = Net(unused_branch=True)
+    optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1.0),
+                                         named_parameters=model.named_parameters())  # fmt: skip
+    with torch.no_grad():
+        before = model.unused.weight.clone()  # type: ignore[union-attr]
+    hidden = torch.relu(model.fc1(torch.ones(2, 8)))
+    loss = model.fc2(hidden).sum()
+    if hvd.rank() == 0:  # only rank 0 uses the branch this step
+        loss = loss + model.unused(hidden).sum()  # type: ignore[misc]
+    loss.backward()
+    optimizer.step()
+    return (before - model.unused.weight).sum(1).tolist()  # type: ignore[union-attr]
+
+
+def test_a_parameter_without_gradient_on_some_ranks_does_not_deadlock() -> None:
+    results = run_ranks(_rank_dependent_unused_branch, 2, timeout_s=60)
+    assert results[0] == pytest.approx(results[1])  # both ranks applied the same averaged update
+    assert any(abs(v) > 0 for v in results[0])
+
+
+def _guards() -> list[str]:
+    hvd.init()
+    model = Net()
+    optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                         named_parameters=model.named_parameters())  # fmt: skip
+    messages = []
+    nn.functional.mse_loss(model(torch.ones(2, 8)), torch.zeros(2, 4)).backward()
+    try:
+        optimizer.zero_grad()
+    except AssertionError as error:
+        messages.append(str(error))
+    optimizer.synchronize()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 0.01)
+    with optimizer.skip_synchronize():
+        optimizer.step()
+    messages.append(f"clipped {sum(float(p.grad.norm() ** 2) for p in model.parameters()) ** 0.5:.4f}")
+    assert isinstance(optimizer, torch.optim.SGD)
+    try:
+        hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=[("a", model.fc1.weight)])
+    except ValueError as error:
+        messages.append(str(error))
+    return messages
+
+
+def test_zero_grad_guard_skip_synchronize_and_naming_errors() -> None:
+    messages = run_ranks(_guards, 2)[0]
+    assert "zero_grad() was called after loss.backward()" in messages[0]
+    assert messages[1] == "clipped 0.0100"
+    assert "not in it" in messages[2]
