@@ -13,6 +13,8 @@ from collections.abc import Mapping
 #: The knob names (without prefix) that Shoal reads. Frozen by a test; both prefixes are accepted.
 KNOB_NAMES = (
     "FUSION_THRESHOLD",
+    "FUSION_SOLO_BYTES",
+    "BUCKET_BYTES",
     "CYCLE_TIME",
     "CACHE_CAPACITY",
     "TIMELINE",

@@ -13,6 +13,9 @@ class EngineConfig:
 
     fusion_threshold_bytes: int = 64 * 1024 * 1024
     """Largest fused allreduce buffer (SHOAL_FUSION_THRESHOLD, bytes). 0 disables fusion."""
+    fusion_solo_bytes: int = 1024 * 1024
+    """Tensors this large are reduced alone and in place instead of copied into a fusion buffer
+    (SHOAL_FUSION_SOLO_BYTES): fusion saves per-collective latency, which matters only for small tensors."""
     cycle_time_ms: float = 1.0
     """Pause between busy engine cycles (SHOAL_CYCLE_TIME). Idle engines sleep until work arrives."""
     idle_cycle_time_ms: float = 20.0
@@ -33,6 +36,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.fusion_threshold_bytes < 0:
             raise ValueError(f"fusion threshold must be >= 0 bytes, got {self.fusion_threshold_bytes}")
+        if self.fusion_solo_bytes < 1:
+            raise ValueError(f"fusion solo size must be >= 1 byte, got {self.fusion_solo_bytes}")
         if self.cycle_time_ms < 0 or self.idle_cycle_time_ms <= 0:
             raise ValueError("cycle times must be positive")
         if self.cache_capacity < 0:
@@ -48,6 +53,7 @@ class EngineConfig:
         defaults = cls()
         return cls(
             fusion_threshold_bytes=env_int("FUSION_THRESHOLD", defaults.fusion_threshold_bytes),
+            fusion_solo_bytes=env_int("FUSION_SOLO_BYTES", defaults.fusion_solo_bytes),
             cycle_time_ms=env_float("CYCLE_TIME", defaults.cycle_time_ms),
             cache_capacity=env_int("CACHE_CAPACITY", defaults.cache_capacity),
             timeline_path=env_str("TIMELINE"),

@@ -138,19 +138,29 @@ class Engine:
 
     def _run(self) -> None:
         try:
-            busy = False
+            stalled_cycles = 0  # consecutive cycles that completed nothing while this rank had work pending
             while True:
                 with self._lock:
                     if not self._queue and not self._shutdown_requested:
-                        wait_ms = self.config.cycle_time_ms if busy or self._pending else self.config.idle_cycle_time_ms
-                        self._lock.wait(wait_ms / 1000.0)
-                busy, stop = self._cycle()
+                        self._lock.wait(self._wait_ms(stalled_cycles) / 1000.0)
+                progress, stop = self._cycle()
+                stalled_cycles = 0 if progress or not self._pending else stalled_cycles + 1
                 if stop is not None:
                     self._fail_everything(stop)
                     return
         except BaseException as error:  # a collective failed (a peer died, a timeout): fail loudly, never hang
             get_logger().error("engine stopped after an error: %s", error)
             self._fail_everything(EngineStoppedError(f"Shoal's engine failed: {error}"))
+
+    def _wait_ms(self, stalled_cycles: int) -> float:
+        """How long to sleep before the next cycle, unless a local submission wakes the engine first.
+
+        While this rank waits on others (say, for their backprop to reach the same layer), each empty cycle doubles
+        the pause up to the idle period: on a 2-core machine every cycle's collective takes CPU from backprop.
+        """
+        if not self._pending:
+            return self.config.idle_cycle_time_ms
+        return min(self.config.cycle_time_ms * (2**stalled_cycles), self.config.idle_cycle_time_ms)
 
     def _fail_everything(self, error: BaseException) -> None:
         with self._lock:
@@ -245,7 +255,7 @@ class Engine:
         self._execute(responses)
         if self.timeline is not None:
             self.timeline.flush()
-        return bool(self._pending or responses), stop
+        return bool(responses), stop
 
     def _negotiate_new(self, cached: list[Response]) -> list[Response]:
         sending, self._to_send = self._to_send, []
@@ -289,7 +299,7 @@ class Engine:
         with self._lock:  # before completion wakes a waiter that may resubmit the same name at once
             for key in done:
                 self._in_flight.discard(key)
-        for batch in plan_batches(responses, self.config.fusion_threshold_bytes):
+        for batch in plan_batches(responses, self.config.fusion_threshold_bytes, self.config.fusion_solo_bytes):
             self._executor.run(batch, done)
         for response in responses:
             if self._cacheable(response):

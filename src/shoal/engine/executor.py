@@ -22,7 +22,7 @@ _REDUCTIONS[ReduceOp.Product] = "product"
 
 @dataclass
 class ProcessSetState:
-    """A registered process set: its global ranks (ascending) and its torch.distributed group (None = world)."""
+    """A registered process set: its global ranks (ascending) and its torch.distributed group."""
 
     members: tuple[int, ...]
     group: Any

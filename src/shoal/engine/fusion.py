@@ -24,19 +24,20 @@ def _fusion_key(response: Response) -> tuple[object, ...] | None:
     return (meta.dtype, meta.device, meta.op, meta.process_set, meta.prescale, meta.postscale)
 
 
-def plan_batches(responses: Sequence[Response], threshold_bytes: int) -> list[FusedBatch]:
+def plan_batches(responses: Sequence[Response], threshold_bytes: int, solo_bytes: int) -> list[FusedBatch]:
     """Group responses into batches, in an order every rank derives identically.
 
     Allreduces with the same dtype, device, op, process set and scale factors share a batch until adding the next
-    would pass ``threshold_bytes``; a tensor larger than the threshold gets a batch of its own. Every other
-    response is a batch of one, kept in agreed order relative to the batch that opened before it.
+    would pass ``threshold_bytes``. A tensor of ``solo_bytes`` or more is reduced alone, in place: on CPU, copying
+    it into and out of a fusion buffer costs more memory bandwidth than the one collective it would save.
+    Every other response is a batch of one, in agreed order.
     """
     batches: list[FusedBatch] = []
     open_batches: dict[tuple[object, ...], FusedBatch] = {}
     for response in responses:
         key = _fusion_key(response)
         size = response.meta.nbytes if key is not None else 0
-        if key is None or threshold_bytes == 0:
+        if key is None or threshold_bytes == 0 or size >= solo_bytes:
             batches.append(FusedBatch([response], size))
             continue
         batch = open_batches.get(key)

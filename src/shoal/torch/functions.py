@@ -154,10 +154,16 @@ def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: bool | No
                              op: int | None = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                              process_set: ProcessSet = global_process_set) -> int:  # fmt: skip
     """In-place form of ``grouped_allreduce_async``."""
-    resolved = _resolve_op(op, average)
     base = _auto_name(Kind.ALLREDUCE, name, process_set)
-    requests = [_allreduce_request(t, f"{base}.{i}", resolved, prescale_factor, postscale_factor, process_set, True)
-                for i, t in enumerate(tensors)]  # fmt: skip
+    return allreduce_named_async_(tensors, [f"{base}.{i}" for i in range(len(tensors))], _resolve_op(op, average),
+                                  prescale_factor, postscale_factor, process_set)  # fmt: skip
+
+
+def allreduce_named_async_(tensors: Sequence[torch.Tensor], names: Sequence[str], op: ReduceOp,
+                           prescale_factor: float, postscale_factor: float, process_set: ProcessSet) -> int:  # fmt: skip
+    """Reduce several tensors in place under their own names, submitted together (one cycle, one fused buffer)."""
+    requests = [_allreduce_request(t, n, op, prescale_factor, postscale_factor, process_set, True)
+                for t, n in zip(tensors, names, strict=True)]  # fmt: skip
     return handles.submit(requests, _as_list)
 
 

@@ -13,10 +13,13 @@ from typing import Any
 
 import torch
 
+from shoal.config import env_int
 from shoal.engine.request import ReduceOp
 from shoal.torch import functions, handles
 from shoal.torch.compression import Compression, Compressor
 from shoal.torch.process_sets import ProcessSet, global_process_set
+
+DEFAULT_BUCKET_BYTES = 2 * 1024 * 1024
 
 
 class _DistributedOptimizer(torch.optim.Optimizer):
@@ -27,7 +30,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def _shoal_setup(self, named_parameters: list[tuple[str, torch.Tensor]] | None, compression: type[Compressor],
                      backward_passes_per_step: int, op: ReduceOp, gradient_predivide_factor: float,
                      groups: list[list[torch.Tensor]] | None, sparse_as_dense: bool,
-                     process_set: ProcessSet) -> None:  # fmt: skip
+                     process_set: ProcessSet, bucket_bytes: int) -> None:  # fmt: skip
         params = [p for group in self.param_groups for p in group["params"]]
         if named_parameters is not None:
             names = [name for name, _ in named_parameters]
@@ -68,9 +71,13 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 for p in group:
                     self._shoal_group_of[id(p)] = index
         self._shoal_counts: dict[int, int] = {id(p): 0 for p in self._shoal_params}
-        self._shoal_handles: dict[int, tuple[int, Any, torch.Tensor]] = {}
+        self._shoal_bucket_bytes = bucket_bytes
+        self._shoal_bucket: list[torch.Tensor] = []
+        self._shoal_bucket_size = 0
+        self._shoal_submitted: set[int] = set()
         self._shoal_group_ready: dict[int, set[int]] = {}
-        self._shoal_group_handles: dict[int, tuple[int, list[torch.Tensor], list[Any]]] = {}
+        self._shoal_in_flight: list[tuple[int, list[torch.Tensor], list[torch.Tensor], list[Any]]] = []
+        self._shoal_sparse: list[torch.Tensor] = []
         self._shoal_synchronized = False
         self._shoal_should_synchronize = True
         self._shoal_hooks = [p.register_post_accumulate_grad_hook(self._shoal_on_grad) for p in self._shoal_params]
@@ -79,8 +86,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     def _shoal_on_grad(self, param: torch.Tensor) -> None:
         key = id(param)
-        group = self._shoal_group_of.get(key)
-        if key in self._shoal_handles or (group is not None and group in self._shoal_group_handles):
+        if key in self._shoal_submitted:
             raise AssertionError(
                 f"the gradient of '{self._shoal_names[key]}' was computed more than backward_passes_per_step="
                 f"{self._shoal_passes} times before step(); call optimizer.step() (or synchronize()) between "
@@ -90,13 +96,23 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if self._shoal_counts[key] < self._shoal_passes:
             return
         self._shoal_counts[key] = 0
-        if group is None:
-            self._shoal_submit(param)
+        group = self._shoal_group_of.get(key)
+        if group is not None:
+            ready = self._shoal_group_ready.setdefault(group, set())
+            ready.add(key)
+            if len(ready) == len(self._shoal_groups[group]):
+                self._shoal_submit(self._shoal_groups[group])
+                self._shoal_group_ready.pop(group, None)
             return
-        ready = self._shoal_group_ready.setdefault(group, set())
-        ready.add(key)
-        if len(ready) == len(self._shoal_groups[group]):
-            self._shoal_submit_group(group)
+        self._shoal_bucket.append(param)
+        self._shoal_bucket_size += param.numel() * param.element_size()
+        if self._shoal_bucket_size >= self._shoal_bucket_bytes:
+            self._shoal_flush_bucket()
+
+    def _shoal_flush_bucket(self) -> None:
+        if self._shoal_bucket:
+            self._shoal_submit(self._shoal_bucket)
+        self._shoal_bucket, self._shoal_bucket_size = [], 0
 
     def _shoal_grad(self, param: torch.Tensor) -> torch.Tensor:
         if param.grad is None:
@@ -105,57 +121,40 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             param.grad = param.grad.to_dense()
         return param.grad
 
-    def _shoal_submit(self, param: torch.Tensor) -> None:
-        grad = self._shoal_grad(param)
-        name = f"DistributedOptimizer.{self._shoal_names[id(param)]}"
-        if grad.is_sparse:
-            self._shoal_handles[id(param)] = (-1, None, grad)
+    def _shoal_submit(self, params: list[torch.Tensor]) -> None:
+        """Start reducing these parameters' gradients together, each under its parameter's name."""
+        dense: list[torch.Tensor] = []
+        for param in params:
+            self._shoal_submitted.add(id(param))
+            (self._shoal_sparse if self._shoal_grad(param).is_sparse else dense).append(param)
+        if not dense:
             return
-        compressed, ctx = self._shoal_compression.compress(grad)
-        handle = functions.allreduce_async_(compressed, name=name, op=self._shoal_op, prescale_factor=self._shoal_prescale,
-                                            postscale_factor=self._shoal_postscale,
-                                            process_set=self._shoal_process_set)  # fmt: skip
-        self._shoal_handles[id(param)] = (handle, ctx, compressed)
-
-    def _shoal_submit_group(self, group: int) -> None:
-        params = self._shoal_groups[group]
-        grads = [self._shoal_grad(p) for p in params]
-        packed = [self._shoal_compression.compress(g) for g in grads]
-        handle = functions.grouped_allreduce_async_([c for c, _ in packed], name=f"DistributedOptimizer.group.{group}",
-                                                    op=self._shoal_op, prescale_factor=self._shoal_prescale,
-                                                    postscale_factor=self._shoal_postscale,
-                                                    process_set=self._shoal_process_set)  # fmt: skip
-        self._shoal_group_handles[group] = (handle, [c for c, _ in packed], [ctx for _, ctx in packed])
-        self._shoal_group_ready.pop(group, None)
+        packed = [self._shoal_compression.compress(self._shoal_grad(p)) for p in dense]
+        names = [f"DistributedOptimizer.{self._shoal_names[id(p)]}" for p in dense]
+        handle = functions.allreduce_named_async_([c for c, _ in packed], names, self._shoal_op, self._shoal_prescale,
+                                                  self._shoal_postscale, self._shoal_process_set)  # fmt: skip
+        self._shoal_in_flight.append((handle, dense, [c for c, _ in packed], [ctx for _, ctx in packed]))
 
     # ----- the Horovod optimizer surface -----
 
     def synchronize(self) -> None:
         """Wait for every gradient reduction of this step (submitting any a parameter never started)."""
-        for param in self._shoal_params:
-            key = id(param)
-            group = self._shoal_group_of.get(key)
-            if group is None and key not in self._shoal_handles:
-                self._shoal_submit(param)  # no gradient this step here: stand in with zeros, never hang others
-            elif group is not None and group not in self._shoal_group_handles:
-                self._shoal_submit_group(group)
-        for key, (handle, ctx, compressed) in list(self._shoal_handles.items()):
-            param = next(p for p in self._shoal_params if id(p) == key)
-            if handle == -1:
-                param.grad = self._shoal_sparse_allreduce(param.grad, self._shoal_names[key])
-            else:
-                handles.synchronize(handle)
-                if compressed is not param.grad:
-                    assert param.grad is not None
-                    param.grad.copy_(self._shoal_compression.decompress(compressed, ctx))
-        for group, (handle, compressed_list, contexts) in list(self._shoal_group_handles.items()):
+        self._shoal_flush_bucket()
+        missing = [p for p in self._shoal_params if id(p) not in self._shoal_submitted]
+        if missing:  # no gradient this step here: stand in with zeros, so the other ranks never hang
+            self._shoal_submit(missing)
+        for handle, params, compressed_list, contexts in self._shoal_in_flight:
             handles.synchronize(handle)
-            for param, compressed, ctx in zip(self._shoal_groups[group], compressed_list, contexts, strict=True):
+            for param, compressed, ctx in zip(params, compressed_list, contexts, strict=True):
                 if compressed is not param.grad:
                     assert param.grad is not None
                     param.grad.copy_(self._shoal_compression.decompress(compressed, ctx))
-        self._shoal_handles.clear()
-        self._shoal_group_handles.clear()
+        for param in self._shoal_sparse:
+            param.grad = self._shoal_sparse_allreduce(param.grad, self._shoal_names[id(param)])
+        self._shoal_in_flight.clear()
+        self._shoal_sparse.clear()
+        self._shoal_submitted.clear()
+        self._shoal_group_ready.clear()
         self._shoal_counts = dict.fromkeys(self._shoal_counts, 0)
         self._shoal_synchronized = True
 
@@ -183,7 +182,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def step(self, closure: Any = None) -> Any:
         """Wait for the reduced gradients (unless inside ``skip_synchronize``), then apply the update."""
         if self._shoal_should_synchronize:
-            if self._shoal_synchronized and not (self._shoal_handles or self._shoal_group_handles):
+            if self._shoal_synchronized and not self._shoal_submitted:
                 pass  # the user already called synchronize() for this step
             else:
                 self.synchronize()
@@ -192,7 +191,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear gradients; refuses while reductions are still writing into them."""
-        if self._shoal_handles or self._shoal_group_handles:
+        if self._shoal_submitted or self._shoal_bucket:
             raise AssertionError(
                 "optimizer.zero_grad() was called after loss.backward() but before optimizer.step() or "
                 "optimizer.synchronize(): the gradient reductions in flight would be lost"
@@ -211,13 +210,23 @@ def DistributedOptimizer(
     groups: list[list[torch.Tensor]] | int | None = None,
     sparse_as_dense: bool = False,
     process_set: ProcessSet = global_process_set,
+    bucket_bytes: int | None = None,
 ) -> torch.optim.Optimizer:
     """Wrap ``optimizer`` so that gradients are averaged across ranks, overlapping backprop.
 
     The returned object is an instance of a subclass of ``optimizer``'s class that shares its state, param groups
     and hyperparameters. Arguments follow ``horovod.torch.DistributedOptimizer``; ``groups`` is a list of parameter
     lists reduced together (or, as in Horovod, an int meaning ``num_groups``).
+
+    ``bucket_bytes`` (Shoal's addition; default ``SHOAL_BUCKET_BYTES`` or 2 MiB) batches gradients that become
+    ready one after another until this many bytes are waiting, then submits them together: each submission costs
+    a negotiation cycle and a collective, which on CPU outweighs the overlap won by sending every small gradient
+    alone. 0 submits every gradient the moment it is ready (pure wait-free backprop).
     """
+    if bucket_bytes is None:
+        bucket_bytes = env_int("BUCKET_BYTES", DEFAULT_BUCKET_BYTES)
+    if bucket_bytes < 0:
+        raise ValueError(f"bucket_bytes must be >= 0, got {bucket_bytes}")
     handles.engine()  # raises Horovod's ValueError before init()
     if ReduceOp(op) == ReduceOp.Adasum:
         raise NotImplementedError("op=Adasum is not supported by Shoal yet; use Average or Sum")
@@ -251,5 +260,5 @@ def DistributedOptimizer(
     wrapped.__dict__.update(optimizer.__dict__)
     named = list(named_parameters) if named_parameters is not None else None
     wrapped._shoal_setup(named, compression, backward_passes_per_step, ReduceOp(op), gradient_predivide_factor,
-                         groups or None, sparse_as_dense, process_set)  # fmt: skip
+                         groups or None, sparse_as_dense, process_set, bucket_bytes)  # fmt: skip
     return wrapped

@@ -1,0 +1,138 @@
+"""Training throughput: Shoal's DistributedOptimizer against DDP, same model, data and seed, in one invocation.
+
+Run: ``shoalrun -np 2 python -m shoal.bench.train --model mlp --compare ddp``. Prints per-phase lines, then (rank
+0) one JSON line: ``{"bench":"train","model":..,"world":..,"shoal_ips":..,"ddp_ips":..,"ratio":..,"solo_ips":..}``
+where ips counts images (or sequences) per second over all workers and ``ratio`` = shoal_ips / ddp_ips.
+``solo_ips`` is one process training alone with no communication (the other ranks wait).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+import shoal.torch as hvd
+from shoal.bench.models import build, parameter_count
+from shoal.comm.baselines import wrap_ddp
+
+COMM_CHOICES = ("allreduce", "fp16", "bf16", "sfb", "ps", "auto")
+_COMPRESSION = {"allreduce": hvd.Compression.none, "fp16": hvd.Compression.fp16, "bf16": hvd.Compression.bf16}
+
+
+def _batches(model_name: str, batch_size: int, count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(1234 + hvd.rank())
+    _, make_input = build(model_name)
+    return [(make_input(batch_size, generator), torch.randint(0, 10, (batch_size,), generator=generator))
+            for _ in range(count)]  # fmt: skip
+
+
+def _timed_steps(model: nn.Module, optimizer: torch.optim.Optimizer, batches: list[tuple[torch.Tensor, torch.Tensor]],
+                 warmup: int, steps: int, sync: Callable[[], None]) -> float:  # fmt: skip
+    """Seconds for ``steps`` training steps after ``warmup`` ones (the slowest rank's time when ``sync`` syncs)."""
+    loss_fn = nn.CrossEntropyLoss()
+
+    def step(index: int) -> None:
+        x, y = batches[index % len(batches)]
+        optimizer.zero_grad()
+        loss_fn(model(x), y).backward()
+        optimizer.step()
+
+    for index in range(warmup):
+        step(index)
+    sync()
+    start = time.perf_counter()
+    for index in range(steps):
+        step(index)
+    sync()
+    return time.perf_counter() - start
+
+
+def _slowest(seconds: float) -> float:
+    return float(hvd.allreduce(torch.tensor([seconds]), op=hvd.Max, name="bench.train.elapsed").item())
+
+
+def run_shoal(args: argparse.Namespace, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+    """Images per second over all workers with Shoal's DistributedOptimizer."""
+    torch.manual_seed(0)
+    model, _ = build(args.model)
+    optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9),
+                                         named_parameters=model.named_parameters(),
+                                         compression=_COMPRESSION[args.comm])  # fmt: skip
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    elapsed = _slowest(_timed_steps(model, optimizer, batches, args.warmup, args.steps, hvd.barrier))
+    return hvd.size() * args.batch_size * args.steps / elapsed
+
+
+def run_ddp(args: argparse.Namespace, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+    """Images per second over all workers with torch's DistributedDataParallel."""
+    torch.manual_seed(0)
+    model, _ = build(args.model)
+    ddp_model = wrap_ddp(model)
+    optimizer = torch.optim.SGD(ddp_model.parameters(), lr=0.01, momentum=0.9)
+    elapsed = _slowest(_timed_steps(ddp_model, optimizer, batches, args.warmup, args.steps, hvd.barrier))
+    return hvd.size() * args.batch_size * args.steps / elapsed
+
+
+def run_solo(args: argparse.Namespace, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+    """Images per second of rank 0 training alone (no communication) while the other ranks wait."""
+    ips = 0.0
+    if hvd.rank() == 0:
+        torch.manual_seed(0)
+        model, _ = build(args.model)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+        elapsed = _timed_steps(model, optimizer, batches, args.warmup, args.steps, lambda: None)
+        ips = args.batch_size * args.steps / elapsed
+    hvd.barrier()
+    return ips
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Parse flags, run the phases, print the JSON line."""
+    parser = argparse.ArgumentParser(prog="python -m shoal.bench.train", description=__doc__.split("\n")[0])
+    parser.add_argument("--model", choices=["cnn", "mlp", "transformer"], default="mlp")
+    parser.add_argument("--compare", choices=["ddp", "none"], default="ddp", help="baseline to run in the same invocation")
+    parser.add_argument("--comm", choices=COMM_CHOICES, default="allreduce", help="how Shoal communicates gradients")
+    parser.add_argument("--batch-size", type=int, default=32, help="per-worker batch size (default 32)")
+    parser.add_argument("--steps", type=int, default=20, help="timed steps per phase (default 20)")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps before each phase (default 3)")
+    parser.add_argument("--rounds", type=int, default=2, help="alternating Shoal/DDP rounds; the best of each is kept")
+    args = parser.parse_args(argv)
+    if args.comm not in _COMPRESSION:
+        print(f"shoal.bench.train: --comm {args.comm} needs the hybrid-communication planner, which is not built yet",
+              file=sys.stderr)  # fmt: skip
+        sys.exit(2)
+    torch.set_num_threads(1)
+    hvd.init()
+    batches = _batches(args.model, args.batch_size, 4)
+    shoal_runs, ddp_runs = [], []
+    for _ in range(args.rounds):
+        shoal_runs.append(run_shoal(args, batches))
+        if args.compare == "ddp":
+            ddp_runs.append(run_ddp(args, batches))
+    solo_ips = run_solo(args, batches)
+    if hvd.rank() == 0:
+        model, _ = build(args.model)
+        shoal_ips = max(shoal_runs)
+        print(f"model {args.model} ({parameter_count(model) / 1e6:.1f}M parameters), {hvd.size()} workers, "
+              f"batch {args.batch_size} per worker, comm {args.comm}")  # fmt: skip
+        print(f"shoal: {', '.join(f'{v:.1f}' for v in shoal_runs)} img/s")
+        result: dict[str, object] = {"bench": "train", "model": args.model, "world": hvd.size(), "comm": args.comm,
+                                     "shoal_ips": round(shoal_ips, 1)}  # fmt: skip
+        if ddp_runs:
+            print(f"ddp:   {', '.join(f'{v:.1f}' for v in ddp_runs)} img/s")
+            result["ddp_ips"] = round(max(ddp_runs), 1)
+            result["ratio"] = round(shoal_ips / max(ddp_runs), 3)
+        print(f"solo (1 process, no communication): {solo_ips:.1f} img/s")
+        result["solo_ips"] = round(solo_ips, 1)
+        print(json.dumps(result), flush=True)
+    hvd.shutdown()
+
+
+if __name__ == "__main__":
+    main()
