@@ -204,7 +204,7 @@ def test_timeline_is_valid_chrome_trace_json(tmp_path: Path) -> None:
     run_ranks(_timeline, 2, args=(path,), env={"SHOAL_TIMELINE": path})  # rank 0 writes it, as in Horovod
     events = json.loads(Path(path).read_text())  # the finished file is plain JSON
     phases = {e["name"] for e in events}
-    assert {"NEGOTIATE_ALLREDUCE", "ALLREDUCE", "MEMCPY_IN_FUSION_BUFFER", "GLOO_ALLREDUCE"} <= phases
+    assert {"NEGOTIATE_ALLREDUCE", "ALLREDUCE", "MEMCPY_IN_FUSION_BUFFER", "SHM_ALLREDUCE"} <= phases  # one host
     assert {"MEMCPY_OUT_FUSION_BUFFER", "NEGOTIATE_ALLGATHER", "ALLGATHER"} <= phases
     rows = {e["args"]["name"] for e in events if e["name"] == "thread_name"}
     assert {"grads.0", "grads.1", "gathered"} <= rows

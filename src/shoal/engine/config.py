@@ -16,6 +16,11 @@ class EngineConfig:
     fusion_solo_bytes: int = 1024 * 1024
     """Tensors this large are reduced alone and in place instead of copied into a fusion buffer
     (SHOAL_FUSION_SOLO_BYTES): fusion saves per-collective latency, which matters only for small tensors."""
+    hierarchical_allreduce: bool | None = None
+    """Allreduce through shared memory within a host (SHOAL_HIERARCHICAL_ALLREDUCE). None: on whenever a host runs
+    more than one rank and /dev/shm works, which on the measured machines wins at every message size."""
+    shm_slot_bytes: int = 16 * 1024 * 1024
+    """Shared-memory staging per local rank (SHOAL_SHM_SLOT_BYTES); larger tensors go through in chunks."""
     cycle_time_ms: float = 1.0
     """Pause between busy engine cycles (SHOAL_CYCLE_TIME). Idle engines sleep until work arrives."""
     idle_cycle_time_ms: float = 20.0
@@ -38,6 +43,8 @@ class EngineConfig:
             raise ValueError(f"fusion threshold must be >= 0 bytes, got {self.fusion_threshold_bytes}")
         if self.fusion_solo_bytes < 1:
             raise ValueError(f"fusion solo size must be >= 1 byte, got {self.fusion_solo_bytes}")
+        if self.shm_slot_bytes < 4096:
+            raise ValueError(f"shared-memory slots must be >= 4096 bytes, got {self.shm_slot_bytes}")
         if self.cycle_time_ms < 0 or self.idle_cycle_time_ms <= 0:
             raise ValueError("cycle times must be positive")
         if self.cache_capacity < 0:
@@ -54,6 +61,10 @@ class EngineConfig:
         return cls(
             fusion_threshold_bytes=env_int("FUSION_THRESHOLD", defaults.fusion_threshold_bytes),
             fusion_solo_bytes=env_int("FUSION_SOLO_BYTES", defaults.fusion_solo_bytes),
+            hierarchical_allreduce=env_bool("HIERARCHICAL_ALLREDUCE", False)
+            if env_str("HIERARCHICAL_ALLREDUCE") is not None
+            else None,
+            shm_slot_bytes=env_int("SHM_SLOT_BYTES", defaults.shm_slot_bytes),
             cycle_time_ms=env_float("CYCLE_TIME", defaults.cycle_time_ms),
             cache_capacity=env_int("CACHE_CAPACITY", defaults.cache_capacity),
             timeline_path=env_str("TIMELINE"),

@@ -21,6 +21,8 @@ from typing import Any
 import torch
 
 from shoal.comm import collectives
+from shoal.comm.hierarchical import HierarchicalAllreduce, build_cross_groups
+from shoal.comm.shm import create_local_group
 from shoal.engine.config import EngineConfig
 from shoal.engine.executor import Executor, ProcessSetState
 from shoal.engine.fusion import plan_batches
@@ -30,6 +32,7 @@ from shoal.engine.response_cache import ResponseCache
 from shoal.engine.stall import StallInspector
 from shoal.engine.timeline import Timeline
 from shoal.log import get_logger
+from shoal.runtime.topology import Topology
 
 _FLAG_NOTHING_NEW, _FLAG_NO_STALL, _FLAG_NO_SHUTDOWN = 1, 2, 4
 _ALL_FLAGS = _FLAG_NOTHING_NEW | _FLAG_NO_STALL | _FLAG_NO_SHUTDOWN
@@ -44,18 +47,19 @@ class EngineStoppedError(RuntimeError):
 class Engine:
     """One per process: owns the request queue and the thread that issues every collective."""
 
-    def __init__(self, rank: int, size: int, config: EngineConfig) -> None:
-        self.rank = rank
-        self.size = size
+    def __init__(self, topology: Topology, config: EngineConfig, store: Any = None, job: str = "nojob") -> None:
+        self.rank = rank = topology.rank
+        self.size = size = topology.size
         self.config = config
         # The engine owns a group of its own, so that the user's own torch.distributed calls on the default group
         # (DDP, a raw all_reduce) never interleave with the engine's collectives on the same connections.
         self._world = collectives.new_group(list(range(size)))
+        self.hierarchical = self._setup_hierarchical(topology, store, job)
         self.process_sets: dict[int, ProcessSetState] = {0: ProcessSetState(tuple(range(size)), self._world)}
         self.timeline: Timeline | None = None
         if config.timeline_path:
             self.timeline = self._open_timeline(config.timeline_path, config.timeline_mark_cycles)
-        self._executor = Executor(rank, self.process_sets, lambda: self.timeline)
+        self._executor = Executor(rank, self.process_sets, lambda: self.timeline, self.hierarchical)
         self._cache = ResponseCache(config.cache_capacity, rank)
         self._bit_words = (config.cache_capacity + 62) // 63
         self._table = MessageTable(size)
@@ -115,6 +119,29 @@ class Engine:
             self._fail_everything(EngineStoppedError("Shoal's engine did not stop in time; pending requests failed"))
         if self.timeline is not None:
             self.timeline.close()
+
+    def _setup_hierarchical(self, topology: Topology, store: Any, job: str) -> HierarchicalAllreduce | None:
+        """Shared memory within hosts when asked for (or by default when a host has several ranks), agreed by all."""
+        wanted = self.config.hierarchical_allreduce
+        if wanted is False or topology.local_size == 1 or store is None:
+            return None
+        if not topology.is_homogeneous:
+            if self.rank == 0:
+                get_logger().warning("hierarchical allreduce needs the same number of ranks on every host; using gloo")
+            return None
+        local = create_local_group(store, topology.local_rank, topology.local_size, topology.host_of_rank[self.rank],
+                                   job, self.config.shm_slot_bytes)  # fmt: skip
+        # Every host must take the same path, or the collectives would not pair up.
+        everywhere = all(collectives.allgather_object(local is not None, self.size, self._world))
+        if not everywhere:
+            if local is not None:
+                local.close()
+            return None
+        cross_group = None
+        if topology.cross_size > 1:
+            cross_group = build_cross_groups(topology.local_rank_of_rank, topology.local_size)[topology.local_rank]
+        assert local is not None
+        return HierarchicalAllreduce(local, cross_group, topology.cross_size)
 
     def _open_timeline(self, path: str, mark_cycles: bool) -> Timeline | None:
         """As in Horovod, rank 0 writes the timeline; a path containing ``{rank}`` gives every rank its own file."""
@@ -238,7 +265,10 @@ class Engine:
         now = time.monotonic()
         oldest = max((now - r.submitted_at for r in self._pending.values()), default=0.0)
         words = self._bit_vector(shutting_down, self._stall.wants_check(oldest))
-        collectives.bitwise_and_(words, self._world)
+        if self.hierarchical is not None:
+            self.hierarchical.allreduce_(words, "band")
+        else:
+            collectives.bitwise_and_(words, self._world)
         agreed = words.tolist()
         flags = agreed[0]
         if not flags & _FLAG_NO_SHUTDOWN:

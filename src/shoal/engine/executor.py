@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from shoal.comm import collectives
+from shoal.comm.hierarchical import HierarchicalAllreduce
 from shoal.engine.fusion import FusedBatch
 from shoal.engine.negotiation import Response
 from shoal.engine.request import Kind, ReduceOp, Request, RequestMeta
@@ -59,8 +60,10 @@ def split_rows(rows: int, parts: int) -> list[int]:
 class Executor:
     """Executes batches of responses on this rank."""
 
-    def __init__(self, rank: int, process_sets: dict[int, ProcessSetState], timeline: Callable[[], Timeline | None]):
+    def __init__(self, rank: int, process_sets: dict[int, ProcessSetState], timeline: Callable[[], Timeline | None],
+                 hierarchical: HierarchicalAllreduce | None = None) -> None:  # fmt: skip
         self.rank = rank
+        self.hierarchical = hierarchical
         self.process_sets = process_sets
         self._timeline = timeline
         self.next_process_set_id = 1
@@ -148,9 +151,10 @@ class Executor:
         self._end(responses, "MEMCPY_IN_FUSION_BUFFER")
         assert meta.op is not None  # allreduce and reducescatter requests always carry their op
         op = ReduceOp(meta.op)
-        self._begin(responses, f"{'NCCL' if buffer.is_cuda else 'GLOO'}_ALLREDUCE")
-        collectives.allreduce_(buffer, _REDUCTIONS[op], state.group)
-        self._end(responses, f"{'NCCL' if buffer.is_cuda else 'GLOO'}_ALLREDUCE")
+        phase = self._reduce_phase(buffer, responses[0].process_set)
+        self._begin(responses, phase)
+        self._reduce_(buffer, _REDUCTIONS[op], responses[0].process_set, state)
+        self._end(responses, phase)
         self._begin(responses, "MEMCPY_OUT_FUSION_BUFFER")
         if op == ReduceOp.Average:
             _divide_(buffer, len(state.members))
@@ -167,6 +171,22 @@ class Executor:
             if request is not None:
                 request.complete(request.output)
         self._end(responses, "MEMCPY_OUT_FUSION_BUFFER")
+
+    def _uses_shared_memory(self, buffer: torch.Tensor, process_set: int) -> bool:
+        return self.hierarchical is not None and process_set == 0 and not buffer.is_cuda
+
+    def _reduce_phase(self, buffer: torch.Tensor, process_set: int) -> str:
+        """The timeline name of the path ``_reduce_`` takes for this buffer."""
+        if self.hierarchical is not None and self._uses_shared_memory(buffer, process_set):
+            return "SHM_ALLREDUCE" if self.hierarchical.cross_size == 1 else "HIERARCHICAL_ALLREDUCE"
+        return "NCCL_ALLREDUCE" if buffer.is_cuda else "GLOO_ALLREDUCE"
+
+    def _reduce_(self, buffer: torch.Tensor, reduction: str, process_set: int, state: ProcessSetState) -> None:
+        """Allreduce ``buffer`` in place: shared memory (hierarchical) for CPU tensors of the world, else gloo/NCCL."""
+        if self.hierarchical is not None and self._uses_shared_memory(buffer, process_set):
+            self.hierarchical.allreduce_(buffer, reduction)
+        else:
+            collectives.allreduce_(buffer, reduction, state.group)
 
     def _allgather(self, response: Response, request: Request | None, state: ProcessSetState) -> None:
         rows = [(m.shape[0] if m.shape else 1) if m is not None else 0 for m in (response.rank_metas[r] for r in state.members)]
@@ -224,7 +244,7 @@ class Executor:
         _scale_(buffer, meta.prescale)
         assert meta.op is not None  # allreduce and reducescatter requests always carry their op
         op = ReduceOp(meta.op)
-        collectives.allreduce_(buffer, _REDUCTIONS[op], state.group)
+        self._reduce_(buffer, _REDUCTIONS[op], response.process_set, state)
         if op == ReduceOp.Average:
             _divide_(buffer, len(state.members))
         _scale_(buffer, meta.postscale)

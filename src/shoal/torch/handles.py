@@ -8,6 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from shoal.comm.shm import job_token
 from shoal.engine.config import EngineConfig
 from shoal.engine.engine import Engine
 from shoal.engine.request import Request
@@ -27,7 +28,7 @@ class _HandleEntry:
 
 def _start_engine(ctx: context.Context) -> None:
     global _engine
-    _engine = Engine(ctx.topology.rank, ctx.topology.size, EngineConfig.from_env())
+    _engine = Engine(ctx.topology, EngineConfig.from_env(), ctx.store, job_token(ctx.launch.secret))
 
 
 def _stop_engine() -> None:

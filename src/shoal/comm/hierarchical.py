@@ -1,0 +1,48 @@
+"""Hierarchical allreduce: shared memory inside each host, torch.distributed between hosts.
+
+Each host reduce-scatters through shared memory; every local rank then allreduces its reduced slice with the
+ranks of the same local rank on the other hosts (over gloo or NCCL); the host then allgathers through shared
+memory. Bytes between hosts drop by the number of ranks per host, and no byte crosses loopback TCP. With one host
+it is pure shared memory; with one rank per host there is nothing to share and plain torch.distributed is used.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from shoal.comm import collectives
+from shoal.comm.shm import SharedMemoryGroup
+
+
+class HierarchicalAllreduce:
+    """Allreduce over the whole world through one host-local shared-memory group and one cross-host group."""
+
+    def __init__(self, local: SharedMemoryGroup, cross_group: Any, cross_size: int) -> None:
+        self.local = local
+        self.cross_group = cross_group
+        self.cross_size = cross_size
+
+    def allreduce_(self, tensor: torch.Tensor, reduction: str) -> None:
+        """Reduce a contiguous CPU tensor in place across every rank (sum, product, min, max or band)."""
+
+        def between_hosts(mine: torch.Tensor) -> None:
+            if reduction == "band":
+                collectives.bitwise_and_(mine, self.cross_group)
+            else:
+                collectives.allreduce_(mine, reduction, self.cross_group)
+
+        self.local.allreduce_(tensor, reduction, between_hosts if self.cross_size > 1 else None)
+
+    def close(self) -> None:
+        """Release the shared-memory segment."""
+        self.local.close()
+
+
+def build_cross_groups(local_rank_of_rank: tuple[int, ...], local_size: int) -> list[Any]:
+    """One group per local rank index, joining that local rank of every host; every world rank must call this."""
+    return [
+        collectives.new_group([r for r, local in enumerate(local_rank_of_rank) if local == index])
+        for index in range(local_size)
+    ]

@@ -1,0 +1,306 @@
+"""Shared-memory collectives for the ranks of one host (CPU tensors).
+
+One POSIX shared-memory segment per host, mapped by every local rank as a torch tensor, holds a control line per
+rank (a sequence number and a pid) and a data slot per rank. An allreduce copies each rank's chunk into its slot,
+then every rank reduces its own slice of the chunk across all slots (a reduce-scatter, so the arithmetic is
+spread over all ranks), then every rank copies the whole reduced chunk out (an allgather). Ranks synchronise
+through sequence numbers in the segment: no syscalls on the fast path. Torch ops do the arithmetic.
+
+The segment's name is unlinked as soon as every local rank has mapped it, so a crash (even SIGKILL) never leaves
+it behind; shoalrun also removes ``/dev/shm/shoal-<job>-*`` when the job ends, which covers a crash during set-up.
+
+Synchronisation relies on x86-64's total store order (stores are seen in program order); on other architectures
+the segment is not used and collectives fall back to gloo.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import mmap
+import os
+import platform
+import secrets
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+from shoal.log import get_logger
+
+SEGMENT_PREFIX = "shoal-"
+_SHM_DIR = "/dev/shm"
+_CONTROL_LINE_INT64 = 8  # one 64-byte cache line per rank, so ranks never write the same line
+_HEADER_BYTES = 4096
+_SPIN_BEFORE_YIELD = 64
+_YIELD_BEFORE_SLEEP_S = 0.002
+_LIVENESS_EVERY_S = 0.02
+DEFAULT_SLOT_BYTES = 16 * 1024 * 1024
+
+_REDUCE_INTO: dict[str, Callable[[torch.Tensor, torch.Tensor], Any]] = {
+    "sum": lambda acc, other: acc.add_(other) if acc.dtype != torch.bool else acc.logical_or_(other),
+    "product": lambda acc, other: acc.mul_(other) if acc.dtype != torch.bool else acc.logical_and_(other),
+    "min": lambda acc, other: torch.minimum(acc, other, out=acc),
+    "max": lambda acc, other: torch.maximum(acc, other, out=acc),
+    "band": lambda acc, other: acc.bitwise_and_(other),
+}
+
+
+class SharedMemoryError(RuntimeError):
+    """A local peer died or stopped answering during a shared-memory collective."""
+
+
+def job_token(secret: str | None) -> str:
+    """The per-job part of segment names; shoalrun derives the same token from the secret to clean up."""
+    return hashlib.sha256(secret.encode()).hexdigest()[:12] if secret else "nojob"
+
+
+def remove_job_segments(token: str) -> list[str]:
+    """Unlink every segment of job ``token`` left in /dev/shm (shoalrun calls this when a job ends)."""
+    removed: list[str] = []
+    try:
+        names = os.listdir(_SHM_DIR)
+    except OSError:
+        return removed
+    for name in names:
+        if name.startswith(f"{SEGMENT_PREFIX}{token}-"):
+            try:
+                os.unlink(os.path.join(_SHM_DIR, name))
+                removed.append(name)
+            except OSError:
+                pass
+    return removed
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
+
+
+def supported() -> bool:
+    """Shared memory is used on Linux x86-64 (total store order) with a /dev/shm."""
+    return platform.system() == "Linux" and platform.machine() in ("x86_64", "AMD64") and os.path.isdir(_SHM_DIR)
+
+
+class SharedMemoryGroup:
+    """The local ranks of one host, joined by a shared-memory segment. Every member calls every collective."""
+
+    def __init__(self, path: str, local_rank: int, local_size: int, slot_bytes: int, create: bool,
+                 timeout_s: float) -> None:  # fmt: skip
+        self.local_rank = local_rank
+        self.local_size = local_size
+        self.slot_bytes = slot_bytes
+        self.timeout_s = timeout_s
+        size = _HEADER_BYTES + local_size * slot_bytes
+        flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
+        fd = os.open(path, flags, 0o600)
+        try:
+            if create:
+                os.posix_fallocate(fd, 0, size)  # ENOSPC now, instead of SIGBUS on first touch of a page
+            elif os.fstat(fd).st_size < size:
+                raise SharedMemoryError(f"segment {path} is smaller than expected")
+            self._map = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+        self._control = np.frombuffer(self._map, dtype=np.int64, count=_HEADER_BYTES // 8)
+        self._sequences = self._control[0 : local_size * _CONTROL_LINE_INT64 : _CONTROL_LINE_INT64]
+        self._pids = self._control[1 : local_size * _CONTROL_LINE_INT64 : _CONTROL_LINE_INT64]
+        self._data = torch.frombuffer(self._map, dtype=torch.uint8, offset=_HEADER_BYTES, count=local_size * slot_bytes)
+        self._epoch = 0
+        self._control[local_rank * _CONTROL_LINE_INT64] = 0
+        self._control[local_rank * _CONTROL_LINE_INT64 + 1] = os.getpid()
+
+    # ----- synchronisation -----
+
+    def barrier(self) -> None:
+        """Wait until every local rank has reached this point; raises if a peer died or the timeout passed."""
+        self._epoch += 1
+        epoch = self._epoch
+        self._sequences[self.local_rank] = epoch
+        spins = 0
+        start = time.monotonic()
+        last_check = start
+        pause = 20e-6
+        while not (self._sequences >= epoch).all():
+            spins += 1
+            if spins < _SPIN_BEFORE_YIELD:
+                continue
+            now = time.monotonic()
+            if now - start < _YIELD_BEFORE_SLEEP_S:
+                os.sched_yield()
+                continue
+            time.sleep(pause)
+            pause = min(pause * 2, 1e-3)
+            if now - last_check >= _LIVENESS_EVERY_S:
+                last_check = now
+                self._check_peers(epoch, now - start)
+
+    def _check_peers(self, epoch: int, waited_s: float) -> None:
+        for peer in range(self.local_size):
+            if self._sequences[peer] >= epoch or peer == self.local_rank:
+                continue
+            pid = int(self._pids[peer])
+            if pid and not _pid_alive(pid):
+                raise SharedMemoryError(f"local rank {peer} (pid {pid}) died during a shared-memory collective")
+        if waited_s > self.timeout_s:
+            raise SharedMemoryError(f"local ranks did not reach a shared-memory collective within {self.timeout_s:.0f} s")
+
+    # ----- helpers -----
+
+    def _slot(self, local_rank: int, dtype: torch.dtype, count: int) -> torch.Tensor:
+        start = local_rank * self.slot_bytes
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        return self._data[start : start + count * itemsize].view(dtype)
+
+    def chunk_elements(self, dtype: torch.dtype) -> int:
+        """How many elements of ``dtype`` one slot holds."""
+        return self.slot_bytes // torch.empty((), dtype=dtype).element_size()
+
+    def slices(self, count: int) -> list[tuple[int, int]]:
+        """(start, stop) of every local rank's slice of a chunk of ``count`` elements."""
+        base, extra = divmod(count, self.local_size)
+        bounds, start = [], 0
+        for rank in range(self.local_size):
+            stop = start + base + (1 if rank < extra else 0)
+            bounds.append((start, stop))
+            start = stop
+        return bounds
+
+    # ----- collectives -----
+
+    def allreduce_(self, tensor: torch.Tensor, reduction: str,
+                   between_hosts: Callable[[torch.Tensor], None] | None = None) -> None:  # fmt: skip
+        """Reduce a contiguous CPU tensor in place across the local ranks.
+
+        Args:
+            tensor: the contiguous CPU tensor, the same shape on every local rank.
+            reduction: sum, product, min, max or band.
+            between_hosts: when given, called on this rank's reduced slice (a view into shared memory) to reduce
+                it with the other hosts before it is shared back: that makes the collective hierarchical.
+        """
+        flat = tensor.view(-1)
+        reduce_into = _REDUCE_INTO[reduction]
+        step = self.chunk_elements(flat.dtype)
+        for offset in range(0, flat.numel(), step):
+            chunk = flat[offset : offset + step]
+            count = chunk.numel()
+            slots = [self._slot(rank, flat.dtype, count) for rank in range(self.local_size)]
+            slots[self.local_rank].copy_(chunk)
+            self.barrier()
+            start, stop = self.slices(count)[self.local_rank]
+            if stop > start:
+                mine = slots[self.local_rank][start:stop]
+                for rank in range(self.local_size):
+                    if rank != self.local_rank:
+                        reduce_into(mine, slots[rank][start:stop])
+                if between_hosts is not None:
+                    between_hosts(mine)
+            self.barrier()
+            for rank, (start, stop) in enumerate(self.slices(count)):
+                if stop > start:
+                    chunk[start:stop].copy_(slots[rank][start:stop])
+            self.barrier()
+
+    def broadcast_(self, tensor: torch.Tensor, root: int) -> None:
+        """Copy local rank ``root``'s contiguous CPU tensor into every local rank's tensor."""
+        flat = tensor.view(-1)
+        step = self.chunk_elements(flat.dtype)
+        for offset in range(0, flat.numel(), step):
+            chunk = flat[offset : offset + step]
+            slot = self._slot(root, flat.dtype, chunk.numel())
+            if self.local_rank == root:
+                slot.copy_(chunk)
+            self.barrier()
+            if self.local_rank != root:
+                chunk.copy_(slot)
+            self.barrier()
+
+    def reduce_(self, tensor: torch.Tensor, reduction: str, root: int) -> None:
+        """Reduce into local rank ``root``'s tensor (the others' tensors are left as they were)."""
+        flat = tensor.view(-1)
+        reduce_into = _REDUCE_INTO[reduction]
+        step = self.chunk_elements(flat.dtype)
+        for offset in range(0, flat.numel(), step):
+            chunk = flat[offset : offset + step]
+            count = chunk.numel()
+            slots = [self._slot(rank, flat.dtype, count) for rank in range(self.local_size)]
+            slots[self.local_rank].copy_(chunk)
+            self.barrier()
+            start, stop = self.slices(count)[self.local_rank]
+            mine = slots[self.local_rank][start:stop]
+            for rank in range(self.local_size):
+                if rank != self.local_rank and stop > start:
+                    reduce_into(mine, slots[rank][start:stop])
+            self.barrier()
+            if self.local_rank == root:
+                for rank, (start, stop) in enumerate(self.slices(count)):
+                    if stop > start:
+                        chunk[start:stop].copy_(slots[rank][start:stop])
+            self.barrier()
+
+    def allgather(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Concatenate every local rank's equally shaped contiguous CPU tensor along a new leading dimension."""
+        flat = tensor.reshape(-1)
+        output = torch.empty((self.local_size, flat.numel()), dtype=flat.dtype)
+        step = self.chunk_elements(flat.dtype)
+        for offset in range(0, flat.numel(), step):
+            count = min(step, flat.numel() - offset)
+            self._slot(self.local_rank, flat.dtype, count).copy_(flat[offset : offset + count])
+            self.barrier()
+            for rank in range(self.local_size):
+                output[rank, offset : offset + count].copy_(self._slot(rank, flat.dtype, count))
+            self.barrier()
+        return output.view(self.local_size, *tensor.shape)
+
+    def close(self) -> None:
+        """Unmap the segment (its name was already unlinked)."""
+        self._data = torch.empty(0, dtype=torch.uint8)
+        self._control = np.empty(0, dtype=np.int64)
+        self._sequences = self._pids = self._control
+        try:
+            self._map.close()
+        except BufferError:  # a tensor view is still alive somewhere; the mapping goes with the process
+            pass
+
+
+def create_local_group(store: Any, local_rank: int, local_size: int, host_key: str, token: str,
+                       slot_bytes: int = DEFAULT_SLOT_BYTES, timeout_s: float = 300.0) -> SharedMemoryGroup | None:  # fmt: skip
+    """Set up the host's segment (local rank 0 creates it, the others map it); None when it is unavailable.
+
+    Every local rank must call this. Unavailability (no /dev/shm, too little space, not x86-64) is agreed through
+    the store, logged as a warning, and leaves collectives on gloo.
+    """
+    host = hashlib.sha256(host_key.encode()).hexdigest()[:8]
+    key = f"shm/{host}"
+    if local_rank == 0:
+        verdict = "unavailable: this platform is not Linux x86-64 with /dev/shm"
+        if supported():
+            name = f"{SEGMENT_PREFIX}{token}-{host}-{secrets.token_hex(4)}"
+            path = os.path.join(_SHM_DIR, name)
+            try:
+                group = SharedMemoryGroup(path, 0, local_size, slot_bytes, create=True, timeout_s=timeout_s)
+                verdict = path
+            except OSError as error:
+                verdict = f"unavailable: cannot create a {local_size * slot_bytes >> 20} MiB segment in /dev/shm ({error})"
+                try:
+                    os.unlink(path)
+                except OSError:
+                    pass
+        store.set(key, verdict)
+    else:
+        verdict = store.get(key).decode()
+    if verdict.startswith("unavailable"):
+        if local_rank == 0:
+            get_logger().warning("shared-memory collectives are off, falling back to gloo: %s", verdict)
+        return None
+    if local_rank != 0:
+        group = SharedMemoryGroup(verdict, local_rank, local_size, slot_bytes, create=False, timeout_s=timeout_s)
+    attached = store.add(f"{key}/attached", 1)
+    if attached == local_size:
+        os.unlink(verdict)  # everyone has it mapped: the name is no longer needed, and nothing can leak
+    group.barrier()
+    return group
