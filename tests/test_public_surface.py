@@ -44,7 +44,8 @@ SHOALRUN_FLAGS = {
     "-h", "--help", "-v", "--version", "-np", "--num-proc", "-cb", "--check-build", "-H", "--hosts",
     "-hostfile", "--hostfile", "-p", "--ssh-port", "-i", "--ssh-identity-file", "--start-timeout",
     "--network-interface", "--gloo", "--output-filename", "--verbose", "--log-level", "--timeline-filename",
-    "--timeline-mark-cycles", "--fusion-threshold-mb", "--cycle-time-ms", "--cache-capacity", "--disable-cache",
+    "--timeline-mark-cycles",
+    "--hierarchical-allreduce", "--fusion-threshold-mb", "--cycle-time-ms", "--cache-capacity", "--disable-cache",
     "--no-stall-check", "--stall-check-warning-time-seconds", "--stall-check-shutdown-time-seconds",
 }  # fmt: skip
 

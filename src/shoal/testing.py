@@ -192,6 +192,9 @@ def run_ranks(
         for connection in connections:
             connection.close()
         del store
+        from shoal.comm.shm import job_token, remove_job_segments
+
+        remove_job_segments(job_token(secret))
     failures = [o for o in outcomes if o.error is not None or o.exitcode != 0]
     if failures or pending:
         lines = [f"{len(failures) or len(pending)} of {size} ranks failed:"]

@@ -268,14 +268,16 @@ class SharedMemoryGroup:
 
 
 def create_local_group(store: Any, local_rank: int, local_size: int, host_key: str, token: str,
-                       slot_bytes: int = DEFAULT_SLOT_BYTES, timeout_s: float = 300.0) -> SharedMemoryGroup | None:  # fmt: skip
+                       slot_bytes: int = DEFAULT_SLOT_BYTES, timeout_s: float = 300.0,
+                       purpose: str = "engine") -> SharedMemoryGroup | None:  # fmt: skip
     """Set up the host's segment (local rank 0 creates it, the others map it); None when it is unavailable.
 
     Every local rank must call this. Unavailability (no /dev/shm, too little space, not x86-64) is agreed through
-    the store, logged as a warning, and leaves collectives on gloo.
+    the store, logged as a warning, and leaves collectives on gloo. ``purpose`` keeps separate segments apart
+    (the engine's, a benchmark's).
     """
     host = hashlib.sha256(host_key.encode()).hexdigest()[:8]
-    key = f"shm/{host}"
+    key = f"shm/{purpose}/{host}"
     if local_rank == 0:
         verdict = "unavailable: this platform is not Linux x86-64 with /dev/shm"
         if supported():

@@ -329,8 +329,15 @@ class Engine:
         with self._lock:  # before completion wakes a waiter that may resubmit the same name at once
             for key in done:
                 self._in_flight.discard(key)
-        for batch in plan_batches(responses, self.config.fusion_threshold_bytes, self.config.fusion_solo_bytes):
-            self._executor.run(batch, done)
+        in_progress = list(done.values())
+        try:
+            for batch in plan_batches(responses, self.config.fusion_threshold_bytes, self.config.fusion_solo_bytes):
+                self._executor.run(batch, done)
+        except BaseException as error:  # the requests taken out of _pending must fail too, or their waiters hang
+            for request in in_progress:
+                if not request.done.is_set():
+                    request.fail(EngineStoppedError(f"Shoal's engine failed: {error}"))
+            raise
         for response in responses:
             if self._cacheable(response):
                 evicted = self._cache.insert(response)

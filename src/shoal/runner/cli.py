@@ -58,6 +58,12 @@ def build_parser() -> argparse.ArgumentParser:
     tuning.add_argument("--timeline-mark-cycles", action="store_true", help="mark engine cycles in the timeline")
     tuning.add_argument("--fusion-threshold-mb", type=float, help="tensor fusion buffer size in MiB (SHOAL_FUSION_THRESHOLD)")
     tuning.add_argument("--cycle-time-ms", type=float, help="engine cycle time in ms (SHOAL_CYCLE_TIME)")
+    tuning.add_argument(
+        "--hierarchical-allreduce",
+        action="store_true",
+        help="allreduce through shared memory within each host, torch.distributed between hosts "
+        "(SHOAL_HIERARCHICAL_ALLREDUCE; on by default whenever a host runs several ranks)",
+    )
     tuning.add_argument("--cache-capacity", type=int, help="response cache capacity; 0 disables it (SHOAL_CACHE_CAPACITY)")
     tuning.add_argument("--disable-cache", action="store_true", help="disable the response cache (same as --cache-capacity 0)")
     tuning.add_argument("--no-stall-check", action="store_true", help="disable the stall inspector")

@@ -41,6 +41,8 @@ def knob_env(args: argparse.Namespace) -> dict[str, str]:
         env["SHOAL_FUSION_THRESHOLD"] = str(int(args.fusion_threshold_mb * 1024 * 1024))
     if args.cycle_time_ms is not None:
         env["SHOAL_CYCLE_TIME"] = str(args.cycle_time_ms)
+    if args.hierarchical_allreduce:
+        env["SHOAL_HIERARCHICAL_ALLREDUCE"] = "1"
     if args.cache_capacity is not None:
         env["SHOAL_CACHE_CAPACITY"] = str(args.cache_capacity)
     if args.disable_cache:
@@ -254,6 +256,15 @@ class Job:
                 signal.signal(sig, handler)
             if self._listener.fileno() != -1:  # the store never took it over
                 self._listener.close()
+            self._remove_shared_memory()
+
+    def _remove_shared_memory(self) -> None:
+        """Workers unlink their segments once attached; this catches one that died while setting up."""
+        from shoal.comm.shm import job_token, remove_job_segments
+
+        removed = remove_job_segments(job_token(self.secret))
+        if removed:
+            self._verbose(f"removed leftover shared-memory segments: {', '.join(removed)}")
 
     def _supervise(self) -> int:
         while True:

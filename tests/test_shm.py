@@ -1,0 +1,171 @@
+"""The shared-memory transport and hierarchical allreduce, against gloo: every dtype and op, odd and tiny sizes,
+chunking, fallback, and a rank killed mid-collective."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+import shoal.torch as hvd
+from shoal.comm import collectives
+from shoal.comm.shm import create_local_group, job_token
+from shoal.runtime import context
+from shoal.testing import MultiRankError, run_ranks
+from shoal.torch import handles
+
+DTYPES = ["uint8", "int8", "int16", "int32", "int64", "float16", "bfloat16", "float32", "float64", "bool"]
+SIZES = [0, 1, 3, 1023, 5000]  # with 4 KiB slots, 5000 elements of any dtype >= 1 byte cross slot boundaries
+REDUCTIONS = ["sum", "product", "min", "max"]
+
+
+def _test_group() -> object:
+    ctx = context.current()
+    topology = ctx.topology
+    group = create_local_group(ctx.store, topology.local_rank, topology.local_size, topology.host_of_rank[topology.rank],
+                               job_token(ctx.launch.secret), slot_bytes=4096, purpose="test")  # fmt: skip
+    assert group is not None
+    return group
+
+
+def _values(rank: int, dtype: str, count: int) -> torch.Tensor:
+    base = (torch.arange(count, dtype=torch.float64) * 7 + rank * 3) % 5 + (rank % 2)
+    if dtype == "bool":
+        return base.remainder(2).bool()
+    return base.to(getattr(torch, dtype))
+
+
+def _against_gloo() -> list[str]:
+    hvd.init()
+    group = _test_group()
+    rank = hvd.rank()
+    mismatches = []
+    for dtype in DTYPES:
+        for count in SIZES:
+            for reduction in REDUCTIONS:
+                mine = _values(rank, dtype, count)
+                expected = mine.clone() if dtype != "int16" else mine.to(torch.int32)
+                collectives.allreduce_(expected, reduction, None)  # gloo on the default group
+                got = mine.clone()
+                group.allreduce_(got, reduction)  # type: ignore[attr-defined]
+                tolerance = 1e-2 if dtype in ("float16", "bfloat16") else 0.0
+                if not torch.allclose(got.double(), expected.double(), rtol=tolerance, atol=tolerance):
+                    mismatches.append(f"allreduce {reduction} {dtype} x{count}")
+            source = _values(rank, dtype, count)
+            group.broadcast_(source, root=hvd.size() - 1)  # type: ignore[attr-defined]
+            if not torch.equal(source, _values(hvd.size() - 1, dtype, count)):
+                mismatches.append(f"broadcast {dtype} x{count}")
+            gathered = group.allgather(_values(rank, dtype, count))  # type: ignore[attr-defined]
+            if not all(torch.equal(gathered[r], _values(r, dtype, count)) for r in range(hvd.size())):
+                mismatches.append(f"allgather {dtype} x{count}")
+            reduced = _values(rank, dtype, count)
+            group.reduce_(reduced, "max", root=0)  # type: ignore[attr-defined]
+            if rank == 0:
+                expected_max = torch.stack([_values(r, dtype, count) for r in range(hvd.size())]).amax(0)
+                if count and not torch.equal(reduced, expected_max):
+                    mismatches.append(f"reduce max {dtype} x{count}")
+    group.close()  # type: ignore[attr-defined]
+    return mismatches
+
+
+@pytest.mark.parametrize("size", [2, 3, 4])
+def test_shared_memory_collectives_match_gloo(size: int) -> None:
+    for rank, mismatches in enumerate(run_ranks(_against_gloo, size, timeout_s=240)):
+        assert mismatches == [], f"rank {rank}: {mismatches}"
+
+
+def _engine_path() -> tuple[str | None, list[float]]:
+    hvd.init()
+    hierarchical = handles.engine().hierarchical
+    path = None if hierarchical is None else type(hierarchical.local).__name__
+    result = hvd.allreduce(torch.arange(10007.0) * (hvd.rank() + 1), op=hvd.Sum)
+    return path, [float(result[0]), float(result[1]), float(result[-1])]
+
+
+def test_engine_uses_shared_memory_with_chunking() -> None:
+    results = run_ranks(_engine_path, 3, env={"SHOAL_SHM_SLOT_BYTES": "4096"})
+    for path, values in results:
+        assert path == "SharedMemoryGroup"
+        assert values == [0.0, 6.0, 10006.0 * 6]
+
+
+def test_unavailable_shared_memory_falls_back_to_gloo_with_a_warning() -> None:
+    # A petabyte per slot cannot be reserved in /dev/shm: the set-up must fail cleanly and fall back.
+    results = run_ranks(_engine_path, 2, env={"SHOAL_SHM_SLOT_BYTES": str(2**50)})
+    for path, values in results:
+        assert path is None and values == [0.0, 3.0, 10006.0 * 3]
+
+
+def test_hierarchical_can_be_switched_off() -> None:
+    for path, _ in run_ranks(_engine_path, 2, env={"SHOAL_HIERARCHICAL_ALLREDUCE": "0"}):
+        assert path is None
+
+
+def _shm_files() -> set[str]:
+    return {name for name in os.listdir("/dev/shm") if name.startswith("shoal-")}
+
+
+def _die_mid_collective() -> str:
+    hvd.init()
+    if hvd.rank() == 1:
+        threading.Timer(0.5, lambda: os.kill(os.getpid(), signal.SIGKILL)).start()
+    big = torch.ones(4 * 1024 * 1024)
+    start = time.monotonic()
+    try:
+        while time.monotonic() - start < 30:
+            hvd.allreduce_(big, name="big")
+    except RuntimeError as error:
+        return str(error)
+    return "no error"
+
+
+def test_rank_killed_mid_collective_is_a_clear_error_and_leaves_no_segment() -> None:
+    before = _shm_files()
+    with pytest.raises(MultiRankError) as failure:
+        run_ranks(_die_mid_collective, 3, timeout_s=60)
+    outcomes = failure.value.outcomes
+    assert outcomes[1].exitcode == -signal.SIGKILL
+    for survivor in (0, 2):
+        message = str(outcomes[survivor].result)
+        assert "engine failed" in message and "died" in message, message
+    assert _shm_files() <= before
+
+
+def test_shoalrun_leaves_no_segment_after_a_sigkill() -> None:
+    before = _shm_files()
+    code = textwrap.dedent(
+        """
+        import os, signal, torch, shoal.torch as hvd
+        hvd.init()
+        big = torch.ones(1 << 20)
+        for step in range(1000):
+            if hvd.rank() == 1 and step == 5:
+                os.kill(os.getpid(), signal.SIGKILL)
+            hvd.allreduce_(big, name="big")
+        """
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SHOAL_", "HOROVOD_"))}
+    result = subprocess.run([sys.executable, "-m", "shoal.runner", "-np", "3", sys.executable, "-c", code], env=env,
+                            capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert result.returncode == 128 + signal.SIGKILL, result.stderr[-2000:]
+    assert "rank 1 on host localhost was killed by signal SIGKILL" in result.stderr
+    assert _shm_files() <= before
+
+
+def test_segment_layout_numbers() -> None:
+    # The slot arithmetic: slices cover a chunk exactly, lower ranks take the remainder.
+    from shoal.comm.shm import SharedMemoryGroup
+
+    group = SharedMemoryGroup.__new__(SharedMemoryGroup)
+    group.local_size = 3
+    assert group.slices(10) == [(0, 4), (4, 7), (7, 10)]
+    assert group.slices(2) == [(0, 1), (1, 2), (2, 2)]
+    assert np.sum([b - a for a, b in group.slices(12345)]) == 12345
