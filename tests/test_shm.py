@@ -166,6 +166,7 @@ def test_segment_layout_numbers() -> None:
 
     group = SharedMemoryGroup.__new__(SharedMemoryGroup)
     group.local_size = 3
+    group._slices_cache = {}
     assert group.slices(10) == [(0, 4), (4, 7), (7, 10)]
     assert group.slices(2) == [(0, 1), (1, 2), (2, 2)]
     assert np.sum([b - a for a, b in group.slices(12345)]) == 12345

@@ -2,8 +2,10 @@
 
 Run: ``shoalrun -np 2 python -m shoal.bench.allreduce [--max-mib 256] [--iterations 10]``.
 Prints a table, then (rank 0) one JSON line:
-``{"bench":"allreduce","world":..,"rows":[{"bytes","shoal_ms","raw_ms","ratio","busbw_GBps"}],"memcpy_GBps":..,
-"small_tensors":{...},"empty_cycle_ms":..}``. ``ratio`` = raw_ms / shoal_ms (> 1: Shoal is faster).
+``{"bench":"allreduce","world":..,"rows":[{"bytes","shoal_ms","raw_ms","ratio","busbw_GBps","hier_ms",
+"hier_busbw_GBps"}],"memcpy_GBps":..,"small_tensors":{...},"empty_cycle_ms":..}``. ``ratio`` = raw_ms / shoal_ms
+(> 1: Shoal is faster). ``shoal_ms`` is Shoal's default path through the engine (negotiation included);
+``hier_ms`` is the bare hierarchical/shared-memory transport, present when several ranks share a host.
 """
 
 from __future__ import annotations
@@ -19,6 +21,10 @@ import torch
 
 import shoal.torch as hvd
 from shoal.comm import collectives
+from shoal.comm.hierarchical import HierarchicalAllreduce
+from shoal.comm.shm import create_local_group, job_token
+from shoal.runtime import context
+from shoal.torch import handles
 
 
 def _timed_ms(fn: Callable[[], object], iterations: int) -> float:
@@ -53,19 +59,40 @@ def collectives_max(tensor: torch.Tensor) -> float:
     return float(tensor.item())
 
 
-def bench_sizes(max_bytes: int, iterations: int) -> list[dict[str, float]]:
-    """Shoal's in-place allreduce and raw all_reduce, alternating, for 4 KiB up to ``max_bytes``."""
-    rows = []
+def _busbw(nbytes: int, ms: float) -> float:
+    """Bus bandwidth in GB/s: the bytes each rank must move in a ring allreduce, per second."""
     size = hvd.size()
+    return 2 * (size - 1) / size * nbytes / (ms / 1e3) / 1e9 if size > 1 else 0.0
+
+
+def build_hierarchical() -> HierarchicalAllreduce | None:
+    """The hierarchical transport on a segment of its own (the engine's belongs to the engine thread)."""
+    ctx = context.current()
+    topology = ctx.topology
+    if topology.local_size == 1 or topology.cross_size > 1:
+        return None  # one rank per host: nothing to share; several hosts: the engine's path is what to measure
+    local = create_local_group(ctx.store, topology.local_rank, topology.local_size,
+                               topology.host_of_rank[topology.rank], job_token(ctx.launch.secret),
+                               purpose="bench")  # fmt: skip
+    return HierarchicalAllreduce(local, None, 1) if local is not None else None
+
+
+def bench_sizes(max_bytes: int, iterations: int, hierarchical: HierarchicalAllreduce | None) -> list[dict[str, float]]:
+    """Shoal's in-place allreduce (its default path), raw all_reduce, and the bare hierarchical transport."""
+    rows = []
     nbytes = 4096
     while nbytes <= max_bytes:
         tensor = torch.ones(nbytes // 4)
         count = max(3, iterations if nbytes <= 16 * 1024 * 1024 else iterations // 3)
         raw_ms = _max_ms(_timed_ms(functools.partial(collectives.allreduce_, tensor, "sum", None), count))
         shoal_ms = _max_ms(_timed_ms(functools.partial(hvd.allreduce_, tensor, op=hvd.Sum, name="bench"), count))
-        busbw = 2 * (size - 1) / size * nbytes / (shoal_ms / 1e3) / 1e9 if size > 1 else 0.0
-        rows.append({"bytes": nbytes, "shoal_ms": round(shoal_ms, 4), "raw_ms": round(raw_ms, 4),
-                     "ratio": round(raw_ms / shoal_ms, 3), "busbw_GBps": round(busbw, 3)})  # fmt: skip
+        row = {"bytes": nbytes, "shoal_ms": round(shoal_ms, 4), "raw_ms": round(raw_ms, 4),
+               "ratio": round(raw_ms / shoal_ms, 3), "busbw_GBps": round(_busbw(nbytes, shoal_ms), 3)}  # fmt: skip
+        if hierarchical is not None:
+            hier_ms = _max_ms(_timed_ms(functools.partial(hierarchical.allreduce_, tensor, "sum"), count))
+            row["hier_ms"] = round(hier_ms, 4)
+            row["hier_busbw_GBps"] = round(_busbw(nbytes, hier_ms), 3)
+        rows.append(row)
         nbytes *= 4
     return rows
 
@@ -89,16 +116,16 @@ def bench_small_tensors(count: int = 256, bytes_each: int = 16384, repeats: int 
             "raw_per_tensor_ms": round(raw_ms / count, 4), "speedup": round(raw_ms / shoal_ms, 2)}  # fmt: skip
 
 
-def bench_empty_cycle(iterations: int = 200) -> float:
-    """The steady-state negotiation collective: one bitwise-AND allreduce of the cycle's bit vector (ms)."""
-    words = torch.zeros(1 + (hvd_cache_capacity() + 62) // 63, dtype=torch.int64)
+def bench_empty_cycle(hierarchical: HierarchicalAllreduce | None, iterations: int = 500) -> float:
+    """The steady-state cost of an empty negotiation cycle: the one bitwise-AND of the cycle's bit vector (ms).
+
+    It runs on the path the engine uses for it: shared memory when the engine has it, else gloo.
+    """
+    engine = handles.engine()
+    words = torch.zeros(1 + (engine.config.cache_capacity + 62) // 63, dtype=torch.int64)
+    if engine.hierarchical is not None and hierarchical is not None:
+        return _max_ms(_timed_ms(lambda: hierarchical.allreduce_(words, "band"), iterations))
     return _max_ms(_timed_ms(lambda: collectives.bitwise_and_(words, None), iterations))
-
-
-def hvd_cache_capacity() -> int:
-    from shoal.torch import handles
-
-    return handles.engine().config.cache_capacity
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -110,20 +137,23 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(1)
     hvd.init()
     limit = memcpy_gbps()
-    rows = bench_sizes(args.max_mib * 1024 * 1024, args.iterations)
+    hierarchical = build_hierarchical()
+    rows = bench_sizes(args.max_mib * 1024 * 1024, args.iterations, hierarchical)
     small = bench_small_tensors()
-    empty_cycle_ms = bench_empty_cycle()
+    empty_cycle_ms = bench_empty_cycle(hierarchical)
     if hvd.rank() == 0:
-        print(f"{'bytes':>12} {'shoal ms':>10} {'raw ms':>10} {'ratio':>7} {'busbw GB/s':>11}")
+        print(f"{'bytes':>12} {'shoal ms':>10} {'raw ms':>10} {'ratio':>7} {'busbw GB/s':>11} {'hier ms':>9}")
         for row in rows:
             print(f"{row['bytes']:>12} {row['shoal_ms']:>10.3f} {row['raw_ms']:>10.3f} {row['ratio']:>7.2f} "
-                  f"{row['busbw_GBps']:>11.3f}")  # fmt: skip
-        print(f"memcpy limit: {limit:.2f} GB/s; empty negotiation cycle: {empty_cycle_ms:.3f} ms")
+                  f"{row['busbw_GBps']:>11.3f} {row.get('hier_ms', float('nan')):>9.3f}")  # fmt: skip
+        print(f"memcpy limit: {limit:.2f} GB/s; empty negotiation cycle: {empty_cycle_ms:.4f} ms")
         print(f"{small['count']} x {small['bytes_each']} B: shoal {small['shoal_ms']:.2f} ms, "
               f"raw {small['raw_per_tensor_ms']:.3f} ms per tensor, speedup {small['speedup']:.1f}x")  # fmt: skip
         result = {"bench": "allreduce", "world": hvd.size(), "rows": rows, "memcpy_GBps": round(limit, 3),
                   "small_tensors": small, "empty_cycle_ms": round(empty_cycle_ms, 4)}  # fmt: skip
         print(json.dumps(result), flush=True)
+    if hierarchical is not None:
+        hierarchical.close()
     hvd.shutdown()
 
 

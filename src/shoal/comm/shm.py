@@ -15,6 +15,7 @@ the segment is not used and collectives fall back to gloo.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import mmap
 import os
@@ -24,7 +25,6 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
 import torch
 
 from shoal.log import get_logger
@@ -73,6 +73,11 @@ def remove_job_segments(token: str) -> list[str]:
     return removed
 
 
+@functools.cache
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
 def _pid_alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as stat:
@@ -95,7 +100,9 @@ class SharedMemoryGroup:
         self.local_size = local_size
         self.slot_bytes = slot_bytes
         self.timeout_s = timeout_s
-        size = _HEADER_BYTES + local_size * slot_bytes
+        # Two halves: consecutive collective steps alternate between them, so a rank that finished a step may fill
+        # the other half for the next one while a slower rank still reads this one; no trailing barrier is needed.
+        size = _HEADER_BYTES + 2 * local_size * slot_bytes
         flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
         fd = os.open(path, flags, 0o600)
         try:
@@ -106,10 +113,13 @@ class SharedMemoryGroup:
             self._map = mmap.mmap(fd, size)
         finally:
             os.close(fd)
-        self._control = np.frombuffer(self._map, dtype=np.int64, count=_HEADER_BYTES // 8)
-        self._sequences = self._control[0 : local_size * _CONTROL_LINE_INT64 : _CONTROL_LINE_INT64]
-        self._pids = self._control[1 : local_size * _CONTROL_LINE_INT64 : _CONTROL_LINE_INT64]
-        self._data = torch.frombuffer(self._map, dtype=torch.uint8, offset=_HEADER_BYTES, count=local_size * slot_bytes)
+        # A memoryview of int64s: reading one costs tens of nanoseconds, which is what a spin loop needs.
+        self._control = memoryview(self._map)[:_HEADER_BYTES].cast("q")
+        self._sequence_index = [rank * _CONTROL_LINE_INT64 for rank in range(local_size)]
+        self._slices_cache: dict[int, list[tuple[int, int]]] = {}
+        self._data = torch.frombuffer(self._map, dtype=torch.uint8, offset=_HEADER_BYTES, count=2 * local_size * slot_bytes)
+        self._views: dict[torch.dtype, list[list[torch.Tensor]]] = {}
+        self._steps = 0
         self._epoch = 0
         self._control[local_rank * _CONTROL_LINE_INT64] = 0
         self._control[local_rank * _CONTROL_LINE_INT64 + 1] = os.getpid()
@@ -120,12 +130,13 @@ class SharedMemoryGroup:
         """Wait until every local rank has reached this point; raises if a peer died or the timeout passed."""
         self._epoch += 1
         epoch = self._epoch
-        self._sequences[self.local_rank] = epoch
+        control = self._control
+        control[self.local_rank * _CONTROL_LINE_INT64] = epoch
         spins = 0
         start = time.monotonic()
         last_check = start
         pause = 20e-6
-        while not (self._sequences >= epoch).all():
+        while not all(control[index] >= epoch for index in self._sequence_index):
             spins += 1
             if spins < _SPIN_BEFORE_YIELD:
                 continue
@@ -141,9 +152,9 @@ class SharedMemoryGroup:
 
     def _check_peers(self, epoch: int, waited_s: float) -> None:
         for peer in range(self.local_size):
-            if self._sequences[peer] >= epoch or peer == self.local_rank:
+            if self._control[peer * _CONTROL_LINE_INT64] >= epoch or peer == self.local_rank:
                 continue
-            pid = int(self._pids[peer])
+            pid = self._control[peer * _CONTROL_LINE_INT64 + 1]
             if pid and not _pid_alive(pid):
                 raise SharedMemoryError(f"local rank {peer} (pid {pid}) died during a shared-memory collective")
         if waited_s > self.timeout_s:
@@ -151,23 +162,37 @@ class SharedMemoryGroup:
 
     # ----- helpers -----
 
-    def _slot(self, local_rank: int, dtype: torch.dtype, count: int) -> torch.Tensor:
-        start = local_rank * self.slot_bytes
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        return self._data[start : start + count * itemsize].view(dtype)
+    def _next_slots(self, dtype: torch.dtype) -> list[torch.Tensor]:
+        """Every local rank's whole slot, typed, in the half this collective step uses (halves alternate)."""
+        views = self._views.get(dtype)
+        if views is None:
+            count = self.chunk_elements(dtype)
+            itemsize = _itemsize(dtype)
+            views = [
+                [self._data[(half * self.local_size + rank) * self.slot_bytes :][: count * itemsize].view(dtype)
+                 for rank in range(self.local_size)]
+                for half in (0, 1)
+            ]  # fmt: skip
+            self._views[dtype] = views
+        self._steps += 1
+        return views[self._steps % 2]
 
     def chunk_elements(self, dtype: torch.dtype) -> int:
         """How many elements of ``dtype`` one slot holds."""
-        return self.slot_bytes // torch.empty((), dtype=dtype).element_size()
+        return self.slot_bytes // _itemsize(dtype)
 
     def slices(self, count: int) -> list[tuple[int, int]]:
         """(start, stop) of every local rank's slice of a chunk of ``count`` elements."""
-        base, extra = divmod(count, self.local_size)
-        bounds, start = [], 0
-        for rank in range(self.local_size):
-            stop = start + base + (1 if rank < extra else 0)
-            bounds.append((start, stop))
-            start = stop
+        bounds = self._slices_cache.get(count)
+        if bounds is None:
+            base, extra = divmod(count, self.local_size)
+            bounds, start = [], 0
+            for rank in range(self.local_size):
+                stop = start + base + (1 if rank < extra else 0)
+                bounds.append((start, stop))
+                start = stop
+            if len(self._slices_cache) < 256:
+                self._slices_cache[count] = bounds
         return bounds
 
     # ----- collectives -----
@@ -185,25 +210,24 @@ class SharedMemoryGroup:
         flat = tensor.view(-1)
         reduce_into = _REDUCE_INTO[reduction]
         step = self.chunk_elements(flat.dtype)
-        for offset in range(0, flat.numel(), step):
-            chunk = flat[offset : offset + step]
+        total = flat.numel()
+        for offset in range(0, total, step):
+            chunk = flat if total <= step else flat[offset : offset + step]
             count = chunk.numel()
-            slots = [self._slot(rank, flat.dtype, count) for rank in range(self.local_size)]
-            slots[self.local_rank].copy_(chunk)
+            slots = self._next_slots(flat.dtype)
+            slots[self.local_rank][:count].copy_(chunk)
             self.barrier()
             start, stop = self.slices(count)[self.local_rank]
             if stop > start:
-                mine = slots[self.local_rank][start:stop]
-                for rank in range(self.local_size):
-                    if rank != self.local_rank:
-                        reduce_into(mine, slots[rank][start:stop])
+                # Only this rank touches [start, stop) of any slot, so it accumulates straight into local rank
+                # 0's slot: the whole reduced chunk then sits contiguously there and comes out in one copy.
+                result = slots[0][start:stop]
+                for rank in range(1, self.local_size):
+                    reduce_into(result, slots[rank][start:stop])
                 if between_hosts is not None:
-                    between_hosts(mine)
+                    between_hosts(result)
             self.barrier()
-            for rank, (start, stop) in enumerate(self.slices(count)):
-                if stop > start:
-                    chunk[start:stop].copy_(slots[rank][start:stop])
-            self.barrier()
+            chunk.copy_(slots[0][:count])
 
     def broadcast_(self, tensor: torch.Tensor, root: int) -> None:
         """Copy local rank ``root``'s contiguous CPU tensor into every local rank's tensor."""
@@ -211,13 +235,12 @@ class SharedMemoryGroup:
         step = self.chunk_elements(flat.dtype)
         for offset in range(0, flat.numel(), step):
             chunk = flat[offset : offset + step]
-            slot = self._slot(root, flat.dtype, chunk.numel())
+            slot = self._next_slots(flat.dtype)[root][: chunk.numel()]
             if self.local_rank == root:
                 slot.copy_(chunk)
             self.barrier()
             if self.local_rank != root:
                 chunk.copy_(slot)
-            self.barrier()
 
     def reduce_(self, tensor: torch.Tensor, reduction: str, root: int) -> None:
         """Reduce into local rank ``root``'s tensor (the others' tensors are left as they were)."""
@@ -227,20 +250,19 @@ class SharedMemoryGroup:
         for offset in range(0, flat.numel(), step):
             chunk = flat[offset : offset + step]
             count = chunk.numel()
-            slots = [self._slot(rank, flat.dtype, count) for rank in range(self.local_size)]
-            slots[self.local_rank].copy_(chunk)
+            slots = self._next_slots(flat.dtype)
+            slots[self.local_rank][:count].copy_(chunk)
             self.barrier()
-            start, stop = self.slices(count)[self.local_rank]
-            mine = slots[self.local_rank][start:stop]
+            bounds = self.slices(count)
+            start, stop = bounds[self.local_rank]
             for rank in range(self.local_size):
                 if rank != self.local_rank and stop > start:
-                    reduce_into(mine, slots[rank][start:stop])
+                    reduce_into(slots[self.local_rank][start:stop], slots[rank][start:stop])
             self.barrier()
             if self.local_rank == root:
-                for rank, (start, stop) in enumerate(self.slices(count)):
+                for rank, (start, stop) in enumerate(bounds):
                     if stop > start:
                         chunk[start:stop].copy_(slots[rank][start:stop])
-            self.barrier()
 
     def allgather(self, tensor: torch.Tensor) -> torch.Tensor:
         """Concatenate every local rank's equally shaped contiguous CPU tensor along a new leading dimension."""
@@ -249,18 +271,18 @@ class SharedMemoryGroup:
         step = self.chunk_elements(flat.dtype)
         for offset in range(0, flat.numel(), step):
             count = min(step, flat.numel() - offset)
-            self._slot(self.local_rank, flat.dtype, count).copy_(flat[offset : offset + count])
+            slots = self._next_slots(flat.dtype)
+            slots[self.local_rank][:count].copy_(flat[offset : offset + count])
             self.barrier()
             for rank in range(self.local_size):
-                output[rank, offset : offset + count].copy_(self._slot(rank, flat.dtype, count))
-            self.barrier()
+                output[rank, offset : offset + count].copy_(slots[rank][:count])
         return output.view(self.local_size, *tensor.shape)
 
     def close(self) -> None:
         """Unmap the segment (its name was already unlinked)."""
         self._data = torch.empty(0, dtype=torch.uint8)
-        self._control = np.empty(0, dtype=np.int64)
-        self._sequences = self._pids = self._control
+        self._views.clear()
+        self._control.release()
         try:
             self._map.close()
         except BufferError:  # a tensor view is still alive somewhere; the mapping goes with the process
@@ -287,7 +309,7 @@ def create_local_group(store: Any, local_rank: int, local_size: int, host_key: s
                 group = SharedMemoryGroup(path, 0, local_size, slot_bytes, create=True, timeout_s=timeout_s)
                 verdict = path
             except OSError as error:
-                verdict = f"unavailable: cannot create a {local_size * slot_bytes >> 20} MiB segment in /dev/shm ({error})"
+                verdict = f"unavailable: cannot create a {2 * local_size * slot_bytes >> 20} MiB segment in /dev/shm ({error})"
                 try:
                     os.unlink(path)
                 except OSError:

@@ -43,8 +43,8 @@ class EngineConfig:
             raise ValueError(f"fusion threshold must be >= 0 bytes, got {self.fusion_threshold_bytes}")
         if self.fusion_solo_bytes < 1:
             raise ValueError(f"fusion solo size must be >= 1 byte, got {self.fusion_solo_bytes}")
-        if self.shm_slot_bytes < 4096:
-            raise ValueError(f"shared-memory slots must be >= 4096 bytes, got {self.shm_slot_bytes}")
+        if self.shm_slot_bytes < 4096 or self.shm_slot_bytes % 64:
+            raise ValueError(f"shared-memory slots must be a multiple of 64 bytes, >= 4096; got {self.shm_slot_bytes}")
         if self.cycle_time_ms < 0 or self.idle_cycle_time_ms <= 0:
             raise ValueError("cycle times must be positive")
         if self.cache_capacity < 0:
