@@ -171,3 +171,21 @@ def test_two_host_run_over_ssh(loopback_sshd: tuple[int, Path]) -> None:
     # Two hosts, one rank each: local rank 0 on both, so the cross communicator spans both hosts.
     assert lines[0] == "[0]<stdout>:0 2 0 1 0 2" and lines[2] == "[1]<stdout>:1 2 0 1 1 2"
     assert lines[3] == f"[1]<stdout>:forwarded {os.getcwd()}"
+
+
+@pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("tc") is None or shutil.which("ip") is None, reason="needs root and iproute2"
+)
+def test_two_emulated_hosts_in_network_namespaces() -> None:
+    code = PRINT_TOPOLOGY + "; import torch; print('sum', hvd.allreduce(torch.ones(3), op=hvd.Sum).tolist(), flush=True)"
+    command = [sys.executable, "-m", "shoal.bench.netns", "--hosts", "2", "--ranks-per-host", "2", "--rate", "1gbit",
+               "--", sys.executable, "-c", code]  # fmt: skip
+    result = subprocess.run(command, env=clean_env(), capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = [line.split(":", 1)[1] for line in result.stdout.splitlines() if line.startswith("[")]
+    topology = sorted(line for line in lines if not line.startswith("sum"))
+    # rank size local_rank local_size cross_rank cross_size: two hosts of two ranks each
+    assert topology == ["0 4 0 2 0 2", "1 4 1 2 0 2", "2 4 0 2 1 2", "3 4 1 2 1 2"]
+    assert [line for line in lines if line.startswith("sum")] == ["sum [4.0, 4.0, 4.0]"] * 4
+    namespaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert "h0" not in namespaces and "h1" not in namespaces  # torn down

@@ -114,13 +114,32 @@ def _describe_status(code: int) -> str:
 class Job:
     """A whole shoalrun job; ``run()`` returns shoalrun's exit code."""
 
-    def __init__(self, args: argparse.Namespace, slots: list[SlotInfo]) -> None:
+    def __init__(
+        self,
+        args: argparse.Namespace,
+        slots: list[SlotInfo],
+        local_prefixes: dict[str, list[str]] | None = None,
+        rendezvous_addr: str | None = None,
+        extra_env: dict[str, str] | None = None,
+    ) -> None:
+        """A job over ``slots``.
+
+        Args:
+            args: shoalrun's parsed flags.
+            slots: where every rank runs.
+            local_prefixes: hosts to start on this machine anyway, each under an argv prefix (the network-namespace
+                emulator uses ``ip netns exec <ns>``); other hosts are local or reached over ssh.
+            rendezvous_addr: the address workers use to reach the store, overriding the automatic choice.
+            extra_env: more environment for every worker.
+        """
         self.args = args
         self.slots = slots
+        self.local_prefixes = local_prefixes or {}
+        self.extra_env = extra_env or {}
         self.secret = secrets.token_hex(16)
-        self.all_local = all(is_local_host(s.hostname) for s in slots)
-        remote_hosts = [s.hostname for s in slots if not is_local_host(s.hostname)]
-        self.rendezvous_addr = pick_rendezvous_address(remote_hosts, args.network_interface)
+        self.all_local = all(self._is_local(s.hostname) for s in slots) and not self.local_prefixes
+        remote_hosts = [s.hostname for s in slots if not self._is_local(s.hostname)]
+        self.rendezvous_addr = rendezvous_addr or pick_rendezvous_address(remote_hosts, args.network_interface)
         self._listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._listener.bind(("127.0.0.1" if self.all_local else "", 0))
@@ -132,6 +151,9 @@ class Job:
         self._store_error: BaseException | None = None
         self._store_thread = threading.Thread(target=self._host_store, name="shoalrun-store", daemon=True)
         self._stop_signal: int | None = None
+
+    def _is_local(self, hostname: str) -> bool:
+        return hostname in self.local_prefixes or is_local_host(hostname)
 
     def _verbose(self, message: str) -> None:
         if self.args.verbose:
@@ -165,11 +187,12 @@ class Job:
 
     def _spawn(self, slot: SlotInfo) -> Worker:
         extra = self._worker_env(slot)
-        if is_local_host(slot.hostname):
+        extra.update(self.extra_env)
+        if self._is_local(slot.hostname):
             env = dict(os.environ)
             env.setdefault("PYTHONUNBUFFERED", "1")
             env.update(extra)
-            argv = list(self.args.command)
+            argv = [*self.local_prefixes.get(slot.hostname, []), *self.args.command]
             stdin: int = subprocess.DEVNULL
         else:
             forwarded = {
@@ -190,7 +213,7 @@ class Job:
             argv += [slot.hostname, remote_cmd]
             env = dict(os.environ)
             stdin = subprocess.PIPE
-        shown = argv if is_local_host(slot.hostname) else [*argv[:-1], "<remote command>"]
+        shown = argv if self._is_local(slot.hostname) else [*argv[:-1], "<remote command>"]
         self._verbose(f"rank {slot.rank} on {slot.hostname}: {shlex.join(shown)}")
         try:
             process = subprocess.Popen(
@@ -254,6 +277,11 @@ class Job:
             self._drain_output()
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
+            # A job can end before the store thread has finished importing torch and starting the store; letting
+            # the interpreter exit under it aborts the process from C++. Wait for it, then drop the store.
+            if self._store_thread.ident is not None:
+                self._store_thread.join(timeout=60)
+            self._store = None
             if self._listener.fileno() != -1:  # the store never took it over
                 self._listener.close()
             self._remove_shared_memory()

@@ -6,6 +6,7 @@ object with explicit fields, and nowhere else.
 
 from __future__ import annotations
 
+import atexit
 import os
 import threading
 from collections.abc import Callable
@@ -37,6 +38,7 @@ _lock = threading.RLock()
 _context: Context | None = None
 _shutdown_hooks: list[Callable[[], None]] = []
 _init_hooks: list[Callable[[Context], None]] = []
+_exit_hook_registered = False
 
 
 def register_init_hook(hook: Callable[[Context], None]) -> None:
@@ -81,6 +83,12 @@ def init() -> Context:
         )
         for hook in _init_hooks:
             hook(_context)
+        global _exit_hook_registered
+        if not _exit_hook_registered:
+            # As in Horovod: a script that never calls shutdown() still stops the engine thread cleanly at exit,
+            # instead of dying inside a collective while the interpreter tears down.
+            atexit.register(shutdown)
+            _exit_hook_registered = True
         return _context
 
 
