@@ -20,8 +20,8 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         dims = [d for d in range(x.dim()) if d != 1]
         local = x.double()
         # One allreduce carries count, sum and sum of squares (in float64, so var = E[x^2] - mean^2 stays accurate).
-        stats = torch.cat([local.sum(dims), (local * local).sum(dims), torch.tensor([x.numel() / channels],
-                                                                                     dtype=torch.float64)])  # fmt: skip
+        count_local = torch.full((1,), x.numel() / channels, dtype=torch.float64, device=x.device)
+        stats = torch.cat([local.sum(dims), (local * local).sum(dims), count_local])
         stats = functions.allreduce(stats, op=functions.Sum, name=None, process_set=process_set)
         count = stats[-1]
         mean = stats[:channels] / count
