@@ -73,7 +73,7 @@ def build_hierarchical() -> HierarchicalAllreduce | None:
         return None  # one rank per host: nothing to share; several hosts: the engine's path is what to measure
     local = create_local_group(ctx.store, topology.local_rank, topology.local_size,
                                topology.host_of_rank[topology.rank], job_token(ctx.launch.secret),
-                               purpose="bench")  # fmt: skip
+                               slot_bytes=handles.engine().config.shm_slot_bytes, purpose="bench")  # fmt: skip
     return HierarchicalAllreduce(local, None, 1) if local is not None else None
 
 

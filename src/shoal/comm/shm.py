@@ -36,7 +36,7 @@ _HEADER_BYTES = 4096
 _SPIN_BEFORE_YIELD = 64
 _YIELD_BEFORE_SLEEP_S = 0.002
 _LIVENESS_EVERY_S = 0.02
-DEFAULT_SLOT_BYTES = 16 * 1024 * 1024
+DEFAULT_SLOT_BYTES = 4 * 1024 * 1024
 
 _REDUCE_INTO: dict[str, Callable[[torch.Tensor, torch.Tensor], Any]] = {
     "sum": lambda acc, other: acc.add_(other) if acc.dtype != torch.bool else acc.logical_or_(other),

@@ -19,8 +19,10 @@ class EngineConfig:
     hierarchical_allreduce: bool | None = None
     """Allreduce through shared memory within a host (SHOAL_HIERARCHICAL_ALLREDUCE). None: on whenever a host runs
     more than one rank and /dev/shm works, which on the measured machines wins at every message size."""
-    shm_slot_bytes: int = 16 * 1024 * 1024
-    """Shared-memory staging per local rank (SHOAL_SHM_SLOT_BYTES); larger tensors go through in chunks."""
+    shm_slot_bytes: int = 4 * 1024 * 1024
+    """Shared-memory staging per local rank (SHOAL_SHM_SLOT_BYTES); larger tensors go through in chunks. 4 MiB
+    measured best here (64 MiB allreduce: 3.5 GB/s busbw against 2.5-2.7 with 16 MiB or 1 MiB slots): a chunk's
+    working set then stays in cache."""
     cycle_time_ms: float = 1.0
     """Pause between busy engine cycles (SHOAL_CYCLE_TIME). Idle engines sleep until work arrives."""
     idle_cycle_time_ms: float = 20.0
