@@ -8,7 +8,7 @@ from shoal.runner.cli import build_parser
 
 COLLECTIVE_NAMES = {
     "Adasum", "Average", "Compression", "DistributedOptimizer", "SyncBatchNorm", "broadcast_parameters",
-    "broadcast_optimizer_state", "Max", "Min", "ProcessSet", "Product", "Sum", "add_process_set",
+    "broadcast_optimizer_state", "plan_report", "Max", "Min", "ProcessSet", "Product", "Sum", "add_process_set",
     "allgather", "allgather_async", "allgather_object", "allreduce", "allreduce_", "allreduce_async",
     "allreduce_async_", "alltoall", "alltoall_async", "barrier", "broadcast", "broadcast_", "broadcast_async",
     "broadcast_async_", "broadcast_object", "global_process_set", "grouped_allgather", "grouped_allgather_async",

@@ -22,7 +22,7 @@ from shoal.bench.models import build, parameter_count
 from shoal.comm.baselines import wrap_ddp
 
 COMM_CHOICES = ("allreduce", "fp16", "bf16", "sfb", "ps", "auto")
-_COMPRESSION = {"allreduce": hvd.Compression.none, "fp16": hvd.Compression.fp16, "bf16": hvd.Compression.bf16}
+_AVAILABLE = ("allreduce", "fp16", "bf16", "sfb", "auto")
 
 
 def _batches(model_name: str, batch_size: int, count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -62,10 +62,12 @@ def run_shoal(args: argparse.Namespace, batches: list[tuple[torch.Tensor, torch.
     torch.manual_seed(0)
     model, _ = build(args.model)
     optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9),
-                                         named_parameters=model.named_parameters(),
-                                         compression=_COMPRESSION[args.comm])  # fmt: skip
+                                         named_parameters=model.named_parameters(), model=model,
+                                         comm=args.comm)  # fmt: skip
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     elapsed = _slowest(_timed_steps(model, optimizer, batches, args.warmup, args.steps, hvd.barrier))
+    if args.comm == "auto" and hvd.rank() == 0:
+        hvd.plan_report()
     return hvd.size() * args.batch_size * args.steps / elapsed
 
 
@@ -103,9 +105,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps before each phase (default 3)")
     parser.add_argument("--rounds", type=int, default=2, help="alternating Shoal/DDP rounds; the best of each is kept")
     args = parser.parse_args(argv)
-    if args.comm not in _COMPRESSION:
-        print(f"shoal.bench.train: --comm {args.comm} needs the hybrid-communication planner, which is not built yet",
-              file=sys.stderr)  # fmt: skip
+    if args.comm not in _AVAILABLE:
+        print(f"shoal.bench.train: --comm {args.comm}: the parameter server is not built yet", file=sys.stderr)
         sys.exit(2)
     torch.set_num_threads(1)
     hvd.init()

@@ -57,7 +57,7 @@ from shoal.torch.functions import (
 )
 from shoal.torch.handles import poll, start_timeline, stop_timeline, synchronize
 from shoal.torch.objects import allgather_object, broadcast_object
-from shoal.torch.optimizer import DistributedOptimizer
+from shoal.torch.optimizer import DistributedOptimizer, plan_report
 from shoal.torch.process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
 from shoal.torch.state import broadcast_optimizer_state, broadcast_parameters
 from shoal.torch.sync_batch_norm import SyncBatchNorm
@@ -117,6 +117,7 @@ __all__ = [
     "mpi_enabled",
     "mpi_threads_supported",
     "nccl_built",
+    "plan_report",
     "poll",
     "rank",
     "reducescatter",

@@ -8,18 +8,38 @@ backprop. ``step()`` (or ``synchronize()``) waits for the results and then appli
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
+from torch import nn
 
 from shoal.config import env_int
 from shoal.engine.request import ReduceOp
+from shoal.log import get_logger
+from shoal.plan.calibration import measure
+from shoal.plan.planner import SCHEMES, LayerPlan, build_plan, forced_scheme, format_plan
+from shoal.plan.sfb import SufficientFactorLayer
 from shoal.torch import functions, handles
 from shoal.torch.compression import Compression, Compressor
 from shoal.torch.process_sets import ProcessSet, global_process_set
 
 DEFAULT_BUCKET_BYTES = 2 * 1024 * 1024
+_SCHEME_COMPRESSION: dict[str, type[Compressor]] = {"fp16": Compression.fp16, "bf16": Compression.bf16}
+_last_plan: list[Any] = []
+"""The most recent plan made by any DistributedOptimizer in this process, and its worker count."""
+
+
+def plan_report(print_table: bool = True) -> str:
+    """The last plan of ``comm="auto"``: per layer, shape, bytes, K, predicted ms per scheme, choice, measured ms."""
+    if not _last_plan:
+        text = "no plan yet: use DistributedOptimizer(..., model=model, comm='auto') and take one step"
+    else:
+        text = format_plan(_last_plan[0], _last_plan[1])
+    if print_table:
+        print(text)
+    return text
 
 
 class _DistributedOptimizer(torch.optim.Optimizer):
@@ -96,6 +116,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if self._shoal_counts[key] < self._shoal_passes:
             return
         self._shoal_counts[key] = 0
+        layer = self._shoal_sfb_of.get(key)
+        if layer is not None and layer.usable:
+            self._shoal_submitted.add(key)  # its layer allgathers the factors instead
+            return
         group = self._shoal_group_of.get(key)
         if group is not None:
             ready = self._shoal_group_ready.setdefault(group, set())
@@ -129,7 +153,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             (self._shoal_sparse if self._shoal_grad(param).is_sparse else dense).append(param)
         if not dense:
             return
-        packed = [self._shoal_compression.compress(self._shoal_grad(p)) for p in dense]
+        packed = [self._shoal_compressor(p).compress(self._shoal_grad(p)) for p in dense]
         names = [f"DistributedOptimizer.{self._shoal_names[id(p)]}" for p in dense]
         handle = functions.allreduce_named_async_([c for c, _ in packed], names, self._shoal_op, self._shoal_prescale,
                                                   self._shoal_postscale, self._shoal_process_set)  # fmt: skip
@@ -140,15 +164,25 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def synchronize(self) -> None:
         """Wait for every gradient reduction of this step (submitting any a parameter never started)."""
         self._shoal_flush_bucket()
+        layers = list(dict.fromkeys(self._shoal_sfb_of.values()))
+        for layer in layers:
+            if layer.usable:
+                self._shoal_submitted.update(id(p) for p in layer.parameters)
         missing = [p for p in self._shoal_params if id(p) not in self._shoal_submitted]
-        if missing:  # no gradient this step here: stand in with zeros, so the other ranks never hang
+        if missing:  # no gradient this step here (or a layer that fell back): stand in, so no rank ever hangs
             self._shoal_submit(missing)
+        for layer in layers:
+            if layer.usable:
+                start = time.perf_counter()
+                layer.finish(average=self._shoal_op == ReduceOp.Average)
+                self._shoal_record_measured(layer.name, time.perf_counter() - start)
+            layer.reset()
         for handle, params, compressed_list, contexts in self._shoal_in_flight:
             handles.synchronize(handle)
             for param, compressed, ctx in zip(params, compressed_list, contexts, strict=True):
                 if compressed is not param.grad:
                     assert param.grad is not None
-                    param.grad.copy_(self._shoal_compression.decompress(compressed, ctx))
+                    param.grad.copy_(self._shoal_compressor(param).decompress(compressed, ctx))
         for param in self._shoal_sparse:
             param.grad = self._shoal_sparse_allreduce(param.grad, self._shoal_names[id(param)])
         self._shoal_in_flight.clear()
@@ -170,6 +204,90 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             values = values / self._shoal_process_set.size()
         return torch.sparse_coo_tensor(indices, values, grad.shape).coalesce()
 
+    # ----- per-layer schemes (Poseidon) -----
+
+    def _shoal_compressor(self, param: torch.Tensor) -> type[Compressor]:
+        return self._shoal_compressor_of.get(id(param), self._shoal_compression)
+
+    def _shoal_setup_comm(self, model: nn.Module | None, comm: str, overrides: dict[Any, str] | None) -> None:
+        self._shoal_comm = comm
+        self._shoal_model = model
+        self._shoal_overrides = dict(overrides or {})
+        self._shoal_compressor_of: dict[int, type[Compressor]] = {}
+        self._shoal_sfb_of: dict[int, SufficientFactorLayer] = {}
+        self._shoal_plans: list[LayerPlan] | None = None
+        self._shoal_rows: dict[str, int] = {}
+        self._shoal_row_hooks: list[Any] = []
+        if model is None:
+            if comm in ("sfb", "auto") or overrides:
+                raise ValueError(f"comm={comm!r} and comm_overrides need model= (the nn.Module being trained)")
+            if comm in ("fp16", "bf16"):
+                self._shoal_compression = _SCHEME_COMPRESSION[comm]
+            return
+        if comm == "auto":
+            for name, module in model.named_modules():
+                if isinstance(module, nn.Linear):
+                    self._shoal_row_hooks.append(module.register_forward_hook(self._shoal_row_counter(name)))
+            return
+        schemes = {}
+        for name, module in model.named_modules():
+            if any(p.requires_grad for p in module.parameters(recurse=False)):
+                forced = forced_scheme(name, module, self._shoal_overrides)
+                default = "sfb" if comm == "sfb" and isinstance(module, nn.Linear) else comm
+                schemes[name] = forced or default
+        self._shoal_assign(schemes)
+
+    def _shoal_row_counter(self, name: str) -> Any:
+        def record(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+            rows = args[0].numel() // args[0].shape[-1] if args[0].dim() else 1
+            self._shoal_rows[name] = max(self._shoal_rows.get(name, 0), rows)
+
+        return record
+
+    def _shoal_assign(self, schemes: dict[str, str]) -> None:
+        """Apply a scheme per module name: a compressor, or a sufficient-factor layer for ``sfb``."""
+        assert self._shoal_model is not None
+        modules = dict(self._shoal_model.named_modules())
+        for name, scheme in schemes.items():
+            module = modules[name]
+            params = [p for p in module.parameters(recurse=False) if p.requires_grad]
+            if scheme == "sfb":
+                if not isinstance(module, nn.Linear):
+                    raise ValueError(f"sfb needs an nn.Linear, but '{name}' is a {type(module).__name__}")
+                if self._shoal_passes > 1:
+                    get_logger().info("sfb is off for '%s': backward_passes_per_step > 1 accumulates gradients", name)
+                    continue
+                layer = SufficientFactorLayer(name or "model", module, self._shoal_process_set)
+                for param in params:
+                    self._shoal_sfb_of[id(param)] = layer
+            elif scheme in _SCHEME_COMPRESSION:
+                for param in params:
+                    self._shoal_compressor_of[id(param)] = _SCHEME_COMPRESSION[scheme]
+            elif scheme != "allreduce":
+                raise ValueError(f"scheme {scheme!r} for '{name}' is not available; choose from {SCHEMES}")
+
+    def _shoal_apply_plan(self) -> None:
+        """After the first step of ``comm="auto"``: calibrate, agree on row counts, plan, switch schemes (all ranks)."""
+        assert self._shoal_model is not None
+        for hook in self._shoal_row_hooks:
+            hook.remove()
+        names = sorted(self._shoal_rows)
+        rows = torch.tensor([self._shoal_rows[n] for n in names], dtype=torch.int64)
+        if names:
+            rows = functions.allreduce(rows, op=functions.Max, name="DistributedOptimizer.plan.rows",
+                                       process_set=self._shoal_process_set)  # fmt: skip
+        calibration = measure()
+        workers = self._shoal_process_set.size()
+        self._shoal_plans = build_plan(self._shoal_model, calibration, workers, dict(zip(names, rows.tolist(), strict=True)),
+                                       self._shoal_overrides)  # fmt: skip
+        self._shoal_assign({plan.name: plan.choice for plan in self._shoal_plans})
+        _last_plan[:] = [self._shoal_plans, workers]
+
+    def _shoal_record_measured(self, name: str, seconds: float) -> None:
+        for plan in self._shoal_plans or []:
+            if plan.name == name:
+                plan.measured_ms = seconds * 1e3
+
     @contextlib.contextmanager
     def skip_synchronize(self) -> Iterator[None]:
         """Inside this block ``step()`` does not synchronize (call ``synchronize()`` yourself first, e.g. to clip)."""
@@ -187,6 +305,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             else:
                 self.synchronize()
         self._shoal_synchronized = False
+        if self._shoal_comm == "auto" and self._shoal_plans is None:
+            self._shoal_apply_plan()
         return self._shoal_base.step(self, closure)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -211,6 +331,10 @@ def DistributedOptimizer(
     sparse_as_dense: bool = False,
     process_set: ProcessSet = global_process_set,
     bucket_bytes: int | None = None,
+    *,
+    model: nn.Module | None = None,
+    comm: str = "allreduce",
+    comm_overrides: dict[Any, str] | None = None,
 ) -> torch.optim.Optimizer:
     """Wrap ``optimizer`` so that gradients are averaged across ranks, overlapping backprop.
 
@@ -222,7 +346,15 @@ def DistributedOptimizer(
     ready one after another until this many bytes are waiting, then submits them together: each submission costs
     a negotiation cycle and a collective, which on CPU outweighs the overlap won by sending every small gradient
     alone. 0 submits every gradient the moment it is ready (pure wait-free backprop).
+
+    Shoal's per-layer communication (Poseidon), keyword-only: ``comm`` is ``"allreduce"`` (default), ``"fp16"``,
+    ``"bf16"``, ``"sfb"`` (sufficient factor broadcasting for every ``nn.Linear``) or ``"auto"`` (after the first
+    step, calibrate the network and let the planner choose per layer; see ``plan_report()``). ``comm_overrides``
+    forces a scheme per module name or type, e.g. ``{"fc1": "sfb", nn.Conv2d: "allreduce"}``. ``sfb``, ``auto`` and
+    overrides need ``model=``.
     """
+    if comm not in ("allreduce", "fp16", "bf16", "sfb", "auto"):
+        raise ValueError(f"comm must be allreduce, fp16, bf16, sfb or auto, got {comm!r}")
     if bucket_bytes is None:
         bucket_bytes = env_int("BUCKET_BYTES", DEFAULT_BUCKET_BYTES)
     if bucket_bytes < 0:
@@ -261,4 +393,5 @@ def DistributedOptimizer(
     named = list(named_parameters) if named_parameters is not None else None
     wrapped._shoal_setup(named, compression, backward_passes_per_step, ReduceOp(op), gradient_predivide_factor,
                          groups or None, sparse_as_dense, process_set, bucket_bytes)  # fmt: skip
+    wrapped._shoal_setup_comm(model, comm, comm_overrides)
     return wrapped

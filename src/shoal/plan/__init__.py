@@ -1,0 +1,1 @@
+"""Poseidon-style per-layer communication planning: calibration, cost model, sufficient factor broadcasting."""

@@ -1,0 +1,130 @@
+"""The per-layer communication planner: predict each scheme's time with the calibrated model, pick the cheapest.
+
+Schemes: ``allreduce`` (plain), ``fp16`` and ``bf16`` (allreduce of half the bytes plus two casts), and ``sfb``
+(sufficient factor broadcasting, fully-connected layers only: allgather K·(M+N) per rank plus the rebuild matmul).
+The parameter server is not built yet, so ``ps`` is never eligible. Every rank plans from the same calibration
+(rank 0's) and the same row counts (the maximum over ranks), so every rank reaches the same plan.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from torch import nn
+
+from shoal.plan.calibration import Calibration
+
+SCHEMES = ("allreduce", "fp16", "bf16", "sfb")
+
+
+@dataclass
+class LayerPlan:
+    """One layer's row of the plan."""
+
+    name: str
+    kind: str
+    shape: tuple[int, ...]
+    nbytes: int
+    rows: int | None
+    """K: rows per step (fully-connected layers), when known."""
+    predicted_ms: dict[str, float] = field(default_factory=dict)
+    choice: str = "allreduce"
+    forced: bool = False
+    measured_ms: float | None = None
+
+
+def predict(calibration: Calibration, workers: int, nbytes: int, linear: tuple[int, int, int] | None,
+            itemsize: int = 4) -> dict[str, float]:  # fmt: skip
+    """Predicted seconds for each eligible scheme for one layer's gradient of ``nbytes``.
+
+    Args:
+        calibration: the fitted costs.
+        workers: P.
+        nbytes: the layer's gradient bytes (weight and bias).
+        linear: (K, M, N) for a fully-connected layer (rows per step, outputs, inputs), else None.
+        itemsize: bytes per element of the factors.
+    """
+    if workers == 1:
+        return {scheme: 0.0 for scheme in SCHEMES if scheme != "sfb" or linear is not None}
+    predictions = {"allreduce": calibration.allreduce_s(nbytes)}
+    half = nbytes / 2
+    cast = 2 * calibration.copy_s_per_byte * half  # to half precision before, back to fp32 after
+    predictions["fp16"] = calibration.allreduce_s(half) + cast
+    predictions["bf16"] = calibration.allreduce_s(half) + cast
+    if linear is not None:
+        rows, outputs, inputs = linear
+        gathered = workers * rows * (outputs + inputs) * itemsize
+        rebuild = 2.0 * workers * rows * outputs * inputs / calibration.flops_per_s
+        # Two allgathers (inputs and output gradients) of the factors, then one matmul.
+        predictions["sfb"] = 2 * calibration.allgather_latency_s + calibration.allgather_s_per_byte * gathered + rebuild
+    return predictions
+
+
+def forced_scheme(name: str, module: nn.Module, overrides: dict[object, str]) -> str | None:
+    """The scheme ``overrides`` forces on a module, by its name first, then by its type."""
+    if name in overrides:
+        return overrides[name]
+    for key, scheme in overrides.items():
+        if isinstance(key, type) and isinstance(module, key):
+            return scheme
+    return None
+
+
+def build_plan(
+    model: nn.Module,
+    calibration: Calibration,
+    workers: int,
+    rows: dict[str, int],
+    overrides: dict[object, str] | None = None,
+    allowed: tuple[str, ...] = SCHEMES,
+) -> list[LayerPlan]:
+    """Plan every module that owns trainable parameters directly.
+
+    Args:
+        model: the model.
+        calibration: the fitted costs (the same on every rank).
+        workers: P.
+        rows: K for each ``nn.Linear`` by module name (the maximum over ranks).
+        overrides: scheme forced per module name or module type, e.g. ``{"fc1": "sfb", nn.Embedding: "allreduce"}``.
+        allowed: schemes ``auto`` may choose from.
+    """
+    overrides = overrides or {}
+    for scheme in overrides.values():
+        if scheme not in SCHEMES:
+            raise ValueError(f"unknown scheme {scheme!r} in comm_overrides; choose from {SCHEMES}")
+    plans = []
+    for name, module in model.named_modules():
+        params = [p for p in module.parameters(recurse=False) if p.requires_grad]
+        if not params:
+            continue
+        nbytes = sum(p.numel() * p.element_size() for p in params)
+        linear = None
+        if isinstance(module, nn.Linear) and name in rows:
+            linear = (rows[name], module.out_features, module.in_features)
+        predictions = predict(calibration, workers, nbytes, linear, params[0].element_size())
+        plan = LayerPlan(name, type(module).__name__, tuple(module.weight.shape) if hasattr(module, "weight") else (),
+                         nbytes, rows.get(name), {k: v * 1e3 for k, v in predictions.items()})  # fmt: skip
+        forced = forced_scheme(name, module, overrides)
+        if forced is not None:
+            if forced == "sfb" and linear is None:
+                raise ValueError(f"comm_overrides forces sfb on '{name}', but it is not an nn.Linear that ran forward")
+            plan.choice, plan.forced = forced, True
+        else:
+            eligible = {k: v for k, v in predictions.items() if k in allowed}
+            plan.choice = min(eligible, key=lambda k: (eligible[k], SCHEMES.index(k)))
+        plans.append(plan)
+    return plans
+
+
+def format_plan(plans: list[LayerPlan], workers: int) -> str:
+    """The plan as a table: layer, shape, bytes, K, predicted ms per scheme, choice, measured ms."""
+    header = f"{'layer':<24} {'shape':<16} {'bytes':>11} {'K':>6} " + " ".join(f"{s + ' ms':>10}" for s in SCHEMES)
+    lines = [f"plan for {workers} workers", header + f" {'choice':>10} {'measured':>9}"]
+    for plan in plans:
+        cells = " ".join(f"{plan.predicted_ms[s]:>10.3f}" if s in plan.predicted_ms else f"{'-':>10}" for s in SCHEMES)
+        measured = f"{plan.measured_ms:>9.3f}" if plan.measured_ms is not None else f"{'-':>9}"
+        choice = plan.choice + ("*" if plan.forced else "")
+        lines.append(f"{plan.name or '(model)':<24} {'x'.join(map(str, plan.shape)):<16} {plan.nbytes:>11} "
+                     f"{plan.rows if plan.rows is not None else '-':>6} {cells} {choice:>10} {measured}")  # fmt: skip
+    lines.append("* forced by comm_overrides; ps (parameter server) is not available yet")
+    return "\n".join(lines)

@@ -1,0 +1,137 @@
+"""Poseidon planning: sufficient factor broadcasting matches allreduce exactly, the planner's choices follow the cost
+model, forced schemes are obeyed, and comm="auto" trains to the same weights."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import shoal.torch as hvd
+from shoal.plan.calibration import Calibration
+from shoal.plan.planner import build_plan, predict
+from shoal.testing import run_ranks
+
+ATOL = 1e-5
+
+
+class Mlp(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(12, 32)
+        self.fc2 = nn.Linear(32, 5)
+        self.reused = nn.Linear(5, 5)
+
+    def forward(self, x: torch.Tensor, reuse: bool = False) -> torch.Tensor:
+        out = self.fc2(torch.relu(self.fc1(x)))
+        return self.reused(self.reused(out)) if reuse else self.reused(out)
+
+
+def data(size: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(5)
+    return torch.randn(3, size * rows, 2, 12, generator=generator), torch.randn(3, size * rows, 2, 5, generator=generator)
+
+
+def train(model: Mlp, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor, reuse: bool) -> None:
+    for step in range(x.shape[0]):
+        optimizer.zero_grad()
+        nn.functional.mse_loss(model(x[step], reuse), y[step]).backward()  # 3-D input: K = rows * 2
+        optimizer.step()
+
+
+def reference(size: int, rows: int, reuse: bool) -> dict[str, np.ndarray]:
+    torch.manual_seed(0)
+    model = Mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    x, y = data(size, rows)
+    train(model, optimizer, x, y, reuse)
+    return {k: v.numpy() for k, v in model.state_dict().items()}
+
+
+def _distributed(comm: str, reuse: bool, rows: int) -> dict[str, object]:
+    hvd.init()
+    torch.manual_seed(0)
+    model = Mlp()
+    optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                         named_parameters=model.named_parameters(), model=model, comm=comm)  # fmt: skip
+    x, y = data(hvd.size(), rows)
+    part = slice(hvd.rank() * rows, (hvd.rank() + 1) * rows)
+    train(model, optimizer, x[:, part], y[:, part], reuse)
+    layers = sorted({layer.name for layer in optimizer._shoal_sfb_of.values()})  # type: ignore[attr-defined]
+    return {"weights": {k: v.numpy() for k, v in model.state_dict().items()}, "sfb_layers": layers,
+            "report": hvd.plan_report(print_table=False)}  # fmt: skip
+
+
+@pytest.mark.parametrize("size", [2, 3])
+@pytest.mark.parametrize("reuse", [False, True])
+def test_sfb_matches_the_allreduce_gradient(size: int, reuse: bool) -> None:
+    expected = reference(size, 3, reuse)
+    for rank, result in enumerate(run_ranks(_distributed, size, args=("sfb", reuse, 3), timeout_s=120)):
+        assert result["sfb_layers"] == ["fc1", "fc2", "reused"]
+        for name, value in expected.items():  # a layer called twice falls back to allreduce and still matches
+            np.testing.assert_allclose(result["weights"][name], value, atol=ATOL, err_msg=f"rank {rank} {name}")  # type: ignore[index]
+
+
+def test_auto_plans_after_one_step_and_still_matches() -> None:
+    expected = reference(2, 3, False)
+    for result in run_ranks(_distributed, 2, args=("auto", False, 3), timeout_s=120):
+        for name, value in expected.items():
+            np.testing.assert_allclose(result["weights"][name], value, atol=ATOL, err_msg=name)  # type: ignore[index]
+        report = str(result["report"])
+        assert "plan for 2 workers" in report and "fc1" in report and "12x" not in report
+
+
+CALIBRATION = Calibration(allreduce_latency_s=1e-4, allreduce_s_per_byte=1e-9, allgather_latency_s=1e-4,
+                          allgather_s_per_byte=1e-9, copy_s_per_byte=1e-10, flops_per_s=5e10)  # fmt: skip
+
+
+def test_planner_picks_sfb_only_when_factors_are_small() -> None:
+    # SFB wins when P*K << 2MN/(M+N): a 4096x4096 layer (2MN/(M+N) = 4096) with K = 8 rows on 2 workers.
+    few_rows = predict(CALIBRATION, 2, 4096 * 4096 * 4, (8, 4096, 4096))
+    assert min(few_rows, key=few_rows.get) == "sfb"  # type: ignore[arg-type]
+    many_rows = predict(CALIBRATION, 2, 4096 * 4096 * 4, (8192, 4096, 4096))
+    assert min(many_rows, key=many_rows.get) != "sfb"  # type: ignore[arg-type]
+    model = nn.Sequential(nn.Linear(4096, 4096), nn.ReLU(), nn.Linear(4096, 10))
+    plans = {p.name: p for p in build_plan(model, CALIBRATION, 2, {"0": 8, "2": 8})}
+    assert plans["0"].choice == "sfb"
+    assert set(plans["0"].predicted_ms) == {"allreduce", "fp16", "bf16", "sfb"}
+
+
+def test_forced_schemes_are_obeyed_by_name_and_type() -> None:
+    model = nn.Sequential(nn.Linear(4096, 4096), nn.ReLU(), nn.Linear(4096, 10))
+    plans = {p.name: p for p in build_plan(model, CALIBRATION, 2, {"0": 8, "2": 8}, {"0": "allreduce", nn.Linear: "bf16"})}
+    assert (plans["0"].choice, plans["0"].forced) == ("allreduce", True)
+    assert (plans["2"].choice, plans["2"].forced) == ("bf16", True)
+    with pytest.raises(ValueError, match="unknown scheme"):
+        build_plan(model, CALIBRATION, 2, {}, {"0": "carrier-pigeon"})
+
+
+def _forced_in_optimizer() -> list[str]:
+    hvd.init()
+    model = Mlp()
+    optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model=model,
+                                         named_parameters=model.named_parameters(),
+                                         comm_overrides={"fc1": "sfb", nn.Linear: "fp16"})  # fmt: skip
+    layers = sorted({layer.name for layer in optimizer._shoal_sfb_of.values()})  # type: ignore[attr-defined]
+    compressed = sorted(n for n, p in model.named_parameters()
+                        if optimizer._shoal_compressor(p) is hvd.Compression.fp16)  # type: ignore[attr-defined]  # fmt: skip
+    return [*layers, "|", *compressed]
+
+
+def test_forced_scheme_is_obeyed_by_the_optimizer() -> None:
+    assert run_ranks(_forced_in_optimizer, 2)[0] == ["fc1", "|", "fc2.bias", "fc2.weight", "reused.bias", "reused.weight"]
+
+
+def test_sfb_needs_the_model() -> None:
+    (message,) = run_ranks(_expect_value_error, 1)
+    assert "need model=" in message
+
+
+def _expect_value_error() -> str:
+    hvd.init()
+    try:
+        hvd.DistributedOptimizer(torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1), comm="sfb")
+    except ValueError as error:
+        return str(error)
+    return "no error"
