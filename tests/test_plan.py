@@ -82,8 +82,7 @@ def test_auto_plans_after_one_step_and_still_matches() -> None:
         assert "plan for 2 workers" in report and "fc1" in report and "12x" not in report
 
 
-CALIBRATION = Calibration(allreduce_latency_s=1e-4, allreduce_s_per_byte=1e-9, allgather_latency_s=1e-4,
-                          allgather_s_per_byte=1e-9, copy_s_per_byte=1e-10, flops_per_s=5e10)  # fmt: skip
+CALIBRATION = Calibration.uniform(latency_s=1e-4, s_per_byte=1e-9, flops_per_s=5e10)
 
 
 def test_planner_picks_sfb_only_when_factors_are_small() -> None:

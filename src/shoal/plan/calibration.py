@@ -15,41 +15,47 @@ import torch
 from shoal.torch import functions, handles
 from shoal.torch.objects import broadcast_object
 
-_PROBE_BYTES = (4096, 262144, 2 * 1024 * 1024)
+_PROBE_BYTES = (4096, 262144, 2 * 1024 * 1024, 8 * 1024 * 1024, 32 * 1024 * 1024)
+"""Message sizes probed, smallest first; large ones leave the caches, as real gradients do."""
+_PROBE_BUDGET_S = 0.05
+"""Once an allreduce probe takes this long, larger sizes are skipped (slow links are linear well before that)."""
 
 
 @dataclass(frozen=True)
 class Calibration:
-    """Fitted costs, in seconds. ``*_latency_s`` is α-like; ``*_s_per_byte`` is β-like (per byte of the message)."""
+    """Fitted lines ``seconds = latency + bytes * per_byte`` for each exchange, plus the local matmul rate."""
 
-    allreduce_latency_s: float
-    allreduce_s_per_byte: float
-    """Per byte of the tensor being allreduced (the ring's 2(P-1)/P factor is folded in by the fit)."""
-    allgather_latency_s: float
-    allgather_s_per_byte: float
-    """Per byte of the gathered output (all ranks' pieces together)."""
-    copy_s_per_byte: float
-    """A local memory pass (a dtype cast or a copy), per byte written."""
+    lines: dict[str, tuple[float, float]]
+    """By exchange: ``allreduce``, ``fp16`` and ``bf16`` (cast, allreduce of half the bytes, cast back; bytes are
+    the fp32 gradient's) and ``allgather`` (bytes of the gathered output)."""
     flops_per_s: float
     """Sustained float32 matrix-multiply rate of one rank."""
 
-    def allreduce_s(self, nbytes: float) -> float:
-        """Predicted time to allreduce ``nbytes``."""
-        return self.allreduce_latency_s + self.allreduce_s_per_byte * nbytes
+    def seconds(self, exchange: str, nbytes: float) -> float:
+        """Predicted time of ``exchange`` for ``nbytes``."""
+        latency, per_byte = self.lines[exchange]
+        return latency + per_byte * nbytes
 
-    def allgather_s(self, output_bytes: float) -> float:
-        """Predicted time to allgather pieces totalling ``output_bytes``."""
-        return self.allgather_latency_s + self.allgather_s_per_byte * output_bytes
+    @classmethod
+    def uniform(cls, latency_s: float, s_per_byte: float, flops_per_s: float) -> Calibration:
+        """The same line for every exchange, with half-precision ones moving half the bytes (for tests, what-ifs)."""
+        half = (latency_s, s_per_byte / 2)
+        return cls({"allreduce": (latency_s, s_per_byte), "fp16": half, "bf16": half,
+                    "allgather": (latency_s, s_per_byte)}, flops_per_s)  # fmt: skip
 
 
 def _fit(sizes: list[float], seconds: list[float]) -> tuple[float, float]:
-    """Least-squares line through (size, seconds), clamped to non-negative coefficients."""
-    count = len(sizes)
-    mean_x, mean_y = sum(sizes) / count, sum(seconds) / count
-    var = sum((x - mean_x) ** 2 for x in sizes)
-    slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(sizes, seconds, strict=True)) / var if var else 0.0
-    slope = max(slope, 0.0)
-    return max(mean_y - slope * mean_x, 0.0), slope
+    """α from the smallest probe (latency-bound), β by least squares of the rest through (0, α).
+
+    A plain least-squares line over sizes spanning four orders of magnitude leaves the intercept to the largest
+    probes' noise; pinning it to the smallest message is the usual α–β practice.
+    """
+    smallest = min(range(len(sizes)), key=sizes.__getitem__)
+    latency = seconds[smallest]
+    pairs = [(x, y - latency) for i, (x, y) in enumerate(zip(sizes, seconds, strict=True)) if i != smallest]
+    denominator = sum(x * x for x, _ in pairs)
+    per_byte = sum(x * y for x, y in pairs) / denominator if denominator else 0.0
+    return latency, max(per_byte, 0.0)
 
 
 def _median_time(fn: object, repeats: int) -> float:
@@ -62,29 +68,73 @@ def _median_time(fn: object, repeats: int) -> float:
     return samples[len(samples) // 2]
 
 
-def measure(repeats: int = 5) -> Calibration:
-    """Probe this job's collectives, local copies and matmul speed; every rank must call it (collective)."""
-    sizes, allreduce_times, gather_sizes, gather_times = [], [], [], []
+def measure(repeats: int = 3) -> Calibration:
+    """Probe this job's exchanges and matmul speed; every rank must call it (collective)."""
     size = handles.engine().size
+    samples: dict[str, tuple[list[float], list[float]]] = {k: ([], []) for k in ("allreduce", "fp16", "bf16", "allgather")}
     for index, nbytes in enumerate(_PROBE_BYTES):
         tensor = torch.ones(nbytes // 4)
-        functions.allreduce_(tensor, op=functions.Sum, name=f"shoal.calibrate.ar.{index}")  # warm-up, caches it
-        elapsed = _median_time(
-            lambda t=tensor, i=index: functions.allreduce_(t, op=functions.Sum, name=f"shoal.calibrate.ar.{i}"), repeats
-        )
-        sizes.append(float(nbytes))
-        allreduce_times.append(elapsed)
         piece = torch.ones(max(nbytes // 4 // size, 1))
-        functions.allgather(piece, name=f"shoal.calibrate.ag.{index}")
-        elapsed = _median_time(lambda p=piece, i=index: functions.allgather(p, name=f"shoal.calibrate.ag.{i}"), repeats)
-        gather_sizes.append(float(piece.numel() * 4 * size))
-        gather_times.append(elapsed)
-    source = torch.ones(4 * 1024 * 1024 // 4)
-    copy_s = _median_time(lambda: source.to(torch.float16), repeats) / source.numel() / 2
+        probes = {
+            "allreduce": (lambda t=tensor, i=index: functions.allreduce_(t, op=functions.Sum, name=f"shoal.cal.ar.{i}")),
+            "fp16": (lambda t=tensor, i=index: _cast_allreduce(t, torch.float16, f"shoal.cal.fp16.{i}")),
+            "bf16": (lambda t=tensor, i=index: _cast_allreduce(t, torch.bfloat16, f"shoal.cal.bf16.{i}")),
+            "allgather": (lambda p=piece, i=index: functions.allgather(p, name=f"shoal.cal.ag.{i}")),
+        }
+        slowest = 0.0
+        for exchange, probe in probes.items():
+            probe()  # warm-up (and the response cache)
+            elapsed = _median_time(probe, repeats)
+            slowest = max(slowest, elapsed)
+            samples[exchange][0].append(float(piece.numel() * 4 * size if exchange == "allgather" else nbytes))
+            samples[exchange][1].append(elapsed)
+        agreed = functions.allreduce(torch.tensor([slowest]), op=functions.Max, name=f"shoal.cal.max.{index}")
+        if float(agreed) > _PROBE_BUDGET_S:  # every rank stops at the same size
+            break
     left, right = torch.randn(256, 256), torch.randn(256, 256)
     matmul_s = _median_time(lambda: left @ right, repeats)
-    alpha_ar, beta_ar = _fit(sizes, allreduce_times)
-    alpha_ag, beta_ag = _fit(gather_sizes, gather_times)
-    local = Calibration(alpha_ar, beta_ar, alpha_ag, beta_ag, copy_s, 2 * 256**3 / max(matmul_s, 1e-9))
-    agreed: Calibration = broadcast_object(local, root_rank=0, name="shoal.calibrate.result")
-    return agreed
+    lines = {exchange: _fit(*points) for exchange, points in samples.items()}
+    local = Calibration(lines, 2 * 256**3 / max(matmul_s, 1e-9))
+    result: Calibration = broadcast_object(local, root_rank=0, name="shoal.cal.result")
+    return result
+
+
+def _cast_allreduce(tensor: torch.Tensor, wire: torch.dtype, name: str) -> None:
+    sent = tensor.to(wire)
+    functions.allreduce_(sent, op=functions.Sum, name=name)
+    tensor.copy_(sent)
+
+
+def measure_scheme(scheme: str, nbytes: int, linear: tuple[int, int, int] | None, name: str, repeats: int = 3) -> float:
+    """Time one layer's gradient exchange under ``scheme`` on the real group (seconds, median); collective.
+
+    Args:
+        scheme: allreduce, fp16, bf16 or sfb.
+        nbytes: the layer's gradient bytes.
+        linear: (K, M, N) for sfb.
+        name: a name unique to this layer, so probes of different layers never mix.
+        repeats: timed repetitions after one warm-up.
+    """
+    if scheme == "sfb":
+        if linear is None:
+            raise ValueError("sfb needs (K, M, N)")
+        rows, outputs, inputs = linear
+        x, g = torch.randn(rows, inputs), torch.randn(rows, outputs)
+
+        def exchange() -> None:
+            gathered_x = functions.allgather(x, name=f"shoal.probe.{name}.x")
+            gathered_g = functions.allgather(g, name=f"shoal.probe.{name}.g")
+            gathered_g.t().matmul(gathered_x)
+
+    else:
+        grad = torch.ones(max(nbytes // 4, 1))
+        wire = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(scheme)
+
+        def exchange() -> None:
+            if wire is not None:
+                _cast_allreduce(grad, wire, f"shoal.probe.{name}")
+            else:
+                functions.allreduce_(grad, op=functions.Sum, name=f"shoal.probe.{name}")
+
+    exchange()
+    return _median_time(exchange, repeats)

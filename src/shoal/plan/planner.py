@@ -46,17 +46,15 @@ def predict(calibration: Calibration, workers: int, nbytes: int, linear: tuple[i
     """
     if workers == 1:
         return {scheme: 0.0 for scheme in SCHEMES if scheme != "sfb" or linear is not None}
-    predictions = {"allreduce": calibration.allreduce_s(nbytes)}
-    half = nbytes / 2
-    cast = 2 * calibration.copy_s_per_byte * half  # to half precision before, back to fp32 after
-    predictions["fp16"] = calibration.allreduce_s(half) + cast
-    predictions["bf16"] = calibration.allreduce_s(half) + cast
+    predictions = {scheme: calibration.seconds(scheme, nbytes) for scheme in ("allreduce", "fp16", "bf16")}
     if linear is not None:
         rows, outputs, inputs = linear
-        gathered = workers * rows * (outputs + inputs) * itemsize
+        gathered_input = workers * rows * inputs * itemsize
+        gathered_grad = workers * rows * outputs * itemsize
         rebuild = 2.0 * workers * rows * outputs * inputs / calibration.flops_per_s
-        # Two allgathers (inputs and output gradients) of the factors, then one matmul.
-        predictions["sfb"] = 2 * calibration.allgather_latency_s + calibration.allgather_s_per_byte * gathered + rebuild
+        # Two allgathers (inputs and output gradients), then one matmul rebuilds the summed gradient.
+        predictions["sfb"] = (calibration.seconds("allgather", gathered_input)
+                              + calibration.seconds("allgather", gathered_grad) + rebuild)  # fmt: skip
     return predictions
 
 
@@ -126,5 +124,11 @@ def format_plan(plans: list[LayerPlan], workers: int) -> str:
         choice = plan.choice + ("*" if plan.forced else "")
         lines.append(f"{plan.name or '(model)':<24} {'x'.join(map(str, plan.shape)):<16} {plan.nbytes:>11} "
                      f"{plan.rows if plan.rows is not None else '-':>6} {cells} {choice:>10} {measured}")  # fmt: skip
-    lines.append("* forced by comm_overrides; ps (parameter server) is not available yet")
+    errors = sorted(abs(p.predicted_ms[p.choice] - p.measured_ms) / p.measured_ms
+                    for p in plans if p.measured_ms and p.choice in p.predicted_ms)  # fmt: skip
+    if errors:
+        lines.append(f"median |predicted - measured| / measured over {len(errors)} layers: "
+                     f"{100 * errors[len(errors) // 2]:.0f}%")  # fmt: skip
+    lines.append("* forced by comm_overrides; measured: the chosen scheme, timed once after planning; "
+                 "ps (parameter server) is not available yet")  # fmt: skip
     return "\n".join(lines)

@@ -8,7 +8,6 @@ backprop. ``step()`` (or ``synchronize()``) waits for the results and then appli
 from __future__ import annotations
 
 import contextlib
-import time
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -18,7 +17,7 @@ from torch import nn
 from shoal.config import env_int
 from shoal.engine.request import ReduceOp
 from shoal.log import get_logger
-from shoal.plan.calibration import measure
+from shoal.plan.calibration import measure, measure_scheme
 from shoal.plan.planner import SCHEMES, LayerPlan, build_plan, forced_scheme, format_plan
 from shoal.plan.sfb import SufficientFactorLayer
 from shoal.torch import functions, handles
@@ -173,9 +172,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._shoal_submit(missing)
         for layer in layers:
             if layer.usable:
-                start = time.perf_counter()
                 layer.finish(average=self._shoal_op == ReduceOp.Average)
-                self._shoal_record_measured(layer.name, time.perf_counter() - start)
             layer.reset()
         for handle, params, compressed_list, contexts in self._shoal_in_flight:
             handles.synchronize(handle)
@@ -281,12 +278,12 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._shoal_plans = build_plan(self._shoal_model, calibration, workers, dict(zip(names, rows.tolist(), strict=True)),
                                        self._shoal_overrides)  # fmt: skip
         self._shoal_assign({plan.name: plan.choice for plan in self._shoal_plans})
+        # Measure each layer's exchange under the chosen scheme once, so the report can show predicted vs measured.
+        for plan in self._shoal_plans:
+            linear = (plan.rows, plan.shape[0], plan.shape[1]) if plan.choice == "sfb" and plan.rows else None
+            seconds = measure_scheme(plan.choice, plan.nbytes, linear, plan.name or "model")
+            plan.measured_ms = seconds * 1e3
         _last_plan[:] = [self._shoal_plans, workers]
-
-    def _shoal_record_measured(self, name: str, seconds: float) -> None:
-        for plan in self._shoal_plans or []:
-            if plan.name == name:
-                plan.measured_ms = seconds * 1e3
 
     @contextlib.contextmanager
     def skip_synchronize(self) -> Iterator[None]:
