@@ -27,11 +27,11 @@ SIZES = [0, 1, 3, 1023, 5000]  # with 4 KiB slots, 5000 elements of any dtype >=
 REDUCTIONS = ["sum", "product", "min", "max"]
 
 
-def _test_group() -> object:
+def _test_group(slot_bytes: int = 4096) -> object:
     ctx = context.current()
     topology = ctx.topology
     group = create_local_group(ctx.store, topology.local_rank, topology.local_size, topology.host_of_rank[topology.rank],
-                               job_token(ctx.launch.secret), slot_bytes=4096, purpose="test")  # fmt: skip
+                               job_token(ctx.launch.secret), slot_bytes=slot_bytes, purpose=f"test{slot_bytes}")  # fmt: skip
     assert group is not None
     return group
 
@@ -43,13 +43,13 @@ def _values(rank: int, dtype: str, count: int) -> torch.Tensor:
     return base.to(getattr(torch, dtype))
 
 
-def _against_gloo() -> list[str]:
+def _against_gloo(slot_bytes: int = 4096, sizes: tuple[int, ...] = tuple(SIZES)) -> list[str]:
     hvd.init()
-    group = _test_group()
+    group = _test_group(slot_bytes)
     rank = hvd.rank()
     mismatches = []
     for dtype in DTYPES:
-        for count in SIZES:
+        for count in sizes:
             for reduction in REDUCTIONS:
                 mine = _values(rank, dtype, count)
                 expected = mine.clone() if dtype != "int16" else mine.to(torch.int32)
@@ -79,6 +79,13 @@ def _against_gloo() -> list[str]:
 @pytest.mark.parametrize("size", [2, 3, 4])
 def test_shared_memory_collectives_match_gloo(size: int) -> None:
     for rank, mismatches in enumerate(run_ranks(_against_gloo, size, timeout_s=240)):
+        assert mismatches == [], f"rank {rank}: {mismatches}"
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_large_chunks_take_the_copy_saving_path_and_match_gloo(size: int) -> None:
+    # 1 MiB slots: 131079 one-byte elements fit one chunk (large path); float64 splits into a large and a small chunk.
+    for rank, mismatches in enumerate(run_ranks(_against_gloo, size, args=(1 << 20, (131079,)), timeout_s=240)):
         assert mismatches == [], f"rank {rank}: {mismatches}"
 
 

@@ -47,6 +47,17 @@ _REDUCE_INTO: dict[str, Callable[[torch.Tensor, torch.Tensor], Any]] = {
 }
 
 
+_REDUCE_OUT: dict[str, Callable[[torch.Tensor, torch.Tensor, torch.Tensor], Any]] = {
+    "sum": lambda a, b, out: torch.add(a, b, out=out) if a.dtype != torch.bool else torch.logical_or(a, b, out=out),
+    "product": lambda a, b, out: torch.mul(a, b, out=out) if a.dtype != torch.bool else torch.logical_and(a, b, out=out),
+    "min": lambda a, b, out: torch.minimum(a, b, out=out),
+    "max": lambda a, b, out: torch.maximum(a, b, out=out),
+    "band": lambda a, b, out: torch.bitwise_and(a, b, out=out),
+}
+_LARGE_CHUNK_ELEMENTS = 64 * 1024
+"""From this many elements per chunk on, copies dominate and the copy-saving allreduce variant is used."""
+
+
 class SharedMemoryError(RuntimeError):
     """A local peer died or stopped answering during a shared-memory collective."""
 
@@ -215,6 +226,9 @@ class SharedMemoryGroup:
             chunk = flat if total <= step else flat[offset : offset + step]
             count = chunk.numel()
             slots = self._next_slots(flat.dtype)
+            if count >= _LARGE_CHUNK_ELEMENTS:
+                self._allreduce_large_chunk(chunk, slots, reduction, between_hosts)
+                continue
             slots[self.local_rank][:count].copy_(chunk)
             self.barrier()
             start, stop = self.slices(count)[self.local_rank]
@@ -228,6 +242,36 @@ class SharedMemoryGroup:
                     between_hosts(result)
             self.barrier()
             chunk.copy_(slots[0][:count])
+
+    def _allreduce_large_chunk(self, chunk: torch.Tensor, slots: list[torch.Tensor], reduction: str,
+                               between_hosts: Callable[[torch.Tensor], None] | None) -> None:  # fmt: skip
+        """The bandwidth-bound variant: about 4 bytes of memory traffic per byte instead of 5.5 (two ranks).
+
+        A rank's own slice never needs to reach shared memory: only the peers' slices are copied in, the reduction
+        reads this rank's slice straight from its tensor, and only the peers' results are copied out.
+        """
+        bounds = self.slices(chunk.numel())
+        me = self.local_rank
+        for rank, (start, stop) in enumerate(bounds):
+            if rank != me and stop > start:
+                slots[me][start:stop].copy_(chunk[start:stop])
+        self.barrier()
+        start, stop = bounds[me]
+        if stop > start:
+            result = slots[0][start:stop]  # local rank 0's slot collects every reduced slice, as on the small path
+            peers = [rank for rank in range(self.local_size) if rank != me]
+            reduce_out = _REDUCE_OUT[reduction]
+            reduce_out(chunk[start:stop], slots[peers[0]][start:stop], result)
+            reduce_into = _REDUCE_INTO[reduction]
+            for rank in peers[1:]:
+                reduce_into(result, slots[rank][start:stop])
+            if between_hosts is not None:
+                between_hosts(result)
+            chunk[start:stop].copy_(result)
+        self.barrier()
+        for rank, (start, stop) in enumerate(bounds):
+            if rank != me and stop > start:
+                chunk[start:stop].copy_(slots[0][start:stop])
 
     def broadcast_(self, tensor: torch.Tensor, root: int) -> None:
         """Copy local rank ``root``'s contiguous CPU tensor into every local rank's tensor."""
