@@ -59,8 +59,9 @@ def _distributed(comm: str, reuse: bool, rows: int) -> dict[str, object]:
     part = slice(hvd.rank() * rows, (hvd.rank() + 1) * rows)
     train(model, optimizer, x[:, part], y[:, part], reuse)
     layers = sorted({layer.name for layer in optimizer._shoal_sfb_of.values()})  # type: ignore[attr-defined]
+    choices = [plan.choice for plan in optimizer._shoal_plans or []]  # type: ignore[attr-defined]
     return {"weights": {k: v.numpy() for k, v in model.state_dict().items()}, "sfb_layers": layers,
-            "report": hvd.plan_report(print_table=False)}  # fmt: skip
+            "report": hvd.plan_report(print_table=False), "choices": choices}  # fmt: skip
 
 
 @pytest.mark.parametrize("size", [2, 3])
@@ -76,8 +77,13 @@ def test_sfb_matches_the_allreduce_gradient(size: int, reuse: bool) -> None:
 def test_auto_plans_after_one_step_and_still_matches() -> None:
     expected = reference(2, 3, False)
     for result in run_ranks(_distributed, 2, args=("auto", False, 3), timeout_s=120):
+        choices = result["choices"]
+        assert len(choices) == 3 and set(choices) <= {"allreduce", "fp16", "bf16", "sfb"}  # type: ignore[arg-type]
+        # The plan depends on this machine's calibration; half-precision schemes get the compression tolerance.
+        exact = set(choices) <= {"allreduce", "sfb"}  # type: ignore[arg-type]
         for name, value in expected.items():
-            np.testing.assert_allclose(result["weights"][name], value, atol=ATOL, err_msg=name)  # type: ignore[index]
+            tolerance = ATOL if exact else 2e-2
+            np.testing.assert_allclose(result["weights"][name], value, atol=tolerance, err_msg=name)  # type: ignore[index]
         report = str(result["report"])
         assert "plan for 2 workers" in report and "fc1" in report and "12x" not in report
 
