@@ -150,3 +150,35 @@ def test_python_dash_m_runner_and_version(worker_env: dict[str, str]) -> None:
     assert result.returncode == 0 and result.stdout.startswith("shoalrun ")
     build = shoalrun(["--check-build"], worker_env)
     assert build.returncode == 0 and "[X] PyTorch" in build.stdout and "[X] Gloo" in build.stdout
+
+
+def test_sigkill_of_shoalrun_still_leaves_no_orphans(worker_env: dict[str, str], tmp_path: Path) -> None:
+    # shoalrun cannot catch SIGKILL; each initialized worker notices its launcher is gone and ends its own group.
+    code = textwrap.dedent(
+        f"""
+        import os, subprocess, time
+        import shoal.torch as hvd
+        hvd.init()
+        child = subprocess.Popen(["sleep", "300"])
+        with open(os.path.join({str(tmp_path)!r}, "pids." + os.environ["SHOAL_RANK"]), "w") as f:
+            f.write(f"{{os.getpid()}} {{child.pid}}")
+        time.sleep(300)
+        """
+    )
+    process = subprocess.Popen(
+        [*SHOALRUN, "-np", "2", sys.executable, "-c", code],
+        env=worker_env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    deadline = time.monotonic() + 60
+    while len(list(tmp_path.glob("pids.*"))) < 2 or any(p.stat().st_size == 0 for p in tmp_path.glob("pids.*")):
+        assert time.monotonic() < deadline, "workers did not start"
+        time.sleep(0.1)
+    pids = [int(pid) for path in tmp_path.glob("pids.*") for pid in path.read_text().split()]
+    process.kill()
+    process.wait(timeout=10)
+    deadline = time.monotonic() + 10
+    while any(process_alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [pid for pid in pids if process_alive(pid)], "workers outlived a SIGKILLed shoalrun"

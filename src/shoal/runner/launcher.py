@@ -192,6 +192,7 @@ class Job:
             env = dict(os.environ)
             env.setdefault("PYTHONUNBUFFERED", "1")
             env.update(extra)
+            env["SHOAL_LAUNCHER_PID"] = str(os.getpid())  # lets a worker end itself if shoalrun is SIGKILLed
             argv = [*self.local_prefixes.get(slot.hostname, []), *self.args.command]
             stdin: int = subprocess.DEVNULL
         else:

@@ -18,6 +18,7 @@ from shoal.config import env_float
 from shoal.log import get_logger
 from shoal.runtime.launch_env import LaunchInfo, detect_launch
 from shoal.runtime.topology import Topology, build_topology
+from shoal.runtime.watchdog import start_launcher_watchdog
 
 DEFAULT_START_TIMEOUT_S = 30.0
 
@@ -89,6 +90,7 @@ def init() -> Context:
             # instead of dying inside a collective while the interpreter tears down.
             atexit.register(shutdown)
             _exit_hook_registered = True
+        start_launcher_watchdog()
         return _context
 
 

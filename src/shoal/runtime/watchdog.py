@@ -1,0 +1,40 @@
+"""End a worker whose shoalrun died without being able to end it (SIGKILL, OOM killer).
+
+shoalrun ends its workers itself on every exit it can handle; a SIGKILL'ed launcher cannot. A worker started by
+it directly learns its pid (``SHOAL_LAUNCHER_PID``) and, once initialized, checks its parent twice a second: when
+the launcher is gone, the worker ends its own process group (itself and anything it started), leaving no orphans.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+from shoal.log import get_logger
+
+_started = False
+_POLL_S = 0.5
+
+
+def start_launcher_watchdog() -> bool:
+    """Start the watchdog once per process, if shoalrun is this process's direct parent; returns whether it runs."""
+    global _started
+    raw = os.environ.get("SHOAL_LAUNCHER_PID")
+    if _started or not raw or not raw.isdigit() or os.getppid() != int(raw):
+        return _started
+    launcher = int(raw)
+
+    def watch() -> None:
+        while os.getppid() == launcher:
+            time.sleep(_POLL_S)
+        get_logger().error("shoalrun (pid %d) is gone; ending this worker and its children", launcher)
+        if os.getpgrp() == os.getpid():  # shoalrun starts each worker as a session and group leader
+            os.killpg(os.getpgrp(), signal.SIGTERM)
+        else:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="shoal-launcher-watchdog", daemon=True).start()
+    _started = True
+    return True
