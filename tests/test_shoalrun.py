@@ -19,6 +19,23 @@ def shoalrun(args: list[str], env: dict[str, str], timeout: float = 60) -> subpr
     return subprocess.run(SHOALRUN + args, env=env, capture_output=True, text=True, timeout=timeout)
 
 
+def wait_for_pid_files(directory: Path, count: int, timeout_s: float) -> list[int]:
+    """The pids that ``count`` workers wrote to ``directory/pids.<rank>`` (each: own pid and a child's)."""
+    deadline = time.monotonic() + timeout_s
+    while len(list(directory.glob("pids.*"))) < count or any(p.stat().st_size == 0 for p in directory.glob("pids.*")):
+        assert time.monotonic() < deadline, "workers did not start"
+        time.sleep(0.1)
+    return [int(pid) for path in directory.glob("pids.*") for pid in path.read_text().split()]
+
+
+def survivors(pids: list[int], within_s: float) -> list[int]:
+    """The pids still alive after waiting up to ``within_s`` for all of them to end."""
+    deadline = time.monotonic() + within_s
+    while any(process_alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return [pid for pid in pids if process_alive(pid)]
+
+
 def test_issue_example_prints_prefixed_rank_and_size(worker_env: dict[str, str]) -> None:
     code = "import shoal.torch as hvd; hvd.init(); print(hvd.rank(), hvd.size())"
     result = shoalrun(["-np", "2", sys.executable, "-c", code], worker_env)
@@ -109,20 +126,13 @@ def test_signal_to_shoalrun_ends_the_whole_tree(worker_env: dict[str, str], tmp_
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
     )
-    deadline = time.monotonic() + 30
-    while len(list(tmp_path.glob("pids.*"))) < 2 or any(p.stat().st_size == 0 for p in tmp_path.glob("pids.*")):
-        assert time.monotonic() < deadline, "workers did not start"
-        time.sleep(0.1)
-    pids = [int(pid) for path in tmp_path.glob("pids.*") for pid in path.read_text().split()]
+    pids = wait_for_pid_files(tmp_path, 2, timeout_s=30)
     assert all(process_alive(pid) for pid in pids)
     process.send_signal(sig)
     _, stderr = process.communicate(timeout=15)
     assert process.returncode == 128 + sig
     assert f"received {signal.Signals(sig).name}" in stderr.decode()
-    deadline = time.monotonic() + 5
-    while any(process_alive(pid) for pid in pids) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not [pid for pid in pids if process_alive(pid)], "orphan processes survived shoalrun"
+    assert not survivors(pids, within_s=5), "orphan processes survived shoalrun"
 
 
 @pytest.mark.parametrize(
@@ -171,14 +181,7 @@ def test_sigkill_of_shoalrun_still_leaves_no_orphans(worker_env: dict[str, str],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
-    deadline = time.monotonic() + 60
-    while len(list(tmp_path.glob("pids.*"))) < 2 or any(p.stat().st_size == 0 for p in tmp_path.glob("pids.*")):
-        assert time.monotonic() < deadline, "workers did not start"
-        time.sleep(0.1)
-    pids = [int(pid) for path in tmp_path.glob("pids.*") for pid in path.read_text().split()]
+    pids = wait_for_pid_files(tmp_path, 2, timeout_s=60)
     process.kill()
     process.wait(timeout=10)
-    deadline = time.monotonic() + 10
-    while any(process_alive(pid) for pid in pids) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not [pid for pid in pids if process_alive(pid)], "workers outlived a SIGKILLed shoalrun"
+    assert not survivors(pids, within_s=10), "workers outlived a SIGKILLed shoalrun"

@@ -51,12 +51,9 @@ def memcpy_gbps(nbytes: int = 64 * 1024 * 1024) -> float:
 
 def _max_ms(value: float) -> float:
     """The slowest rank's time: a collective is only as fast as its last rank."""
-    return float(collectives_max(torch.tensor([value], dtype=torch.float64)))
-
-
-def collectives_max(tensor: torch.Tensor) -> float:
-    collectives.allreduce_(tensor, "max", None)
-    return float(tensor.item())
+    slowest = torch.tensor([value], dtype=torch.float64)
+    collectives.allreduce_(slowest, "max", None)
+    return float(slowest.item())
 
 
 def _busbw(nbytes: int, ms: float) -> float:

@@ -36,11 +36,6 @@ def allgather_object(obj: Any) -> list[Any]:
     return gathered
 
 
-def world_is_initialized() -> bool:
-    """True while this process is in a torch.distributed default group."""
-    return dist.is_initialized()
-
-
 def gloo_available() -> bool:
     """True when this torch build has gloo."""
     return dist.is_gloo_available()

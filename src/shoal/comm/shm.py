@@ -15,7 +15,6 @@ the segment is not used and collectives fall back to gloo.
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import mmap
 import os
@@ -82,11 +81,6 @@ def remove_job_segments(token: str) -> list[str]:
             except OSError:
                 pass
     return removed
-
-
-@functools.cache
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
 
 
 def _pid_alive(pid: int) -> bool:
@@ -178,7 +172,7 @@ class SharedMemoryGroup:
         views = self._views.get(dtype)
         if views is None:
             count = self.chunk_elements(dtype)
-            itemsize = _itemsize(dtype)
+            itemsize = dtype.itemsize
             views = [
                 [self._data[(half * self.local_size + rank) * self.slot_bytes :][: count * itemsize].view(dtype)
                  for rank in range(self.local_size)]
@@ -190,7 +184,7 @@ class SharedMemoryGroup:
 
     def chunk_elements(self, dtype: torch.dtype) -> int:
         """How many elements of ``dtype`` one slot holds."""
-        return self.slot_bytes // _itemsize(dtype)
+        return self.slot_bytes // dtype.itemsize
 
     def slices(self, count: int) -> list[tuple[int, int]]:
         """(start, stop) of every local rank's slice of a chunk of ``count`` elements."""

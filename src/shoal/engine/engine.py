@@ -354,11 +354,4 @@ class Engine:
         return all(response.rank_metas[r] is not None for r in state.members)
 
 
-def describe(engine: Engine | None) -> dict[str, Any]:
-    """A small status dict for debugging and tests."""
-    if engine is None:
-        return {"running": False}
-    return {"running": engine._stopped is None, "cycles": engine.cycles, "cached": len(engine._cache)}
-
-
-__all__ = ["Engine", "EngineStoppedError", "Kind", "describe"]
+__all__ = ["Engine", "EngineStoppedError", "Kind"]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import enum
-import functools
 import itertools
 import threading
 import time
@@ -41,11 +40,6 @@ class Kind(str, enum.Enum):
 DATA_KINDS = (Kind.ALLREDUCE, Kind.ALLGATHER, Kind.BROADCAST, Kind.ALLTOALL, Kind.REDUCESCATTER)
 
 
-@functools.cache
-def _itemsize(dtype: str) -> int:
-    return torch.empty((), dtype=getattr(torch, dtype)).element_size()
-
-
 @dataclass(frozen=True)
 class RequestMeta:
     """What every rank must agree on before a collective runs; small and picklable, it is what is negotiated."""
@@ -73,7 +67,7 @@ class RequestMeta:
         count = 1
         for dim in self.shape:
             count *= dim
-        return count * _itemsize(self.dtype)
+        return count * getattr(torch, self.dtype).itemsize
 
 
 _handle_ids = itertools.count(1)

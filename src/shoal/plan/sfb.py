@@ -19,7 +19,7 @@ from shoal.torch.process_sets import ProcessSet
 class SufficientFactorLayer:
     """Captures one ``nn.Linear``'s factors during a step and rebuilds its averaged gradient at synchronize."""
 
-    __slots__ = ("_gradient_pending", "_handles", "_hooks", "_input", "calls", "module", "name", "process_set")
+    __slots__ = ("_handles", "_hooks", "_input", "calls", "module", "name", "process_set")
 
     def __init__(self, name: str, module: nn.Linear, process_set: ProcessSet) -> None:
         self.name = name
@@ -28,7 +28,6 @@ class SufficientFactorLayer:
         self.calls = 0
         self._input: torch.Tensor | None = None
         self._handles: tuple[int, int] | None = None
-        self._gradient_pending = False
         self._hooks = [module.register_forward_hook(self._on_forward)]
 
     @property

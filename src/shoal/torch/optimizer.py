@@ -296,11 +296,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     def step(self, closure: Any = None) -> Any:
         """Wait for the reduced gradients (unless inside ``skip_synchronize``), then apply the update."""
-        if self._shoal_should_synchronize:
-            if self._shoal_synchronized and not self._shoal_submitted:
-                pass  # the user already called synchronize() for this step
-            else:
-                self.synchronize()
+        already_synchronized = self._shoal_synchronized and not self._shoal_submitted  # the user called synchronize()
+        if self._shoal_should_synchronize and not already_synchronized:
+            self.synchronize()
         self._shoal_synchronized = False
         if self._shoal_comm == "auto" and self._shoal_plans is None:
             self._shoal_apply_plan()

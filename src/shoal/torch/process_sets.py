@@ -28,7 +28,7 @@ class ProcessSet:
         return len(self._members())
 
     def rank(self) -> int:
-        """This process's rank within the set (-1... raises ValueError when not a member, like Horovod)."""
+        """This process's rank within the set; raises ValueError when it is not a member."""
         me = context.current().topology.rank
         if me not in self._members():
             raise ValueError(f"rank {me} is not in process set {self.ranks}")
