@@ -25,13 +25,15 @@ def test_resume_after_a_worker_leaves_neither_repeats_nor_skips() -> None:
     three = shard(dataset, 3)
     for sampler in three:
         sampler.set_epoch(2)
-    # Two committed batches of 4 on each of the three ranks; the union is what a commit records.
+    # Two committed batches of 4 on each of the three ranks: every rank records all three ranks' batches.
     for sampler in three:
         sampler.record_batch(0, 4)
         sampler.record_batch(1, 4)
-    committed = sorted(set().union(*(s.processed_indices for s in three)))
-    assert len(committed) == 24
-    state = {"epoch": 2, "processed_indices": committed}
+    assert three[0].processed_indices == three[1].processed_indices == three[2].processed_indices
+    committed = sorted(three[0].processed_indices)
+    assert len(committed) == 24 and three[0].processed_count == 24
+    assert committed == sorted(i for s in three for i in s.indices[:8])
+    state = three[2].state_dict()
     two = shard(dataset, 2, state)
     rest = [i for s in two for i in s]
     assert sorted(rest) == sorted(set(dataset) - set(committed))  # exactly the unprocessed samples
@@ -50,3 +52,11 @@ def test_new_epoch_forgets_progress_and_reshuffles() -> None:
     sampler.record_batch(0, 5)
     sampler.set_epoch(1)
     assert sampler.processed_indices == set() and len(sampler) == 20 and list(sampler) != first
+
+
+def test_padding_is_not_counted_and_a_replay_is_visible() -> None:
+    samplers = shard(list(range(10)), 3)  # 4 per rank: two padded positions
+    samplers[0].record_batch(0, 4)
+    assert samplers[0].processed_indices == set(range(10)) and samplers[0].processed_count == 10
+    samplers[0].record_batch(0, 4)  # a step applied twice shows up as a count above the distinct samples
+    assert samplers[0].processed_count == 20

@@ -38,7 +38,12 @@ HVD_NAMES = COLLECTIVE_NAMES | {
     "rocm_built",
     "shutdown",
     "size",
+    "elastic",
 }
+
+ELASTIC_NAMES = {
+    "ElasticSampler", "HorovodInternalError", "HostsUpdatedInterrupt", "ObjectState", "State", "TorchState", "run",
+}  # fmt: skip
 
 SHOALRUN_FLAGS = {
     "-h", "--help", "-v", "--version", "-np", "--num-proc", "-cb", "--check-build", "-H", "--hosts",
@@ -47,14 +52,16 @@ SHOALRUN_FLAGS = {
     "--timeline-mark-cycles",
     "--hierarchical-allreduce", "--fusion-threshold-mb", "--cycle-time-ms", "--cache-capacity", "--disable-cache",
     "--no-stall-check", "--stall-check-warning-time-seconds", "--stall-check-shutdown-time-seconds",
+    "--min-np", "--max-np", "--host-discovery-script", "--elastic-timeout", "--reset-limit",
 }  # fmt: skip
 
 
 def test_hvd_public_names_are_frozen() -> None:
     assert set(hvd.__all__) == HVD_NAMES
-    for name in HVD_NAMES - {"Adasum", "Average", "Max", "Min", "Product", "Sum", "global_process_set"}:
+    for name in HVD_NAMES - {"Adasum", "Average", "Max", "Min", "Product", "Sum", "global_process_set", "elastic"}:
         assert callable(getattr(hvd, name)), name
     assert [hvd.Average, hvd.Sum, hvd.Adasum, hvd.Min, hvd.Max, hvd.Product] == [0, 1, 2, 3, 4, 5]
+    assert set(hvd.elastic.__all__) == ELASTIC_NAMES
 
 
 def test_shoalrun_flags_are_frozen() -> None:

@@ -26,10 +26,17 @@ KNOB_NAMES = (
     "STALL_SHUTDOWN_TIME_SECONDS",
     "LOG_LEVEL",
     "START_TIMEOUT",
+    "ELASTIC_TIMEOUT",
+    "PS_MODE",
+    "PS_STALENESS",
+    "NUM_SERVERS",
 )
 
 #: The per-worker names that shoalrun sets, each under both prefixes.
 WORKER_ENV_NAMES = ("RANK", "SIZE", "LOCAL_RANK", "LOCAL_SIZE", "CROSS_RANK", "CROSS_SIZE", "HOSTNAME")
+
+#: What shoalrun sets for a dedicated parameter-server process, on top of the rendezvous names and NUM_SERVERS.
+PS_SERVER_ENV_NAMES = ("SHOAL_PS_ROLE", "SHOAL_PS_SERVER_INDEX", "SHOAL_PS_NUM_WORKERS")
 
 #: Rendezvous names that shoalrun sets (SHOAL_ prefix only).
 RENDEZVOUS_ENV_NAMES = ("SHOAL_RENDEZVOUS_ADDR", "SHOAL_RENDEZVOUS_PORT", "SHOAL_SECRET")

@@ -111,3 +111,8 @@ def generation_store(store: dist.Store, secret: str | None, rank: int) -> tuple[
     namespace = secret_namespace(secret)
     generation = store.add(f"{namespace}/init_count/{rank}", 1)
     return dist.PrefixStore(f"{namespace}/gen{generation}/", store), generation
+
+
+def prefix_store(prefix: str, store: dist.Store) -> dist.Store:
+    """A view of ``store`` whose keys all live under ``prefix``."""
+    return dist.PrefixStore(prefix, store)

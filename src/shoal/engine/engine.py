@@ -31,6 +31,7 @@ from shoal.engine.request import DATA_KINDS, Kind, Request, RequestMeta
 from shoal.engine.response_cache import ResponseCache
 from shoal.engine.stall import StallInspector
 from shoal.engine.timeline import Timeline
+from shoal.exceptions import HorovodInternalError
 from shoal.log import get_logger
 from shoal.runtime.topology import Topology
 
@@ -40,7 +41,7 @@ _WORD_MASK = (1 << 63) - 1
 """63 bits per int64 word, so that no word is negative and every bit means one cache id."""
 
 
-class EngineStoppedError(RuntimeError):
+class EngineStoppedError(HorovodInternalError):
     """The engine is no longer running (shut down, or failed); no new request can be served."""
 
 

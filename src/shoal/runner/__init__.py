@@ -46,6 +46,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.check_build:
         print(check_build())
         return 0
+    if args.elastic:
+        from shoal.runner.elastic_driver import ElasticJob, elastic_hosts
+
+        try:
+            hosts = elastic_hosts(args)
+            if args.num_proc is None:
+                args.num_proc = sum(h.slots for h in hosts)
+            return ElasticJob(args, hosts).run()
+        except (HostSpecError, ValueError) as error:
+            print(f"shoalrun: error: {error}", file=sys.stderr)
+            return 2
     try:
         slots = build_slots(args)
     except HostSpecError as error:

@@ -43,6 +43,24 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="accepted for horovodrun compatibility; Shoal always uses gloo (and NCCL for CUDA tensors)",
     )
+    elastic = parser.add_argument_group(
+        "elastic training (any of these flags makes the job elastic: it survives workers that die or join)"
+    )
+    elastic.add_argument("--min-np", type=int, help="fewest workers the job may run with (default: -np)")
+    elastic.add_argument("--max-np", type=int, help="most workers the job may grow to (default: every slot offered)")
+    elastic.add_argument(
+        "--host-discovery-script",
+        help="executable polled every second; prints the available hosts, one 'host:slots' per line",
+    )
+    elastic.add_argument(
+        "--elastic-timeout",
+        type=float,
+        default=600.0,
+        help="seconds to wait for at least --min-np workers before failing the job (default 600)",
+    )
+    elastic.add_argument(
+        "--reset-limit", type=int, help="fail the job once it would re-form more than this many times (default: no limit)"
+    )
     output = parser.add_argument_group("output")
     output.add_argument(
         "--output-filename", help="directory; each rank's stdout and stderr also go to DIR/rank.N/{stdout,stderr}"
@@ -81,6 +99,32 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _check_elastic(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Validate the elastic flags and fill in their defaults (-np, --min-np and --max-np from one another)."""
+    if args.host_discovery_script and (args.hosts or args.hostfile):
+        parser.error("use either --host-discovery-script or -H/--hostfile, not both")
+    for name in ("num_proc", "min_np", "max_np"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    if args.num_proc is None:
+        args.num_proc = args.min_np
+    if args.num_proc is None and not (args.hosts or args.hostfile):
+        parser.error("an elastic job needs -np or --min-np")
+    if args.min_np is None:
+        args.min_np = args.num_proc or 1
+    if args.num_proc is not None and args.num_proc < args.min_np:
+        parser.error(f"-np {args.num_proc} is smaller than --min-np {args.min_np}")
+    if args.max_np is not None and args.max_np < max(args.min_np, args.num_proc or 0):
+        parser.error(f"--max-np {args.max_np} is smaller than -np/--min-np")
+    if args.max_np is None:
+        args.max_np = 1 << 30  # bounded by the slots the hosts offer
+    if args.elastic_timeout <= 0:
+        parser.error(f"--elastic-timeout must be > 0, got {args.elastic_timeout}")
+    if args.reset_limit is not None and args.reset_limit < 0:
+        parser.error(f"--reset-limit must be >= 0, got {args.reset_limit}")
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Parse and validate shoalrun's flags; bad flags print one line and exit 2."""
     parser = build_parser()
@@ -93,7 +137,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("no command given; usage: shoalrun -np N [flags] command [args ...]")
     if args.hosts and args.hostfile:
         parser.error("use either -H/--hosts or --hostfile, not both")
-    if args.num_proc is None and not (args.hosts or args.hostfile):
+    args.elastic = any(getattr(args, n) is not None for n in ("min_np", "max_np", "host_discovery_script", "reset_limit"))
+    if args.elastic:
+        _check_elastic(parser, args)
+    elif args.num_proc is None and not (args.hosts or args.hostfile):
         parser.error("-np is required when no hosts are given")
     if args.start_timeout <= 0:
         parser.error(f"--start-timeout must be > 0, got {args.start_timeout}")

@@ -32,7 +32,8 @@ class SlotInfo:
     cross_size: int
 
 
-def _parse_entry(entry: str, origin: str) -> HostSlots:
+def parse_host_entry(entry: str, origin: str) -> HostSlots:
+    """Parse one ``host`` or ``host:slots`` entry; ``origin`` names where it came from in errors."""
     entry = entry.strip()
     if not entry:
         raise HostSpecError(f"empty host entry in {origin}")
@@ -65,7 +66,7 @@ def parse_hosts(spec: str) -> list[HostSlots]:
     """Parse ``-H host1:slots,host2:slots`` (a host without ``:slots`` has one slot)."""
     if not spec.strip():
         raise HostSpecError("the host list (-H) is empty")
-    return _check_unique([_parse_entry(part, "-H") for part in spec.split(",")], "-H")
+    return _check_unique([parse_host_entry(part, "-H") for part in spec.split(",")], "-H")
 
 
 def parse_hostfile(path: str) -> list[HostSlots]:
@@ -82,9 +83,9 @@ def parse_hostfile(path: str) -> list[HostSlots]:
         origin = f"hostfile {path} line {number}"
         words = line.split()
         if len(words) == 2 and words[1].startswith("slots="):
-            hosts.append(_parse_entry(f"{words[0]}:{words[1][len('slots=') :]}", origin))
+            hosts.append(parse_host_entry(f"{words[0]}:{words[1][len('slots=') :]}", origin))
         elif len(words) == 1:
-            hosts.append(_parse_entry(words[0], origin))
+            hosts.append(parse_host_entry(words[0], origin))
         else:
             raise HostSpecError(f"cannot parse {origin}: {raw_line!r}; expected 'host slots=N' or 'host:N'")
     if not hosts:

@@ -121,6 +121,7 @@ class Job:
         local_prefixes: dict[str, list[str]] | None = None,
         rendezvous_addr: str | None = None,
         extra_env: dict[str, str] | None = None,
+        bind_all: bool = False,
     ) -> None:
         """A job over ``slots``.
 
@@ -131,13 +132,14 @@ class Job:
                 emulator uses ``ip netns exec <ns>``); other hosts are local or reached over ssh.
             rendezvous_addr: the address workers use to reach the store, overriding the automatic choice.
             extra_env: more environment for every worker.
+            bind_all: listen on every interface even when all ``slots`` are local (hosts may join later).
         """
         self.args = args
         self.slots = slots
         self.local_prefixes = local_prefixes or {}
         self.extra_env = extra_env or {}
         self.secret = secrets.token_hex(16)
-        self.all_local = all(self._is_local(s.hostname) for s in slots) and not self.local_prefixes
+        self.all_local = all(self._is_local(s.hostname) for s in slots) and not self.local_prefixes and not bind_all
         remote_hosts = [s.hostname for s in slots if not self._is_local(s.hostname)]
         self.rendezvous_addr = rendezvous_addr or pick_rendezvous_address(remote_hosts, args.network_interface)
         self._listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -185,9 +187,10 @@ class Job:
         env.update(knob_env(self.args))
         return env
 
-    def _spawn(self, slot: SlotInfo) -> Worker:
+    def _spawn(self, slot: SlotInfo, worker_env: dict[str, str] | None = None) -> Worker:
         extra = self._worker_env(slot)
         extra.update(self.extra_env)
+        extra.update(worker_env or {})
         if self._is_local(slot.hostname):
             env = dict(os.environ)
             env.setdefault("PYTHONUNBUFFERED", "1")

@@ -7,6 +7,7 @@ object with explicit fields, and nowhere else.
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import os
 import threading
 from collections.abc import Callable
@@ -16,6 +17,7 @@ from typing import Any
 from shoal.comm import process_group, store
 from shoal.config import env_float
 from shoal.log import get_logger
+from shoal.runtime import elastic_rendezvous
 from shoal.runtime.launch_env import LaunchInfo, detect_launch
 from shoal.runtime.topology import Topology, build_topology
 from shoal.runtime.watchdog import start_launcher_watchdog
@@ -33,6 +35,8 @@ class Context:
     generation: int
     store: Any
     """The job store scoped to this generation; later layers keep their own keys under it."""
+    job_store: Any = None
+    """The whole job's store (elastic training talks to shoalrun's driver through it)."""
 
 
 _lock = threading.RLock()
@@ -40,6 +44,8 @@ _context: Context | None = None
 _shutdown_hooks: list[Callable[[], None]] = []
 _init_hooks: list[Callable[[Context], None]] = []
 _exit_hook_registered = False
+_elastic_round = 0
+"""The last elastic round this process joined (0: none yet)."""
 
 
 def register_init_hook(hook: Callable[[Context], None]) -> None:
@@ -69,11 +75,15 @@ def init() -> Context:
         launch = detect_launch(os.environ)
         timeout_s = env_float("START_TIMEOUT", DEFAULT_START_TIMEOUT_S)
         job_store = store.connect_store(launch, timeout_s)
-        scoped_store, generation = store.generation_store(job_store, launch.secret, launch.rank)
+        if elastic_rendezvous.is_elastic_worker():
+            launch, scoped_store, generation = _join_elastic_round(launch, job_store)
+        else:
+            scoped_store, generation = store.generation_store(job_store, launch.secret, launch.rank)
         backend = process_group.init_world(scoped_store, launch.rank, launch.size, timeout_s=max(timeout_s, 300.0))
         gathered = process_group.allgather_object((launch.host_key, launch.local_rank))
         topology = build_topology(launch.rank, [g[0] for g in gathered], [g[1] for g in gathered])
-        _context = Context(launch=launch, topology=topology, backend=backend, generation=generation, store=scoped_store)
+        _context = Context(launch=launch, topology=topology, backend=backend, generation=generation,
+                           store=scoped_store, job_store=job_store)  # fmt: skip
         get_logger().debug(
             "rank %d/%d initialized by %s (generation %d, backend %s)",
             topology.rank,
@@ -92,6 +102,24 @@ def init() -> Context:
             _exit_hook_registered = True
         start_launcher_watchdog()
         return _context
+
+
+def _join_elastic_round(launch: LaunchInfo, job_store: Any) -> tuple[LaunchInfo, Any, int]:
+    """Take this worker's place in the driver's newest round; its rank and size come from there, not the env."""
+    global _elastic_round
+    keys = elastic_rendezvous.ElasticKeys(store.secret_namespace(launch.secret))
+    timeout_s = env_float("ELASTIC_TIMEOUT", 600.0) + 30.0
+    worker_id = os.environ[elastic_rendezvous.ELASTIC_ID_ENV]
+    assignment, round_number = elastic_rendezvous.join_round(job_store, keys, worker_id, _elastic_round, timeout_s)
+    _elastic_round = round_number
+    for name, value in (("RANK", assignment.rank), ("SIZE", assignment.size), ("LOCAL_RANK", assignment.local_rank),
+                        ("LOCAL_SIZE", assignment.local_size), ("CROSS_RANK", assignment.cross_rank),
+                        ("CROSS_SIZE", assignment.cross_size)):  # fmt: skip
+        os.environ[f"SHOAL_{name}"] = os.environ[f"HOROVOD_{name}"] = str(value)
+    launch = dataclasses.replace(launch, rank=assignment.rank, size=assignment.size,
+                                 local_rank=assignment.local_rank, host_key=assignment.hostname)  # fmt: skip
+    scoped = store.prefix_store(keys.group_prefix(round_number), job_store)
+    return launch, scoped, round_number
 
 
 def shutdown() -> None:

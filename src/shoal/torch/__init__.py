@@ -1,5 +1,6 @@
 """``import shoal.torch as hvd``: a drop-in for ``horovod.torch``."""
 
+from shoal.torch import elastic
 from shoal.torch.basics import (
     ccl_built,
     cross_rank,
@@ -96,6 +97,7 @@ __all__ = [
     "cross_size",
     "cuda_built",
     "ddl_built",
+    "elastic",
     "global_process_set",
     "gloo_built",
     "gloo_enabled",

@@ -1,8 +1,12 @@
-"""Elastic training (in progress): the pieces that do not need the elastic driver yet.
+"""Elastic training (Horovod's ``hvd.elastic``): survive workers that die or join, from an in-memory commit.
 
-``ElasticSampler`` is complete; ``run``, ``TorchState`` and the shoalrun elastic driver are not built yet.
+Run under ``shoalrun`` with an elastic flag (``--min-np``, ``--max-np``, ``--host-discovery-script``,
+``--reset-limit``); decorate the training function with ``run`` and keep its state in a ``TorchState``.
 """
 
+from shoal.exceptions import HorovodInternalError, HostsUpdatedInterrupt
+from shoal.torch.elastic.run import run
 from shoal.torch.elastic.sampler import ElasticSampler
+from shoal.torch.elastic.state import ObjectState, State, TorchState
 
-__all__ = ["ElasticSampler"]
+__all__ = ["ElasticSampler", "HorovodInternalError", "HostsUpdatedInterrupt", "ObjectState", "State", "TorchState", "run"]

@@ -3,6 +3,10 @@
 Like Horovod's: the sampler remembers which indices of the epoch were processed in committed steps; after a reset
 (a worker left or joined), the indices not yet processed are re-partitioned over the new world, so no sample is
 repeated or skipped. Its ``state_dict()`` is what an elastic state commits; ``reset()`` re-shards.
+
+Training is synchronous, so when this rank finished its ``i``-th batch every rank finished its own ``i``-th batch:
+``record_batch`` marks all of them, and the record survives whichever worker dies (Horovod records only this
+rank's and unions them at the next sync, which loses the batches of a worker that died since the last sync).
 """
 
 from __future__ import annotations
@@ -32,6 +36,10 @@ class ElasticSampler(Sampler[int]):
         self.seed = seed
         self.epoch = 0
         self.processed_indices: set[int] = set()
+        self.processed_count = 0
+        """Samples recorded this epoch, padding excluded; equals ``len(processed_indices)`` unless one repeated."""
+        self._padded: list[int] = []
+        self._per_rank = 0
         self._fixed_replicas = num_replicas
         self._fixed_rank = rank
         self.num_replicas = 1
@@ -51,25 +59,31 @@ class ElasticSampler(Sampler[int]):
         """Start epoch ``epoch``: nothing of it is processed yet."""
         self.epoch = epoch
         self.processed_indices = set()
+        self.processed_count = 0
         self.reset()
 
     def record_batch(self, batch_index: int, batch_size: int) -> None:
-        """Mark this rank's ``batch_index``-th batch (of ``batch_size``) of the current shard as processed."""
-        start = batch_index * batch_size
-        self.record_indices(self.indices[start : start + batch_size])
+        """Mark the ``batch_index``-th batch (of ``batch_size``) of every rank's current shard as processed."""
+        real = len(self.remaining_indices)
+        positions = range(batch_index * batch_size, min((batch_index + 1) * batch_size, self._per_rank))
+        flat = [j * self.num_replicas + r for r in range(self.num_replicas) for j in positions]
+        self.record_indices([self._padded[p] for p in flat if p < real])  # padding repeats samples; not counted
 
     def record_indices(self, indices: list[int]) -> None:
         """Mark dataset indices as processed."""
         self.processed_indices.update(int(i) for i in indices)
+        self.processed_count += len(indices)
 
     def state_dict(self) -> dict[str, Any]:
-        """What a commit saves: the epoch and the processed indices."""
-        return {"epoch": self.epoch, "processed_indices": sorted(self.processed_indices)}
+        """What a commit saves: the epoch, the processed indices and how many were recorded."""
+        return {"epoch": self.epoch, "processed_indices": sorted(self.processed_indices),
+                "processed_count": self.processed_count}  # fmt: skip
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a committed state (then ``reset()`` re-shards what is left)."""
         self.epoch = int(state["epoch"])
         self.processed_indices = set(state["processed_indices"])
+        self.processed_count = int(state.get("processed_count", len(self.processed_indices)))
         self.reset()
 
     def reset(self) -> None:
@@ -84,6 +98,7 @@ class ElasticSampler(Sampler[int]):
         # stay in step; padding repeats only within this shard's last batch.
         per_rank = -(-len(self.remaining_indices) // self.num_replicas) if self.remaining_indices else 0
         padded = self.remaining_indices + self.remaining_indices[: per_rank * self.num_replicas - len(self.remaining_indices)]
+        self._padded, self._per_rank = padded, per_rank
         self.indices = padded[self.rank : per_rank * self.num_replicas : self.num_replicas]
 
     def __iter__(self) -> Iterator[int]:

@@ -1,0 +1,139 @@
+"""The digits example written for elastic training: workers may die or join, and training goes on.
+
+Run: ``shoalrun -np 3 --min-np 2 python examples/elastic_digits.py``, then ``kill -9`` one worker: the others
+restore their last commit, re-form at size 2 and finish. With ``--host-discovery-script`` new slots join at the next
+commit and receive rank 0's state. Ends with one JSON line:
+{"example": "elastic_digits", "world": .., "test_accuracy": .., "committed_steps": .., "resets": .., "epochs": [..]}
+where ``epochs`` lists, per epoch, the distinct samples processed and how many were recorded (equal when no
+committed step was lost or applied twice).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import torch
+import torch.nn.functional as F
+from sklearn.datasets import load_digits
+from sklearn.model_selection import train_test_split
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data.distributed import DistributedSampler
+
+import shoal.torch as hvd
+
+
+class DigitsNet(nn.Module):
+    """Two convolutions and a classifier: about 21k parameters."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(1, 16, 3, padding=1)
+        self.conv2 = nn.Conv2d(16, 32, 3, padding=1)
+        self.fc = nn.Linear(32 * 4 * 4, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = F.relu(self.conv1(x))
+        x = F.max_pool2d(F.relu(self.conv2(x)), 2)
+        return self.fc(x.flatten(1))
+
+
+def load_data() -> tuple[TensorDataset, TensorDataset]:
+    """The digits as (N, 1, 8, 8) tensors scaled to [0, 1], split 80/20 with a fixed seed."""
+    digits = load_digits()
+    images = torch.tensor(digits.images, dtype=torch.float32).unsqueeze(1) / 16.0
+    labels = torch.tensor(digits.target)
+    x_train, x_test, y_train, y_test = train_test_split(images, labels, test_size=0.2, random_state=0)
+    return TensorDataset(x_train, y_train), TensorDataset(x_test, y_test)
+
+
+def evaluate(model: nn.Module, dataset: TensorDataset) -> float:
+    """Accuracy over ``dataset``, sharded across the current workers."""
+    sampler = DistributedSampler(dataset, num_replicas=hvd.size(), rank=hvd.rank(), shuffle=False)
+    correct = torch.zeros(2)
+    model.eval()
+    with torch.no_grad():
+        for x, y in DataLoader(dataset, batch_size=256, sampler=sampler):
+            correct += torch.tensor([(model(x).argmax(1) == y).sum().item(), len(y)])
+    totals = hvd.allreduce(correct, op=hvd.Sum, name="eval.correct")
+    return float(totals[0] / totals[1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="Elastic training of a CNN on sklearn digits with Shoal.")
+    parser.add_argument("--epochs", type=int, default=8)
+    parser.add_argument("--batch-size", type=int, default=16, help="per-worker batch size")
+    parser.add_argument("--lr", type=float, default=0.03, help="learning rate for one worker; scaled by world size")
+    parser.add_argument("--commit-every", type=int, default=4, help="commit the state every this many steps")
+    parser.add_argument("--step-delay", type=float, default=0.0, help="sleep this long per step (a slower model)")
+    parser.add_argument("--log-every", type=int, default=10, help="rank 0 prints progress every this many steps")
+    args = parser.parse_args()
+
+    torch.set_num_threads(1)
+    hvd.init()
+    torch.manual_seed(0)
+    train_set, test_set = load_data()
+    model = DigitsNet()
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr * hvd.size(), momentum=0.9)
+    optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
+    sampler = hvd.elastic.ElasticSampler(train_set, shuffle=True, seed=0)
+    state = hvd.elastic.TorchState(model=model, optimizer=optimizer, sampler=sampler, epoch=0, step=0, epoch_log=[])
+    resets = 0
+    report_commit = False
+
+    def on_reset() -> None:
+        nonlocal resets, report_commit
+        resets += 1
+        report_commit = True
+        for group in optimizer.param_groups:  # keep lr proportional to the global batch
+            group["lr"] = args.lr * hvd.size()
+        print(f"reset {resets}: now rank {hvd.rank()} of {hvd.size()}", flush=True)
+
+    state.register_reset_callbacks([on_reset])
+    print(f"worker pid {os.getpid()} starts as rank {hvd.rank()} of {hvd.size()}", flush=True)
+
+    @hvd.elastic.run
+    def train(state: hvd.elastic.TorchState) -> float:
+        nonlocal report_commit
+        # Runs after every sync: all workers, newcomers included, now hold rank 0's weights.
+        checksum = sum(float(p.double().sum()) for p in model.parameters())
+        print(f"synced at step {state.step} as rank {hvd.rank()} of {hvd.size()}: weights checksum {checksum!r}", flush=True)
+        while state.epoch < args.epochs:
+            loader = DataLoader(train_set, batch_size=args.batch_size, sampler=state.sampler)
+            model.train()
+            for batch_index, (x, y) in enumerate(loader):
+                optimizer.zero_grad()
+                F.cross_entropy(model(x), y).backward()
+                optimizer.step()
+                state.sampler.record_batch(batch_index, args.batch_size)
+                state.step += 1
+                if args.step_delay:
+                    time.sleep(args.step_delay)
+                if hvd.rank() == 0 and state.step % args.log_every == 0:
+                    print(f"step {state.step} epoch {state.epoch} world {hvd.size()}", flush=True)
+                if state.step % args.commit_every == 0:
+                    state.commit()
+                    if report_commit:  # how long recovery took: compare with the time of the failure
+                        print(f"first commit after reset {resets}: step {state.step} at {time.time():.3f}", flush=True)
+                        report_commit = False
+            state.epoch_log.append({"epoch": state.epoch, "distinct": len(state.sampler.processed_indices),
+                                    "recorded": state.sampler.processed_count, "world": hvd.size()})  # fmt: skip
+            state.epoch += 1
+            state.sampler.set_epoch(state.epoch)
+            state.commit()
+        return evaluate(model, test_set)
+
+    test_accuracy = train(state)
+    if hvd.rank() == 0:
+        summary = {"example": "elastic_digits", "world": hvd.size(), "test_accuracy": round(test_accuracy, 4),
+                   "committed_steps": state.step, "resets": resets, "train_samples": len(train_set),
+                   "epochs": state.epoch_log}  # fmt: skip
+        print(json.dumps(summary), flush=True)
+    hvd.shutdown()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,96 @@
+"""Host discovery for elastic jobs: a user script, polled, that prints the hosts available right now.
+
+The script's contract is horovodrun's: print one ``host:slots`` line per available host (a bare ``host`` means one
+slot) and exit 0. A script that fails, hangs or prints garbage does not end the job: the last good answer stands,
+and the problem is reported once per distinct message.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+
+from shoal.runner.hosts import HostSlots, HostSpecError, parse_host_entry
+
+SCRIPT_TIMEOUT_S = 10.0
+
+
+def run_discovery_script(script: str, timeout_s: float = SCRIPT_TIMEOUT_S) -> list[HostSlots]:
+    """Run the discovery script once and parse its output.
+
+    Raises:
+        HostSpecError: the script failed, timed out, or printed a line that is not ``host[:slots]``.
+    """
+    try:
+        result = subprocess.run(script, shell=True, capture_output=True, text=True, timeout=timeout_s, check=False)
+    except subprocess.TimeoutExpired:
+        raise HostSpecError(f"host discovery script {script!r} did not finish within {timeout_s:.0f} s") from None
+    if result.returncode != 0:
+        detail = result.stderr.strip().splitlines()[-1:] or ["(no stderr)"]
+        raise HostSpecError(f"host discovery script {script!r} exited with code {result.returncode}: {detail[0]}")
+    hosts: dict[str, HostSlots] = {}
+    for line in result.stdout.splitlines():
+        line = line.strip()
+        if line and not line.startswith("#"):
+            entry = parse_host_entry(line, f"the output of {script!r}")
+            hosts[entry.hostname] = entry  # a host printed twice: the last line wins
+    return list(hosts.values())
+
+
+class HostDiscovery:
+    """Keeps the current host list: static (``-H``/``--hostfile``/``-np``), or polled from a script in a thread."""
+
+    def __init__(self, static_hosts: list[HostSlots], script: str | None, interval_s: float = 1.0) -> None:
+        self._hosts = list(static_hosts)
+        self._script = script
+        self._interval_s = interval_s
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._last_error = ""
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        """Run the script once now (so the first answer is known), then keep polling in the background."""
+        if self._script is None:
+            return
+        self._poll_once()
+        self._thread = threading.Thread(target=self._poll_forever, name="shoalrun-discovery", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop polling."""
+        self._stop.set()
+
+    def hosts(self) -> list[HostSlots]:
+        """The latest known hosts."""
+        with self._lock:
+            return list(self._hosts)
+
+    def _poll_forever(self) -> None:
+        while not self._stop.wait(self._interval_s):
+            self._poll_once()
+
+    def _poll_once(self) -> None:
+        assert self._script is not None
+        try:
+            hosts = run_discovery_script(self._script)
+        except HostSpecError as error:
+            if str(error) != self._last_error:
+                print(f"shoalrun: warning: {error}; keeping the previous host list", file=sys.stderr, flush=True)
+                self._last_error = str(error)
+            return
+        self._last_error = ""
+        with self._lock:
+            self._hosts = hosts
+
+    def wait_for_slots(self, needed: int, timeout_s: float, excluded: set[str]) -> bool:
+        """Wait until the hosts (minus ``excluded``) offer ``needed`` slots; False after ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if sum(h.slots for h in self.hosts() if h.hostname not in excluded) >= needed:
+                return True
+            if time.monotonic() >= deadline or self._script is None:
+                return False
+            time.sleep(0.1)

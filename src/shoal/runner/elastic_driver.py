@@ -1,0 +1,286 @@
+"""shoalrun's elastic driver: keep a job running while workers die and hosts come and go.
+
+The driver hosts the job store (it outlives every worker) and forms *rounds* of membership through it (see
+``shoal.runtime.elastic_rendezvous``). It starts a new round when
+
+- a member exits non-zero (SIGKILL, a crash, its host vanishing): its host is excluded from new spawns, and the
+  survivors, whose collectives failed fast, restore their last commit and join the new round;
+- a member asks for one (its collectives failed although no worker exit was seen);
+- new slots appear in the host discovery output: newcomers are started there and admitted once they are ready to
+  rendezvous; the members learn of it at their next ``state.commit()``;
+- a host disappears from discovery: its workers are told they are removed and exit cleanly.
+
+Rank 0 of a new round is always a worker that was already training, so ``state.sync()`` hands its state to the
+newcomers. With fewer than ``--min-np`` workers the driver waits up to ``--elastic-timeout`` for discovery to offer
+more, then ends everything with a non-zero exit. ``--reset-limit`` bounds how many times the job may re-form.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import time
+from dataclasses import dataclass
+
+from shoal.runner.discovery import HostDiscovery
+from shoal.runner.hosts import HostSlots, SlotInfo, parse_hostfile, parse_hosts
+from shoal.runner.launcher import Job, Worker, _describe_status
+from shoal.runtime.elastic_rendezvous import ELASTIC_ID_ENV, ELASTIC_TIMEOUT_ENV, REMOVED, Assignment, ElasticKeys
+
+_READY_SETTLE_S = 0.2
+"""A worker asking for a new round usually saw a peer die; give the driver a moment to see the exit too."""
+
+
+@dataclass
+class ElasticWorker:
+    """A worker process and where it stands in the elastic job."""
+
+    worker_id: str
+    hostname: str
+    process: Worker
+    rank: int | None = None
+    """Its rank in the newest round it belongs to; None for a newcomer not admitted yet."""
+    state: str = "starting"
+    """starting (newcomer) | member | removed | finished | failed."""
+
+
+def is_elastic(args: argparse.Namespace) -> bool:
+    """shoalrun runs the elastic driver when any elastic flag is given."""
+    return any(getattr(args, n) is not None for n in ("min_np", "max_np", "host_discovery_script", "reset_limit"))
+
+
+class ElasticJob(Job):
+    """A shoalrun job whose membership may change; ``run()`` returns shoalrun's exit code."""
+
+    def __init__(self, args: argparse.Namespace, static_hosts: list[HostSlots]) -> None:
+        """An elastic job over the static hosts (or those the discovery script prints)."""
+        discovery = HostDiscovery(static_hosts, args.host_discovery_script)
+        discovery.start()
+        # Only used to choose the rendezvous address: hosts discovered later may be remote, so then listen on all.
+        known = [SlotInfo(h.hostname, 0, 1, 0, 1, 0, 1) for h in discovery.hosts()]
+        super().__init__(args, slots=known, bind_all=args.host_discovery_script is not None)
+        self.discovery = discovery
+        self.elastic: list[ElasticWorker] = []
+        self.excluded_hosts: set[str] = set()
+        self.round = 0
+        self.resets = 0
+        self._spawned = 0
+        self._below_min_since: float | None = None
+        self._reset_reason: str | None = None
+        self._ready_seen_at: float | None = None
+        self._keys: ElasticKeys | None = None
+
+    # ----- the worker set -----
+
+    def _alive(self, *states: str) -> list[ElasticWorker]:
+        return [w for w in self.elastic if w.state in states and w.process.returncode is None]
+
+    def _start_worker(self, hostname: str, rank_hint: int) -> None:
+        self._spawned += 1
+        worker_id = f"{hostname}#{self._spawned}"
+        # The slot's rank only labels the output; the real rank comes from each round's assignment.
+        slot = SlotInfo(hostname, rank_hint, max(rank_hint + 1, 1), 0, 1, 0, 1)
+        env = {ELASTIC_ID_ENV: worker_id, ELASTIC_TIMEOUT_ENV: str(self.args.elastic_timeout)}
+        process = self._spawn(slot, env)
+        self.workers.append(process)
+        self.elastic.append(ElasticWorker(worker_id, hostname, process))
+        self._verbose(f"started worker {worker_id}")
+
+    def _fill_slots(self, limit: int) -> None:
+        """Start workers on free slots of the known, non-excluded hosts, up to ``limit`` live workers."""
+        live = self._alive("starting", "member")
+        for host in self.discovery.hosts():
+            if host.hostname in self.excluded_hosts:
+                continue
+            on_host = sum(1 for w in live if w.hostname == host.hostname)
+            for _ in range(host.slots - on_host):
+                if len(live) >= limit:
+                    return
+                self._start_worker(host.hostname, len(live))
+                live = self._alive("starting", "member")
+
+    # ----- rounds -----
+
+    def _publish_round(self, members: list[ElasticWorker]) -> None:
+        assert self._store is not None and self._keys is not None
+        self.round += 1
+        local_counts: dict[str, int] = {}
+        for member in members:
+            local_counts[member.hostname] = local_counts.get(member.hostname, 0) + 1
+        local_ranks: dict[str, int] = {}
+        hosts_in_order = list(dict.fromkeys(m.hostname for m in members))
+        for rank, member in enumerate(members):
+            local_rank = local_ranks.get(member.hostname, 0)
+            local_ranks[member.hostname] = local_rank + 1
+            cross = [h for h in hosts_in_order if local_counts[h] > local_rank]
+            assignment = Assignment(rank, len(members), local_rank, local_counts[member.hostname],
+                                    cross.index(member.hostname), len(cross), member.hostname)  # fmt: skip
+            self._store.set(self._keys.assignment(self.round, member.worker_id), assignment.to_json())
+            member.rank, member.state = rank, "member"
+        for worker in self._alive("member", "starting"):
+            if worker not in members and worker.state == "member":
+                worker.state = "removed"
+                self._store.set(self._keys.assignment(self.round, worker.worker_id), REMOVED)
+        self._store.set(self._keys.round, str(self.round))
+        self._verbose(f"round {self.round}: {len(members)} workers ({', '.join(m.worker_id for m in members)})")
+
+    def _next_members(self) -> list[ElasticWorker]:
+        """Members that stay (rank order kept, so rank 0 has trained), then newcomers ready to rendezvous."""
+        assert self._store is not None and self._keys is not None
+        known_hosts = {h.hostname for h in self.discovery.hosts()}
+        stay = [w for w in self._alive("member") if w.hostname in known_hosts or not self.args.host_discovery_script]
+        stay.sort(key=lambda w: w.rank if w.rank is not None else 0)
+        ready = [w for w in self._alive("starting") if self._store.check([self._keys.ready(w.worker_id)])]
+        return (stay + ready)[: self.args.max_np]
+
+    def _wants_new_round(self) -> str | None:
+        """Why a new round is needed now, or None."""
+        assert self._store is not None and self._keys is not None
+        if self._reset_reason is not None:
+            return self._reset_reason
+        for worker in self._alive("member"):
+            key = self._keys.ready(worker.worker_id)
+            if self._store.check([key]) and int(self._store.get(key).decode()) >= self.round:
+                now = time.monotonic()
+                self._ready_seen_at = self._ready_seen_at or now
+                if now - self._ready_seen_at >= _READY_SETTLE_S:
+                    return f"worker {worker.worker_id} asked to re-form the job"
+                return None
+        if self.args.host_discovery_script:
+            known = {h.hostname for h in self.discovery.hosts()}
+            if any(w.hostname not in known for w in self._alive("member")):
+                return "a host left the discovery output"
+        if any(self._store.check([self._keys.ready(w.worker_id)]) for w in self._alive("starting")):
+            return "new workers are ready to join"
+        return None
+
+    # ----- supervision -----
+
+    def _reap(self) -> int | None:
+        """Note exited workers; returns a job exit code when the job is over."""
+        for worker in self.elastic:
+            code = worker.process.returncode
+            if code is None or worker.state in ("finished", "failed", "left"):
+                continue
+            if code == 0:
+                worker.state = "finished" if worker.state == "member" else "left"
+                continue
+            was_member = worker.state == "member"
+            worker.state = "failed"
+            if not was_member:
+                continue  # a removed worker or a newcomer that never joined: nothing to recover from
+            self.excluded_hosts.add(worker.hostname)
+            self._drain_output_of(worker.process)
+            finished = [w for w in self.elastic if w.state == "finished"]
+            if finished:
+                print(f"shoalrun: worker {worker.worker_id} (rank {worker.rank}) on host {worker.hostname} "
+                      f"{_describe_status(code)} after other workers had finished; ending the job",
+                      file=sys.stderr, flush=True)  # fmt: skip
+                return 128 - code if code < 0 else code
+            print(f"shoalrun: worker {worker.worker_id} (rank {worker.rank}) on host {worker.hostname} "
+                  f"{_describe_status(code)}; host {worker.hostname} gets no new workers; re-forming the job",
+                  file=sys.stderr, flush=True)  # fmt: skip
+            self._reset_reason = f"worker {worker.worker_id} failed"
+        if any(w.state == "finished" for w in self.elastic) and not self._alive("member"):
+            # Training is over; newcomers still waiting to join (or removed workers still leaving) are not needed.
+            for worker in self._alive("starting", "removed"):
+                worker.process.signal_tree(signal.SIGTERM)
+            return 0
+        if self.elastic and all(w.process.returncode is not None for w in self.elastic):
+            print("shoalrun: every worker has exited and none finished", file=sys.stderr, flush=True)
+            return 1
+        return None
+
+    def _fail(self, message: str) -> int:
+        print(f"shoalrun: {message}", file=sys.stderr, flush=True)
+        self.terminate_all()
+        return 1
+
+    def run(self) -> int:
+        """Start the job, keep it going through failures and host changes, return shoalrun's exit code."""
+        previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+        try:
+            self._store_thread.start()
+            return self._drive()
+        finally:
+            self.discovery.stop()
+            self._drain_output()
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+            self._store_thread.join(timeout=60)
+            self._store = None
+            if self._listener.fileno() != -1:
+                self._listener.close()
+            self._remove_shared_memory()
+
+    def _drive(self) -> int:
+        from shoal.comm.store import secret_namespace
+
+        args = self.args
+        if not self.discovery.wait_for_slots(args.min_np, args.elastic_timeout, self.excluded_hosts):
+            return self._fail(f"fewer than --min-np {args.min_np} slots were available within --elastic-timeout "
+                              f"{args.elastic_timeout:.0f} s")  # fmt: skip
+        self._store_thread.join()
+        if self._store_error is not None:
+            return self._fail(f"cannot host the rendezvous store: {self._store_error}")
+        self._keys = ElasticKeys(secret_namespace(self.secret))
+        self._fill_slots(args.num_proc)
+        self._publish_round(self._alive("starting"))
+        while True:
+            if self._stop_signal is not None:
+                print(f"shoalrun: received {signal.Signals(self._stop_signal).name}; terminating all workers",
+                      file=sys.stderr, flush=True)  # fmt: skip
+                self.terminate_all()
+                return 128 + self._stop_signal
+            outcome = self._reap()
+            if outcome is not None:
+                if outcome != 0:
+                    self.terminate_all()
+                return outcome
+            if not any(w.state == "finished" for w in self.elastic):
+                code = self._maybe_reform()
+                if code is not None:
+                    return code
+            time.sleep(0.05)
+
+    def _maybe_reform(self) -> int | None:
+        args = self.args
+        if args.host_discovery_script:
+            self._fill_slots(args.max_np)
+        reason = self._wants_new_round()
+        if reason is None:
+            return None
+        members = self._next_members()
+        if len(members) < args.min_np:
+            now = time.monotonic()
+            if self._below_min_since is None:
+                self._below_min_since = now
+                print(f"shoalrun: {len(members)} worker(s) left, fewer than --min-np {args.min_np}; waiting up "
+                      f"to --elastic-timeout {args.elastic_timeout:.0f} s for more hosts",
+                      file=sys.stderr, flush=True)  # fmt: skip
+            if now - self._below_min_since >= args.elastic_timeout:
+                return self._fail(f"only {len(members)} worker(s) remain, fewer than --min-np {args.min_np}, and no "
+                                  f"host offered more slots within --elastic-timeout {args.elastic_timeout:.0f} s")  # fmt: skip
+            return None
+        if args.reset_limit is not None and self.resets >= args.reset_limit:
+            return self._fail(f"the job needs to re-form ({reason}) but --reset-limit {args.reset_limit} is reached")
+        self._below_min_since = None
+        self._reset_reason = None
+        self._ready_seen_at = None
+        self.resets += 1
+        print(f"shoalrun: re-forming the job with {len(members)} workers ({reason}); reset {self.resets}",
+              file=sys.stderr, flush=True)  # fmt: skip
+        self._publish_round(members)
+        return None
+
+
+def elastic_hosts(args: argparse.Namespace) -> list[HostSlots]:
+    """The static hosts of an elastic job (empty when a discovery script provides them)."""
+    if args.host_discovery_script:
+        return []
+    if args.hosts:
+        return parse_hosts(args.hosts)
+    if args.hostfile:
+        return parse_hostfile(args.hostfile)
+    return [HostSlots("localhost", args.num_proc)]

@@ -1,0 +1,150 @@
+"""Elastic rendezvous: the keys shoalrun's elastic driver and its workers share in the job store.
+
+The driver (``shoal.runner.elastic_driver``) hosts the store, so it survives any worker. It numbers the job's
+successive memberships as *rounds*. For round R it writes every member's assignment (rank, size, host and local
+ranks; or ``removed`` for a live worker that is not in it), then publishes R. A worker joins the newest round that
+assigns it, waits until every member has arrived, and only then builds its process group under keys private to
+round R, so a dead peer from an older round can never be waited on.
+
+A round forms or is abandoned exactly once: the last member to arrive marks it ``formed``; a member that sees a newer
+round published first marks it ``abandoned`` (a compare-and-set decides which came first), so all members agree.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from shoal.exceptions import ElasticRendezvousError, WorkerRemovedError
+
+ELASTIC_ID_ENV = "SHOAL_ELASTIC_ID"
+"""Set by the elastic driver: the worker's identity across rounds (its rank changes, this does not)."""
+ELASTIC_TIMEOUT_ENV = "SHOAL_ELASTIC_TIMEOUT"
+"""Set by the elastic driver: how long a worker waits for a round to form before giving up."""
+REMOVED = "removed"
+_POLL_S = 0.02
+
+
+def is_elastic_worker() -> bool:
+    """True in a worker started by shoalrun in elastic mode."""
+    return bool(os.environ.get(ELASTIC_ID_ENV))
+
+
+@dataclass(frozen=True)
+class Assignment:
+    """A worker's place in one round."""
+
+    rank: int
+    size: int
+    local_rank: int
+    local_size: int
+    cross_rank: int
+    cross_size: int
+    hostname: str
+
+    def to_json(self) -> str:
+        """The form the driver writes into the store."""
+        return json.dumps(self.__dict__, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> Assignment:
+        """Parse what the driver wrote."""
+        return cls(**json.loads(text))
+
+
+class ElasticKeys:
+    """Key names under the job's namespace; the one place both sides spell them."""
+
+    def __init__(self, namespace: str) -> None:
+        self.base = f"{namespace}/elastic"
+
+    @property
+    def round(self) -> str:
+        """The newest published round number."""
+        return f"{self.base}/round"
+
+    def assignment(self, round_number: int, worker_id: str) -> str:
+        """Worker ``worker_id``'s assignment in a round (JSON, or ``removed``)."""
+        return f"{self.base}/r{round_number}/assign/{worker_id}"
+
+    def arrived(self, round_number: int) -> str:
+        """How many members of a round have arrived."""
+        return f"{self.base}/r{round_number}/arrived"
+
+    def state(self, round_number: int) -> str:
+        """``formed`` or ``abandoned``, set once."""
+        return f"{self.base}/r{round_number}/state"
+
+    def group_prefix(self, round_number: int) -> str:
+        """Prefix for the process group's own keys in a round."""
+        return f"{self.base}/r{round_number}/pg/"
+
+    def ready(self, worker_id: str) -> str:
+        """A worker waiting for a round writes the last round it was in (0: none yet)."""
+        return f"{self.base}/ready/{worker_id}"
+
+    @property
+    def reset_requests(self) -> str:
+        """Counter that workers bump when their job broke without the driver seeing a worker exit."""
+        return f"{self.base}/reset_requests"
+
+
+def current_round(store: Any, keys: ElasticKeys) -> int:
+    """The newest round the driver published (0 before the first)."""
+    if not store.check([keys.round]):
+        return 0
+    return int(store.get(keys.round).decode())
+
+
+def join_round(store: Any, keys: ElasticKeys, worker_id: str, last_round: int, timeout_s: float) -> tuple[Assignment, int]:
+    """Wait for the newest round after ``last_round`` that assigns this worker, and for all its members to arrive.
+
+    Returns:
+        This worker's assignment and the round number.
+
+    Raises:
+        WorkerRemovedError: the driver left this worker out of the job.
+        ElasticRendezvousError: no round formed within ``timeout_s`` (the driver is gone or gave up).
+    """
+    store.set(keys.ready(worker_id), str(last_round))
+    deadline = time.monotonic() + timeout_s
+    joined: set[int] = set()
+    while time.monotonic() < deadline:
+        newest = current_round(store, keys)
+        key = keys.assignment(newest, worker_id)
+        if newest > last_round and newest not in joined and store.check([key]):
+            value = store.get(key).decode()
+            if value == REMOVED:
+                raise WorkerRemovedError(f"the elastic driver left this worker out of round {newest}")
+            joined.add(newest)
+            assignment = Assignment.from_json(value)
+            if _await_members(store, keys, newest, assignment.size, deadline):
+                return assignment, newest
+            continue
+        time.sleep(_POLL_S * 5)
+    raise ElasticRendezvousError(
+        f"no elastic round including this worker formed within {timeout_s:.0f} s (after round {last_round})"
+    )
+
+
+def _await_members(store: Any, keys: ElasticKeys, round_number: int, size: int, deadline: float) -> bool:
+    """Arrive in a round; True once it formed, False if a newer round superseded it first."""
+    state_key = keys.state(round_number)
+    if store.add(keys.arrived(round_number), 1) >= size:
+        store.compare_set(state_key, "", "formed")
+    while time.monotonic() < deadline:
+        if store.check([state_key]):
+            return bool(store.get(state_key).decode() == "formed")
+        if current_round(store, keys) > round_number:
+            # Whichever of "formed" (the last arrival) and "abandoned" (us) is set first wins, for everyone.
+            return bool(store.compare_set(state_key, "", "abandoned").decode() == "formed")
+        time.sleep(_POLL_S)
+    return False
+
+
+def request_reset(store: Any, keys: ElasticKeys) -> None:
+    """Ask the driver for a new round: this worker's job broke, and no worker exit may explain it."""
+    store.add(keys.reset_requests, 1)

@@ -1,0 +1,181 @@
+"""Elastic training end to end: workers killed with SIGKILL, a slot added by discovery, --min-np, --reset-limit.
+
+Every job runs ``examples/elastic_digits.py`` under a real ``shoalrun`` with elastic flags. Output is read while the
+job runs, so a worker can be killed mid-epoch at a known step.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, SHOALRUN, clean_env, process_alive
+
+EXAMPLE = [sys.executable, str(REPO / "examples" / "elastic_digits.py")]
+
+
+class RunningJob:
+    """A shoalrun job whose merged output is collected line by line in the background."""
+
+    def __init__(self, flags: list[str], example_args: list[str]) -> None:
+        self.process = subprocess.Popen([*SHOALRUN, *flags, *EXAMPLE, *example_args], env=clean_env(), cwd=REPO,
+                                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+        self.lines: list[str] = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.process.stdout is not None
+        for line in self.process.stdout:
+            self.lines.append(line.rstrip("\n"))
+
+    def wait_for(self, pattern: str, timeout_s: float) -> re.Match[str]:
+        """The first output line matching ``pattern``; fails the test after ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        regex = re.compile(pattern)
+        while time.monotonic() < deadline:
+            for line in list(self.lines):
+                match = regex.search(line)
+                if match:
+                    return match
+            if self.process.poll() is not None and not self._reader.is_alive():
+                break
+            time.sleep(0.05)
+        self.kill()
+        raise AssertionError(f"no line matching {pattern!r}; output:\n" + "\n".join(self.lines[-40:]))
+
+    def worker_pids(self, count: int) -> dict[int, int]:
+        """Initial rank -> pid, from each worker's start line."""
+        for rank in range(count):
+            self.wait_for(rf"^\[{rank}\]<stdout>:worker pid \d+", 60)
+        pids = {}
+        for line in self.lines:
+            match = re.match(r"^\[(\d+)\]<stdout>:worker pid (\d+)", line)
+            if match:
+                pids[int(match.group(1))] = int(match.group(2))
+        return pids
+
+    def finish(self, timeout_s: float) -> int:
+        """Wait for shoalrun to exit; returns its code (kills the job and fails the test on timeout)."""
+        try:
+            code = self.process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise AssertionError("shoalrun did not finish; output:\n" + "\n".join(self.lines[-40:])) from None
+        self._reader.join(timeout=10)
+        return code
+
+    def summary(self) -> dict[str, object]:
+        """The example's final JSON line."""
+        for line in reversed(self.lines):
+            if '"example": "elastic_digits"' in line:
+                return json.loads(line.split(":", 1)[1] if line.startswith("[") else line)  # type: ignore[no-any-return]
+        raise AssertionError("no summary line; output:\n" + "\n".join(self.lines[-40:]))
+
+    def kill(self) -> None:
+        """End the whole job (shoalrun ends its workers on SIGTERM)."""
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+
+
+def gone(pids: list[int], within_s: float) -> bool:
+    deadline = time.monotonic() + within_s
+    while any(process_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return not any(process_alive(p) for p in pids)
+
+
+def check_every_sample_once(summary: dict[str, object], epochs: int) -> None:
+    """Each epoch processed every training sample exactly once: nothing skipped, nothing applied twice."""
+    log = summary["epochs"]
+    assert isinstance(log, list) and [entry["epoch"] for entry in log] == list(range(epochs)), log
+    for entry in log:
+        assert entry["distinct"] == entry["recorded"] == summary["train_samples"], entry
+
+
+@pytest.mark.timeout(240)
+def test_sigkill_one_of_three_workers_finishes_with_two() -> None:
+    undisturbed = RunningJob(["-np", "3", "--min-np", "2"], [])
+    assert undisturbed.finish(120) == 0, "\n".join(undisturbed.lines[-30:])
+    reference = undisturbed.summary()
+    assert reference["world"] == 3 and reference["resets"] == 0
+    check_every_sample_once(reference, 8)
+
+    job = RunningJob(["-np", "3", "--min-np", "2", "--reset-limit", "1"], ["--log-every", "5"])
+    pids = job.worker_pids(3)
+    job.wait_for(r"^\[0\]<stdout>:step 35 ", 60)  # 30 steps per epoch at 3 workers: mid-way through epoch 1
+    killed_at = time.time()
+    subprocess.run(["kill", "-9", str(pids[2])], check=True)
+    assert job.finish(150) == 0, "\n".join(job.lines[-30:])
+    summary = job.summary()
+    assert summary["world"] == 2 and summary["resets"] == 1, summary
+    check_every_sample_once(summary, 8)
+    first_commit = float(job.wait_for(r"first commit after reset 1: step \d+ at ([\d.]+)", 1).group(1))
+    recovery_s = first_commit - killed_at
+    print(f"recovery: {recovery_s:.2f} s from SIGKILL to the next committed step")
+    assert 0 < recovery_s < 30
+    accuracy, reference_accuracy = float(summary["test_accuracy"]), float(reference["test_accuracy"])  # type: ignore[arg-type]
+    assert abs(accuracy - reference_accuracy) <= 0.01, (accuracy, reference_accuracy)
+    assert gone(list(pids.values()), 10), "a worker outlived the job"
+
+
+@pytest.mark.timeout(180)
+def test_discovery_adds_a_worker_that_receives_rank_0_state(tmp_path: Path) -> None:
+    hosts = tmp_path / "hosts"
+    hosts.write_text("localhost:2\n")
+    script = tmp_path / "discover.sh"
+    script.write_text(f"#!/bin/sh\ncat {hosts}\n")
+    script.chmod(0o755)
+    job = RunningJob(["-np", "2", "--max-np", "3", "--host-discovery-script", str(script)],
+                     ["--epochs", "6", "--step-delay", "0.04", "--log-every", "5"])  # fmt: skip
+    job.worker_pids(2)
+    job.wait_for(r"^\[0\]<stdout>:step 10 ", 60)
+    hosts.write_text("localhost:3\n")
+    assert job.finish(150) == 0, "\n".join(job.lines[-30:])
+    summary = job.summary()
+    assert summary["world"] == 3 and summary["resets"] == 1, summary
+    check_every_sample_once(summary, 6)
+    synced = [re.search(r"synced at step (\d+) as rank (\d) of 3: weights checksum (\S+)", line) for line in job.lines]
+    after_growth = [m for m in synced if m is not None]
+    assert sorted(int(m.group(2)) for m in after_growth) == [0, 1, 2], job.lines[-30:]
+    assert len({m.group(1) for m in after_growth}) == 1  # the same committed step everywhere
+    assert len({m.group(3) for m in after_growth}) == 1  # the newcomer holds exactly rank 0's weights
+    assert int(after_growth[0].group(1)) > 0
+
+
+@pytest.mark.timeout(120)
+def test_fewer_than_min_np_exits_non_zero_within_the_elastic_timeout() -> None:
+    job = RunningJob(["-np", "2", "--min-np", "2", "--elastic-timeout", "3"], ["--step-delay", "0.05", "--log-every", "5"])
+    pids = job.worker_pids(2)
+    job.wait_for(r"^\[0\]<stdout>:step 10 ", 60)
+    killed_at = time.monotonic()
+    subprocess.run(["kill", "-9", str(pids[1])], check=True)
+    code = job.finish(60)
+    elapsed = time.monotonic() - killed_at
+    assert code != 0
+    assert elapsed < 3 + 10, elapsed
+    job.wait_for(r"fewer than --min-np 2, and no host offered more slots within --elastic-timeout 3 s", 1)
+    assert gone(list(pids.values()), 5), "a worker outlived the job"
+
+
+@pytest.mark.timeout(120)
+def test_reset_limit_is_respected() -> None:
+    job = RunningJob(["-np", "3", "--min-np", "1", "--reset-limit", "0"], ["--step-delay", "0.05", "--log-every", "5"])
+    pids = job.worker_pids(3)
+    job.wait_for(r"^\[0\]<stdout>:step 10 ", 60)
+    subprocess.run(["kill", "-9", str(pids[1])], check=True)
+    assert job.finish(60) != 0
+    job.wait_for(r"--reset-limit 0 is reached", 1)
+    assert gone(list(pids.values()), 5), "a worker outlived the job"
+    assert not any("re-forming the job with" in line for line in job.lines)
