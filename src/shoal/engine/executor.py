@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -68,6 +70,9 @@ class Executor:
         self._timeline = timeline
         self.next_process_set_id = 1
         self.collective_calls = 0
+        self.seconds_by_name: dict[tuple[int, str], float] = {}
+        """Each data request's share (by bytes) of the last execution of its batch, in seconds; the planner compares
+        it with its predictions. Written by the engine thread only; a reader sees a whole float, new or old."""
 
     def _begin(self, responses: list[Response], phase: str) -> None:
         timeline = self._timeline()
@@ -104,6 +109,7 @@ class Executor:
         phase = f"{first.kind.value.upper()}"
         self.collective_calls += 1
         self._begin(batch.responses, phase)
+        started = time.perf_counter()
         try:
             if first.kind == Kind.ALLREDUCE:
                 self._allreduce(batch.responses, requests, state)
@@ -121,6 +127,14 @@ class Executor:
                     requests[0].complete(None)
         finally:
             self._end(batch.responses, phase)
+        self._record_seconds(batch.responses, time.perf_counter() - started)
+
+    def _record_seconds(self, responses: list[Response], seconds: float) -> None:
+        sizes = [math.prod(r.meta.shape) for r in responses]
+        total = sum(sizes)
+        for response, size in zip(responses, sizes, strict=True):
+            share = size / total if total else 1 / len(responses)
+            self.seconds_by_name[(response.process_set, response.name)] = seconds * share
 
     def _input(self, response: Response, request: Request | None, rows: int | None = None) -> torch.Tensor:
         """This rank's input for a response, or zeros when it joined and submitted nothing."""

@@ -7,11 +7,14 @@ is broadcast so every rank plans with the same numbers. A probe round takes well
 
 from __future__ import annotations
 
+import json
+import os
 import time
 from dataclasses import dataclass
 
 import torch
 
+from shoal.config import env_str
 from shoal.torch import functions, handles
 from shoal.torch.objects import broadcast_object
 
@@ -138,3 +141,58 @@ def measure_scheme(scheme: str, nbytes: int, linear: tuple[int, int, int] | None
 
     exchange()
     return _median_time(exchange, repeats)
+
+
+_cache: dict[tuple[int, int], Calibration] = {}
+"""Calibrations measured in this process, by (init generation, world size): one probe round per job."""
+
+
+def calibration_to_json(calibration: Calibration) -> str:
+    """Serialise a calibration (for ``SHOAL_CALIBRATION_FILE``)."""
+    lines = {name: list(line) for name, line in calibration.lines.items()}
+    return json.dumps({"lines": lines, "flops_per_s": calibration.flops_per_s}, indent=1, sort_keys=True)
+
+
+def calibration_from_json(text: str, origin: str) -> Calibration:
+    """Parse what ``calibration_to_json`` wrote; a clear ValueError names ``origin`` otherwise."""
+    try:
+        raw = json.loads(text)
+        lines = {str(name): (float(line[0]), float(line[1])) for name, line in raw["lines"].items()}
+        result = Calibration(lines, float(raw["flops_per_s"]))
+    except (ValueError, KeyError, TypeError, IndexError) as error:
+        raise ValueError(f"{origin} is not a Shoal calibration file: {error!r}") from None
+    missing = {"allreduce", "fp16", "bf16", "allgather"} - set(lines)
+    if missing:
+        raise ValueError(f"{origin} lacks the exchanges {sorted(missing)}")
+    return result
+
+
+def job_calibration(refresh: bool = False) -> Calibration:
+    """The job's calibration: from ``SHOAL_CALIBRATION_FILE`` when that file exists, else measured once per job.
+
+    With a file path that does not exist yet, rank 0 writes the measured calibration there, so later jobs on the
+    same network can skip the probes (or a user can edit it to override the measurement). ``refresh`` re-measures
+    and rewrites (drift). Collective: every rank must call it.
+    """
+    from shoal.runtime import context
+
+    ctx = context.current()
+    key = (ctx.generation, ctx.topology.size)
+    path = env_str("CALIBRATION_FILE")
+    if not refresh and key in _cache:
+        return _cache[key]
+    if not refresh and path:
+        loaded = None
+        if ctx.topology.rank == 0 and os.path.exists(path):
+            with open(path) as handle:
+                loaded = calibration_from_json(handle.read(), path)
+        result: Calibration | None = broadcast_object(loaded, root_rank=0, name="shoal.cal.file")
+        if result is not None:
+            _cache[key] = result
+            return result
+    measured = measure()
+    if path and ctx.topology.rank == 0:
+        with open(path, "w") as handle:
+            handle.write(calibration_to_json(measured))
+    _cache[key] = measured
+    return measured

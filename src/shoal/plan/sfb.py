@@ -7,6 +7,7 @@ sum ``Σ_r g_rᵀ x_r``; the bias gradient is the sum of the output gradients. W
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
@@ -19,10 +20,12 @@ from shoal.torch.process_sets import ProcessSet
 class SufficientFactorLayer:
     """Captures one ``nn.Linear``'s factors during a step and rebuilds its averaged gradient at synchronize."""
 
-    __slots__ = ("_handles", "_hooks", "_input", "calls", "module", "name", "process_set")
+    __slots__ = ("_handles", "_hooks", "_input", "calls", "module", "name", "process_set", "rebuild_seconds")
 
     def __init__(self, name: str, module: nn.Linear, process_set: ProcessSet) -> None:
         self.name = name
+        self.rebuild_seconds = 0.0
+        """How long the last step's gradient rebuild (the matmul) took; part of SFB's cost for the planner."""
         self.module = module
         self.process_set = process_set
         self.calls = 0
@@ -73,6 +76,7 @@ class SufficientFactorLayer:
             )
         inputs = handles.synchronize(self._handles[0])
         output_grads = handles.synchronize(self._handles[1])
+        started = time.perf_counter()
         scale = 1.0 / self.process_set.size() if average else 1.0
         weight_grad = output_grads.t().matmul(inputs).mul_(scale)
         weight = self.module.weight
@@ -86,6 +90,7 @@ class SufficientFactorLayer:
                 self.module.bias.grad = bias_grad.to(self.module.bias.dtype)
             else:
                 self.module.bias.grad.copy_(bias_grad)
+        self.rebuild_seconds = time.perf_counter() - started
         self.reset()
 
     def reset(self) -> None:

@@ -1,0 +1,102 @@
+"""Compare the plan's predictions with what training measures, and say when to recalibrate.
+
+The engine records how long each collective ran (a fused batch's time shared by bytes). After every step the
+monitor sums each layer's exchanges, keeps a short running median per layer (shown as "measured ms" in the plan
+report), and computes the step's median relative error over the layers. When that error stays above the threshold
+for ``steps`` consecutive steps, ``drifted()`` says so; the optimizer then agrees with the other ranks (one tiny
+allreduce every ``steps`` steps) and recalibrates and re-plans at the step boundary. A back-off doubles the wait
+after each recalibration, so a network whose behaviour the α-β model cannot capture is not re-probed forever.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from shoal.plan.planner import LayerPlan
+
+
+@dataclass
+class DriftConfig:
+    """When measured exchange times count as drifting from the predictions."""
+
+    threshold: float = 0.25
+    """Median relative error |predicted - measured| / measured above which a step counts as drifting."""
+    steps: int = 5
+    """Consecutive drifting steps before recalibrating; also how often the ranks compare notes."""
+    first_backoff_steps: int = 50
+    """Steps to wait after a recalibration before another; doubles each time."""
+    window: int = 9
+    """Steps in each layer's running median of measured time."""
+
+    def __post_init__(self) -> None:
+        if self.threshold <= 0:
+            raise ValueError(f"drift threshold must be > 0, got {self.threshold}")
+        if self.steps < 1 or self.window < 1 or self.first_backoff_steps < 0:
+            raise ValueError("drift steps and window must be >= 1 and the back-off >= 0")
+
+
+class DriftMonitor:
+    """Tracks measured against predicted exchange time per layer, for one plan."""
+
+    __slots__ = ("_backoff", "_history", "_names", "_next_allowed", "_over", "_step", "config", "plans", "recalibrations")
+
+    def __init__(self, plans: list[LayerPlan], names_by_layer: dict[str, list[str]], config: DriftConfig | None = None) -> None:
+        """Monitor ``plans``; ``names_by_layer`` lists, per layer, the engine request names of its exchange."""
+        self.config = config or DriftConfig()
+        self.plans = [p for p in plans if names_by_layer.get(p.name)]
+        self._names = names_by_layer
+        self._history: dict[str, deque[float]] = {p.name: deque(maxlen=self.config.window) for p in self.plans}
+        self._step = 0
+        self._over = 0
+        self._backoff = self.config.first_backoff_steps
+        self._next_allowed = 0
+        self.recalibrations = 0
+
+    def replan(self, plans: list[LayerPlan], names_by_layer: dict[str, list[str]]) -> None:
+        """Start over on a new plan after a recalibration (the back-off carries on, doubled)."""
+        self.plans = [p for p in plans if names_by_layer.get(p.name)]
+        self._names = names_by_layer
+        self._history = {p.name: deque(maxlen=self.config.window) for p in self.plans}
+        self._over = 0
+        self._next_allowed = self._step + self._backoff
+        self._backoff *= 2
+        self.recalibrations += 1
+
+    def record_step(
+        self, seconds_of: Callable[[str], float | None], extra_seconds: dict[str, float] | None = None
+    ) -> float | None:
+        """Take this step's measurements; returns the step's median relative error (None if nothing was measured).
+
+        Args:
+            seconds_of: the engine's time for a request name (None when it has not run).
+            extra_seconds: per layer, local work that belongs to its exchange (the SFB rebuild matmul).
+        """
+        self._step += 1
+        errors = []
+        for plan in self.plans:
+            parts = [seconds_of(name) for name in self._names[plan.name]]
+            if any(part is None for part in parts):
+                continue
+            measured = sum(part for part in parts if part is not None) + (extra_seconds or {}).get(plan.name, 0.0)
+            history = self._history[plan.name]
+            history.append(measured)
+            plan.measured_ms = statistics.median(history) * 1e3
+            predicted = plan.predicted_ms.get(plan.choice)
+            if predicted is not None and measured > 0:
+                errors.append(abs(predicted / 1e3 - measured) / measured)
+        if not errors:
+            return None
+        error = statistics.median(errors)
+        self._over = self._over + 1 if error > self.config.threshold else 0
+        return error
+
+    def check_due(self) -> bool:
+        """True on the steps where the ranks compare their drift verdicts (the same steps on every rank)."""
+        return self._step % self.config.steps == 0
+
+    def drifted(self) -> bool:
+        """This rank's verdict: the last ``steps`` steps all drifted, and the back-off has passed."""
+        return self._over >= self.config.steps and self._step >= self._next_allowed

@@ -1,0 +1,69 @@
+"""The drift monitor: running measured times per layer, and when it asks for a recalibration."""
+
+from __future__ import annotations
+
+import pytest
+
+import shoal.torch  # noqa: F401  (shoal.plan's modules are imported through the torch front end)
+from shoal.plan.calibration import Calibration, calibration_from_json, calibration_to_json
+from shoal.plan.drift import DriftConfig, DriftMonitor
+from shoal.plan.planner import LayerPlan
+
+
+def plans(predicted_ms: float) -> list[LayerPlan]:
+    return [LayerPlan(f"fc{i}", "Linear", (4, 4), 64, 8, predicted_ms={"allreduce": predicted_ms}) for i in range(3)]
+
+
+def run_steps(monitor: DriftMonitor, seconds: float, count: int) -> list[float | None]:
+    """``count`` steps in which each layer's two exchanges take ``seconds`` together."""
+    return [monitor.record_step(lambda name: seconds / 2) for _ in range(count)]
+
+
+def test_accurate_predictions_never_drift_and_fill_measured_ms() -> None:
+    layer_plans = plans(predicted_ms=10.0)
+    monitor = DriftMonitor(layer_plans, {p.name: [f"{p.name}.weight", f"{p.name}.bias"] for p in layer_plans})
+    errors = run_steps(monitor, 0.0105, 20)
+    assert all(e is not None and e < 0.1 for e in errors)
+    assert not monitor.drifted()
+    assert layer_plans[0].measured_ms == pytest.approx(10.5)
+
+
+def test_sustained_drift_is_reported_after_the_configured_steps_then_backs_off() -> None:
+    layer_plans = plans(predicted_ms=10.0)
+    names = {p.name: [p.name, p.name + ".bias"] for p in layer_plans}
+    monitor = DriftMonitor(layer_plans, names, DriftConfig(steps=5, first_backoff_steps=20))
+    run_steps(monitor, 0.040, 4)
+    assert not monitor.drifted()  # 4 steps of drift are not yet "several"
+    run_steps(monitor, 0.040, 1)
+    assert monitor.drifted() and monitor.check_due()
+    monitor.replan(plans(predicted_ms=10.0), names)  # say the new plan is still wrong
+    run_steps(monitor, 0.040, 10)
+    assert not monitor.drifted()  # backing off for 20 steps
+    run_steps(monitor, 0.040, 10)
+    assert monitor.drifted() and monitor.recalibrations == 1
+
+
+def test_one_noisy_step_resets_the_count() -> None:
+    layer_plans = plans(predicted_ms=10.0)
+    monitor = DriftMonitor(
+        layer_plans, {p.name: [p.name, p.name + ".bias"] for p in layer_plans}, DriftConfig(steps=3, first_backoff_steps=0)
+    )
+    run_steps(monitor, 0.040, 2)
+    run_steps(monitor, 0.010, 1)
+    run_steps(monitor, 0.040, 2)
+    assert not monitor.drifted()
+
+
+def test_layers_without_engine_exchanges_are_skipped() -> None:
+    monitor = DriftMonitor(plans(10.0), {"fc0": ["fc0"]})
+    assert monitor.record_step(lambda name: None) is None
+    assert [p.name for p in monitor.plans] == ["fc0"]
+
+
+def test_calibration_file_round_trip_and_errors() -> None:
+    calibration = Calibration.uniform(1e-4, 1e-9, 1e10)
+    assert calibration_from_json(calibration_to_json(calibration), "x") == calibration
+    with pytest.raises(ValueError, match="not a Shoal calibration file"):
+        calibration_from_json("{}", "cal.json")
+    with pytest.raises(ValueError, match="lacks the exchanges"):
+        calibration_from_json('{"lines": {"allreduce": [0, 0]}, "flops_per_s": 1}', "cal.json")
