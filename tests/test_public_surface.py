@@ -52,7 +52,7 @@ SHOALRUN_FLAGS = {
     "--timeline-mark-cycles",
     "--hierarchical-allreduce", "--fusion-threshold-mb", "--cycle-time-ms", "--cache-capacity", "--disable-cache",
     "--no-stall-check", "--stall-check-warning-time-seconds", "--stall-check-shutdown-time-seconds",
-    "--min-np", "--max-np", "--host-discovery-script", "--elastic-timeout", "--reset-limit",
+    "--min-np", "--max-np", "--host-discovery-script", "--elastic-timeout", "--reset-limit", "--num-servers",
 }  # fmt: skip
 
 

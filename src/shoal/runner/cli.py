@@ -61,6 +61,14 @@ def build_parser() -> argparse.ArgumentParser:
     elastic.add_argument(
         "--reset-limit", type=int, help="fail the job once it would re-form more than this many times (default: no limit)"
     )
+    servers = parser.add_argument_group("parameter server (for DistributedOptimizer(..., comm='ps'))")
+    servers.add_argument(
+        "--num-servers",
+        type=int,
+        default=0,
+        help="start this many dedicated parameter-server processes beside the workers (default 0: co-located "
+        "server shards inside the workers)",
+    )
     output = parser.add_argument_group("output")
     output.add_argument(
         "--output-filename", help="directory; each rank's stdout and stderr also go to DIR/rank.N/{stdout,stderr}"
@@ -138,7 +146,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.hosts and args.hostfile:
         parser.error("use either -H/--hosts or --hostfile, not both")
     args.elastic = any(getattr(args, n) is not None for n in ("min_np", "max_np", "host_discovery_script", "reset_limit"))
+    if args.num_servers < 0:
+        parser.error(f"--num-servers must be >= 0, got {args.num_servers}")
     if args.elastic:
+        if args.num_servers:
+            parser.error("--num-servers cannot be combined with elastic flags (a server's shard cannot move yet)")
         _check_elastic(parser, args)
     elif args.num_proc is None and not (args.hosts or args.hostfile):
         parser.error("-np is required when no hosts are given")

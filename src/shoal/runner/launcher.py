@@ -26,6 +26,8 @@ from shoal.runner.rendezvous_address import pick_rendezvous_address
 
 TERMINATE_GRACE_S = 2.0
 """After SIGTERM, how long workers get before SIGKILL; the whole tree is gone well within 5 s."""
+SERVER_EXIT_GRACE_S = 5.0
+"""Once every worker finished, how long dedicated parameter servers get to leave on their own."""
 
 _ENV_NOT_FORWARDED = ("HOSTNAME", "PWD", "OLDPWD", "SHLVL", "_", "TERM", "DISPLAY", "PS1", "LS_COLORS")
 
@@ -83,6 +85,13 @@ class Worker:
     slot: SlotInfo
     process: subprocess.Popen[bytes]
     pumps: list[OutputPump] = field(default_factory=list)
+    server_index: int | None = None
+    """Set for a dedicated parameter server (``--num-servers``), which is not a Horovod rank."""
+
+    @property
+    def label(self) -> str:
+        """How shoalrun's messages and output prefixes name it."""
+        return f"rank {self.slot.rank}" if self.server_index is None else f"parameter server {self.server_index}"
 
     @property
     def returncode(self) -> int | None:
@@ -187,16 +196,19 @@ class Job:
         env.update(knob_env(self.args))
         return env
 
-    def _spawn(self, slot: SlotInfo, worker_env: dict[str, str] | None = None) -> Worker:
-        extra = self._worker_env(slot)
+    def _spawn(self, slot: SlotInfo, worker_env: dict[str, str] | None = None, server_index: int | None = None,
+               command: list[str] | None = None) -> Worker:  # fmt: skip
+        extra = self._worker_env(slot) if server_index is None else {k: v for k, v in self._worker_env(slot).items()
+                                                                     if k not in slot_env(slot)}  # fmt: skip
         extra.update(self.extra_env)
         extra.update(worker_env or {})
+        command = command or self.args.command
         if self._is_local(slot.hostname):
             env = dict(os.environ)
             env.setdefault("PYTHONUNBUFFERED", "1")
             env.update(extra)
             env["SHOAL_LAUNCHER_PID"] = str(os.getpid())  # lets a worker end itself if shoalrun is SIGKILLed
-            argv = [*self.local_prefixes.get(slot.hostname, []), *self.args.command]
+            argv = [*self.local_prefixes.get(slot.hostname, []), *command]
             stdin: int = subprocess.DEVNULL
         else:
             forwarded = {
@@ -207,7 +219,7 @@ class Job:
             assignments = " ".join(shlex.quote(f"{k}={v}") for k, v in forwarded.items())
             remote_cmd = (
                 f"cd {shlex.quote(os.getcwd())} && exec env {assignments} "
-                f"{shlex.quote(sys.executable)} -m shoal.runner.remote -- {shlex.join(self.args.command)}"
+                f"{shlex.quote(sys.executable)} -m shoal.runner.remote -- {shlex.join(command)}"
             )
             argv = ["ssh", "-o", "BatchMode=yes", "-o", "StrictHostKeyChecking=no", "-o", "LogLevel=ERROR"]
             if self.args.ssh_port:
@@ -218,14 +230,15 @@ class Job:
             env = dict(os.environ)
             stdin = subprocess.PIPE
         shown = argv if self._is_local(slot.hostname) else [*argv[:-1], "<remote command>"]
-        self._verbose(f"rank {slot.rank} on {slot.hostname}: {shlex.join(shown)}")
+        label = f"rank {slot.rank}" if server_index is None else f"parameter server {server_index}"
+        self._verbose(f"{label} on {slot.hostname}: {shlex.join(shown)}")
         try:
             process = subprocess.Popen(
                 argv, env=env, stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True
             )
         except OSError as error:
-            raise LaunchError(f"cannot start rank {slot.rank} on {slot.hostname}: {error}") from error
-        worker = Worker(slot=slot, process=process)
+            raise LaunchError(f"cannot start {label} on {slot.hostname}: {error}") from error
+        worker = Worker(slot=slot, process=process, server_index=server_index)
         for stream_name, stream, sink in (
             ("stdout", process.stdout, sys.stdout.buffer),
             ("stderr", process.stderr, sys.stderr.buffer),
@@ -233,10 +246,12 @@ class Job:
             assert stream is not None
             log_path = None
             if self.args.output_filename:
-                rank_dir = Path(self.args.output_filename) / f"rank.{slot.rank}"
+                rank_dir = Path(self.args.output_filename) / (f"rank.{slot.rank}" if server_index is None
+                                                              else f"server.{server_index}")  # fmt: skip
                 rank_dir.mkdir(parents=True, exist_ok=True)
                 log_path = rank_dir / stream_name
-            pump = OutputPump(stream, sink, self._sink_lock, slot.rank, stream_name, log_path)
+            prefix = slot.rank if server_index is None else f"server.{server_index}"
+            pump = OutputPump(stream, sink, self._sink_lock, prefix, stream_name, log_path)
             pump.start()
             worker.pumps.append(pump)
         return worker
@@ -272,6 +287,7 @@ class Job:
             self._store_thread.start()
             for slot in self.slots:
                 self.workers.append(self._spawn(slot))
+            self._spawn_servers()
             return self._supervise()
         except LaunchError as error:
             print(f"shoalrun: {error}", file=sys.stderr, flush=True)
@@ -289,6 +305,19 @@ class Job:
             if self._listener.fileno() != -1:  # the store never took it over
                 self._listener.close()
             self._remove_shared_memory()
+
+    def _spawn_servers(self) -> None:
+        """Start ``--num-servers`` dedicated parameter servers, spread over the job's hosts in turn."""
+        count = getattr(self.args, "num_servers", 0) or 0
+        if not count:
+            return
+        from shoal.ps.launch import server_processes
+
+        rendezvous = {k: v for k, v in self._worker_env(self.slots[0]).items() if k not in slot_env(self.slots[0])}
+        hosts = list(dict.fromkeys(slot.hostname for slot in self.slots))
+        for index, (argv, env) in enumerate(server_processes(count, len(self.slots), rendezvous)):
+            slot = next(s for s in self.slots if s.hostname == hosts[index % len(hosts)])
+            self.workers.append(self._spawn(slot, env, server_index=index, command=argv))
 
     def _remove_shared_memory(self) -> None:
         """Workers unlink their segments once attached; this catches one that died while setting up."""
@@ -316,16 +345,37 @@ class Job:
                 others = [w for w in self.workers if w is not failed and w.returncode is None]
                 self._drain_output_of(failed)
                 print(
-                    f"shoalrun: rank {failed.slot.rank} on host {failed.slot.hostname} {_describe_status(code)}"
+                    f"shoalrun: {failed.label} on host {failed.slot.hostname} {_describe_status(code)}"
                     + ("; terminating the other workers" if others else ""),
                     file=sys.stderr,
                     flush=True,
                 )
                 self.terminate_all()
                 return 128 - code if code < 0 else code
-            if all(w.returncode == 0 for w in self.workers):
-                return 0
+            if all(w.returncode == 0 for w in self.workers if w.server_index is None):
+                return self._end_servers()
             time.sleep(0.05)
+
+    def _end_servers(self) -> int:
+        """Every worker finished: servers leave on their own once all said goodbye; SIGTERM any that linger."""
+        servers = [w for w in self.workers if w.server_index is not None]
+        deadline = time.monotonic() + SERVER_EXIT_GRACE_S
+        while time.monotonic() < deadline and any(s.returncode is None for s in servers):
+            time.sleep(0.05)
+        lingering = [s for s in servers if s.returncode is None]
+        for server in lingering:
+            self._verbose(f"{server.label} is still waiting after every worker finished; ending it")
+            server.signal_tree(signal.SIGTERM)
+        for server in lingering:
+            try:
+                server.process.wait(timeout=TERMINATE_GRACE_S)
+            except subprocess.TimeoutExpired:
+                server.signal_tree(signal.SIGKILL)
+        failed = next((s for s in servers if s not in lingering and s.returncode not in (None, 0)), None)
+        if failed is not None and failed.returncode is not None:
+            print(f"shoalrun: {failed.label} {_describe_status(failed.returncode)}", file=sys.stderr, flush=True)
+            return 1
+        return 0
 
     @staticmethod
     def _drain_output_of(worker: Worker) -> None:

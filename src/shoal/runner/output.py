@@ -18,7 +18,7 @@ class OutputPump:
         source: IO[bytes],
         sink: BinaryIO,
         sink_lock: threading.Lock,
-        rank: int,
+        rank: int | str,
         stream_name: str,
         log_path: Path | None,
     ) -> None:
