@@ -1,0 +1,49 @@
+"""The parameter server's settings: consistency model, staleness bound and server count, with the env layer."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from shoal.config import env_int, env_str
+
+MODES = ("bsp", "ssp", "async")
+DEFAULT_STALENESS = 1
+
+
+@dataclass(frozen=True)
+class PSConfig:
+    """How workers and servers keep parameters consistent, and where the servers run."""
+
+    mode: str = "bsp"
+    """``bsp``: one averaged update per step, exactly synchronous SGD; ``ssp``: each gradient is applied on arrival
+    and a worker may run at most ``staleness`` steps ahead of the slowest; ``async``: no bound at all."""
+    staleness: int = DEFAULT_STALENESS
+    """The SSP bound s (ignored by the other modes)."""
+    num_servers: int = 0
+    """Dedicated server processes (``SHOAL_NUM_SERVERS``, set by ``shoalrun --num-servers``); 0 runs one server
+    shard as a thread inside every worker (co-located, S = P)."""
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"ps_mode must be one of {MODES}, got {self.mode!r}")
+        if self.staleness < 0:
+            raise ValueError(f"ps_staleness must be >= 0, got {self.staleness}")
+        if self.num_servers < 0:
+            raise ValueError(f"SHOAL_NUM_SERVERS must be >= 0, got {self.num_servers}")
+
+    @property
+    def dedicated(self) -> bool:
+        """True when servers are separate processes."""
+        return self.num_servers > 0
+
+
+def resolve_config(mode: str | None = None, staleness: int | None = None) -> PSConfig:
+    """Defaults < environment (``SHOAL_PS_MODE``, ``SHOAL_PS_STALENESS``, ``SHOAL_NUM_SERVERS``) < arguments."""
+    chosen_mode = mode if mode is not None else (env_str("PS_MODE") or "bsp").lower()
+    chosen_staleness = staleness if staleness is not None else env_int("PS_STALENESS", DEFAULT_STALENESS)
+    return PSConfig(chosen_mode, chosen_staleness, configured_servers())
+
+
+def configured_servers() -> int:
+    """Dedicated servers in this job (``SHOAL_NUM_SERVERS``), 0 when none."""
+    return env_int("NUM_SERVERS", 0)
