@@ -1,0 +1,104 @@
+"""Join this job's parameter-server group, once per process and ``hvd.init()``, and leave it at ``shutdown()``.
+
+Group ranks 0..P-1 are the workers' clients and P..P+S-1 the servers. With dedicated servers
+(``SHOAL_NUM_SERVERS`` = S > 0) the group lives in the job's rendezvous store, which the server processes reach
+too. Co-located (S = P), every worker also hosts server i as rank P+i, in a second gloo group object of its own,
+served by a background thread; the group is then scoped to this ``hvd.init()``'s store, so a later ``init()``
+starts clean.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any
+
+from shoal.comm.p2p import PeerGroup, arrive_and_wait, connect_job_store, scoped_store
+from shoal.config import env_float
+from shoal.log import get_logger
+from shoal.ps.client import PSClient
+from shoal.ps.config import PSConfig
+from shoal.ps.consistency import PullRecorder
+from shoal.ps.server import ShardServer, WorkerLostError
+from shoal.runtime import context
+
+_DEFAULT_START_TIMEOUT_S = 30.0
+
+
+class _Connection:
+    """What this process holds of the group: its client, and in co-located mode its server and that thread."""
+
+    def __init__(self, client: PSClient, store: Any, server: ShardServer | None, thread: threading.Thread | None,
+                 generation: int) -> None:  # fmt: skip
+        self.client = client
+        self.store = store
+        self.server = server
+        self.thread = thread
+        self.generation = generation
+
+
+_lock = threading.Lock()
+_connection: _Connection | None = None
+_hook_registered = False
+
+
+def connect(config: PSConfig) -> tuple[PSClient, Any]:
+    """This process's client (joining the group on first use; every worker must get here) and the group's store."""
+    global _connection, _hook_registered
+    with _lock:
+        current = context.current()
+        if _connection is not None and _connection.generation == current.generation:
+            return _connection.client, _connection.store
+        if not _hook_registered:
+            context.register_shutdown_hook(close)
+            _hook_registered = True
+        _connection = _join(config, current)
+        return _connection.client, _connection.store
+
+
+def _join(config: PSConfig, current: Any) -> _Connection:
+    worker, workers = current.topology.rank, current.topology.size
+    timeout_s = env_float("START_TIMEOUT", _DEFAULT_START_TIMEOUT_S)
+    if config.dedicated:
+        servers = config.num_servers
+        store = connect_job_store(os.environ["SHOAL_RENDEZVOUS_ADDR"], int(os.environ["SHOAL_RENDEZVOUS_PORT"]),
+                                  os.environ.get("SHOAL_SECRET"), timeout_s)  # fmt: skip
+        group = PeerGroup(store, worker, workers + servers)
+        arrive_and_wait(store, "arrived", workers + servers, timeout_s, f"worker {worker}")
+        client = PSClient(group, worker, workers, servers, dedicated=True)
+        return _Connection(client, store, None, None, current.generation)
+    store = scoped_store(current.store, "ps/")
+    server_group = PeerGroup(store, workers + worker, 2 * workers)
+    client_group = PeerGroup(store, worker, 2 * workers)
+    arrive_and_wait(store, "arrived", 2 * workers, timeout_s, f"worker {worker}", ranks=2)
+    server = ShardServer(server_group, workers, worker, store, PullRecorder())
+    client = PSClient(client_group, worker, workers, workers, dedicated=False)
+
+    def serve() -> None:
+        try:
+            server.serve()
+        except WorkerLostError as error:
+            client.fail(f"{server.name} stopped: {error}")
+
+    thread = threading.Thread(target=serve, name=f"shoal-ps-server{worker}", daemon=True)
+    thread.start()
+    return _Connection(client, store, server, thread, current.generation)
+
+
+def local_server() -> ShardServer | None:
+    """The server shard this process hosts (co-located mode), e.g. to read its pull recorder in a test."""
+    return _connection.server if _connection is not None else None
+
+
+def close() -> None:
+    """Leave the group: goodbye to every server; a co-located server keeps serving until every worker left."""
+    global _connection
+    with _lock:
+        connection, _connection = _connection, None
+    if connection is None:
+        return
+    connection.client.close()
+    if connection.thread is not None and connection.client.error is None:
+        connection.thread.join()
+    if connection.client.error is not None:
+        get_logger().warning("shoal.ps: left the parameter-server group after: %s", connection.client.error)
