@@ -1,20 +1,23 @@
 """The per-layer communication planner: predict each scheme's time with the calibrated model, pick the cheapest.
 
-Schemes: ``allreduce`` (plain), ``fp16`` and ``bf16`` (allreduce of half the bytes plus two casts), and ``sfb``
-(sufficient factor broadcasting, fully-connected layers only: allgather K·(M+N) per rank plus the rebuild matmul).
-The parameter server is not built yet, so ``ps`` is never eligible. Every rank plans from the same calibration
-(rank 0's) and the same row counts (the maximum over ranks), so every rank reaches the same plan.
+Schemes: ``allreduce`` (plain), ``fp16`` and ``bf16`` (allreduce of half the bytes plus two casts), ``sfb``
+(sufficient factor broadcasting, fully-connected layers only: allgather K·(M+N) per rank plus the rebuild matmul)
+and ``ps`` (the sharded parameter server: push the gradient, pull the values). ``ps`` is predicted whenever a
+server count is given, but ``auto`` may only choose it when dedicated servers are configured (the caller passes
+``allowed``). Every rank plans from the same calibration (rank 0's) and the same row counts (the maximum over
+ranks), so every rank reaches the same plan.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from torch import nn
 
 from shoal.plan.calibration import Calibration
 
-SCHEMES = ("allreduce", "fp16", "bf16", "sfb")
+SCHEMES = ("allreduce", "fp16", "bf16", "sfb", "ps")
 
 
 @dataclass
@@ -34,7 +37,7 @@ class LayerPlan:
 
 
 def predict(calibration: Calibration, workers: int, nbytes: int, linear: tuple[int, int, int] | None,
-            itemsize: int = 4) -> dict[str, float]:  # fmt: skip
+            itemsize: int = 4, servers: int | None = None) -> dict[str, float]:  # fmt: skip
     """Predicted seconds for each eligible scheme for one layer's gradient of ``nbytes``.
 
     Args:
@@ -43,9 +46,11 @@ def predict(calibration: Calibration, workers: int, nbytes: int, linear: tuple[i
         nbytes: the layer's gradient bytes (weight and bias).
         linear: (K, M, N) for a fully-connected layer (rows per step, outputs, inputs), else None.
         itemsize: bytes per element of the factors.
+        servers: S, the parameter servers to predict ``ps`` for (None: no ``ps`` prediction).
     """
     if workers == 1:
-        return {scheme: 0.0 for scheme in SCHEMES if scheme != "sfb" or linear is not None}
+        return {scheme: 0.0 for scheme in SCHEMES
+                if (scheme != "sfb" or linear is not None) and (scheme != "ps" or servers)}  # fmt: skip
     predictions = {scheme: calibration.seconds(scheme, nbytes) for scheme in ("allreduce", "fp16", "bf16")}
     if linear is not None:
         rows, outputs, inputs = linear
@@ -55,7 +60,24 @@ def predict(calibration: Calibration, workers: int, nbytes: int, linear: tuple[i
         # Two allgathers (inputs and output gradients), then one matmul rebuilds the summed gradient.
         predictions["sfb"] = (calibration.seconds("allgather", gathered_input)
                               + calibration.seconds("allgather", gathered_grad) + rebuild)  # fmt: skip
+    if servers:
+        predictions["ps"] = predict_ps(calibration, workers, servers, nbytes)
     return predictions
+
+
+def predict_ps(calibration: Calibration, workers: int, servers: int, nbytes: int) -> float:
+    """Poseidon's parameter-server cost for one layer: the busiest side's bytes times β, plus α per message.
+
+    Each worker pushes ``nbytes`` and pulls ``nbytes``; with bytes balanced over S servers, each server receives
+    P·nbytes/S and sends as much. A link's β and a message's α come from the calibrated ring allreduce, which
+    moves 2(P-1)/P·nbytes per rank in 2(P-1) messages.
+    """
+    latency, per_byte = calibration.lines["allreduce"]
+    link_per_byte = per_byte * workers / (2 * (workers - 1))
+    message_latency = latency / (2 * (workers - 1))
+    busiest_bytes = max(2 * nbytes, 2 * workers * nbytes / servers)
+    messages = 2 * max(1, math.ceil(workers / servers))
+    return link_per_byte * busiest_bytes + message_latency * messages
 
 
 def forced_scheme(name: str, module: nn.Module, overrides: dict[object, str]) -> str | None:
@@ -75,6 +97,7 @@ def build_plan(
     rows: dict[str, int],
     overrides: dict[object, str] | None = None,
     allowed: tuple[str, ...] = SCHEMES,
+    servers: int | None = None,
 ) -> list[LayerPlan]:
     """Plan every module that owns trainable parameters directly.
 
@@ -85,6 +108,7 @@ def build_plan(
         rows: K for each ``nn.Linear`` by module name (the maximum over ranks).
         overrides: scheme forced per module name or module type, e.g. ``{"fc1": "sfb", nn.Embedding: "allreduce"}``.
         allowed: schemes ``auto`` may choose from.
+        servers: S for the ``ps`` prediction (None: ``ps`` is neither predicted nor chosen unless forced).
     """
     overrides = overrides or {}
     for scheme in overrides.values():
@@ -99,7 +123,7 @@ def build_plan(
         linear = None
         if isinstance(module, nn.Linear) and name in rows:
             linear = (rows[name], module.out_features, module.in_features)
-        predictions = predict(calibration, workers, nbytes, linear, params[0].element_size())
+        predictions = predict(calibration, workers, nbytes, linear, params[0].element_size(), servers)
         plan = LayerPlan(name, type(module).__name__, tuple(module.weight.shape) if hasattr(module, "weight") else (),
                          nbytes, rows.get(name), {k: v * 1e3 for k, v in predictions.items()})  # fmt: skip
         forced = forced_scheme(name, module, overrides)
@@ -129,6 +153,6 @@ def format_plan(plans: list[LayerPlan], workers: int) -> str:
     if errors:
         lines.append(f"median |predicted - measured| / measured over {len(errors)} layers: "
                      f"{100 * errors[len(errors) // 2]:.0f}%")  # fmt: skip
-    lines.append("* forced by comm_overrides; measured: the chosen scheme, timed once after planning; "
-                 "ps (parameter server) is not available yet")  # fmt: skip
+    lines.append("* forced by comm_overrides; measured: the chosen scheme, timed once after planning (not ps); "
+                 "auto chooses ps only with dedicated servers (shoalrun --num-servers)")  # fmt: skip
     return "\n".join(lines)

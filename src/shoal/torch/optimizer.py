@@ -20,6 +20,8 @@ from shoal.log import get_logger
 from shoal.plan.calibration import measure, measure_scheme
 from shoal.plan.planner import SCHEMES, LayerPlan, build_plan, forced_scheme, format_plan
 from shoal.plan.sfb import SufficientFactorLayer
+from shoal.ps.config import PSConfig, resolve_config
+from shoal.ps.optimizers import describe_optimizer
 from shoal.torch import functions, handles
 from shoal.torch.compression import Compression, Compressor
 from shoal.torch.process_sets import ProcessSet, global_process_set
@@ -115,6 +117,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if self._shoal_counts[key] < self._shoal_passes:
             return
         self._shoal_counts[key] = 0
+        if self._shoal_ps is not None and self._shoal_ps.manages(param):
+            self._shoal_submitted.add(key)  # pushed to its parameter servers now; step() pulls the fresh values
+            self._shoal_ps.push(param, self._shoal_lr_of[key]["lr"])
+            return
         layer = self._shoal_sfb_of.get(key)
         if layer is not None and layer.usable:
             self._shoal_submitted.add(key)  # its layer allgathers the factors instead
@@ -168,6 +174,12 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             if layer.usable:
                 self._shoal_submitted.update(id(p) for p in layer.parameters)
         missing = [p for p in self._shoal_params if id(p) not in self._shoal_submitted]
+        if self._shoal_ps is not None:
+            for param in [p for p in missing if self._shoal_ps.manages(p)]:
+                self._shoal_grad(param)  # a zero gradient stands in, so no server waits for this worker
+                self._shoal_submitted.add(id(param))
+                self._shoal_ps.push(param, self._shoal_lr_of[id(param)]["lr"])
+            missing = [p for p in missing if not self._shoal_ps.manages(p)]
         if missing:  # no gradient this step here (or a layer that fell back): stand in, so no rank ever hangs
             self._shoal_submit(missing)
         for layer in layers:
@@ -206,10 +218,14 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def _shoal_compressor(self, param: torch.Tensor) -> type[Compressor]:
         return self._shoal_compressor_of.get(id(param), self._shoal_compression)
 
-    def _shoal_setup_comm(self, model: nn.Module | None, comm: str, overrides: dict[Any, str] | None) -> None:
+    def _shoal_setup_comm(self, model: nn.Module | None, comm: str, overrides: dict[Any, str] | None,
+                          ps_config: PSConfig) -> None:  # fmt: skip
         self._shoal_comm = comm
         self._shoal_model = model
         self._shoal_overrides = dict(overrides or {})
+        self._shoal_ps_config = ps_config
+        self._shoal_ps: Any = None
+        self._shoal_lr_of = {id(p): group for group in self.param_groups for p in group["params"]}
         self._shoal_compressor_of: dict[int, type[Compressor]] = {}
         self._shoal_sfb_of: dict[int, SufficientFactorLayer] = {}
         self._shoal_plans: list[LayerPlan] | None = None
@@ -220,6 +236,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 raise ValueError(f"comm={comm!r} and comm_overrides need model= (the nn.Module being trained)")
             if comm in ("fp16", "bf16"):
                 self._shoal_compression = _SCHEME_COMPRESSION[comm]
+            if comm == "ps":
+                self._shoal_open_ps(self._shoal_params)
             return
         if comm == "auto":
             for name, module in model.named_modules():
@@ -245,6 +263,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         """Apply a scheme per module name: a compressor, or a sufficient-factor layer for ``sfb``."""
         assert self._shoal_model is not None
         modules = dict(self._shoal_model.named_modules())
+        served: list[torch.Tensor] = []
         for name, scheme in schemes.items():
             module = modules[name]
             params = [p for p in module.parameters(recurse=False) if p.requires_grad]
@@ -260,8 +279,30 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             elif scheme in _SCHEME_COMPRESSION:
                 for param in params:
                     self._shoal_compressor_of[id(param)] = _SCHEME_COMPRESSION[scheme]
+            elif scheme == "ps":
+                served += params
             elif scheme != "allreduce":
                 raise ValueError(f"scheme {scheme!r} for '{name}' is not available; choose from {SCHEMES}")
+        if served:
+            self._shoal_open_ps(served)
+
+    def _shoal_open_ps(self, params: list[torch.Tensor]) -> None:
+        """Route these parameters through the parameter server (joins its group on first use; every rank calls)."""
+        from shoal.ps.connect import connect  # the PS joins its own group only when some layer uses it
+
+        if self._shoal_process_set is not global_process_set:
+            raise ValueError("comm='ps' works on the global process set only")
+        owned = {id(p) for p in self._shoal_params}
+        params = [p for p in dict.fromkeys(params) if id(p) in owned]
+        if not params:
+            return
+        name, groups = describe_optimizer(self._shoal_base, self.param_groups)
+        group_index = {id(p): i for i, group in enumerate(self.param_groups) for p in group["params"]}
+        config = self._shoal_ps_config
+        spec = {"optimizer": name, "groups": groups, "param_groups": [group_index[id(p)] for p in params],
+                "mode": config.mode, "staleness": config.staleness, "average": self._shoal_op == ReduceOp.Average}  # fmt: skip
+        client, store = connect(config)
+        self._shoal_ps = client.open_session(params, [self._shoal_names[id(p)] for p in params], spec, store)
 
     def _shoal_apply_plan(self) -> None:
         """After the first step of ``comm="auto"``: calibrate, agree on row counts, plan, switch schemes (all ranks)."""
@@ -275,11 +316,16 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                                        process_set=self._shoal_process_set)  # fmt: skip
         calibration = measure()
         workers = self._shoal_process_set.size()
+        dedicated = self._shoal_ps_config.dedicated
+        allowed = SCHEMES if dedicated else tuple(s for s in SCHEMES if s != "ps")  # ps only when servers exist
         self._shoal_plans = build_plan(self._shoal_model, calibration, workers, dict(zip(names, rows.tolist(), strict=True)),
-                                       self._shoal_overrides)  # fmt: skip
+                                       self._shoal_overrides, allowed,
+                                       self._shoal_ps_config.num_servers if dedicated else workers)  # fmt: skip
         self._shoal_assign({plan.name: plan.choice for plan in self._shoal_plans})
         # Measure each layer's exchange under the chosen scheme once, so the report can show predicted vs measured.
         for plan in self._shoal_plans:
+            if plan.choice == "ps":
+                continue  # the parameter server's own traffic, not a probe, is its measurement
             linear = (plan.rows, plan.shape[0], plan.shape[1]) if plan.choice == "sfb" and plan.rows else None
             seconds = measure_scheme(plan.choice, plan.nbytes, linear, plan.name or "model")
             plan.measured_ms = seconds * 1e3
@@ -300,9 +346,22 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if self._shoal_should_synchronize and not already_synchronized:
             self.synchronize()
         self._shoal_synchronized = False
+        session = self._shoal_ps  # (auto may open one below; its layers were allreduced this step)
+        if session is not None:
+            session.finish()  # fresh values from the servers are now in p.data
         if self._shoal_comm == "auto" and self._shoal_plans is None:
             self._shoal_apply_plan()
-        return self._shoal_base.step(self, closure)
+        if session is None:
+            return self._shoal_base.step(self, closure)
+        # The servers already applied the update to their parameters: hide them from the local optimizer.
+        hidden = [(p, p.grad) for p in session.params]
+        for param, _ in hidden:
+            param.grad = None
+        try:
+            return self._shoal_base.step(self, closure)
+        finally:
+            for param, grad in hidden:
+                param.grad = grad
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear gradients; refuses while reductions are still writing into them."""
@@ -330,6 +389,8 @@ def DistributedOptimizer(
     model: nn.Module | None = None,
     comm: str = "allreduce",
     comm_overrides: dict[Any, str] | None = None,
+    ps_mode: str | None = None,
+    ps_staleness: int | None = None,
 ) -> torch.optim.Optimizer:
     """Wrap ``optimizer`` so that gradients are averaged across ranks, overlapping backprop.
 
@@ -347,9 +408,17 @@ def DistributedOptimizer(
     step, calibrate the network and let the planner choose per layer; see ``plan_report()``). ``comm_overrides``
     forces a scheme per module name or type, e.g. ``{"fc1": "sfb", nn.Conv2d: "allreduce"}``. ``sfb``, ``auto`` and
     overrides need ``model=``.
+
+    ``comm="ps"`` (or ``"ps"`` in ``comm_overrides``) routes parameters through the sharded parameter server: the
+    hook pushes each gradient to the servers that own its pieces, the servers run this optimizer's class and
+    hyperparameters (SGD or Adam/AdamW), and ``step()`` pulls the fresh values into ``p.data``. ``ps_mode`` is
+    ``"bsp"`` (default; the same update as allreduce), ``"ssp"`` (stale synchronous, bound ``ps_staleness``) or
+    ``"async"``; the environment fallbacks are ``SHOAL_PS_MODE`` and ``SHOAL_PS_STALENESS``. The servers are
+    dedicated processes under ``shoalrun --num-servers S``, otherwise a thread in every worker (co-located).
     """
-    if comm not in ("allreduce", "fp16", "bf16", "sfb", "auto"):
-        raise ValueError(f"comm must be allreduce, fp16, bf16, sfb or auto, got {comm!r}")
+    if comm not in ("allreduce", "fp16", "bf16", "sfb", "ps", "auto"):
+        raise ValueError(f"comm must be allreduce, fp16, bf16, sfb, ps or auto, got {comm!r}")
+    ps_config = resolve_config(ps_mode, ps_staleness)
     if bucket_bytes is None:
         bucket_bytes = env_int("BUCKET_BYTES", DEFAULT_BUCKET_BYTES)
     if bucket_bytes < 0:
@@ -388,5 +457,5 @@ def DistributedOptimizer(
     named = list(named_parameters) if named_parameters is not None else None
     wrapped._shoal_setup(named, compression, backward_passes_per_step, ReduceOp(op), gradient_predivide_factor,
                          groups or None, sparse_as_dense, process_set, bucket_bytes)  # fmt: skip
-    wrapped._shoal_setup_comm(model, comm, comm_overrides)
+    wrapped._shoal_setup_comm(model, comm, comm_overrides, ps_config)
     return wrapped
