@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from collections.abc import Callable
 
@@ -20,9 +19,9 @@ from torch import nn
 import shoal.torch as hvd
 from shoal.bench.models import build, parameter_count
 from shoal.comm.baselines import wrap_ddp
+from shoal.ps.config import resolve_config
 
 COMM_CHOICES = ("allreduce", "fp16", "bf16", "sfb", "ps", "auto")
-_AVAILABLE = ("allreduce", "fp16", "bf16", "sfb", "auto")
 
 
 def _batches(model_name: str, batch_size: int, count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -105,9 +104,6 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps before each phase (default 3)")
     parser.add_argument("--rounds", type=int, default=2, help="alternating Shoal/DDP rounds; the best of each is kept")
     args = parser.parse_args(argv)
-    if args.comm not in _AVAILABLE:
-        print(f"shoal.bench.train: --comm {args.comm}: the parameter server is not built yet", file=sys.stderr)
-        sys.exit(2)
     torch.set_num_threads(1)
     hvd.init()
     batches = _batches(args.model, args.batch_size, 4)
@@ -125,6 +121,11 @@ def main(argv: list[str] | None = None) -> None:
         print(f"shoal: {', '.join(f'{v:.1f}' for v in shoal_runs)} img/s")
         result: dict[str, object] = {"bench": "train", "model": args.model, "world": hvd.size(), "comm": args.comm,
                                      "shoal_ips": round(shoal_ips, 1)}  # fmt: skip
+        if args.comm == "ps":  # co-located (a server thread in every worker) unless shoalrun started servers
+            config = resolve_config()
+            result["ps_mode"] = config.mode
+            result["ps_servers"] = config.num_servers if config.dedicated else hvd.size()
+            result["ps_dedicated"] = config.dedicated
         if ddp_runs:
             print(f"ddp:   {', '.join(f'{v:.1f}' for v in ddp_runs)} img/s")
             result["ddp_ips"] = round(max(ddp_runs), 1)
