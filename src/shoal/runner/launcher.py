@@ -57,6 +57,8 @@ def knob_env(args: argparse.Namespace) -> dict[str, str]:
         env["SHOAL_STALL_SHUTDOWN_TIME_SECONDS"] = str(args.stall_check_shutdown_time_seconds)
     if args.log_level:
         env["SHOAL_LOG_LEVEL"] = args.log_level.lower()
+    if getattr(args, "num_servers", 0):
+        env["SHOAL_NUM_SERVERS"] = str(args.num_servers)
     return env
 
 

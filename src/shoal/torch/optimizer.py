@@ -372,6 +372,20 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             )
         self._shoal_base.zero_grad(self, set_to_none)
 
+    def _shoal_drop_step(self) -> None:
+        """Forget the gradient exchanges of an unfinished step (elastic training, after a failed collective)."""
+        self._shoal_in_flight.clear()
+        self._shoal_sparse.clear()
+        self._shoal_submitted.clear()
+        self._shoal_group_ready.clear()
+        self._shoal_bucket, self._shoal_bucket_size = [], 0
+        self._shoal_counts = dict.fromkeys(self._shoal_counts, 0)
+        self._shoal_synchronized = False
+        for layer in dict.fromkeys(self._shoal_sfb_of.values()):
+            layer.reset()
+        for param in self._shoal_params:
+            param.grad = None
+
 
 def DistributedOptimizer(
     optimizer: torch.optim.Optimizer,
