@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import shoal.torch as hvd
-from shoal.plan.calibration import Calibration
+from shoal.plan.calibration import Calibration, calibration_to_json
 from shoal.plan.planner import build_plan, predict
 from shoal.testing import run_ranks
 
@@ -140,3 +140,44 @@ def _expect_value_error() -> str:
     except ValueError as error:
         return str(error)
     return "no error"
+
+
+def _drifting(path: str) -> dict[str, object]:
+    import json
+
+    from shoal.torch.optimizer import _last_plan
+
+    hvd.init()
+    torch.manual_seed(0)
+    model = Mlp()
+    optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
+                                         named_parameters=model.named_parameters(), model=model, comm="auto")  # fmt: skip
+    x, y = data(hvd.size(), 4)
+    for step in range(14):
+        optimizer.zero_grad()
+        nn.functional.mse_loss(model(x[step % 3]), y[step % 3]).backward()
+        optimizer.step()
+    monitor = optimizer._shoal_drift  # type: ignore[attr-defined]
+    plans = _last_plan[0]
+    with open(path) as handle:
+        rewritten = json.load(handle)
+    return {
+        "recalibrations": monitor.recalibrations,
+        "latency_s": rewritten["lines"]["allreduce"][0],
+        "measured": [p.measured_ms for p in plans],
+        "predicted": [p.predicted_ms[p.choice] for p in plans],
+    }
+
+
+def test_drift_from_a_wrong_calibration_triggers_one_recalibration(tmp_path: object) -> None:
+    # A calibration file that claims every exchange takes a second: the first plan's predictions are far off what
+    # training measures, so after 5 steps the ranks agree to re-measure, rewrite the file, and re-plan.
+    path = f"{tmp_path}/calibration.json"
+    with open(path, "w") as handle:
+        handle.write(calibration_to_json(Calibration.uniform(1.0, 1e-9, 1e10)))
+    results = run_ranks(_drifting, 2, args=(path,), env={"SHOAL_CALIBRATION_FILE": path}, timeout_s=90)
+    for result in results:
+        assert result["recalibrations"] == 1, result
+        assert result["latency_s"] < 0.1, result  # the file now holds the measured calibration
+        assert all(m is not None and m > 0 for m in result["measured"]), result  # type: ignore[union-attr]
+        assert all(p < 1000 for p in result["predicted"]), result  # type: ignore[union-attr]

@@ -153,6 +153,6 @@ def format_plan(plans: list[LayerPlan], workers: int) -> str:
     if errors:
         lines.append(f"median |predicted - measured| / measured over {len(errors)} layers: "
                      f"{100 * errors[len(errors) // 2]:.0f}%")  # fmt: skip
-    lines.append("* forced by comm_overrides; measured: the chosen scheme, timed once after planning (not ps); "
+    lines.append("* forced by comm_overrides; measured: running median of the chosen exchange in training (not ps); "
                  "auto chooses ps only with dedicated servers (shoalrun --num-servers)")  # fmt: skip
     return "\n".join(lines)

@@ -17,14 +17,15 @@ from torch import nn
 from shoal.config import env_int
 from shoal.engine.request import ReduceOp
 from shoal.log import get_logger
-from shoal.plan.calibration import measure, measure_scheme
+from shoal.plan.calibration import job_calibration
+from shoal.plan.drift import DriftMonitor
 from shoal.plan.planner import SCHEMES, LayerPlan, build_plan, forced_scheme, format_plan
 from shoal.plan.sfb import SufficientFactorLayer
 from shoal.ps.config import PSConfig, resolve_config
 from shoal.ps.optimizers import describe_optimizer
 from shoal.torch import functions, handles
 from shoal.torch.compression import Compression, Compressor
-from shoal.torch.process_sets import ProcessSet, global_process_set
+from shoal.torch.process_sets import ProcessSet, global_process_set, set_id_of
 
 DEFAULT_BUCKET_BYTES = 2 * 1024 * 1024
 _SCHEME_COMPRESSION: dict[str, type[Compressor]] = {"fp16": Compression.fp16, "bf16": Compression.bf16}
@@ -229,6 +230,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._shoal_compressor_of: dict[int, type[Compressor]] = {}
         self._shoal_sfb_of: dict[int, SufficientFactorLayer] = {}
         self._shoal_plans: list[LayerPlan] | None = None
+        self._shoal_drift: DriftMonitor | None = None
         self._shoal_rows: dict[str, int] = {}
         self._shoal_row_hooks: list[Any] = []
         if model is None:
@@ -304,32 +306,85 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         client, store = connect(config)
         self._shoal_ps = client.open_session(params, [self._shoal_names[id(p)] for p in params], spec, store)
 
-    def _shoal_apply_plan(self) -> None:
-        """After the first step of ``comm="auto"``: calibrate, agree on row counts, plan, switch schemes (all ranks)."""
+    def _shoal_apply_plan(self, refresh: bool = False) -> None:
+        """Calibrate, agree on row counts, plan and switch schemes (all ranks): after the first step of
+        ``comm="auto"``, and again (``refresh``: re-measured calibration) when measurements drift from the plan."""
         assert self._shoal_model is not None
         for hook in self._shoal_row_hooks:
             hook.remove()
+        self._shoal_row_hooks = []
         names = sorted(self._shoal_rows)
         rows = torch.tensor([self._shoal_rows[n] for n in names], dtype=torch.int64)
-        if names:
+        if names and not refresh:
             rows = functions.allreduce(rows, op=functions.Max, name="DistributedOptimizer.plan.rows",
                                        process_set=self._shoal_process_set)  # fmt: skip
-        calibration = measure()
+            self._shoal_rows = dict(zip(names, rows.tolist(), strict=True))
+        calibration = job_calibration(refresh=refresh)
         workers = self._shoal_process_set.size()
         dedicated = self._shoal_ps_config.dedicated
         allowed = SCHEMES if dedicated else tuple(s for s in SCHEMES if s != "ps")  # ps only when servers exist
-        self._shoal_plans = build_plan(self._shoal_model, calibration, workers, dict(zip(names, rows.tolist(), strict=True)),
-                                       self._shoal_overrides, allowed,
+        overrides = dict(self._shoal_overrides)
+        if self._shoal_plans is not None:  # layers already on the servers stay there (their state lives there)
+            modules = dict(self._shoal_model.named_modules())
+            overrides.update({modules[p.name]: "ps" for p in self._shoal_plans if p.choice == "ps"})
+            self._shoal_clear_schemes()
+        self._shoal_plans = build_plan(self._shoal_model, calibration, workers, self._shoal_rows, overrides, allowed,
                                        self._shoal_ps_config.num_servers if dedicated else workers)  # fmt: skip
-        self._shoal_assign({plan.name: plan.choice for plan in self._shoal_plans})
-        # Measure each layer's exchange under the chosen scheme once, so the report can show predicted vs measured.
-        for plan in self._shoal_plans:
-            if plan.choice == "ps":
-                continue  # the parameter server's own traffic, not a probe, is its measurement
-            linear = (plan.rows, plan.shape[0], plan.shape[1]) if plan.choice == "sfb" and plan.rows else None
-            seconds = measure_scheme(plan.choice, plan.nbytes, linear, plan.name or "model")
-            plan.measured_ms = seconds * 1e3
+        if self._shoal_ps is not None:  # already served: not opened twice
+            served = {id(p) for p in self._shoal_ps.params}
+            modules = dict(self._shoal_model.named_modules())
+            schemes = {p.name: p.choice for p in self._shoal_plans
+                       if not (p.choice == "ps" and any(id(q) in served for q in modules[p.name].parameters()))}  # fmt: skip
+        else:
+            schemes = {plan.name: plan.choice for plan in self._shoal_plans}
+        self._shoal_assign(schemes)
+        exchanges = {plan.name: self._shoal_exchange_names(plan) for plan in self._shoal_plans}
+        if self._shoal_drift is None:
+            self._shoal_drift = DriftMonitor(self._shoal_plans, exchanges)
+        else:
+            self._shoal_drift.replan(self._shoal_plans, exchanges)
         _last_plan[:] = [self._shoal_plans, workers]
+
+    def _shoal_clear_schemes(self) -> None:
+        """Undo ``_shoal_assign`` (before a re-plan): drop SFB layers' hooks and per-layer compressors."""
+        for layer in dict.fromkeys(self._shoal_sfb_of.values()):
+            layer.remove()
+        self._shoal_sfb_of.clear()
+        self._shoal_compressor_of.clear()
+
+    def _shoal_exchange_names(self, plan: LayerPlan) -> list[str]:
+        """The engine request names that carry ``plan``'s layer's exchange (none for ps: not an engine collective)."""
+        assert self._shoal_model is not None
+        if plan.choice == "ps":
+            return []
+        if plan.choice == "sfb":
+            base = f"DistributedOptimizer.sfb.{plan.name or 'model'}"
+            return [f"{base}.input", f"{base}.output_grad"]
+        module = dict(self._shoal_model.named_modules())[plan.name]
+        return [f"DistributedOptimizer.{self._shoal_names[id(p)]}" for p in module.parameters(recurse=False)
+                if p.requires_grad and id(p) in self._shoal_names]  # fmt: skip
+
+    def _shoal_watch_drift(self) -> None:
+        """After a synchronized step: compare measured exchange times with the plan; re-plan together on drift."""
+        monitor = self._shoal_drift
+        if monitor is None:
+            return
+        engine = handles.engine()
+        set_id = set_id_of(self._shoal_process_set)
+        rebuilds = {layer.name: layer.rebuild_seconds for layer in self._shoal_sfb_of.values()}
+        error = monitor.record_step(lambda name: engine.execution_seconds(name, set_id), rebuilds)
+        if not monitor.check_due():
+            return
+        verdict = functions.allreduce(torch.tensor([int(monitor.drifted())]), op=functions.Max,
+                                      name="DistributedOptimizer.plan.drift", process_set=self._shoal_process_set)  # fmt: skip
+        if int(verdict[0]):
+            get_logger().warning(
+                "measured exchange times drift from the plan (median error %.0f%% on this rank for %d steps): "
+                "recalibrating and re-planning",
+                100 * (error or 0.0),
+                monitor.config.steps,
+            )
+            self._shoal_apply_plan(refresh=True)
 
     @contextlib.contextmanager
     def skip_synchronize(self) -> Iterator[None]:
@@ -349,8 +404,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         session = self._shoal_ps  # (auto may open one below; its layers were allreduced this step)
         if session is not None:
             session.finish()  # fresh values from the servers are now in p.data
-        if self._shoal_comm == "auto" and self._shoal_plans is None:
-            self._shoal_apply_plan()
+        if self._shoal_comm == "auto":
+            if self._shoal_plans is None:
+                self._shoal_apply_plan()
+            elif self._shoal_should_synchronize:
+                self._shoal_watch_drift()
         if session is None:
             return self._shoal_base.step(self, closure)
         # The servers already applied the update to their parameters: hide them from the local optimizer.
