@@ -60,3 +60,9 @@ def test_padding_is_not_counted_and_a_replay_is_visible() -> None:
     assert samplers[0].processed_indices == set(range(10)) and samplers[0].processed_count == 10
     samplers[0].record_batch(0, 4)  # a step applied twice shows up as a count above the distinct samples
     assert samplers[0].processed_count == 20
+
+
+def test_fewer_samples_left_than_ranks_still_gives_every_rank_a_batch() -> None:
+    state = {"epoch": 0, "processed_indices": list(range(9)), "processed_count": 9}
+    samplers = shard(list(range(10)), 4, state)
+    assert [list(s) for s in samplers] == [[9], [9], [9], [9]]

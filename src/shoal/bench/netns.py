@@ -98,6 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hosts", type=int, default=2, help="emulated hosts (network namespaces), default 2")
     parser.add_argument("--ranks-per-host", type=int, default=1, help="ranks in each namespace, default 1")
     parser.add_argument("--rate", default="1gbit", help="tc tbf rate of every host's link, default 1gbit")
+    parser.add_argument("--num-servers", type=int, default=0, help="dedicated parameter servers, spread over the hosts")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="the command every rank runs (after --)")
     args = parser.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
@@ -113,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
         hosts.create()
         names = [f"host{i}" for i in range(args.hosts)]
         slots = assign_slots([HostSlots(name, args.ranks_per_host) for name in names], args.hosts * args.ranks_per_host)
-        job_args = build_parser().parse_args(["-np", str(len(slots)), *command])
+        job_args = build_parser().parse_args(["-np", str(len(slots)), "--num-servers", str(args.num_servers), *command])
         # Each rank starts inside its host's namespace, with gloo bound to that namespace's shaped link.
         prefixes = {
             name: ["ip", "netns", "exec", hosts.namespace(i), "env", f"GLOO_SOCKET_IFNAME={hosts.device(i)}"]

@@ -52,7 +52,9 @@ def main(argv: list[str] | None = None) -> int:
         try:
             hosts = elastic_hosts(args)
             if args.num_proc is None:
-                args.num_proc = sum(h.slots for h in hosts)
+                args.num_proc = min(sum(h.slots for h in hosts), args.max_np)
+            if args.min_np is None:
+                args.min_np = args.num_proc
             return ElasticJob(args, hosts).run()
         except (HostSpecError, ValueError) as error:
             print(f"shoalrun: error: {error}", file=sys.stderr)

@@ -119,11 +119,11 @@ def _check_elastic(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
         args.num_proc = args.min_np
     if args.num_proc is None and not (args.hosts or args.hostfile):
         parser.error("an elastic job needs -np or --min-np")
-    if args.min_np is None:
-        args.min_np = args.num_proc or 1
-    if args.num_proc is not None and args.num_proc < args.min_np:
+    if args.min_np is None and args.num_proc is not None:
+        args.min_np = args.num_proc  # else from the hosts' slots, once they are known (shoal.runner.main)
+    if args.num_proc is not None and args.min_np is not None and args.num_proc < args.min_np:
         parser.error(f"-np {args.num_proc} is smaller than --min-np {args.min_np}")
-    if args.max_np is not None and args.max_np < max(args.min_np, args.num_proc or 0):
+    if args.max_np is not None and args.max_np < max(args.min_np or 0, args.num_proc or 0):
         parser.error(f"--max-np {args.max_np} is smaller than -np/--min-np")
     if args.max_np is None:
         args.max_np = 1 << 30  # bounded by the slots the hosts offer

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from shoal.runner.discovery import HostDiscovery
 from shoal.runner.hosts import HostSlots, SlotInfo, parse_hostfile, parse_hosts
-from shoal.runner.launcher import Job, Worker, _describe_status
+from shoal.runner.launcher import Job, LaunchError, Worker, _describe_status
 from shoal.runtime.elastic_rendezvous import ELASTIC_ID_ENV, ELASTIC_TIMEOUT_ENV, REMOVED, Assignment, ElasticKeys
 
 _READY_SETTLE_S = 0.2
@@ -42,12 +42,9 @@ class ElasticWorker:
     rank: int | None = None
     """Its rank in the newest round it belongs to; None for a newcomer not admitted yet."""
     state: str = "starting"
-    """starting (newcomer) | member | removed | finished | failed."""
-
-
-def is_elastic(args: argparse.Namespace) -> bool:
-    """shoalrun runs the elastic driver when any elastic flag is given."""
-    return any(getattr(args, n) is not None for n in ("min_np", "max_np", "host_discovery_script", "reset_limit"))
+    """starting (newcomer) | member | removed | finished | failed | left (exited 0 without finishing training)."""
+    joined: bool = False
+    """True once it arrived in a round that formed: it holds the training state (a newcomer only after a sync)."""
 
 
 class ElasticJob(Job):
@@ -70,17 +67,22 @@ class ElasticJob(Job):
         self._reset_reason: str | None = None
         self._ready_seen_at: float | None = None
         self._keys: ElasticKeys | None = None
+        self._round_members: list[ElasticWorker] = []
+        self._round_published_at = 0.0
+        self._round_formed = False
 
     # ----- the worker set -----
 
     def _alive(self, *states: str) -> list[ElasticWorker]:
         return [w for w in self.elastic if w.state in states and w.process.returncode is None]
 
-    def _start_worker(self, hostname: str, rank_hint: int) -> None:
+    def _start_worker(self, hostname: str) -> None:
         self._spawned += 1
         worker_id = f"{hostname}#{self._spawned}"
-        # The slot's rank only labels the output; the real rank comes from each round's assignment.
-        slot = SlotInfo(hostname, rank_hint, max(rank_hint + 1, 1), 0, 1, 0, 1)
+        # The slot's rank only labels the output (the n-th worker started is [n-1], so labels never collide);
+        # the real rank comes from each round's assignment.
+        label = self._spawned - 1
+        slot = SlotInfo(hostname, label, label + 1, 0, 1, 0, 1)
         env = {ELASTIC_ID_ENV: worker_id, ELASTIC_TIMEOUT_ENV: str(self.args.elastic_timeout)}
         process = self._spawn(slot, env)
         self.workers.append(process)
@@ -97,7 +99,7 @@ class ElasticJob(Job):
             for _ in range(host.slots - on_host):
                 if len(live) >= limit:
                     return
-                self._start_worker(host.hostname, len(live))
+                self._start_worker(host.hostname)
                 live = self._alive("starting", "member")
 
     # ----- rounds -----
@@ -123,6 +125,9 @@ class ElasticJob(Job):
                 worker.state = "removed"
                 self._store.set(self._keys.assignment(self.round, worker.worker_id), REMOVED)
         self._store.set(self._keys.round, str(self.round))
+        self._round_members = list(members)
+        self._round_published_at = time.monotonic()
+        self._round_formed = False
         self._verbose(f"round {self.round}: {len(members)} workers ({', '.join(m.worker_id for m in members)})")
 
     def _next_members(self) -> list[ElasticWorker]:
@@ -168,11 +173,11 @@ class ElasticJob(Job):
                 continue
             was_member = worker.state == "member"
             worker.state = "failed"
-            if not was_member:
-                continue  # a removed worker or a newcomer that never joined: nothing to recover from
-            self.excluded_hosts.add(worker.hostname)
+            self.excluded_hosts.add(worker.hostname)  # also for a newcomer that failed: no restart storm there
             self._drain_output_of(worker.process)
             finished = [w for w in self.elastic if w.state == "finished"]
+            if not was_member or (finished and not worker.joined):
+                continue  # a removed worker, or a newcomer that never took part: nothing to recover from
             if finished:
                 print(f"shoalrun: worker {worker.worker_id} (rank {worker.rank}) on host {worker.hostname} "
                       f"{_describe_status(code)} after other workers had finished; ending the job",
@@ -182,9 +187,9 @@ class ElasticJob(Job):
                   f"{_describe_status(code)}; host {worker.hostname} gets no new workers; re-forming the job",
                   file=sys.stderr, flush=True)  # fmt: skip
             self._reset_reason = f"worker {worker.worker_id} failed"
-        if any(w.state == "finished" for w in self.elastic) and not self._alive("member"):
+        if any(w.state == "finished" for w in self.elastic) and not any(w.joined for w in self._alive("member")):
             # Training is over; newcomers still waiting to join (or removed workers still leaving) are not needed.
-            for worker in self._alive("starting", "removed"):
+            for worker in self._alive("starting", "removed", "member"):
                 worker.process.signal_tree(signal.SIGTERM)
             return 0
         if self.elastic and all(w.process.returncode is not None for w in self.elastic):
@@ -203,6 +208,8 @@ class ElasticJob(Job):
         try:
             self._store_thread.start()
             return self._drive()
+        except LaunchError as error:
+            return self._fail(str(error))
         finally:
             self.discovery.stop()
             self._drain_output()
@@ -225,7 +232,7 @@ class ElasticJob(Job):
         if self._store_error is not None:
             return self._fail(f"cannot host the rendezvous store: {self._store_error}")
         self._keys = ElasticKeys(secret_namespace(self.secret))
-        self._fill_slots(args.num_proc)
+        self._fill_slots(min(args.num_proc, args.max_np))
         self._publish_round(self._alive("starting"))
         while True:
             if self._stop_signal is not None:
@@ -244,14 +251,41 @@ class ElasticJob(Job):
                     return code
             time.sleep(0.05)
 
+    def _watch_round(self) -> int | None:
+        """Mark members of a formed round as holding the state; end members that never arrive (wedged, partitioned)."""
+        assert self._store is not None and self._keys is not None
+        if self._round_formed:
+            return None
+        state_key = self._keys.state(self.round)
+        if self._store.check([state_key]) and self._store.get(state_key) == b"formed":
+            self._round_formed = True
+            for member in self._round_members:
+                member.joined = True
+            return None
+        # A member starting up may still be importing torch: --start-timeout on top of --elastic-timeout.
+        bound = self.args.elastic_timeout + self.args.start_timeout
+        if time.monotonic() - self._round_published_at < bound:
+            return None
+        missing = [m for m in self._round_members if m.process.returncode is None
+                   and not self._store.check([self._keys.arrival(self.round, m.worker_id)])]  # fmt: skip
+        for member in missing:
+            print(f"shoalrun: worker {member.worker_id} did not join round {self.round} within {bound:.0f} s "
+                  "(--elastic-timeout + --start-timeout); ending it", file=sys.stderr, flush=True)  # fmt: skip
+            member.process.signal_tree(signal.SIGKILL)
+        self._round_published_at = time.monotonic()  # its exit is a failure like any other, handled by _reap
+        return None
+
     def _maybe_reform(self) -> int | None:
         args = self.args
+        self._watch_round()
         if args.host_discovery_script:
             self._fill_slots(args.max_np)
         reason = self._wants_new_round()
         if reason is None:
             return None
         members = self._next_members()
+        if any(w.joined for w in self.elastic) and not any(m.joined for m in members):
+            return self._fail("every worker that held the training state is gone; newcomers cannot continue from it")
         if len(members) < args.min_np:
             now = time.monotonic()
             if self._below_min_since is None:

@@ -223,7 +223,9 @@ class Job:
                 f"cd {shlex.quote(os.getcwd())} && exec env {assignments} "
                 f"{shlex.quote(sys.executable)} -m shoal.runner.remote -- {shlex.join(command)}"
             )
-            argv = ["ssh", "-o", "BatchMode=yes", "-o", "StrictHostKeyChecking=no", "-o", "LogLevel=ERROR"]
+            # Keep-alives make a vanished host end its ssh client (so shoalrun sees the worker fail) within ~15 s.
+            argv = ["ssh", "-o", "BatchMode=yes", "-o", "StrictHostKeyChecking=no", "-o", "LogLevel=ERROR",
+                    "-o", "ServerAliveInterval=5", "-o", "ServerAliveCountMax=3"]  # fmt: skip
             if self.args.ssh_port:
                 argv += ["-p", str(self.args.ssh_port)]
             if self.args.ssh_identity_file:

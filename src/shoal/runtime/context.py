@@ -16,6 +16,7 @@ from typing import Any
 
 from shoal.comm import process_group, store
 from shoal.config import env_float
+from shoal.exceptions import HorovodInternalError
 from shoal.log import get_logger
 from shoal.runtime import elastic_rendezvous
 from shoal.runtime.launch_env import LaunchInfo, detect_launch
@@ -79,21 +80,21 @@ def init() -> Context:
             launch, scoped_store, generation = _join_elastic_round(launch, job_store)
         else:
             scoped_store, generation = store.generation_store(job_store, launch.secret, launch.rank)
-        backend = process_group.init_world(scoped_store, launch.rank, launch.size, timeout_s=max(timeout_s, 300.0))
-        gathered = process_group.allgather_object((launch.host_key, launch.local_rank))
-        topology = build_topology(launch.rank, [g[0] for g in gathered], [g[1] for g in gathered])
-        _context = Context(launch=launch, topology=topology, backend=backend, generation=generation,
-                           store=scoped_store, job_store=job_store)  # fmt: skip
-        get_logger().debug(
-            "rank %d/%d initialized by %s (generation %d, backend %s)",
-            topology.rank,
-            topology.size,
-            launch.launcher,
-            generation,
-            backend,
-        )
-        for hook in _init_hooks:
-            hook(_context)
+        try:
+            backend = process_group.init_world(scoped_store, launch.rank, launch.size, timeout_s=max(timeout_s, 300.0))
+            gathered = process_group.allgather_object((launch.host_key, launch.local_rank))
+            topology = build_topology(launch.rank, [g[0] for g in gathered], [g[1] for g in gathered])
+            _context = Context(launch=launch, topology=topology, backend=backend, generation=generation,
+                               store=scoped_store, job_store=job_store)  # fmt: skip
+            get_logger().debug("rank %d/%d initialized by %s (generation %d, backend %s)", topology.rank,
+                               topology.size, launch.launcher, generation, backend)  # fmt: skip
+            for hook in _init_hooks:
+                hook(_context)
+        except Exception as error:
+            _abandon_init()
+            if elastic_rendezvous.is_elastic_worker():  # a peer of the new round died meanwhile: form another
+                raise HorovodInternalError(f"joining elastic round {generation} failed: {error}") from error
+            raise
         global _exit_hook_registered
         if not _exit_hook_registered:
             # As in Horovod: a script that never calls shutdown() still stops the engine thread cleanly at exit,
@@ -102,6 +103,19 @@ def init() -> Context:
             _exit_hook_registered = True
         start_launcher_watchdog()
         return _context
+
+
+def _abandon_init() -> None:
+    """Undo a half-done init(): stop whatever the hooks started, leave the process group, forget the context."""
+    global _context
+    if _context is not None:
+        for hook in _shutdown_hooks:
+            try:
+                hook()
+            except Exception as error:  # cleaning up after a failure; the original error is what matters
+                get_logger().debug("shutdown hook failed while abandoning init: %s", error)
+    process_group.destroy_world()
+    _context = None
 
 
 def _join_elastic_round(launch: LaunchInfo, job_store: Any) -> tuple[LaunchInfo, Any, int]:

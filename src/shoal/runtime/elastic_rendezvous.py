@@ -6,6 +6,9 @@ ranks; or ``removed`` for a live worker that is not in it), then publishes R. A 
 assigns it, waits until every member has arrived, and only then builds its process group under keys private to
 round R, so a dead peer from an older round can never be waited on.
 
+A worker whose job broke simply comes back to ``join_round``: its ``ready`` key then names the round it was in,
+which tells the driver that round is broken even when no worker exit explains it.
+
 A round forms or is abandoned exactly once: the last member to arrive marks it ``formed``; a member that sees a newer
 round published first marks it ``abandoned`` (a compare-and-set decides which came first), so all members agree.
 """
@@ -86,10 +89,9 @@ class ElasticKeys:
         """A worker waiting for a round writes the last round it was in (0: none yet)."""
         return f"{self.base}/ready/{worker_id}"
 
-    @property
-    def reset_requests(self) -> str:
-        """Counter that workers bump when their job broke without the driver seeing a worker exit."""
-        return f"{self.base}/reset_requests"
+    def arrival(self, round_number: int, worker_id: str) -> str:
+        """Set when a worker arrives in a round (the driver finds members that never come)."""
+        return f"{self.base}/r{round_number}/arrival/{worker_id}"
 
 
 def current_round(store: Any, keys: ElasticKeys) -> int:
@@ -121,7 +123,7 @@ def join_round(store: Any, keys: ElasticKeys, worker_id: str, last_round: int, t
                 raise WorkerRemovedError(f"the elastic driver left this worker out of round {newest}")
             joined.add(newest)
             assignment = Assignment.from_json(value)
-            if _await_members(store, keys, newest, assignment.size, deadline):
+            if _await_members(store, keys, newest, worker_id, assignment.size, deadline):
                 return assignment, newest
             continue
         time.sleep(_POLL_S * 5)
@@ -130,9 +132,10 @@ def join_round(store: Any, keys: ElasticKeys, worker_id: str, last_round: int, t
     )
 
 
-def _await_members(store: Any, keys: ElasticKeys, round_number: int, size: int, deadline: float) -> bool:
+def _await_members(store: Any, keys: ElasticKeys, round_number: int, worker_id: str, size: int, deadline: float) -> bool:
     """Arrive in a round; True once it formed, False if a newer round superseded it first."""
     state_key = keys.state(round_number)
+    store.set(keys.arrival(round_number, worker_id), "1")
     if store.add(keys.arrived(round_number), 1) >= size:
         store.compare_set(state_key, "", "formed")
     while time.monotonic() < deadline:
@@ -143,8 +146,3 @@ def _await_members(store: Any, keys: ElasticKeys, round_number: int, size: int, 
             return bool(store.compare_set(state_key, "", "abandoned").decode() == "formed")
         time.sleep(_POLL_S)
     return False
-
-
-def request_reset(store: Any, keys: ElasticKeys) -> None:
-    """Ask the driver for a new round: this worker's job broke, and no worker exit may explain it."""
-    store.add(keys.reset_requests, 1)

@@ -85,6 +85,12 @@ def synchronize(handle: int) -> Any:
     return entry.finish([request.result for request in entry.requests])
 
 
+def discard(handle: int) -> None:
+    """Forget a handle whose result is no longer wanted (elastic training drops a failed step's handles)."""
+    with _handles_lock:
+        _handles.pop(handle, None)
+
+
 def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
     """Start recording the engine timeline to ``file_path`` (Chrome trace / Perfetto JSON)."""
     engine().start_timeline(file_path, mark_cycles)

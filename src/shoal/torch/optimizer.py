@@ -294,6 +294,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
         if self._shoal_process_set is not global_process_set:
             raise ValueError("comm='ps' works on the global process set only")
+        from shoal.runtime.elastic_rendezvous import is_elastic_worker
+
+        if is_elastic_worker():
+            raise ValueError("comm='ps' is not available in elastic jobs yet: a server shard cannot move to new workers")
         owned = {id(p) for p in self._shoal_params}
         params = [p for p in dict.fromkeys(params) if id(p) in owned]
         if not params:
@@ -432,6 +436,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     def _shoal_drop_step(self) -> None:
         """Forget the gradient exchanges of an unfinished step (elastic training, after a failed collective)."""
+        for entry in self._shoal_in_flight:
+            handles.discard(entry[0])
         self._shoal_in_flight.clear()
         self._shoal_sparse.clear()
         self._shoal_submitted.clear()

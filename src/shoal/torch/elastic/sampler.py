@@ -96,8 +96,10 @@ class ElasticSampler(Sampler[int]):
         self.remaining_indices = [i for i in order if i not in self.processed_indices]
         # Every rank gets the same count (padding by wrapping around, as DistributedSampler does), so collectives
         # stay in step; padding repeats only within this shard's last batch.
-        per_rank = -(-len(self.remaining_indices) // self.num_replicas) if self.remaining_indices else 0
-        padded = self.remaining_indices + self.remaining_indices[: per_rank * self.num_replicas - len(self.remaining_indices)]
+        remaining = self.remaining_indices
+        per_rank = -(-len(remaining) // self.num_replicas) if remaining else 0
+        total = per_rank * self.num_replicas
+        padded = (remaining * -(-total // len(remaining)))[:total] if remaining else []  # wraps as often as needed
         self._padded, self._per_rank = padded, per_rank
         self.indices = padded[self.rank : per_rank * self.num_replicas : self.num_replicas]
 

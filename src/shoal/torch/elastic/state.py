@@ -166,7 +166,8 @@ class TorchState(ObjectState):
 
     def sync(self) -> None:
         """Broadcast rank 0's model, optimizer state and values; re-shard samplers over the new world; save."""
-        from shoal.torch.objects import broadcast_object
+        from shoal.torch.elastic.sampler import ElasticSampler
+        from shoal.torch.objects import allgather_object, broadcast_object
         from shoal.torch.state import broadcast_optimizer_state, broadcast_parameters
 
         if self.model is not None:
@@ -177,5 +178,12 @@ class TorchState(ObjectState):
                 drop()
             broadcast_optimizer_state(self.optimizer, root_rank=0)
         for name, value in self._handled.items():
-            value.load_state_dict(broadcast_object(value.state_dict(), 0, name=f"elastic.sync.{name}"))
+            if isinstance(value, ElasticSampler):
+                # Rank 0's record, plus any indices a rank recorded alone (record_indices with local indices).
+                states = allgather_object(value.state_dict(), name=f"elastic.sync.{name}")
+                merged = dict(states[0])
+                merged["processed_indices"] = sorted(set().union(*(st["processed_indices"] for st in states)))
+                value.load_state_dict(merged)
+            else:
+                value.load_state_dict(broadcast_object(value.state_dict(), 0, name=f"elastic.sync.{name}"))
         super().sync()  # the plain values, then save() of everything

@@ -1,0 +1,1 @@
+"""Horovod's ``horovod.common`` names, for scripts that import them from there."""
