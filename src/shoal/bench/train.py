@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from collections import Counter
 from collections.abc import Callable
 
 import torch
@@ -19,7 +20,9 @@ from torch import nn
 import shoal.torch as hvd
 from shoal.bench.models import build, parameter_count
 from shoal.comm.baselines import wrap_ddp
+from shoal.plan.planner import median_error
 from shoal.ps.config import resolve_config
+from shoal.torch.optimizer import _last_plan
 
 COMM_CHOICES = ("allreduce", "fp16", "bf16", "sfb", "ps", "auto")
 
@@ -126,6 +129,10 @@ def main(argv: list[str] | None = None) -> None:
             result["ps_mode"] = config.mode
             result["ps_servers"] = config.num_servers if config.dedicated else hvd.size()
             result["ps_dedicated"] = config.dedicated
+        if args.comm == "auto" and _last_plan:
+            error = median_error(_last_plan[0])
+            result["plan_median_error"] = round(error, 3) if error is not None else None
+            result["plan_choices"] = dict(Counter(p.choice for p in _last_plan[0]))
         if ddp_runs:
             print(f"ddp:   {', '.join(f'{v:.1f}' for v in ddp_runs)} img/s")
             result["ddp_ips"] = round(max(ddp_runs), 1)

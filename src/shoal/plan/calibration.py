@@ -167,21 +167,21 @@ def calibration_from_json(text: str, origin: str) -> Calibration:
     return result
 
 
-def job_calibration(refresh: bool = False) -> Calibration:
+def job_calibration() -> Calibration:
     """The job's calibration: from ``SHOAL_CALIBRATION_FILE`` when that file exists, else measured once per job.
 
     With a file path that does not exist yet, rank 0 writes the measured calibration there, so later jobs on the
-    same network can skip the probes (or a user can edit it to override the measurement). ``refresh`` re-measures
-    and rewrites (drift). Collective: every rank must call it.
+    same network can skip the probes (or a user can edit it to override the measurement). Collective: every rank
+    must call it.
     """
     from shoal.runtime import context
 
     ctx = context.current()
     key = (ctx.generation, ctx.topology.size)
-    path = env_str("CALIBRATION_FILE")
-    if not refresh and key in _cache:
+    if key in _cache:
         return _cache[key]
-    if not refresh and path:
+    path = env_str("CALIBRATION_FILE")
+    if path:
         loaded = None
         if ctx.topology.rank == 0 and os.path.exists(path):
             with open(path) as handle:
@@ -191,8 +191,17 @@ def job_calibration(refresh: bool = False) -> Calibration:
             _cache[key] = result
             return result
     measured = measure()
+    keep_calibration(measured)
+    return measured
+
+
+def keep_calibration(calibration: Calibration) -> None:
+    """Make ``calibration`` the job's (and rank 0 writes it to ``SHOAL_CALIBRATION_FILE`` when that is set)."""
+    from shoal.runtime import context
+
+    ctx = context.current()
+    _cache[(ctx.generation, ctx.topology.size)] = calibration
+    path = env_str("CALIBRATION_FILE")
     if path and ctx.topology.rank == 0:
         with open(path, "w") as handle:
-            handle.write(calibration_to_json(measured))
-    _cache[key] = measured
-    return measured
+            handle.write(calibration_to_json(calibration))

@@ -4,8 +4,11 @@ The engine records how long each collective ran (a fused batch's time shared by 
 monitor sums each layer's exchanges, keeps a short running median per layer (shown as "measured ms" in the plan
 report), and computes the step's median relative error over the layers. When that error stays above the threshold
 for ``steps`` consecutive steps, ``drifted()`` says so; the optimizer then agrees with the other ranks (one tiny
-allreduce every ``steps`` steps) and recalibrates and re-plans at the step boundary. A back-off doubles the wait
-after each recalibration, so a network whose behaviour the α-β model cannot capture is not re-probed forever.
+allreduce every ``steps`` steps), recalibrates from what training measured (``refit``: each exchange's line is
+scaled by the median measured/predicted ratio of the layers that use it; probing again at idle would miss what
+training sees, e.g. collectives competing with backprop for the cores) and re-plans at the step boundary. A
+back-off doubles the wait after each recalibration, so a network the α-β model cannot capture is not refitted
+forever.
 """
 
 from __future__ import annotations
@@ -15,7 +18,11 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from shoal.plan.calibration import Calibration
 from shoal.plan.planner import LayerPlan
+
+_EXCHANGE_OF = {"allreduce": "allreduce", "fp16": "fp16", "bf16": "bf16", "sfb": "allgather"}
+"""Which calibrated line a scheme's exchange runs on."""
 
 
 @dataclass
@@ -100,3 +107,25 @@ class DriftMonitor:
     def drifted(self) -> bool:
         """This rank's verdict: the last ``steps`` steps all drifted, and the back-off has passed."""
         return self._over >= self.config.steps and self._step >= self._next_allowed
+
+
+def refit(calibration: Calibration, plans: list[LayerPlan]) -> Calibration:
+    """Scale each exchange's α–β line by the median measured/predicted ratio of the layers that use it.
+
+    Exchanges no layer used are scaled by the median ratio over all layers; the matmul rate is kept (the SFB
+    rebuild is measured as part of the layer, so its share is small on the links where SFB is chosen).
+    """
+    ratios: dict[str, list[float]] = {}
+    for plan in plans:
+        predicted = plan.predicted_ms.get(plan.choice)
+        exchange = _EXCHANGE_OF.get(plan.choice)
+        if exchange is not None and plan.measured_ms and predicted:
+            ratios.setdefault(exchange, []).append(plan.measured_ms / predicted)
+    if not ratios:
+        return calibration
+    overall = statistics.median(r for values in ratios.values() for r in values)
+    lines = {}
+    for exchange, (latency, per_byte) in calibration.lines.items():
+        factor = statistics.median(ratios[exchange]) if exchange in ratios else overall
+        lines[exchange] = (latency * factor, per_byte * factor)
+    return Calibration(lines, calibration.flops_per_s)

@@ -138,6 +138,13 @@ def build_plan(
     return plans
 
 
+def median_error(plans: list[LayerPlan]) -> float | None:
+    """Median over layers of |predicted - measured| / measured for the chosen scheme (None before measurements)."""
+    errors = sorted(abs(p.predicted_ms[p.choice] - p.measured_ms) / p.measured_ms
+                    for p in plans if p.measured_ms and p.choice in p.predicted_ms)  # fmt: skip
+    return errors[len(errors) // 2] if errors else None
+
+
 def format_plan(plans: list[LayerPlan], workers: int) -> str:
     """The plan as a table: layer, shape, bytes, K, predicted ms per scheme, choice, measured ms."""
     header = f"{'layer':<24} {'shape':<16} {'bytes':>11} {'K':>6} " + " ".join(f"{s + ' ms':>10}" for s in SCHEMES)
@@ -148,11 +155,10 @@ def format_plan(plans: list[LayerPlan], workers: int) -> str:
         choice = plan.choice + ("*" if plan.forced else "")
         lines.append(f"{plan.name or '(model)':<24} {'x'.join(map(str, plan.shape)):<16} {plan.nbytes:>11} "
                      f"{plan.rows if plan.rows is not None else '-':>6} {cells} {choice:>10} {measured}")  # fmt: skip
-    errors = sorted(abs(p.predicted_ms[p.choice] - p.measured_ms) / p.measured_ms
-                    for p in plans if p.measured_ms and p.choice in p.predicted_ms)  # fmt: skip
-    if errors:
-        lines.append(f"median |predicted - measured| / measured over {len(errors)} layers: "
-                     f"{100 * errors[len(errors) // 2]:.0f}%")  # fmt: skip
+    error = median_error(plans)
+    if error is not None:
+        count = sum(1 for p in plans if p.measured_ms and p.choice in p.predicted_ms)
+        lines.append(f"median |predicted - measured| / measured over {count} layers: {100 * error:.0f}%")
     lines.append("* forced by comm_overrides; measured: running median of the chosen exchange in training (not ps); "
                  "auto chooses ps only with dedicated servers (shoalrun --num-servers)")  # fmt: skip
     return "\n".join(lines)

@@ -17,14 +17,15 @@ from torch import nn
 from shoal.config import env_int
 from shoal.engine.request import ReduceOp
 from shoal.log import get_logger
-from shoal.plan.calibration import job_calibration
-from shoal.plan.drift import DriftMonitor
+from shoal.plan.calibration import Calibration, job_calibration, keep_calibration
+from shoal.plan.drift import DriftMonitor, refit
 from shoal.plan.planner import SCHEMES, LayerPlan, build_plan, forced_scheme, format_plan
 from shoal.plan.sfb import SufficientFactorLayer
 from shoal.ps.config import PSConfig, resolve_config
 from shoal.ps.optimizers import describe_optimizer
 from shoal.torch import functions, handles
 from shoal.torch.compression import Compression, Compressor
+from shoal.torch.objects import broadcast_object
 from shoal.torch.process_sets import ProcessSet, global_process_set, set_id_of
 
 DEFAULT_BUCKET_BYTES = 2 * 1024 * 1024
@@ -231,6 +232,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._shoal_sfb_of: dict[int, SufficientFactorLayer] = {}
         self._shoal_plans: list[LayerPlan] | None = None
         self._shoal_drift: DriftMonitor | None = None
+        self._shoal_calibration: Calibration | None = None
         self._shoal_rows: dict[str, int] = {}
         self._shoal_row_hooks: list[Any] = []
         if model is None:
@@ -310,9 +312,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         client, store = connect(config)
         self._shoal_ps = client.open_session(params, [self._shoal_names[id(p)] for p in params], spec, store)
 
-    def _shoal_apply_plan(self, refresh: bool = False) -> None:
+    def _shoal_apply_plan(self, calibration: Calibration | None = None) -> None:
         """Calibrate, agree on row counts, plan and switch schemes (all ranks): after the first step of
-        ``comm="auto"``, and again (``refresh``: re-measured calibration) when measurements drift from the plan."""
+        ``comm="auto"``, and again with a refitted ``calibration`` when measurements drift from the plan."""
+        refresh = calibration is not None
         assert self._shoal_model is not None
         for hook in self._shoal_row_hooks:
             hook.remove()
@@ -323,7 +326,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             rows = functions.allreduce(rows, op=functions.Max, name="DistributedOptimizer.plan.rows",
                                        process_set=self._shoal_process_set)  # fmt: skip
             self._shoal_rows = dict(zip(names, rows.tolist(), strict=True))
-        calibration = job_calibration(refresh=refresh)
+        calibration = calibration or job_calibration()
+        self._shoal_calibration = calibration
         workers = self._shoal_process_set.size()
         dedicated = self._shoal_ps_config.dedicated
         allowed = SCHEMES if dedicated else tuple(s for s in SCHEMES if s != "ps")  # ps only when servers exist
@@ -384,11 +388,15 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if int(verdict[0]):
             get_logger().warning(
                 "measured exchange times drift from the plan (median error %.0f%% on this rank for %d steps): "
-                "recalibrating and re-planning",
+                "recalibrating from the measurements and re-planning",
                 100 * (error or 0.0),
                 monitor.config.steps,
             )
-            self._shoal_apply_plan(refresh=True)
+            assert self._shoal_plans is not None and self._shoal_calibration is not None
+            fitted = broadcast_object(refit(self._shoal_calibration, self._shoal_plans), root_rank=0,
+                                      name="DistributedOptimizer.plan.refit", process_set=self._shoal_process_set)  # fmt: skip
+            keep_calibration(fitted)
+            self._shoal_apply_plan(fitted)
 
     @contextlib.contextmanager
     def skip_synchronize(self) -> Iterator[None]:
