@@ -14,48 +14,62 @@ def plans(predicted_ms: float) -> list[LayerPlan]:
     return [LayerPlan(f"fc{i}", "Linear", (4, 4), 64, 8, predicted_ms={"allreduce": predicted_ms}) for i in range(3)]
 
 
+CALIBRATION = Calibration.uniform(0.010, 0.0, 1e10)
+"""Every collective takes 10 ms, whatever its size."""
+
+
 def run_steps(monitor: DriftMonitor, seconds: float, count: int) -> list[float | None]:
-    """``count`` steps in which each layer's two exchanges take ``seconds`` together."""
-    return [monitor.record_step(lambda name: seconds / 2) for _ in range(count)]
+    """``count`` steps in which each layer's weight and bias (8 elements each) go in one collective of ``seconds``."""
+    return [monitor.record_step(lambda name: (seconds / 2, 8, 16)) for _ in range(count)]
 
 
 def test_accurate_predictions_never_drift_and_fill_measured_ms() -> None:
     layer_plans = plans(predicted_ms=10.0)
-    monitor = DriftMonitor(layer_plans, {p.name: [f"{p.name}.weight", f"{p.name}.bias"] for p in layer_plans})
+    monitor = DriftMonitor(layer_plans, {p.name: [f"{p.name}.weight", f"{p.name}.bias"] for p in layer_plans}, CALIBRATION)
     errors = run_steps(monitor, 0.0105, 20)
     assert all(e is not None and e < 0.1 for e in errors)
     assert not monitor.drifted()
-    assert layer_plans[0].measured_ms == pytest.approx(10.5)
+    assert layer_plans[0].measured_ms == pytest.approx(10.5) and layer_plans[0].expected_ms == pytest.approx(10.0)
+
+
+def test_a_layer_fused_with_others_is_expected_to_pay_its_share_of_one_latency() -> None:
+    layer_plans = plans(predicted_ms=10.0)
+    monitor = DriftMonitor(layer_plans, {p.name: [p.name] for p in layer_plans}, CALIBRATION)
+    monitor.record_step(lambda name: (0.0025, 4, 16))  # a quarter of a fused 10 ms collective
+    assert layer_plans[0].expected_ms == pytest.approx(2.5) and layer_plans[0].measured_ms == pytest.approx(2.5)
 
 
 def test_sustained_drift_is_reported_after_the_configured_steps_then_backs_off() -> None:
     layer_plans = plans(predicted_ms=10.0)
     names = {p.name: [p.name, p.name + ".bias"] for p in layer_plans}
-    monitor = DriftMonitor(layer_plans, names, DriftConfig(steps=5, first_backoff_steps=20))
+    monitor = DriftMonitor(layer_plans, names, CALIBRATION, DriftConfig(steps=5, first_backoff_steps=20))
     run_steps(monitor, 0.040, 4)
     assert not monitor.drifted()  # 4 steps of drift are not yet "several"
     run_steps(monitor, 0.040, 1)
     assert monitor.drifted() and monitor.check_due()
-    monitor.replan(plans(predicted_ms=10.0), names)  # say the new plan is still wrong
+    monitor.replan(plans(predicted_ms=10.0), names, CALIBRATION)  # say the new plan is still wrong
     run_steps(monitor, 0.040, 10)
     assert not monitor.drifted()  # backing off for 20 steps
     run_steps(monitor, 0.040, 10)
     assert monitor.drifted() and monitor.recalibrations == 1
 
 
-def test_one_noisy_step_resets_the_count() -> None:
+def test_one_noisy_step_neither_starts_nor_breaks_a_drift() -> None:
     layer_plans = plans(predicted_ms=10.0)
-    monitor = DriftMonitor(
-        layer_plans, {p.name: [p.name, p.name + ".bias"] for p in layer_plans}, DriftConfig(steps=3, first_backoff_steps=0)
-    )
-    run_steps(monitor, 0.040, 2)
-    run_steps(monitor, 0.010, 1)
-    run_steps(monitor, 0.040, 2)
+    names = {p.name: [p.name, p.name + ".bias"] for p in layer_plans}
+    monitor = DriftMonitor(layer_plans, names, CALIBRATION, DriftConfig(steps=3, first_backoff_steps=0))
+    run_steps(monitor, 0.010, 3)
+    run_steps(monitor, 0.040, 1)  # a single slow step: the running median stays on the prediction
+    assert not monitor.drifted()
+    run_steps(monitor, 0.040, 3)  # now most of the window is slow: drifting for 3 steps
+    run_steps(monitor, 0.010, 1)  # one fast step does not break it
+    assert monitor.drifted()
+    run_steps(monitor, 0.010, 6)  # back to the prediction for good
     assert not monitor.drifted()
 
 
 def test_layers_without_engine_exchanges_are_skipped() -> None:
-    monitor = DriftMonitor(plans(10.0), {"fc0": ["fc0"]})
+    monitor = DriftMonitor(plans(10.0), {"fc0": ["fc0"]}, CALIBRATION)
     assert monitor.record_step(lambda name: None) is None
     assert [p.name for p in monitor.plans] == ["fc0"]
 

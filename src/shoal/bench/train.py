@@ -133,6 +133,7 @@ def main(argv: list[str] | None = None) -> None:
             error = median_error(_last_plan[0])
             result["plan_median_error"] = round(error, 3) if error is not None else None
             result["plan_choices"] = dict(Counter(p.choice for p in _last_plan[0]))
+            result["plan_refits"] = _last_plan[2] if len(_last_plan) > 2 else 0
         if ddp_runs:
             print(f"ddp:   {', '.join(f'{v:.1f}' for v in ddp_runs)} img/s")
             result["ddp_ips"] = round(max(ddp_runs), 1)

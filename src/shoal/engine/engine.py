@@ -110,9 +110,10 @@ class Engine:
         """Data collectives issued so far (a fused buffer counts once)."""
         return self._executor.collective_calls
 
-    def execution_seconds(self, name: str, process_set: int = 0) -> float | None:
-        """How long the last collective carrying request ``name`` ran, by its byte share of a fused batch."""
-        return self._executor.seconds_by_name.get((process_set, name))
+    def execution(self, name: str, process_set: int = 0) -> tuple[float, int, int] | None:
+        """The last execution of request ``name``: (its share by size of its batch's seconds, its elements, the
+        fused batch's elements); None before it ran."""
+        return self._executor.executions.get((process_set, name))
 
     def stop(self, timeout_s: float = 30.0) -> None:
         """Ask every rank's engine to stop, fail what is pending, and wait for the thread to end."""

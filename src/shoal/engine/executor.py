@@ -70,9 +70,10 @@ class Executor:
         self._timeline = timeline
         self.next_process_set_id = 1
         self.collective_calls = 0
-        self.seconds_by_name: dict[tuple[int, str], float] = {}
-        """Each data request's share (by bytes) of the last execution of its batch, in seconds; the planner compares
-        it with its predictions. Written by the engine thread only; a reader sees a whole float, new or old."""
+        self.executions: dict[tuple[int, str], tuple[float, int, int]] = {}
+        """Per data request, its last execution: (its share by size of its batch's seconds, its elements, the
+        batch's elements). The planner compares these with its predictions. Written by the engine thread only; a
+        reader sees a whole tuple, new or old."""
 
     def _begin(self, responses: list[Response], phase: str) -> None:
         timeline = self._timeline()
@@ -134,7 +135,7 @@ class Executor:
         total = sum(sizes)
         for response, size in zip(responses, sizes, strict=True):
             share = size / total if total else 1 / len(responses)
-            self.seconds_by_name[(response.process_set, response.name)] = seconds * share
+            self.executions[(response.process_set, response.name)] = (seconds * share, size, total)
 
     def _input(self, response: Response, request: Request | None, rows: int | None = None) -> torch.Tensor:
         """This rank's input for a response, or zeros when it joined and submitted nothing."""

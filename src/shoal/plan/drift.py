@@ -2,13 +2,13 @@
 
 The engine records how long each collective ran (a fused batch's time shared by bytes). After every step the
 monitor sums each layer's exchanges, keeps a short running median per layer (shown as "measured ms" in the plan
-report), and computes the step's median relative error over the layers. When that error stays above the threshold
-for ``steps`` consecutive steps, ``drifted()`` says so; the optimizer then agrees with the other ranks (one tiny
-allreduce every ``steps`` steps), recalibrates from what training measured (``refit``: each exchange's line is
-scaled by the median measured/predicted ratio of the layers that use it; probing again at idle would miss what
-training sees, e.g. collectives competing with backprop for the cores) and re-plans at the step boundary. A
-back-off doubles the wait after each recalibration, so a network the α-β model cannot capture is not refitted
-forever.
+report), and computes the step's median relative error over the layers, from those running medians. When that
+error stays above the threshold for ``steps`` consecutive steps, ``drifted()`` says so; the optimizer then agrees
+with the other ranks (one tiny allreduce every ``steps`` steps), recalibrates from what training measured
+(``refit``: each exchange's line is scaled by the median measured/predicted ratio of the layers that use it;
+probing again at idle would miss what training sees, e.g. collectives competing with backprop for the cores) and
+re-plans at the step boundary. A back-off doubles the wait after each recalibration, so a network the α-β model
+cannot capture is not refitted forever.
 """
 
 from __future__ import annotations
@@ -45,55 +45,74 @@ class DriftConfig:
             raise ValueError("drift steps and window must be >= 1 and the back-off >= 0")
 
 
+Execution = tuple[float, int, int]
+"""The engine's record of one request: (its share of its batch's seconds, its elements, the batch's elements)."""
+
+
 class DriftMonitor:
-    """Tracks measured against predicted exchange time per layer, for one plan."""
+    """Tracks measured against expected exchange time per layer, for one plan and calibration."""
 
-    __slots__ = ("_backoff", "_history", "_names", "_next_allowed", "_over", "_step", "config", "plans", "recalibrations")
+    __slots__ = ("_backoff", "_history", "_names", "_next_allowed", "_over", "_step", "calibration", "config", "plans",
+                 "recalibrations")  # fmt: skip
 
-    def __init__(self, plans: list[LayerPlan], names_by_layer: dict[str, list[str]], config: DriftConfig | None = None) -> None:
+    def __init__(self, plans: list[LayerPlan], names_by_layer: dict[str, list[str]], calibration: Calibration,
+                 config: DriftConfig | None = None) -> None:  # fmt: skip
         """Monitor ``plans``; ``names_by_layer`` lists, per layer, the engine request names of its exchange."""
         self.config = config or DriftConfig()
-        self.plans = [p for p in plans if names_by_layer.get(p.name)]
-        self._names = names_by_layer
-        self._history: dict[str, deque[float]] = {p.name: deque(maxlen=self.config.window) for p in self.plans}
         self._step = 0
         self._over = 0
         self._backoff = self.config.first_backoff_steps
         self._next_allowed = 0
         self.recalibrations = 0
+        self._start(plans, names_by_layer, calibration)
 
-    def replan(self, plans: list[LayerPlan], names_by_layer: dict[str, list[str]]) -> None:
-        """Start over on a new plan after a recalibration (the back-off carries on, doubled)."""
+    def _start(self, plans: list[LayerPlan], names_by_layer: dict[str, list[str]], calibration: Calibration) -> None:
         self.plans = [p for p in plans if names_by_layer.get(p.name)]
         self._names = names_by_layer
-        self._history = {p.name: deque(maxlen=self.config.window) for p in self.plans}
+        self.calibration = calibration
+        self._history: dict[str, deque[float]] = {p.name: deque(maxlen=self.config.window) for p in self.plans}
+
+    def replan(self, plans: list[LayerPlan], names_by_layer: dict[str, list[str]], calibration: Calibration) -> None:
+        """Start over on a new plan after a recalibration (the back-off carries on, doubled)."""
+        self._start(plans, names_by_layer, calibration)
         self._over = 0
         self._next_allowed = self._step + self._backoff
         self._backoff *= 2
         self.recalibrations += 1
 
-    def record_step(
-        self, seconds_of: Callable[[str], float | None], extra_seconds: dict[str, float] | None = None
-    ) -> float | None:
+    def _expected_seconds(self, plan: LayerPlan, parts: list[Execution]) -> float:
+        """The plan's prediction for the layer as the engine executed it this step."""
+        exchange = _EXCHANGE_OF.get(plan.choice)
+        if exchange is None or plan.choice == "sfb":  # SFB's allgathers and rebuild are predicted as one
+            return plan.predicted_ms[plan.choice] / 1e3
+        # Fused with other layers, the collective's latency is shared: predict the batch, keep this layer's part.
+        itemsize = plan.nbytes / max(sum(own for _, own, _ in parts), 1)
+        return sum(self.calibration.seconds(exchange, batch * itemsize) * own / batch for _, own, batch in parts if batch)
+
+    def record_step(self, execution_of: Callable[[str], Execution | None],
+                    extra_seconds: dict[str, float] | None = None) -> float | None:  # fmt: skip
         """Take this step's measurements; returns the step's median relative error (None if nothing was measured).
 
         Args:
-            seconds_of: the engine's time for a request name (None when it has not run).
+            execution_of: the engine's record of a request name (None when it has not run).
             extra_seconds: per layer, local work that belongs to its exchange (the SFB rebuild matmul).
         """
         self._step += 1
         errors = []
         for plan in self.plans:
-            parts = [seconds_of(name) for name in self._names[plan.name]]
-            if any(part is None for part in parts):
+            records = [execution_of(name) for name in self._names[plan.name]]
+            parts = [record for record in records if record is not None]
+            if len(parts) < len(records) or plan.choice not in plan.predicted_ms:
                 continue
-            measured = sum(part for part in parts if part is not None) + (extra_seconds or {}).get(plan.name, 0.0)
+            measured = sum(seconds for seconds, _, _ in parts) + (extra_seconds or {}).get(plan.name, 0.0)
             history = self._history[plan.name]
             history.append(measured)
-            plan.measured_ms = statistics.median(history) * 1e3
-            predicted = plan.predicted_ms.get(plan.choice)
-            if predicted is not None and measured > 0:
-                errors.append(abs(predicted / 1e3 - measured) / measured)
+            typical = statistics.median(history)  # one noisy step should neither start nor break a drift
+            plan.measured_ms = typical * 1e3
+            expected = self._expected_seconds(plan, parts)
+            plan.expected_ms = expected * 1e3
+            if typical > 0:
+                errors.append(abs(expected - typical) / typical)
         if not errors:
             return None
         error = statistics.median(errors)
@@ -110,17 +129,17 @@ class DriftMonitor:
 
 
 def refit(calibration: Calibration, plans: list[LayerPlan]) -> Calibration:
-    """Scale each exchange's α–β line by the median measured/predicted ratio of the layers that use it.
+    """Scale each exchange's α–β line by the median measured/expected ratio of the layers that use it.
 
     Exchanges no layer used are scaled by the median ratio over all layers; the matmul rate is kept (the SFB
     rebuild is measured as part of the layer, so its share is small on the links where SFB is chosen).
     """
     ratios: dict[str, list[float]] = {}
     for plan in plans:
-        predicted = plan.predicted_ms.get(plan.choice)
+        expected = plan.expected_ms if plan.expected_ms is not None else plan.predicted_ms.get(plan.choice)
         exchange = _EXCHANGE_OF.get(plan.choice)
-        if exchange is not None and plan.measured_ms and predicted:
-            ratios.setdefault(exchange, []).append(plan.measured_ms / predicted)
+        if exchange is not None and plan.measured_ms and expected:
+            ratios.setdefault(exchange, []).append(plan.measured_ms / expected)
     if not ratios:
         return calibration
     overall = statistics.median(r for values in ratios.values() for r in values)

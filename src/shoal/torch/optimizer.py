@@ -31,7 +31,8 @@ from shoal.torch.process_sets import ProcessSet, global_process_set, set_id_of
 DEFAULT_BUCKET_BYTES = 2 * 1024 * 1024
 _SCHEME_COMPRESSION: dict[str, type[Compressor]] = {"fp16": Compression.fp16, "bf16": Compression.bf16}
 _last_plan: list[Any] = []
-"""The most recent plan made by any DistributedOptimizer in this process, and its worker count."""
+"""The most recent plan made by any DistributedOptimizer in this process, its worker count, and how many times
+drift made it recalibrate."""
 
 
 def plan_report(print_table: bool = True) -> str:
@@ -348,10 +349,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._shoal_assign(schemes)
         exchanges = {plan.name: self._shoal_exchange_names(plan) for plan in self._shoal_plans}
         if self._shoal_drift is None:
-            self._shoal_drift = DriftMonitor(self._shoal_plans, exchanges)
+            self._shoal_drift = DriftMonitor(self._shoal_plans, exchanges, calibration)
         else:
-            self._shoal_drift.replan(self._shoal_plans, exchanges)
-        _last_plan[:] = [self._shoal_plans, workers]
+            self._shoal_drift.replan(self._shoal_plans, exchanges, calibration)
+        _last_plan[:] = [self._shoal_plans, workers, self._shoal_drift.recalibrations]
 
     def _shoal_clear_schemes(self) -> None:
         """Undo ``_shoal_assign`` (before a re-plan): drop SFB layers' hooks and per-layer compressors."""
@@ -380,7 +381,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         engine = handles.engine()
         set_id = set_id_of(self._shoal_process_set)
         rebuilds = {layer.name: layer.rebuild_seconds for layer in self._shoal_sfb_of.values()}
-        error = monitor.record_step(lambda name: engine.execution_seconds(name, set_id), rebuilds)
+        error = monitor.record_step(lambda name: engine.execution(name, set_id), rebuilds)
         if not monitor.check_due():
             return
         verdict = functions.allreduce(torch.tensor([int(monitor.drifted())]), op=functions.Max,
