@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -189,3 +190,20 @@ def test_two_emulated_hosts_in_network_namespaces() -> None:
     assert [line for line in lines if line.startswith("sum")] == ["sum [4.0, 4.0, 4.0]"] * 4
     namespaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert "h0" not in namespaces and "h1" not in namespaces  # torn down
+
+
+@pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None,
+    reason="network namespaces need root and iproute2",
+)
+def test_calibration_measures_each_link_class_when_hosts_hold_several_ranks() -> None:
+    command = [sys.executable, "-m", "shoal.bench.netns", "--hosts", "2", "--ranks-per-host", "2", "--rate", "1gbit",
+               "--", sys.executable, "-m", "shoal.plan", "--model", "mlp"]  # fmt: skip
+    result = subprocess.run(command, env=clean_env(), capture_output=True, text=True, timeout=180)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rates = dict(
+        re.findall(r"(intra-host|inter-host) link \(gloo allreduce\): latency [\d.]+ ms, ([\d.]+) GB/s", result.stdout)
+    )
+    assert set(rates) == {"intra-host", "inter-host"}, result.stdout
+    assert float(rates["inter-host"]) < float(rates["intra-host"]), rates  # the shaped 1 Gbit/s link is the slow one
+    assert float(rates["inter-host"]) < 0.2, rates  # 1 Gbit/s is 0.125 GB/s

@@ -39,9 +39,10 @@ def main(argv: list[str] | None = None) -> None:
     model(make_input(args.batch_size, torch.Generator().manual_seed(0)))
     names = sorted(rows)
     agreed = hvd.allreduce(torch.tensor([rows[n] for n in names]), op=hvd.Max, name="plan.rows").tolist() if names else []
-    plans = build_plan(model, measure(), hvd.size(), dict(zip(names, agreed, strict=True)))
+    calibration = measure()
+    plans = build_plan(model, calibration, hvd.size(), dict(zip(names, agreed, strict=True)))
     if hvd.rank() == 0:
-        print(format_plan(plans, hvd.size()))
+        print(format_plan(plans, hvd.size(), calibration))
     hvd.shutdown()
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -33,6 +33,10 @@ class Calibration:
     the fp32 gradient's) and ``allgather`` (bytes of the gathered output)."""
     flops_per_s: float
     """Sustained float32 matrix-multiply rate of one rank."""
+    links: dict[str, tuple[float, float]] = field(default_factory=dict)
+    """Per link class, when the job has both: ``intra-host`` (allreduce among one host's ranks) and ``inter-host``
+    (allreduce among one rank per host), over gloo; (latency, seconds per byte). Empty on a single host or with one
+    rank per host, where the end-to-end lines above already are the only link class."""
 
     def seconds(self, exchange: str, nbytes: float) -> float:
         """Predicted time of ``exchange`` for ``nbytes``."""
@@ -97,9 +101,49 @@ def measure(repeats: int = 3) -> Calibration:
     left, right = torch.randn(256, 256), torch.randn(256, 256)
     matmul_s = _median_time(lambda: left @ right, repeats)
     lines = {exchange: _fit(*points) for exchange, points in samples.items()}
-    local = Calibration(lines, 2 * 256**3 / max(matmul_s, 1e-9))
+    local = Calibration(lines, 2 * 256**3 / max(matmul_s, 1e-9), _measure_links(repeats))
     result: Calibration = broadcast_object(local, root_rank=0, name="shoal.cal.result")
     return result
+
+
+def _measure_links(repeats: int) -> dict[str, tuple[float, float]]:
+    """Fit an allreduce line per link class when the topology has both (collective: every rank calls it)."""
+    from shoal.runtime import context
+    from shoal.torch.process_sets import add_process_set, remove_process_set
+
+    topology = context.current().topology
+    if topology.local_size == 1 or topology.cross_size == 1 or not topology.is_homogeneous:
+        return {}
+    hosts = list(dict.fromkeys(topology.host_of_rank))
+    local_sets = [[r for r in range(topology.size) if topology.host_of_rank[r] == host] for host in hosts]
+    cross_sets = [[r for r in range(topology.size) if topology.local_rank_of_rank[r] == index]
+                  for index in range(topology.local_size)]  # fmt: skip
+    registered = [add_process_set(ranks) for ranks in local_sets + cross_sets]  # every rank, in the same order
+    mine = {"intra-host": registered[hosts.index(topology.host_of_rank[topology.rank])],
+            "inter-host": registered[len(local_sets) + topology.local_rank]}  # fmt: skip
+    links = {}
+    try:
+        for link, process_set in mine.items():
+            sizes: list[float] = []
+            seconds: list[float] = []
+            for index, nbytes in enumerate(_PROBE_BYTES):
+                tensor = torch.ones(nbytes // 4)
+
+                def probe(t: torch.Tensor = tensor, i: int = index, s: object = process_set, k: str = link) -> None:
+                    functions.allreduce_(t, op=functions.Sum, name=f"shoal.cal.{k}.{i}", process_set=s)  # type: ignore[arg-type]
+
+                probe()
+                elapsed = _median_time(probe, repeats)
+                sizes.append(float(nbytes))
+                seconds.append(elapsed)
+                agreed = functions.allreduce(torch.tensor([elapsed]), op=functions.Max, name=f"shoal.cal.{link}.max.{index}")
+                if float(agreed) > _PROBE_BUDGET_S:  # every rank stops at the same size
+                    break
+            links[link] = _fit(sizes, seconds)
+    finally:
+        for process_set in registered:
+            remove_process_set(process_set)
+    return links
 
 
 def _cast_allreduce(tensor: torch.Tensor, wire: torch.dtype, name: str) -> None:
@@ -150,7 +194,8 @@ _cache: dict[tuple[int, int], Calibration] = {}
 def calibration_to_json(calibration: Calibration) -> str:
     """Serialise a calibration (for ``SHOAL_CALIBRATION_FILE``)."""
     lines = {name: list(line) for name, line in calibration.lines.items()}
-    return json.dumps({"lines": lines, "flops_per_s": calibration.flops_per_s}, indent=1, sort_keys=True)
+    links = {name: list(line) for name, line in calibration.links.items()}
+    return json.dumps({"lines": lines, "flops_per_s": calibration.flops_per_s, "links": links}, indent=1, sort_keys=True)
 
 
 def calibration_from_json(text: str, origin: str) -> Calibration:
@@ -158,7 +203,8 @@ def calibration_from_json(text: str, origin: str) -> Calibration:
     try:
         raw = json.loads(text)
         lines = {str(name): (float(line[0]), float(line[1])) for name, line in raw["lines"].items()}
-        result = Calibration(lines, float(raw["flops_per_s"]))
+        links = {str(name): (float(line[0]), float(line[1])) for name, line in raw.get("links", {}).items()}
+        result = Calibration(lines, float(raw["flops_per_s"]), links)
     except (ValueError, KeyError, TypeError, IndexError) as error:
         raise ValueError(f"{origin} is not a Shoal calibration file: {error!r}") from None
     missing = {"allreduce", "fp16", "bf16", "allgather"} - set(lines)

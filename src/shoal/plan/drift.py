@@ -147,4 +147,4 @@ def refit(calibration: Calibration, plans: list[LayerPlan]) -> Calibration:
     for exchange, (latency, per_byte) in calibration.lines.items():
         factor = statistics.median(ratios[exchange]) if exchange in ratios else overall
         lines[exchange] = (latency * factor, per_byte * factor)
-    return Calibration(lines, calibration.flops_per_s)
+    return Calibration(lines, calibration.flops_per_s, calibration.links)

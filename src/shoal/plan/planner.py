@@ -73,11 +73,16 @@ def predict_ps(calibration: Calibration, workers: int, servers: int, nbytes: int
 
     Each worker pushes ``nbytes`` and pulls ``nbytes``; with bytes balanced over S servers, each server receives
     P·nbytes/S and sends as much. A link's β and a message's α come from the calibrated ring allreduce, which
-    moves 2(P-1)/P·nbytes per rank in 2(P-1) messages.
+    moves 2(P-1)/P·nbytes per rank in 2(P-1) messages: the inter-host link's when the job spans hosts with several
+    ranks each (PS traffic crosses hosts and does not use shared memory), else the job's end-to-end line.
     """
     latency, per_byte = calibration.lines["allreduce"]
-    link_per_byte = per_byte * workers / (2 * (workers - 1))
-    message_latency = latency / (2 * (workers - 1))
+    ring = workers
+    if "inter-host" in calibration.links:
+        latency, per_byte = calibration.links["inter-host"]
+        ring = 2  # probed among one rank per host: the line of a two-party exchange is the closest stand-in
+    link_per_byte = per_byte * ring / (2 * (ring - 1))
+    message_latency = latency / (2 * (ring - 1))
     busiest_bytes = max(2 * nbytes, 2 * workers * nbytes / servers)
     messages = 2 * max(1, math.ceil(workers / servers))
     return link_per_byte * busiest_bytes + message_latency * messages
@@ -152,7 +157,7 @@ def median_error(plans: list[LayerPlan]) -> float | None:
     return errors[len(errors) // 2] if errors else None
 
 
-def format_plan(plans: list[LayerPlan], workers: int) -> str:
+def format_plan(plans: list[LayerPlan], workers: int, calibration: Calibration | None = None) -> str:
     """The plan as a table: layer, shape, bytes, K, predicted ms per scheme, choice, measured ms."""
     header = f"{'layer':<24} {'shape':<16} {'bytes':>11} {'K':>6} " + " ".join(f"{s + ' ms':>10}" for s in SCHEMES)
     lines = [f"plan for {workers} workers", header + f" {'choice':>10} {'expected':>9} {'measured':>9}"]
@@ -167,6 +172,9 @@ def format_plan(plans: list[LayerPlan], workers: int) -> str:
     if error is not None:
         count = sum(1 for p in plans if p.measured_ms and p.choice in p.predicted_ms)
         lines.append(f"median |predicted - measured| / measured over {count} layers: {100 * error:.0f}%")
+    for link, (latency, per_byte) in (calibration.links if calibration is not None else {}).items():
+        rate = f"{1e-9 / per_byte:.2f} GB/s" if per_byte > 0 else "unbounded"
+        lines.append(f"{link} link (gloo allreduce): latency {latency * 1e3:.3f} ms, {rate}")
     lines.append("* forced by comm_overrides. expected: the choice's prediction as executed (fused layers share one "
                  "latency); measured: its running median in training (not ps); auto chooses ps only with dedicated "
                  "servers (shoalrun --num-servers)")  # fmt: skip

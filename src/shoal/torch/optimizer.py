@@ -31,8 +31,8 @@ from shoal.torch.process_sets import ProcessSet, global_process_set, set_id_of
 DEFAULT_BUCKET_BYTES = 2 * 1024 * 1024
 _SCHEME_COMPRESSION: dict[str, type[Compressor]] = {"fp16": Compression.fp16, "bf16": Compression.bf16}
 _last_plan: list[Any] = []
-"""The most recent plan made by any DistributedOptimizer in this process, its worker count, and how many times
-drift made it recalibrate."""
+"""The most recent plan made by any DistributedOptimizer in this process, its worker count, how many times drift
+made it recalibrate, and its calibration."""
 
 
 def plan_report(print_table: bool = True) -> str:
@@ -40,7 +40,7 @@ def plan_report(print_table: bool = True) -> str:
     if not _last_plan:
         text = "no plan yet: use DistributedOptimizer(..., model=model, comm='auto') and take one step"
     else:
-        text = format_plan(_last_plan[0], _last_plan[1])
+        text = format_plan(_last_plan[0], _last_plan[1], _last_plan[3])
     if print_table:
         print(text)
     return text
@@ -352,7 +352,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._shoal_drift = DriftMonitor(self._shoal_plans, exchanges, calibration)
         else:
             self._shoal_drift.replan(self._shoal_plans, exchanges, calibration)
-        _last_plan[:] = [self._shoal_plans, workers, self._shoal_drift.recalibrations]
+        _last_plan[:] = [self._shoal_plans, workers, self._shoal_drift.recalibrations, calibration]
 
     def _shoal_clear_schemes(self) -> None:
         """Undo ``_shoal_assign`` (before a re-plan): drop SFB layers' hooks and per-layer compressors."""
