@@ -179,3 +179,23 @@ def test_reset_limit_is_respected() -> None:
     job.wait_for(r"--reset-limit 0 is reached", 1)
     assert gone(list(pids.values()), 5), "a worker outlived the job"
     assert not any("re-forming the job with" in line for line in job.lines)
+
+
+@pytest.mark.timeout(180)
+def test_discovery_offering_fewer_slots_removes_a_worker_cleanly(tmp_path: Path) -> None:
+    hosts = tmp_path / "hosts"
+    hosts.write_text("localhost:3\n")
+    script = tmp_path / "discover.sh"
+    script.write_text(f"#!/bin/sh\ncat {hosts}\n")
+    script.chmod(0o755)
+    job = RunningJob(["-np", "3", "--host-discovery-script", str(script), "--min-np", "2"],
+                     ["--epochs", "4", "--step-delay", "0.02", "--log-every", "5"])  # fmt: skip
+    pids = job.worker_pids(3)
+    job.wait_for(r"^\[0\]<stdout>:step 15 ", 60)
+    hosts.write_text("localhost:2\n")
+    assert job.finish(150) == 0, "\n".join(job.lines[-30:])
+    summary = job.summary()
+    assert summary["world"] == 2 and summary["resets"] == 1, summary
+    check_every_sample_once(summary, 4)
+    assert any("a host offers fewer slots" in line for line in job.lines)
+    assert gone(list(pids.values()), 5), "a worker outlived the job"

@@ -133,9 +133,15 @@ class ElasticJob(Job):
     def _next_members(self) -> list[ElasticWorker]:
         """Members that stay (rank order kept, so rank 0 has trained), then newcomers ready to rendezvous."""
         assert self._store is not None and self._keys is not None
-        known_hosts = {h.hostname for h in self.discovery.hosts()}
-        stay = [w for w in self._alive("member") if w.hostname in known_hosts or not self.args.host_discovery_script]
+        slots = {h.hostname: h.slots for h in self.discovery.hosts()}
+        stay = [w for w in self._alive("member") if w.hostname in slots or not self.args.host_discovery_script]
         stay.sort(key=lambda w: w.rank if w.rank is not None else 0)
+        if self.args.host_discovery_script:  # a host that offers fewer slots keeps its lowest-ranked workers
+            kept: dict[str, int] = {}
+            for worker in list(stay):
+                kept[worker.hostname] = kept.get(worker.hostname, 0) + 1
+                if kept[worker.hostname] > slots[worker.hostname]:
+                    stay.remove(worker)
         ready = [w for w in self._alive("starting") if self._store.check([self._keys.ready(w.worker_id)])]
         return (stay + ready)[: self.args.max_np]
 
@@ -153,9 +159,12 @@ class ElasticJob(Job):
                     return f"worker {worker.worker_id} asked to re-form the job"
                 return None
         if self.args.host_discovery_script:
-            known = {h.hostname for h in self.discovery.hosts()}
-            if any(w.hostname not in known for w in self._alive("member")):
+            slots = {h.hostname: h.slots for h in self.discovery.hosts()}
+            members = self._alive("member")
+            if any(w.hostname not in slots for w in members):
                 return "a host left the discovery output"
+            if any(sum(1 for m in members if m.hostname == host) > count for host, count in slots.items()):
+                return "a host offers fewer slots"
         if any(self._store.check([self._keys.ready(w.worker_id)]) for w in self._alive("starting")):
             return "new workers are ready to join"
         return None
@@ -261,6 +270,8 @@ class ElasticJob(Job):
             self._round_formed = True
             for member in self._round_members:
                 member.joined = True
+            if self.round > 1:
+                self.resets += 1  # rounds superseded before they formed do not count against --reset-limit
             return None
         # A member starting up may still be importing torch: --start-timeout on top of --elastic-timeout.
         bound = self.args.elastic_timeout + self.args.start_timeout
@@ -302,8 +313,7 @@ class ElasticJob(Job):
         self._below_min_since = None
         self._reset_reason = None
         self._ready_seen_at = None
-        self.resets += 1
-        print(f"shoalrun: re-forming the job with {len(members)} workers ({reason}); reset {self.resets}",
+        print(f"shoalrun: re-forming the job with {len(members)} workers ({reason}); reset {self.resets + 1}",
               file=sys.stderr, flush=True)  # fmt: skip
         self._publish_round(members)
         return None
