@@ -6,7 +6,7 @@ import pytest
 
 import shoal.torch  # noqa: F401  (shoal.plan's modules are imported through the torch front end)
 from shoal.plan.calibration import Calibration, calibration_from_json, calibration_to_json
-from shoal.plan.drift import DriftConfig, DriftMonitor
+from shoal.plan.drift import DriftConfig, DriftMonitor, refit
 from shoal.plan.planner import LayerPlan
 
 
@@ -81,3 +81,27 @@ def test_calibration_file_round_trip_and_errors() -> None:
         calibration_from_json("{}", "cal.json")
     with pytest.raises(ValueError, match="lacks the exchanges"):
         calibration_from_json('{"lines": {"allreduce": [0, 0]}, "flops_per_s": 1}', "cal.json")
+
+
+def test_refit_recovers_a_line_from_layers_of_different_sizes() -> None:
+    truth = (0.002, 0.5e-9)  # 2 ms latency, 2 GB/s
+    layer_plans = [LayerPlan(f"l{i}", "Linear", (1,), n, None, predicted_ms={"allreduce": 1.0}) for i, n in
+                   enumerate((64_000, 1_000_000, 25_000_000))]  # fmt: skip
+    terms = {p.name: (1.0, float(p.nbytes)) for p in layer_plans}  # each layer alone in its collective
+    for plan in layer_plans:
+        plan.measured_ms = (truth[0] + truth[1] * plan.nbytes) * 1e3
+        plan.expected_ms = 1.0
+    fitted = refit(Calibration.uniform(0.1, 1e-9, 1e10), layer_plans, terms)
+    assert fitted.lines["allreduce"] == pytest.approx(truth, rel=1e-6)
+    # Exchanges without measurements are scaled by the median measured/expected ratio.
+    median_ratio = sorted(p.measured_ms / p.expected_ms for p in layer_plans)[1]  # type: ignore[operator]
+    assert fitted.lines["allgather"] == pytest.approx((0.1 * median_ratio, 1e-9 * median_ratio))
+
+
+def test_refit_scales_when_sizes_cannot_separate_latency_from_bandwidth() -> None:
+    layer_plans = plans(predicted_ms=10.0)
+    for plan in layer_plans:
+        plan.measured_ms, plan.expected_ms = 20.0, 10.0
+    terms = {p.name: (1.0, 64.0) for p in layer_plans}  # identical layers
+    fitted = refit(CALIBRATION, layer_plans, terms)
+    assert fitted.lines["allreduce"] == pytest.approx((0.020, 0.0))

@@ -53,7 +53,7 @@ class DriftMonitor:
     """Tracks measured against expected exchange time per layer, for one plan and calibration."""
 
     __slots__ = ("_backoff", "_history", "_names", "_next_allowed", "_over", "_step", "calibration", "config", "plans",
-                 "recalibrations")  # fmt: skip
+                 "recalibrations", "terms")  # fmt: skip
 
     def __init__(self, plans: list[LayerPlan], names_by_layer: dict[str, list[str]], calibration: Calibration,
                  config: DriftConfig | None = None) -> None:  # fmt: skip
@@ -71,6 +71,9 @@ class DriftMonitor:
         self._names = names_by_layer
         self.calibration = calibration
         self._history: dict[str, deque[float]] = {p.name: deque(maxlen=self.config.window) for p in self.plans}
+        self.terms: dict[str, tuple[float, float]] = {}
+        """Per layer, how its time depends on the line as executed: (share of latencies, bytes), so that
+        ``time = latency * terms[0] + per_byte * terms[1]``; what ``refit`` fits the lines to."""
 
     def replan(self, plans: list[LayerPlan], names_by_layer: dict[str, list[str]], calibration: Calibration) -> None:
         """Start over on a new plan after a recalibration (the back-off carries on, doubled)."""
@@ -87,6 +90,10 @@ class DriftMonitor:
             return plan.predicted_ms[plan.choice] / 1e3
         # Fused with other layers, the collective's latency is shared: predict the batch, keep this layer's part.
         itemsize = plan.nbytes / max(sum(own for _, own, _ in parts), 1)
+        self.terms[plan.name] = (
+            sum(own / batch for _, own, batch in parts if batch),
+            itemsize * sum(own for _, own, _ in parts),
+        )
         return sum(self.calibration.seconds(exchange, batch * itemsize) * own / batch for _, own, batch in parts if batch)
 
     def record_step(self, execution_of: Callable[[str], Execution | None],
@@ -128,23 +135,53 @@ class DriftMonitor:
         return self._over >= self.config.steps and self._step >= self._next_allowed
 
 
-def refit(calibration: Calibration, plans: list[LayerPlan]) -> Calibration:
-    """Scale each exchange's α–β line by the median measured/expected ratio of the layers that use it.
+def refit(calibration: Calibration, plans: list[LayerPlan], terms: dict[str, tuple[float, float]]) -> Calibration:
+    """Fit each exchange's α–β line to what training measured, layer by layer.
 
-    Exchanges no layer used are scaled by the median ratio over all layers; the matmul rate is kept (the SFB
-    rebuild is measured as part of the layer, so its share is small on the links where SFB is chosen).
+    With two or more layers of different sizes on an exchange, α and β are refitted by least squares on relative
+    error (``measured ≈ α·share_of_latencies + β·bytes``, from ``terms``); otherwise, and for SFB's allgather (whose
+    layers also carry a rebuild), the line is scaled by the median measured/expected ratio. Exchanges no layer used
+    are scaled by the median ratio over all layers; the matmul rate is kept.
     """
     ratios: dict[str, list[float]] = {}
+    points: dict[str, list[tuple[float, float, float]]] = {}
     for plan in plans:
         expected = plan.expected_ms if plan.expected_ms is not None else plan.predicted_ms.get(plan.choice)
         exchange = _EXCHANGE_OF.get(plan.choice)
-        if exchange is not None and plan.measured_ms and expected:
-            ratios.setdefault(exchange, []).append(plan.measured_ms / expected)
+        if exchange is None or not plan.measured_ms or not expected:
+            continue
+        ratios.setdefault(exchange, []).append(plan.measured_ms / expected)
+        if plan.choice != "sfb" and plan.name in terms:
+            points.setdefault(exchange, []).append((*terms[plan.name], plan.measured_ms / 1e3))
     if not ratios:
         return calibration
     overall = statistics.median(r for values in ratios.values() for r in values)
     lines = {}
     for exchange, (latency, per_byte) in calibration.lines.items():
-        factor = statistics.median(ratios[exchange]) if exchange in ratios else overall
-        lines[exchange] = (latency * factor, per_byte * factor)
+        fitted = _least_squares(points.get(exchange, []))
+        if fitted is not None:
+            lines[exchange] = fitted
+        else:
+            factor = statistics.median(ratios[exchange]) if exchange in ratios else overall
+            lines[exchange] = (latency * factor, per_byte * factor)
     return Calibration(lines, calibration.flops_per_s, calibration.links)
+
+
+def _least_squares(points: list[tuple[float, float, float]]) -> tuple[float, float] | None:
+    """(α, β) minimising Σ((t − α·a − β·b)/t)² over (a, b, t); None when under-determined or not both ≥ 0."""
+    if len(points) < 2:
+        return None
+    weights = [1 / t**2 for _, _, t in points]
+    saa = sum(w * a * a for w, (a, _, _) in zip(weights, points, strict=True))
+    sab = sum(w * a * b for w, (a, b, _) in zip(weights, points, strict=True))
+    sbb = sum(w * b * b for w, (_, b, _) in zip(weights, points, strict=True))
+    sat = sum(w * a * t for w, (a, _, t) in zip(weights, points, strict=True))
+    sbt = sum(w * b * t for w, (_, b, t) in zip(weights, points, strict=True))
+    determinant = saa * sbb - sab * sab
+    if determinant <= 1e-12 * saa * sbb:  # every layer has the same bytes per latency: α and β cannot be told apart
+        return None
+    latency = (sat * sbb - sbt * sab) / determinant
+    per_byte = (saa * sbt - sab * sat) / determinant
+    if latency < 0 or per_byte < 0:
+        return None
+    return latency, per_byte

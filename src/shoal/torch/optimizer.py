@@ -394,7 +394,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 monitor.config.steps,
             )
             assert self._shoal_plans is not None and self._shoal_calibration is not None
-            fitted = broadcast_object(refit(self._shoal_calibration, self._shoal_plans), root_rank=0,
+            fitted = broadcast_object(refit(self._shoal_calibration, self._shoal_plans, monitor.terms), root_rank=0,
                                       name="DistributedOptimizer.plan.refit", process_set=self._shoal_process_set)  # fmt: skip
             keep_calibration(fitted)
             self._shoal_apply_plan(fitted)
