@@ -17,49 +17,10 @@ import time
 
 import torch
 import torch.nn.functional as F
-from sklearn.datasets import load_digits
-from sklearn.model_selection import train_test_split
-from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
-from torch.utils.data.distributed import DistributedSampler
+from digits import DigitsNet, evaluate, load_data  # the model, data and evaluation of examples/digits.py
+from torch.utils.data import DataLoader
 
 import shoal.torch as hvd
-
-
-class DigitsNet(nn.Module):
-    """Two convolutions and a classifier: about 21k parameters."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.conv1 = nn.Conv2d(1, 16, 3, padding=1)
-        self.conv2 = nn.Conv2d(16, 32, 3, padding=1)
-        self.fc = nn.Linear(32 * 4 * 4, 10)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = F.relu(self.conv1(x))
-        x = F.max_pool2d(F.relu(self.conv2(x)), 2)
-        return self.fc(x.flatten(1))
-
-
-def load_data() -> tuple[TensorDataset, TensorDataset]:
-    """The digits as (N, 1, 8, 8) tensors scaled to [0, 1], split 80/20 with a fixed seed."""
-    digits = load_digits()
-    images = torch.tensor(digits.images, dtype=torch.float32).unsqueeze(1) / 16.0
-    labels = torch.tensor(digits.target)
-    x_train, x_test, y_train, y_test = train_test_split(images, labels, test_size=0.2, random_state=0)
-    return TensorDataset(x_train, y_train), TensorDataset(x_test, y_test)
-
-
-def evaluate(model: nn.Module, dataset: TensorDataset) -> float:
-    """Accuracy over ``dataset``, sharded across the current workers."""
-    sampler = DistributedSampler(dataset, num_replicas=hvd.size(), rank=hvd.rank(), shuffle=False)
-    correct = torch.zeros(2)
-    model.eval()
-    with torch.no_grad():
-        for x, y in DataLoader(dataset, batch_size=256, sampler=sampler):
-            correct += torch.tensor([(model(x).argmax(1) == y).sum().item(), len(y)])
-    totals = hvd.allreduce(correct, op=hvd.Sum, name="eval.correct")
-    return float(totals[0] / totals[1])
 
 
 def main() -> None:

@@ -96,6 +96,16 @@ def gone(pids: list[int], within_s: float) -> bool:
     return not any(process_alive(p) for p in pids)
 
 
+def discovery(tmp_path: Path, offer: str) -> tuple[Path, Path]:
+    """A hosts file holding ``offer`` and a discovery script that prints it; rewrite the file to change the offer."""
+    hosts = tmp_path / "hosts"
+    hosts.write_text(offer + "\n")
+    script = tmp_path / "discover.sh"
+    script.write_text(f"#!/bin/sh\ncat {hosts}\n")
+    script.chmod(0o755)
+    return hosts, script
+
+
 def check_every_sample_once(summary: dict[str, object], epochs: int) -> None:
     """Each epoch processed every training sample exactly once: nothing skipped, nothing applied twice."""
     log = summary["epochs"]
@@ -132,11 +142,7 @@ def test_sigkill_one_of_three_workers_finishes_with_two() -> None:
 
 @pytest.mark.timeout(180)
 def test_discovery_adds_a_worker_that_receives_rank_0_state(tmp_path: Path) -> None:
-    hosts = tmp_path / "hosts"
-    hosts.write_text("localhost:2\n")
-    script = tmp_path / "discover.sh"
-    script.write_text(f"#!/bin/sh\ncat {hosts}\n")
-    script.chmod(0o755)
+    hosts, script = discovery(tmp_path, "localhost:2")
     job = RunningJob(["-np", "2", "--max-np", "3", "--host-discovery-script", str(script)],
                      ["--epochs", "6", "--step-delay", "0.04", "--log-every", "5"])  # fmt: skip
     job.worker_pids(2)
@@ -183,11 +189,7 @@ def test_reset_limit_is_respected() -> None:
 
 @pytest.mark.timeout(180)
 def test_discovery_offering_fewer_slots_removes_a_worker_cleanly(tmp_path: Path) -> None:
-    hosts = tmp_path / "hosts"
-    hosts.write_text("localhost:3\n")
-    script = tmp_path / "discover.sh"
-    script.write_text(f"#!/bin/sh\ncat {hosts}\n")
-    script.chmod(0o755)
+    hosts, script = discovery(tmp_path, "localhost:3")
     job = RunningJob(["-np", "3", "--host-discovery-script", str(script), "--min-np", "2"],
                      ["--epochs", "4", "--step-delay", "0.02", "--log-every", "5"])  # fmt: skip
     pids = job.worker_pids(3)
