@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 import os
+import shutil
+import socket
+import subprocess
 import sys
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -34,3 +39,55 @@ def clean_env() -> dict[str, str]:
 def worker_env() -> dict[str, str]:
     """A clean environment for launching child jobs."""
     return clean_env()
+
+
+def free_port() -> int:
+    """A TCP port that was free a moment ago on 127.0.0.1."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+SSHD = "/usr/sbin/sshd"
+
+
+@pytest.fixture
+def loopback_sshd(tmp_path: Path) -> Iterator[tuple[int, Path]]:
+    """An sshd on 127.0.0.2 that accepts a fresh key for the current user; yields (port, private key)."""
+    if not os.path.exists(SSHD) or shutil.which("ssh-keygen") is None or os.geteuid() != 0:
+        pytest.skip("needs root and an OpenSSH server (.ci/run installs openssh-server)")
+    os.makedirs("/run/sshd", exist_ok=True)
+    for name in ("host_key", "user_key"):
+        subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(tmp_path / name)], check=True)
+    (tmp_path / "authorized_keys").write_text((tmp_path / "user_key.pub").read_text())
+    port = free_port()
+    options = {
+        "Port": str(port),
+        "ListenAddress": "127.0.0.2",
+        "HostKey": str(tmp_path / "host_key"),
+        "AuthorizedKeysFile": str(tmp_path / "authorized_keys"),
+        "StrictModes": "no",
+        "PidFile": str(tmp_path / "sshd.pid"),
+        "PermitRootLogin": "prohibit-password",
+        "UsePAM": "no",
+        "PasswordAuthentication": "no",
+    }
+    argv = [SSHD, "-D", "-e", "-f", "/dev/null"]
+    for key, value in options.items():
+        argv += ["-o", f"{key}={value}"]
+    server = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            socket.create_connection(("127.0.0.2", port), timeout=1).close()
+            break
+        except OSError:
+            if server.poll() is not None or time.monotonic() > deadline:
+                server.kill()
+                pytest.skip(f"sshd did not start: {server.stderr.read().decode() if server.stderr else ''}")
+            time.sleep(0.1)
+    try:
+        yield port, tmp_path / "user_key"
+    finally:
+        server.terminate()
+        server.wait(timeout=10)

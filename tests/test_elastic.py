@@ -201,3 +201,20 @@ def test_discovery_offering_fewer_slots_removes_a_worker_cleanly(tmp_path: Path)
     check_every_sample_once(summary, 4)
     assert any("a host offers fewer slots" in line for line in job.lines)
     assert gone(list(pids.values()), 5), "a worker outlived the job"
+
+
+@pytest.mark.timeout(180)
+def test_a_remote_worker_killed_over_ssh_excludes_its_host(loopback_sshd: tuple[int, Path]) -> None:
+    port, key = loopback_sshd
+    flags = ["-np", "3", "-H", "localhost:2,127.0.0.2:1", "-p", str(port), "-i", str(key), "--min-np", "2",
+             "--start-timeout", "60"]  # fmt: skip
+    job = RunningJob(flags, ["--epochs", "4", "--step-delay", "0.02", "--log-every", "5"])
+    pids = job.worker_pids(3)  # rank 2 runs on 127.0.0.2, through ssh (the same machine, so its pid is visible)
+    job.wait_for(r"^\[0\]<stdout>:step 15 ", 60)
+    subprocess.run(["kill", "-9", str(pids[2])], check=True)
+    assert job.finish(150) == 0, "\n".join(job.lines[-30:])
+    summary = job.summary()
+    assert summary["world"] == 2 and summary["resets"] == 1, summary
+    check_every_sample_once(summary, 4)
+    job.wait_for(r"on host 127\.0\.0\.2 .*host 127\.0\.0\.2 gets no new workers", 1)
+    assert gone(list(pids.values()), 10), "a worker outlived the job"
