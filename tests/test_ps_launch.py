@@ -66,3 +66,33 @@ def test_bad_num_servers_is_a_one_line_error() -> None:
     result = subprocess.run([*SHOALRUN, "-np", "2", "--min-np", "1", "--num-servers", "1", "true"], env=clean_env(),
                             capture_output=True, text=True, timeout=60)  # fmt: skip
     assert result.returncode == 2 and "cannot be combined with elastic" in result.stderr
+
+
+def test_a_worker_ending_on_an_exception_says_no_goodbye() -> None:
+    # hvd.shutdown() runs from atexit after an uncaught exception; the parameter-server client must then not say
+    # goodbye (the servers would retire the worker quietly) but let the dropped connection name it to the others.
+    code = textwrap.dedent(
+        """
+        import atexit
+        from shoal.ps.client import exiting_on_error
+        atexit.register(lambda: print("exiting_on_error", exiting_on_error(), flush=True))
+        print("before", exiting_on_error(), flush=True)
+        raise RuntimeError("boom")
+        """
+    )
+    result = subprocess.run([sys.executable, "-c", code], env=clean_env(), capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1 and "RuntimeError: boom" in result.stderr
+    assert result.stdout.split() == ["before", "False", "exiting_on_error", "True"]
+
+
+def test_optimizer_settings_the_servers_cannot_honour_are_refused() -> None:
+    import torch
+
+    from shoal.ps.optimizers import describe_optimizer
+
+    params = torch.nn.Linear(2, 2).parameters()
+    with pytest.raises(ValueError, match="decoupled_weight_decay=True"):
+        describe_optimizer(torch.optim.Adam, torch.optim.Adam(params, decoupled_weight_decay=True).param_groups)
+    name, groups = describe_optimizer(torch.optim.SGD, torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1,
+                                                                        momentum=0.9, foreach=False).param_groups)  # fmt: skip
+    assert name == "SGD" and groups[0]["momentum"] == 0.9  # how torch runs the update (foreach) is not refused

@@ -12,6 +12,7 @@ A server or worker that dies surfaces as ``ParameterServerError`` naming it, on 
 from __future__ import annotations
 
 import json
+import sys
 import threading
 from typing import Any
 
@@ -138,6 +139,8 @@ class PSClient:
         except PeerLostError as error:
             if not self._closed:
                 self.fail(f"{self.server_name(server)} vanished: {error}")
+        except Exception as error:  # a malformed message: fail loudly, or finish() would wait forever
+            self.fail(f"receiving from {self.server_name(server)} failed: {error!r}")
 
     def fail(self, message: str) -> None:
         """Record the first failure and wake everything that waits."""
@@ -157,8 +160,8 @@ class PSClient:
         if self._closed:
             return
         self._closed = True
-        if self.error is not None:
-            return
+        if self.error is not None or exiting_on_error():
+            return  # no goodbye: the servers see the connection drop and name this worker to the others
         try:
             for server in range(self.servers):
                 self.wait_sends(self.send(server, header(Kind.BYE)))
@@ -167,6 +170,28 @@ class PSClient:
             return
         for thread in self._receivers:
             thread.join(_CLOSE_WAIT_S)
+
+
+_uncaught: list[BaseException] = []
+"""Set by the excepthook installed below: the process is ending on an uncaught exception."""
+
+
+def _install_excepthook() -> None:
+    previous = sys.excepthook
+
+    def record(kind: type[BaseException], value: BaseException, traceback: Any) -> None:
+        _uncaught.append(value)
+        previous(kind, value, traceback)
+
+    sys.excepthook = record
+
+
+_install_excepthook()
+
+
+def exiting_on_error() -> bool:
+    """True once an uncaught exception is ending the process (atexit then runs hvd.shutdown)."""
+    return bool(_uncaught)
 
 
 class PSSession:
@@ -198,11 +223,14 @@ class PSSession:
         assert grad is not None
         if grad.is_sparse:
             grad = grad.to_dense()
+        # gloo's point-to-point is CPU-only: stage a CUDA gradient on the host (a copy that also frees p.grad for
+        # in-place edits such as clipping while the send is in flight).
         flat_grad = grad.detach().reshape(-1)
+        flat_grad = flat_grad.cpu() if flat_grad.is_cuda else flat_grad
         flat_grad = flat_grad if flat_grad.is_contiguous() else flat_grad.contiguous()
         first = index not in self._initialized and self.client.worker == 0
         self._initialized.add(index)
-        flat_value = param.detach().reshape(-1) if first else None
+        flat_value = param.detach().reshape(-1).cpu() if first else None
         for piece in self.pieces_of[index]:
             span = slice(piece.start, piece.start + piece.numel)
             if flat_value is not None:
@@ -219,6 +247,11 @@ class PSSession:
             self._arrived.add(piece)
             self.client.cond.notify_all()
 
+    def wait_pushes(self) -> None:
+        """Wait until this step's gradients are sent, so that ``p.grad`` may be edited (clipping) afterwards."""
+        self.client.wait_sends(self._sends)
+        self._sends = []
+
     def finish(self) -> None:
         """Wait for every reply of this step and copy the fresh values into the parameters."""
         client = self.client
@@ -232,9 +265,11 @@ class PSSession:
             pieces = [q for q in self.pieces_of[index] if q.index in updated]
             if not pieces:
                 continue
-            flat = param.data.view(-1)
+            flat = param.data.reshape(-1)  # a copy when the parameter is not contiguous (channels_last)
             for piece in pieces:
                 flat[piece.start : piece.start + piece.numel].copy_(self.replies[piece.index])
+            if flat.data_ptr() != param.data.data_ptr() or flat.device != param.device:
+                param.data.copy_(flat.view(param.shape))
         with client.cond:
             self._expected.clear()
             self._arrived.clear()

@@ -16,7 +16,7 @@ from typing import Any
 from shoal.comm.p2p import PeerGroup, arrive_and_wait, connect_job_store, scoped_store
 from shoal.config import env_float
 from shoal.log import get_logger
-from shoal.ps.client import PSClient
+from shoal.ps.client import PSClient, exiting_on_error
 from shoal.ps.config import PSConfig
 from shoal.ps.consistency import PullRecorder
 from shoal.ps.server import ShardServer, WorkerLostError
@@ -40,6 +40,8 @@ class _Connection:
 _lock = threading.Lock()
 _connection: _Connection | None = None
 _hook_registered = False
+_served_generations: set[int] = set()
+"""The init() generations that used dedicated servers in this process (they serve only one)."""
 
 
 def connect(config: PSConfig) -> tuple[PSClient, Any]:
@@ -60,6 +62,12 @@ def _join(config: PSConfig, current: Any) -> _Connection:
     worker, workers = current.topology.rank, current.topology.size
     timeout_s = env_float("START_TIMEOUT", _DEFAULT_START_TIMEOUT_S)
     if config.dedicated:
+        if _served_generations:
+            raise ValueError(
+                "the dedicated parameter servers served this job's first hvd.init() and left at its shutdown(); "
+                "a later init() cannot use them (use co-located servers, SHOAL_NUM_SERVERS unset, to re-init)"
+            )
+        _served_generations.add(current.generation)
         servers = config.num_servers
         store = connect_job_store(os.environ["SHOAL_RENDEZVOUS_ADDR"], int(os.environ["SHOAL_RENDEZVOUS_PORT"]),
                                   os.environ.get("SHOAL_SECRET"), timeout_s)  # fmt: skip
@@ -98,7 +106,7 @@ def close() -> None:
     if connection is None:
         return
     connection.client.close()
-    if connection.thread is not None and connection.client.error is None:
+    if connection.thread is not None and connection.client.error is None and not exiting_on_error():
         connection.thread.join()
     if connection.client.error is not None:
         get_logger().warning("shoal.ps: left the parameter-server group after: %s", connection.client.error)

@@ -17,6 +17,8 @@ _HYPERPARAMETERS: dict[str, tuple[str, ...]] = {
     "Adam": ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize"),
     "AdamW": ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize"),
 }
+_RUNTIME_ONLY = ("foreach", "fused", "capturable", "differentiable")
+"""How torch runs the update, not what it computes: the servers pick their own."""
 _CLASSES: dict[str, type[torch.optim.Optimizer]] = {
     "SGD": torch.optim.SGD,
     "Adam": torch.optim.Adam,
@@ -38,6 +40,14 @@ def describe_optimizer(optimizer_class: type, param_groups: list[dict[str, Any]]
         )
     groups = []
     for group in param_groups:
+        defaults = optimizer_class([torch.zeros(1, requires_grad=True)]).defaults
+        ignored = sorted(k for k, v in group.items() if k in defaults and k not in _HYPERPARAMETERS[name]
+                         and k not in _RUNTIME_ONLY and v != defaults[k])  # fmt: skip
+        if ignored:
+            raise ValueError(
+                f"comm='ps' cannot run {name} with {', '.join(f'{k}={group[k]!r}' for k in ignored)} on the servers "
+                "(only the defaults of those settings); use comm='allreduce' for this optimizer"
+            )
         values = {}
         for key in _HYPERPARAMETERS[name]:
             value = group[key]

@@ -183,6 +183,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 self._shoal_submitted.add(id(param))
                 self._shoal_ps.push(param, self._shoal_lr_of[id(param)]["lr"])
             missing = [p for p in missing if not self._shoal_ps.manages(p)]
+            self._shoal_ps.wait_pushes()  # p.grad may be edited (clipped) once synchronize() returns
         if missing:  # no gradient this step here (or a layer that fell back): stand in, so no rank ever hangs
             self._shoal_submit(missing)
         for layer in layers:
@@ -331,7 +332,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._shoal_calibration = calibration
         workers = self._shoal_process_set.size()
         dedicated = self._shoal_ps_config.dedicated
-        allowed = SCHEMES if dedicated else tuple(s for s in SCHEMES if s != "ps")  # ps only when servers exist
+        # ps only when servers exist, and only in the first plan: one session holds a fixed set of layers, so a
+        # re-plan keeps the layers already served (their optimizer state lives there) and adds none.
+        allowed = SCHEMES if dedicated and self._shoal_ps is None else tuple(s for s in SCHEMES if s != "ps")
         overrides = dict(self._shoal_overrides)
         if self._shoal_plans is not None:  # layers already on the servers stay there (their state lives there)
             modules = dict(self._shoal_model.named_modules())
