@@ -83,13 +83,16 @@ def _train(optimizer: str, comm: str, options: dict[str, object], steps: int = S
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     rows = slice(hvd.rank() * BATCH, (hvd.rank() + 1) * BATCH)
     losses = []
+    started, finished = [], []  # per step: wall time before its backward (its pushes), after its step (its pulls)
     for step in range(steps):
         wrapped.zero_grad()
         loss = nn.functional.mse_loss(model(x[step, rows]), y[step, rows])
+        started.append(time.time())
         loss.backward()
         if hvd.rank() == slow_rank:
             time.sleep(0.03)
         wrapped.step()
+        finished.append(time.time())
         losses.append(loss.item())
     hvd.barrier()  # every pull was served before the recorder is read
     server = local_server()
@@ -97,6 +100,8 @@ def _train(optimizer: str, comm: str, options: dict[str, object], steps: int = S
         "weights": {k: v.numpy() for k, v in model.state_dict().items()},
         "losses": losses,
         "max_gap": server.recorder.max_gap() if server is not None else None,
+        "started": started,
+        "finished": finished,
         "pulls": len(server.recorder.events) if server is not None else 0,
     }
 
@@ -208,6 +213,16 @@ def test_ssp_never_exceeds_the_staleness_bound_with_a_slow_worker() -> None:
     gaps = [float(r["max_gap"]) for r in results]
     assert max(gaps) <= staleness, gaps
     assert max(gaps) > 0, f"the fast worker never ran ahead, so the bound was not exercised: {gaps}"
+    # The same bound from the workers' own clocks, independent of the server's bookkeeping: when the fast worker
+    # finished step c (its pulls served), the slow one must have pushed step c - s, so it had started that step's
+    # backward before then.
+    fast, slow = results[0], results[1]
+    leads = []
+    for step, done in enumerate(fast["finished"]):  # type: ignore[arg-type]
+        slow_started = sum(1 for t in slow["started"] if t <= done)  # type: ignore[union-attr]
+        assert slow_started >= step + 1 - staleness, (step, slow_started)
+        leads.append(step + 1 - slow_started)
+    assert max(leads) >= 1, f"the fast worker never led, so the bound was not exercised: {leads}"
 
 
 def test_async_trains() -> None:
