@@ -21,11 +21,11 @@ import argparse
 import signal
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 from shoal.runner.discovery import HostDiscovery
-from shoal.runner.hosts import HostSlots, SlotInfo, parse_hostfile, parse_hosts
-from shoal.runner.launcher import Job, LaunchError, Worker, _describe_status
+from shoal.runner.hosts import HostSlots, SlotInfo, place_ranks
+from shoal.runner.launcher import Job, Worker, _describe_status, requested_hosts
 from shoal.runtime.elastic_rendezvous import ELASTIC_ID_ENV, ELASTIC_TIMEOUT_ENV, REMOVED, Assignment, ElasticKeys
 
 _READY_SETTLE_S = 0.2
@@ -107,19 +107,10 @@ class ElasticJob(Job):
     def _publish_round(self, members: list[ElasticWorker]) -> None:
         assert self._store is not None and self._keys is not None
         self.round += 1
-        local_counts: dict[str, int] = {}
-        for member in members:
-            local_counts[member.hostname] = local_counts.get(member.hostname, 0) + 1
-        local_ranks: dict[str, int] = {}
-        hosts_in_order = list(dict.fromkeys(m.hostname for m in members))
-        for rank, member in enumerate(members):
-            local_rank = local_ranks.get(member.hostname, 0)
-            local_ranks[member.hostname] = local_rank + 1
-            cross = [h for h in hosts_in_order if local_counts[h] > local_rank]
-            assignment = Assignment(rank, len(members), local_rank, local_counts[member.hostname],
-                                    cross.index(member.hostname), len(cross), member.hostname)  # fmt: skip
+        for member, place in zip(members, place_ranks([m.hostname for m in members]), strict=True):
+            assignment = Assignment(**asdict(place))
             self._store.set(self._keys.assignment(self.round, member.worker_id), assignment.to_json())
-            member.rank, member.state = rank, "member"
+            member.rank, member.state = place.rank, "member"
         for worker in self._alive("member", "starting"):
             if worker not in members and worker.state == "member":
                 worker.state = "removed"
@@ -206,49 +197,29 @@ class ElasticJob(Job):
             return 1
         return None
 
-    def _fail(self, message: str) -> int:
-        print(f"shoalrun: {message}", file=sys.stderr, flush=True)
-        self.terminate_all()
-        return 1
-
     def run(self) -> int:
         """Start the job, keep it going through failures and host changes, return shoalrun's exit code."""
-        previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
         try:
-            self._store_thread.start()
-            return self._drive()
-        except LaunchError as error:
-            return self._fail(str(error))
+            return super().run()
         finally:
             self.discovery.stop()
-            self._drain_output()
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
-            self._store_thread.join(timeout=60)
-            self._store = None
-            if self._listener.fileno() != -1:
-                self._listener.close()
-            self._remove_shared_memory()
 
-    def _drive(self) -> int:
+    def _launch(self) -> int:
         from shoal.comm.store import secret_namespace
 
         args = self.args
         if not self.discovery.wait_for_slots(args.min_np, args.elastic_timeout, self.excluded_hosts):
             return self._fail(f"fewer than --min-np {args.min_np} slots were available within --elastic-timeout "
                               f"{args.elastic_timeout:.0f} s")  # fmt: skip
-        self._store_thread.join()
-        if self._store_error is not None:
-            return self._fail(f"cannot host the rendezvous store: {self._store_error}")
-        self._keys = ElasticKeys(secret_namespace(self.secret))
-        self._fill_slots(min(args.num_proc, args.max_np))
-        self._publish_round(self._alive("starting"))
+        self._store_thread.join()  # the driver writes rounds into the store from the start
+        if self._store_error is None:
+            self._keys = ElasticKeys(secret_namespace(self.secret))
+            self._fill_slots(min(args.num_proc, args.max_np))
+            self._publish_round(self._alive("starting"))
         while True:
-            if self._stop_signal is not None:
-                print(f"shoalrun: received {signal.Signals(self._stop_signal).name}; terminating all workers",
-                      file=sys.stderr, flush=True)  # fmt: skip
-                self.terminate_all()
-                return 128 + self._stop_signal
+            interrupted = self._interrupted()  # a signal, or the store could not be hosted
+            if interrupted is not None:
+                return interrupted
             outcome = self._reap()
             if outcome is not None:
                 if outcome != 0:
@@ -260,11 +231,11 @@ class ElasticJob(Job):
                     return code
             time.sleep(0.05)
 
-    def _watch_round(self) -> int | None:
+    def _watch_round(self) -> None:
         """Mark members of a formed round as holding the state; end members that never arrive (wedged, partitioned)."""
         assert self._store is not None and self._keys is not None
         if self._round_formed:
-            return None
+            return
         state_key = self._keys.state(self.round)
         if self._store.check([state_key]) and self._store.get(state_key) == b"formed":
             self._round_formed = True
@@ -272,11 +243,11 @@ class ElasticJob(Job):
                 member.joined = True
             if self.round > 1:
                 self.resets += 1  # rounds superseded before they formed do not count against --reset-limit
-            return None
+            return
         # A member starting up may still be importing torch: --start-timeout on top of --elastic-timeout.
         bound = self.args.elastic_timeout + self.args.start_timeout
         if time.monotonic() - self._round_published_at < bound:
-            return None
+            return
         missing = [m for m in self._round_members if m.process.returncode is None
                    and not self._store.check([self._keys.arrival(self.round, m.worker_id)])]  # fmt: skip
         for member in missing:
@@ -284,7 +255,6 @@ class ElasticJob(Job):
                   "(--elastic-timeout + --start-timeout); ending it", file=sys.stderr, flush=True)  # fmt: skip
             member.process.signal_tree(signal.SIGKILL)
         self._round_published_at = time.monotonic()  # its exit is a failure like any other, handled by _reap
-        return None
 
     def _maybe_reform(self) -> int | None:
         args = self.args
@@ -321,10 +291,4 @@ class ElasticJob(Job):
 
 def elastic_hosts(args: argparse.Namespace) -> list[HostSlots]:
     """The static hosts of an elastic job (empty when a discovery script provides them)."""
-    if args.host_discovery_script:
-        return []
-    if args.hosts:
-        return parse_hosts(args.hosts)
-    if args.hostfile:
-        return parse_hostfile(args.hostfile)
-    return [HostSlots("localhost", args.num_proc)]
+    return [] if args.host_discovery_script else requested_hosts(args)

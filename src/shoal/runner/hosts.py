@@ -104,30 +104,31 @@ def assign_slots(hosts: list[HostSlots], num_proc: int) -> list[SlotInfo]:
         raise HostSpecError(f"-np must be >= 1, got {num_proc}")
     if num_proc > total:
         raise HostSpecError(f"-np {num_proc} is larger than the {total} slots available on the hosts given")
-    per_host: list[tuple[str, int]] = []
+    hostnames: list[str] = []
     remaining = num_proc
     for host in hosts:
         used = min(host.slots, remaining)
-        if used:
-            per_host.append((host.hostname, used))
+        hostnames += [host.hostname] * used
         remaining -= used
+    return place_ranks(hostnames)
+
+
+def place_ranks(hostnames: list[str]) -> list[SlotInfo]:
+    """Each rank's place when rank r runs on ``hostnames[r]``: local ranks count up per host in rank order; the
+    cross rank of local rank L indexes the hosts (in order of first appearance) that have a local rank L."""
+    counts: dict[str, int] = {}
+    for hostname in hostnames:
+        counts[hostname] = counts.get(hostname, 0) + 1
+    hosts_in_order = list(counts)
+    next_local: dict[str, int] = {}
     slots = []
-    rank = 0
-    for host_index, (hostname, count) in enumerate(per_host):
-        for local_rank in range(count):
-            cross_hosts = [i for i, (_, c) in enumerate(per_host) if c > local_rank]
-            slots.append(
-                SlotInfo(
-                    hostname=hostname,
-                    rank=rank,
-                    size=num_proc,
-                    local_rank=local_rank,
-                    local_size=count,
-                    cross_rank=cross_hosts.index(host_index),
-                    cross_size=len(cross_hosts),
-                )
-            )
-            rank += 1
+    for rank, hostname in enumerate(hostnames):
+        local_rank = next_local.get(hostname, 0)
+        next_local[hostname] = local_rank + 1
+        cross_hosts = [h for h in hosts_in_order if counts[h] > local_rank]
+        slots.append(SlotInfo(hostname=hostname, rank=rank, size=len(hostnames), local_rank=local_rank,
+                              local_size=counts[hostname], cross_rank=cross_hosts.index(hostname),
+                              cross_size=len(cross_hosts)))  # fmt: skip
     return slots
 
 

@@ -57,7 +57,7 @@ def knob_env(args: argparse.Namespace) -> dict[str, str]:
         env["SHOAL_STALL_SHUTDOWN_TIME_SECONDS"] = str(args.stall_check_shutdown_time_seconds)
     if args.log_level:
         env["SHOAL_LOG_LEVEL"] = args.log_level.lower()
-    if getattr(args, "num_servers", 0):
+    if args.num_servers:
         env["SHOAL_NUM_SERVERS"] = str(args.num_servers)
     return env
 
@@ -92,8 +92,8 @@ class Worker:
 
     @property
     def label(self) -> str:
-        """How shoalrun's messages and output prefixes name it."""
-        return f"rank {self.slot.rank}" if self.server_index is None else f"parameter server {self.server_index}"
+        """How shoalrun's messages name it."""
+        return process_label(self.slot, self.server_index)
 
     @property
     def returncode(self) -> int | None:
@@ -111,6 +111,11 @@ class Worker:
             os.killpg(self.process.pid, sig)
         except (ProcessLookupError, PermissionError):
             pass
+
+
+def process_label(slot: SlotInfo, server_index: int | None) -> str:
+    """``rank N`` for a worker, ``parameter server I`` for a dedicated server."""
+    return f"rank {slot.rank}" if server_index is None else f"parameter server {server_index}"
 
 
 def _describe_status(code: int) -> str:
@@ -188,20 +193,21 @@ class Job:
         except BaseException as error:  # reported by the supervisor loop, which ends the job
             self._store_error = error
 
-    def _worker_env(self, slot: SlotInfo) -> dict[str, str]:
+    def _job_env(self) -> dict[str, str]:
+        """What every process of the job gets: the rendezvous, the secret and the knobs (no rank: servers have none)."""
         env = {
             "SHOAL_RENDEZVOUS_ADDR": self.rendezvous_addr,
             "SHOAL_RENDEZVOUS_PORT": str(self.rendezvous_port),
             "SHOAL_SECRET": self.secret,
         }
-        env.update(slot_env(slot))
         env.update(knob_env(self.args))
         return env
 
     def _spawn(self, slot: SlotInfo, worker_env: dict[str, str] | None = None, server_index: int | None = None,
                command: list[str] | None = None) -> Worker:  # fmt: skip
-        extra = self._worker_env(slot) if server_index is None else {k: v for k, v in self._worker_env(slot).items()
-                                                                     if k not in slot_env(slot)}  # fmt: skip
+        extra = self._job_env()
+        if server_index is None:
+            extra.update(slot_env(slot))
         extra.update(self.extra_env)
         extra.update(worker_env or {})
         command = command or self.args.command
@@ -234,7 +240,7 @@ class Job:
             env = dict(os.environ)
             stdin = subprocess.PIPE
         shown = argv if self._is_local(slot.hostname) else [*argv[:-1], "<remote command>"]
-        label = f"rank {slot.rank}" if server_index is None else f"parameter server {server_index}"
+        label = process_label(slot, server_index)
         self._verbose(f"{label} on {slot.hostname}: {shlex.join(shown)}")
         try:
             process = subprocess.Popen(
@@ -243,6 +249,9 @@ class Job:
         except OSError as error:
             raise LaunchError(f"cannot start {label} on {slot.hostname}: {error}") from error
         worker = Worker(slot=slot, process=process, server_index=server_index)
+        # Output prefix [N] and log directory rank.N for a worker; [server.I] and server.I for a server.
+        directory = f"rank.{slot.rank}" if server_index is None else f"server.{server_index}"
+        tag: int | str = slot.rank if server_index is None else directory
         for stream_name, stream, sink in (
             ("stdout", process.stdout, sys.stdout.buffer),
             ("stderr", process.stderr, sys.stderr.buffer),
@@ -250,12 +259,10 @@ class Job:
             assert stream is not None
             log_path = None
             if self.args.output_filename:
-                rank_dir = Path(self.args.output_filename) / (f"rank.{slot.rank}" if server_index is None
-                                                              else f"server.{server_index}")  # fmt: skip
+                rank_dir = Path(self.args.output_filename) / directory
                 rank_dir.mkdir(parents=True, exist_ok=True)
                 log_path = rank_dir / stream_name
-            prefix = slot.rank if server_index is None else f"server.{server_index}"
-            pump = OutputPump(stream, sink, self._sink_lock, prefix, stream_name, log_path)
+            pump = OutputPump(stream, sink, self._sink_lock, tag, stream_name, log_path)
             pump.start()
             worker.pumps.append(pump)
         return worker
@@ -289,14 +296,9 @@ class Job:
         try:
             self._verbose(f"rendezvous at {self.rendezvous_addr}:{self.rendezvous_port}")
             self._store_thread.start()
-            for slot in self.slots:
-                self.workers.append(self._spawn(slot))
-            self._spawn_servers()
-            return self._supervise()
+            return self._launch()
         except LaunchError as error:
-            print(f"shoalrun: {error}", file=sys.stderr, flush=True)
-            self.terminate_all()
-            return 1
+            return self._fail(str(error))
         finally:
             self._drain_output()
             for sig, handler in previous.items():
@@ -310,16 +312,39 @@ class Job:
                 self._listener.close()
             self._remove_shared_memory()
 
+    def _launch(self) -> int:
+        """Start the workers (and servers) and supervise them to the end; returns shoalrun's exit code."""
+        for slot in self.slots:
+            self.workers.append(self._spawn(slot))
+        self._spawn_servers()
+        return self._supervise()
+
+    def _fail(self, message: str) -> int:
+        """Report why the job ends, end every worker, and return exit code 1."""
+        print(f"shoalrun: {message}", file=sys.stderr, flush=True)
+        self.terminate_all()
+        return 1
+
+    def _interrupted(self) -> int | None:
+        """The exit code when a signal or the store ended the job (every worker is then terminated), else None."""
+        if self._stop_signal is not None:
+            name = signal.Signals(self._stop_signal).name
+            print(f"shoalrun: received {name}; terminating all workers", file=sys.stderr, flush=True)
+            self.terminate_all()
+            return 128 + self._stop_signal
+        if self._store_error is not None:
+            return self._fail(f"cannot host the rendezvous store: {self._store_error}")
+        return None
+
     def _spawn_servers(self) -> None:
         """Start ``--num-servers`` dedicated parameter servers, spread over the job's hosts in turn."""
-        count = getattr(self.args, "num_servers", 0) or 0
+        count = self.args.num_servers
         if not count:
             return
         from shoal.ps.launch import server_processes
 
-        rendezvous = {k: v for k, v in self._worker_env(self.slots[0]).items() if k not in slot_env(self.slots[0])}
         hosts = list(dict.fromkeys(slot.hostname for slot in self.slots))
-        for index, (argv, env) in enumerate(server_processes(count, len(self.slots), rendezvous)):
+        for index, (argv, env) in enumerate(server_processes(count, len(self.slots), self._job_env())):
             slot = next(s for s in self.slots if s.hostname == hosts[index % len(hosts)])
             self.workers.append(self._spawn(slot, env, server_index=index, command=argv))
 
@@ -333,15 +358,9 @@ class Job:
 
     def _supervise(self) -> int:
         while True:
-            if self._stop_signal is not None:
-                name = signal.Signals(self._stop_signal).name
-                print(f"shoalrun: received {name}; terminating all workers", file=sys.stderr, flush=True)
-                self.terminate_all()
-                return 128 + self._stop_signal
-            if self._store_error is not None:
-                print(f"shoalrun: cannot host the rendezvous store: {self._store_error}", file=sys.stderr, flush=True)
-                self.terminate_all()
-                return 1
+            interrupted = self._interrupted()
+            if interrupted is not None:
+                return interrupted
             failed = next((w for w in self.workers if w.returncode not in (None, 0)), None)
             if failed is not None:
                 code = failed.returncode
@@ -393,11 +412,15 @@ class LaunchError(RuntimeError):
 
 def build_slots(args: argparse.Namespace) -> list[SlotInfo]:
     """Hosts from -H or --hostfile (default localhost), filled in order with -np ranks."""
-    if args.hosts:
-        hosts = parse_hosts(args.hosts)
-    elif args.hostfile:
-        hosts = parse_hostfile(args.hostfile)
-    else:
-        hosts = [HostSlots("localhost", args.num_proc)]
+    hosts = requested_hosts(args)
     num_proc = args.num_proc if args.num_proc is not None else sum(h.slots for h in hosts)
     return assign_slots(hosts, num_proc)
+
+
+def requested_hosts(args: argparse.Namespace) -> list[HostSlots]:
+    """The hosts given by -H or --hostfile, else ``localhost`` with -np slots."""
+    if args.hosts:
+        return parse_hosts(args.hosts)
+    if args.hostfile:
+        return parse_hostfile(args.hostfile)
+    return [HostSlots("localhost", args.num_proc)]
