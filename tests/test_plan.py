@@ -145,7 +145,7 @@ def _expect_value_error() -> str:
 def _drifting(path: str) -> dict[str, object]:
     import json
 
-    from shoal.torch.optimizer import _last_plan
+    from shoal.torch.optimizer import last_plan
 
     hvd.init()
     torch.manual_seed(0)
@@ -158,7 +158,9 @@ def _drifting(path: str) -> dict[str, object]:
         nn.functional.mse_loss(model(x[step % 3]), y[step % 3]).backward()
         optimizer.step()
     monitor = optimizer._shoal_drift  # type: ignore[attr-defined]
-    plans = _last_plan[0]
+    plan = last_plan()
+    assert plan is not None
+    plans = plan.plans
     with open(path) as handle:
         rewritten = json.load(handle)
     return {

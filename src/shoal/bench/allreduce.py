@@ -13,8 +13,6 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import statistics
-import time
 from collections.abc import Callable
 
 import torch
@@ -23,19 +21,14 @@ import shoal.torch as hvd
 from shoal.comm import collectives
 from shoal.comm.hierarchical import HierarchicalAllreduce
 from shoal.comm.shm import create_local_group, job_token
+from shoal.plan.calibration import median_seconds
 from shoal.runtime import context
 from shoal.torch import handles
 
 
 def _timed_ms(fn: Callable[[], object], iterations: int) -> float:
     """Median wall time of ``fn`` in ms, after one warm-up call."""
-    fn()
-    samples = []
-    for _ in range(iterations):
-        start = time.perf_counter()
-        fn()
-        samples.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(samples)
+    return median_seconds(fn, iterations) * 1e3
 
 
 def memcpy_gbps(nbytes: int = 64 * 1024 * 1024) -> float:

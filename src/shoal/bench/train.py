@@ -22,7 +22,7 @@ from shoal.bench.models import build, parameter_count
 from shoal.comm.baselines import wrap_ddp
 from shoal.plan.planner import median_error
 from shoal.ps.config import resolve_config
-from shoal.torch.optimizer import _last_plan
+from shoal.torch.optimizer import last_plan
 
 COMM_CHOICES = ("allreduce", "fp16", "bf16", "sfb", "ps", "auto")
 
@@ -129,11 +129,12 @@ def main(argv: list[str] | None = None) -> None:
             result["ps_mode"] = config.mode
             result["ps_servers"] = config.num_servers if config.dedicated else hvd.size()
             result["ps_dedicated"] = config.dedicated
-        if args.comm == "auto" and _last_plan:
-            error = median_error(_last_plan[0])
+        plan = last_plan()
+        if args.comm == "auto" and plan is not None:
+            error = median_error(plan.plans)
             result["plan_median_error"] = round(error, 3) if error is not None else None
-            result["plan_choices"] = dict(Counter(p.choice for p in _last_plan[0]))
-            result["plan_refits"] = _last_plan[2] if len(_last_plan) > 2 else 0
+            result["plan_choices"] = dict(Counter(p.choice for p in plan.plans))
+            result["plan_refits"] = plan.refits
         if ddp_runs:
             print(f"ddp:   {', '.join(f'{v:.1f}' for v in ddp_runs)} img/s")
             result["ddp_ips"] = round(max(ddp_runs), 1)

@@ -40,6 +40,11 @@ class PeerLostError(RuntimeError):
         super().__init__(f"point-to-point peer {peer} is gone: {detail}")
         self.peer = peer
 
+    @classmethod
+    def from_gloo(cls, peer: int, error: RuntimeError) -> PeerLostError:
+        """The error for gloo's, without the generic advice gloo appends."""
+        return cls(peer, str(error).split(". This is typically")[0])
+
 
 @dataclass
 class PendingSend:
@@ -54,7 +59,7 @@ class PendingSend:
         try:
             self.work.wait()
         except RuntimeError as error:
-            raise PeerLostError(self.peer, str(error).split(". This is typically")[0]) from error
+            raise PeerLostError.from_gloo(self.peer, error) from error
 
 
 class PeerGroup:
@@ -90,7 +95,7 @@ class PeerGroup:
         try:
             work = self._group.send([tensor], peer, tag)
         except RuntimeError as error:
-            raise PeerLostError(peer, str(error).split(". This is typically")[0]) from error
+            raise PeerLostError.from_gloo(peer, error) from error
         return PendingSend(work, tensor, peer)
 
     def recv(self, tensor: torch.Tensor, peer: int, tag: int) -> None:
@@ -102,7 +107,7 @@ class PeerGroup:
         try:
             self._group.recv([tensor], peer, tag).wait()
         except RuntimeError as error:
-            raise PeerLostError(peer, str(error).split(". This is typically")[0]) from error
+            raise PeerLostError.from_gloo(peer, error) from error
 
 
 def arrive_and_wait(store: dist.Store, key: str, parties: int, timeout_s: float | None, who: str, ranks: int = 1) -> None:
@@ -136,8 +141,3 @@ def connect_job_store(addr: str, port: int, secret: str | None, timeout_s: float
     store = dist.TCPStore(addr, port, is_master=False, timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
     check_secret(store, secret, timeout_s)
     return dist.PrefixStore(f"{secret_namespace(secret)}/ps/", store)
-
-
-def scoped_store(store: dist.Store, prefix: str) -> dist.Store:
-    """``store`` with every key under ``prefix``."""
-    return dist.PrefixStore(prefix, store)

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -17,6 +19,7 @@ import torch
 from shoal.config import env_str
 from shoal.torch import functions, handles
 from shoal.torch.objects import broadcast_object
+from shoal.torch.process_sets import ProcessSet
 
 _PROBE_BYTES = (4096, 262144, 2 * 1024 * 1024, 8 * 1024 * 1024, 32 * 1024 * 1024)
 """Message sizes probed, smallest first; large ones leave the caches, as real gradients do."""
@@ -65,42 +68,56 @@ def _fit(sizes: list[float], seconds: list[float]) -> tuple[float, float]:
     return latency, max(per_byte, 0.0)
 
 
-def _median_time(fn: object, repeats: int) -> float:
+def median_seconds(fn: Callable[[], object], repeats: int) -> float:
+    """Median wall time of ``fn`` over ``repeats`` calls, after one untimed warm-up call (and response cache fill)."""
+    fn()
     samples = []
     for _ in range(repeats):
         start = time.perf_counter()
-        fn()  # type: ignore[operator]
+        fn()
         samples.append(time.perf_counter() - start)
-    samples.sort()
-    return samples[len(samples) // 2]
+    return statistics.median(samples)
+
+
+Probes = dict[str, tuple[Callable[[], object], float]]
+"""Per exchange, a probe and the bytes its line is fitted against."""
+
+
+def _probe_lines(probes_at: Callable[[int, int], Probes], repeats: int, tag: str) -> dict[str, tuple[float, float]]:
+    """Time each exchange at growing sizes and fit its line; every rank stops at the same size, after the first one
+    whose slowest probe passed the budget (collective: every rank calls it with the same exchanges)."""
+    samples: dict[str, tuple[list[float], list[float]]] = {}
+    for index, nbytes in enumerate(_PROBE_BYTES):
+        slowest = 0.0
+        for exchange, (probe, fitted_bytes) in probes_at(index, nbytes).items():
+            elapsed = median_seconds(probe, repeats)
+            slowest = max(slowest, elapsed)
+            sizes, seconds = samples.setdefault(exchange, ([], []))
+            sizes.append(fitted_bytes)
+            seconds.append(elapsed)
+        agreed = functions.allreduce(torch.tensor([slowest]), op=functions.Max, name=f"{tag}.max.{index}")
+        if float(agreed) > _PROBE_BUDGET_S:
+            break
+    return {exchange: _fit(*points) for exchange, points in samples.items()}
 
 
 def measure(repeats: int = 3) -> Calibration:
     """Probe this job's exchanges and matmul speed; every rank must call it (collective)."""
     size = handles.engine().size
-    samples: dict[str, tuple[list[float], list[float]]] = {k: ([], []) for k in ("allreduce", "fp16", "bf16", "allgather")}
-    for index, nbytes in enumerate(_PROBE_BYTES):
+
+    def probes_at(index: int, nbytes: int) -> Probes:
         tensor = torch.ones(nbytes // 4)
         piece = torch.ones(max(nbytes // 4 // size, 1))
-        probes = {
-            "allreduce": (lambda t=tensor, i=index: functions.allreduce_(t, op=functions.Sum, name=f"shoal.cal.ar.{i}")),
-            "fp16": (lambda t=tensor, i=index: _cast_allreduce(t, torch.float16, f"shoal.cal.fp16.{i}")),
-            "bf16": (lambda t=tensor, i=index: _cast_allreduce(t, torch.bfloat16, f"shoal.cal.bf16.{i}")),
-            "allgather": (lambda p=piece, i=index: functions.allgather(p, name=f"shoal.cal.ag.{i}")),
+        return {
+            "allreduce": (lambda: functions.allreduce_(tensor, op=functions.Sum, name=f"shoal.cal.ar.{index}"), nbytes),
+            "fp16": (lambda: _cast_allreduce(tensor, torch.float16, f"shoal.cal.fp16.{index}"), nbytes),
+            "bf16": (lambda: _cast_allreduce(tensor, torch.bfloat16, f"shoal.cal.bf16.{index}"), nbytes),
+            "allgather": (lambda: functions.allgather(piece, name=f"shoal.cal.ag.{index}"), piece.numel() * 4 * size),
         }
-        slowest = 0.0
-        for exchange, probe in probes.items():
-            probe()  # warm-up (and the response cache)
-            elapsed = _median_time(probe, repeats)
-            slowest = max(slowest, elapsed)
-            samples[exchange][0].append(float(piece.numel() * 4 * size if exchange == "allgather" else nbytes))
-            samples[exchange][1].append(elapsed)
-        agreed = functions.allreduce(torch.tensor([slowest]), op=functions.Max, name=f"shoal.cal.max.{index}")
-        if float(agreed) > _PROBE_BUDGET_S:  # every rank stops at the same size
-            break
+
+    lines = _probe_lines(probes_at, repeats, "shoal.cal")
     left, right = torch.randn(256, 256), torch.randn(256, 256)
-    matmul_s = _median_time(lambda: left @ right, repeats)
-    lines = {exchange: _fit(*points) for exchange, points in samples.items()}
+    matmul_s = median_seconds(lambda: left @ right, repeats)
     local = Calibration(lines, 2 * 256**3 / max(matmul_s, 1e-9), _measure_links(repeats))
     result: Calibration = broadcast_object(local, root_rank=0, name="shoal.cal.result")
     return result
@@ -124,22 +141,14 @@ def _measure_links(repeats: int) -> dict[str, tuple[float, float]]:
     links = {}
     try:
         for link, process_set in mine.items():
-            sizes: list[float] = []
-            seconds: list[float] = []
-            for index, nbytes in enumerate(_PROBE_BYTES):
+
+            def probes_at(index: int, nbytes: int, link: str = link, process_set: ProcessSet = process_set) -> Probes:
                 tensor = torch.ones(nbytes // 4)
+                name = f"shoal.cal.{link}.{index}"
+                return {link: (lambda: functions.allreduce_(tensor, op=functions.Sum, name=name,
+                                                            process_set=process_set), nbytes)}  # fmt: skip
 
-                def probe(t: torch.Tensor = tensor, i: int = index, s: object = process_set, k: str = link) -> None:
-                    functions.allreduce_(t, op=functions.Sum, name=f"shoal.cal.{k}.{i}", process_set=s)  # type: ignore[arg-type]
-
-                probe()
-                elapsed = _median_time(probe, repeats)
-                sizes.append(float(nbytes))
-                seconds.append(elapsed)
-                agreed = functions.allreduce(torch.tensor([elapsed]), op=functions.Max, name=f"shoal.cal.{link}.max.{index}")
-                if float(agreed) > _PROBE_BUDGET_S:  # every rank stops at the same size
-                    break
-            links[link] = _fit(sizes, seconds)
+            links.update(_probe_lines(probes_at, repeats, f"shoal.cal.{link}"))
     finally:
         for process_set in registered:
             remove_process_set(process_set)
@@ -150,41 +159,6 @@ def _cast_allreduce(tensor: torch.Tensor, wire: torch.dtype, name: str) -> None:
     sent = tensor.to(wire)
     functions.allreduce_(sent, op=functions.Sum, name=name)
     tensor.copy_(sent)
-
-
-def measure_scheme(scheme: str, nbytes: int, linear: tuple[int, int, int] | None, name: str, repeats: int = 3) -> float:
-    """Time one layer's gradient exchange under ``scheme`` on the real group (seconds, median); collective.
-
-    Args:
-        scheme: allreduce, fp16, bf16 or sfb.
-        nbytes: the layer's gradient bytes.
-        linear: (K, M, N) for sfb.
-        name: a name unique to this layer, so probes of different layers never mix.
-        repeats: timed repetitions after one warm-up.
-    """
-    if scheme == "sfb":
-        if linear is None:
-            raise ValueError("sfb needs (K, M, N)")
-        rows, outputs, inputs = linear
-        x, g = torch.randn(rows, inputs), torch.randn(rows, outputs)
-
-        def exchange() -> None:
-            gathered_x = functions.allgather(x, name=f"shoal.probe.{name}.x")
-            gathered_g = functions.allgather(g, name=f"shoal.probe.{name}.g")
-            gathered_g.t().matmul(gathered_x)
-
-    else:
-        grad = torch.ones(max(nbytes // 4, 1))
-        wire = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(scheme)
-
-        def exchange() -> None:
-            if wire is not None:
-                _cast_allreduce(grad, wire, f"shoal.probe.{name}")
-            else:
-                functions.allreduce_(grad, op=functions.Sum, name=f"shoal.probe.{name}")
-
-    exchange()
-    return _median_time(exchange, repeats)
 
 
 _cache: dict[tuple[int, int], Calibration] = {}

@@ -2,13 +2,14 @@
 
 The engine records how long each collective ran (a fused batch's time shared by bytes). After every step the
 monitor sums each layer's exchanges, keeps a short running median per layer (shown as "measured ms" in the plan
-report), and computes the step's median relative error over the layers, from those running medians. When that
-error stays above the threshold for ``steps`` consecutive steps, ``drifted()`` says so; the optimizer then agrees
-with the other ranks (one tiny allreduce every ``steps`` steps), recalibrates from what training measured
-(``refit``: each exchange's line is scaled by the median measured/predicted ratio of the layers that use it;
-probing again at idle would miss what training sees, e.g. collectives competing with backprop for the cores) and
-re-plans at the step boundary. A back-off doubles the wait after each recalibration, so a network the α-β model
-cannot capture is not refitted forever.
+report), and computes the step's median relative error over the layers, from those running medians and each
+layer's prediction as executed (a layer fused with others shares one latency). When that error stays above the
+threshold for ``steps`` consecutive steps, ``drifted()`` says so; the optimizer then agrees with the other ranks (one
+tiny allreduce every ``steps`` steps), recalibrates from what training measured (``refit``: least squares of each
+exchange's α and β on the layers' times, or scaling by their median measured/expected ratio; probing again at idle
+would miss what training sees, e.g. collectives competing with backprop for the cores) and re-plans at the step
+boundary. A back-off doubles the wait after each recalibration, so a network the α-β model cannot capture is not
+refitted forever.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from shoal.plan.calibration import Calibration
-from shoal.plan.planner import LayerPlan
+from shoal.plan.planner import LayerPlan, expected_ms
 
 _EXCHANGE_OF = {"allreduce": "allreduce", "fp16": "fp16", "bf16": "bf16", "sfb": "allgather"}
 """Which calibrated line a scheme's exchange runs on."""
@@ -146,9 +147,11 @@ def refit(calibration: Calibration, plans: list[LayerPlan], terms: dict[str, tup
     ratios: dict[str, list[float]] = {}
     points: dict[str, list[tuple[float, float, float]]] = {}
     for plan in plans:
-        expected = plan.expected_ms if plan.expected_ms is not None else plan.predicted_ms.get(plan.choice)
         exchange = _EXCHANGE_OF.get(plan.choice)
-        if exchange is None or not plan.measured_ms or not expected:
+        if exchange is None or not plan.measured_ms or plan.choice not in plan.predicted_ms:
+            continue
+        expected = expected_ms(plan)
+        if not expected:
             continue
         ratios.setdefault(exchange, []).append(plan.measured_ms / expected)
         if plan.choice != "sfb" and plan.name in terms:

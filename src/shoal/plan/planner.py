@@ -146,13 +146,14 @@ def build_plan(
     return plans
 
 
-def _expected(plan: LayerPlan) -> float:
+def expected_ms(plan: LayerPlan) -> float:
+    """What ``measured_ms`` is compared with: the prediction as executed once known, else the plan's prediction."""
     return plan.expected_ms if plan.expected_ms is not None else plan.predicted_ms[plan.choice]
 
 
 def median_error(plans: list[LayerPlan]) -> float | None:
     """Median over layers of |expected - measured| / measured for the chosen scheme (None before measurements)."""
-    errors = sorted(abs(_expected(p) - p.measured_ms) / p.measured_ms
+    errors = sorted(abs(expected_ms(p) - p.measured_ms) / p.measured_ms
                     for p in plans if p.measured_ms and p.choice in p.predicted_ms)  # fmt: skip
     return errors[len(errors) // 2] if errors else None
 

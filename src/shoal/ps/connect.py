@@ -13,7 +13,8 @@ import os
 import threading
 from typing import Any
 
-from shoal.comm.p2p import PeerGroup, arrive_and_wait, connect_job_store, scoped_store
+from shoal.comm.p2p import PeerGroup, arrive_and_wait, connect_job_store
+from shoal.comm.store import prefix_store
 from shoal.config import env_float
 from shoal.log import get_logger
 from shoal.ps.client import PSClient, exiting_on_error
@@ -75,7 +76,7 @@ def _join(config: PSConfig, current: Any) -> _Connection:
         arrive_and_wait(store, "arrived", workers + servers, timeout_s, f"worker {worker}")
         client = PSClient(group, worker, workers, servers, dedicated=True)
         return _Connection(client, store, None, None, current.generation)
-    store = scoped_store(current.store, "ps/")
+    store = prefix_store("ps/", current.store)
     server_group = PeerGroup(store, workers + worker, 2 * workers)
     client_group = PeerGroup(store, worker, 2 * workers)
     arrive_and_wait(store, "arrived", 2 * workers, timeout_s, f"worker {worker}", ranks=2)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -30,17 +31,33 @@ from shoal.torch.process_sets import ProcessSet, global_process_set, set_id_of
 
 DEFAULT_BUCKET_BYTES = 2 * 1024 * 1024
 _SCHEME_COMPRESSION: dict[str, type[Compressor]] = {"fp16": Compression.fp16, "bf16": Compression.bf16}
-_last_plan: list[Any] = []
-"""The most recent plan made by any DistributedOptimizer in this process, its worker count, how many times drift
-made it recalibrate, and its calibration."""
+
+
+@dataclass
+class LastPlan:
+    """The most recent plan made by any DistributedOptimizer in this process."""
+
+    plans: list[LayerPlan]
+    workers: int
+    refits: int
+    """How many times drift made it recalibrate."""
+    calibration: Calibration
+
+
+_last_plan: LastPlan | None = None
+
+
+def last_plan() -> LastPlan | None:
+    """The most recent ``comm="auto"`` plan in this process (its ``plans`` fill in measured times as training runs)."""
+    return _last_plan
 
 
 def plan_report(print_table: bool = True) -> str:
     """The last plan of ``comm="auto"``: per layer, shape, bytes, K, predicted ms per scheme, choice, measured ms."""
-    if not _last_plan:
+    if _last_plan is None:
         text = "no plan yet: use DistributedOptimizer(..., model=model, comm='auto') and take one step"
     else:
-        text = format_plan(_last_plan[0], _last_plan[1], _last_plan[3])
+        text = format_plan(_last_plan.plans, _last_plan.workers, _last_plan.calibration)
     if print_table:
         print(text)
     return text
@@ -336,26 +353,22 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         # re-plan keeps the layers already served (their optimizer state lives there) and adds none.
         allowed = SCHEMES if dedicated and self._shoal_ps is None else tuple(s for s in SCHEMES if s != "ps")
         overrides = dict(self._shoal_overrides)
+        modules = dict(self._shoal_model.named_modules())
         if self._shoal_plans is not None:  # layers already on the servers stay there (their state lives there)
-            modules = dict(self._shoal_model.named_modules())
             overrides.update({modules[p.name]: "ps" for p in self._shoal_plans if p.choice == "ps"})
             self._shoal_clear_schemes()
         self._shoal_plans = build_plan(self._shoal_model, calibration, workers, self._shoal_rows, overrides, allowed,
                                        self._shoal_ps_config.num_servers if dedicated else workers)  # fmt: skip
-        if self._shoal_ps is not None:  # already served: not opened twice
-            served = {id(p) for p in self._shoal_ps.params}
-            modules = dict(self._shoal_model.named_modules())
-            schemes = {p.name: p.choice for p in self._shoal_plans
-                       if not (p.choice == "ps" and any(id(q) in served for q in modules[p.name].parameters()))}  # fmt: skip
-        else:
-            schemes = {plan.name: plan.choice for plan in self._shoal_plans}
-        self._shoal_assign(schemes)
-        exchanges = {plan.name: self._shoal_exchange_names(plan) for plan in self._shoal_plans}
+        # With a session open, every ps layer of this plan is one it already serves (a re-plan adds none).
+        self._shoal_assign({p.name: p.choice for p in self._shoal_plans
+                            if not (p.choice == "ps" and self._shoal_ps is not None)})  # fmt: skip
+        exchanges = {plan.name: self._shoal_exchange_names(plan, modules[plan.name]) for plan in self._shoal_plans}
         if self._shoal_drift is None:
             self._shoal_drift = DriftMonitor(self._shoal_plans, exchanges, calibration)
         else:
             self._shoal_drift.replan(self._shoal_plans, exchanges, calibration)
-        _last_plan[:] = [self._shoal_plans, workers, self._shoal_drift.recalibrations, calibration]
+        global _last_plan
+        _last_plan = LastPlan(self._shoal_plans, workers, self._shoal_drift.recalibrations, calibration)
 
     def _shoal_clear_schemes(self) -> None:
         """Undo ``_shoal_assign`` (before a re-plan): drop SFB layers' hooks and per-layer compressors."""
@@ -364,15 +377,13 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._shoal_sfb_of.clear()
         self._shoal_compressor_of.clear()
 
-    def _shoal_exchange_names(self, plan: LayerPlan) -> list[str]:
+    def _shoal_exchange_names(self, plan: LayerPlan, module: nn.Module) -> list[str]:
         """The engine request names that carry ``plan``'s layer's exchange (none for ps: not an engine collective)."""
-        assert self._shoal_model is not None
         if plan.choice == "ps":
             return []
         if plan.choice == "sfb":
             base = f"DistributedOptimizer.sfb.{plan.name or 'model'}"
             return [f"{base}.input", f"{base}.output_grad"]
-        module = dict(self._shoal_model.named_modules())[plan.name]
         return [f"DistributedOptimizer.{self._shoal_names[id(p)]}" for p in module.parameters(recurse=False)
                 if p.requires_grad and id(p) in self._shoal_names]  # fmt: skip
 
