@@ -35,6 +35,8 @@ _HEADER_BYTES = 4096
 _SPIN_BEFORE_YIELD = 64
 _YIELD_BEFORE_SLEEP_S = 0.002
 _LIVENESS_EVERY_S = 0.02
+_LEFT = -1
+"""The pid recorded for a rank that closed its side of the segment."""
 DEFAULT_SLOT_BYTES = 4 * 1024 * 1024
 
 _REDUCE_INTO: dict[str, Callable[[torch.Tensor, torch.Tensor], Any]] = {
@@ -128,6 +130,7 @@ class SharedMemoryGroup:
         self._epoch = 0
         self._control[local_rank * _CONTROL_LINE_INT64] = 0
         self._control[local_rank * _CONTROL_LINE_INT64 + 1] = os.getpid()
+        self._closed = False
 
     # ----- synchronisation -----
 
@@ -160,6 +163,8 @@ class SharedMemoryGroup:
             if self._control[peer * _CONTROL_LINE_INT64] >= epoch or peer == self.local_rank:
                 continue
             pid = self._control[peer * _CONTROL_LINE_INT64 + 1]
+            if pid == _LEFT:
+                raise SharedMemoryError(f"local rank {peer} left the group during a shared-memory collective")
             if pid and not _pid_alive(pid):
                 raise SharedMemoryError(f"local rank {peer} (pid {pid}) died during a shared-memory collective")
         if waited_s > self.timeout_s:
@@ -317,7 +322,15 @@ class SharedMemoryGroup:
         return output.view(self.local_size, *tensor.shape)
 
     def close(self) -> None:
-        """Unmap the segment (its name was already unlinked)."""
+        """Leave the group and unmap the segment (its name was already unlinked).
+
+        Leaving marks this rank's control line, so a peer waiting for it in a collective fails at its next
+        liveness check instead of waiting out the timeout while this process lives on.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        self._control[self.local_rank * _CONTROL_LINE_INT64 + 1] = _LEFT
         self._data = torch.empty(0, dtype=torch.uint8)
         self._views.clear()
         self._control.release()

@@ -14,6 +14,7 @@ nothing, and a busy one never spins: its cycle blocks in the collective until th
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
 from typing import Any
@@ -54,7 +55,7 @@ class Engine:
         self.config = config
         # The engine owns a group of its own, so that the user's own torch.distributed calls on the default group
         # (DDP, a raw all_reduce) never interleave with the engine's collectives on the same connections.
-        self._world = collectives.new_group(list(range(size)))
+        self._world: Any = collectives.new_group(list(range(size)))
         self.hierarchical = self._setup_hierarchical(topology, store, job)
         self.process_sets: dict[int, ProcessSetState] = {0: ProcessSetState(tuple(range(size)), self._world)}
         self.timeline: Timeline | None = None
@@ -180,10 +181,38 @@ class Engine:
                 stalled_cycles = 0 if progress or not self._pending else stalled_cycles + 1
                 if stop is not None:
                     self._fail_everything(stop)
-                    return
+                    break
         except BaseException as error:  # a collective failed (a peer died, a timeout): fail loudly, never hang
             get_logger().error("engine stopped after an error: %s", error)
             self._fail_everything(EngineStoppedError(f"Shoal's engine failed: {error}"))
+        # Outside the except clause, so that the failed collective's traceback no longer pins its group.
+        self._release_connections()
+
+    def _release_connections(self) -> None:
+        """Close this rank's side of every connection the engine owns, as soon as the engine thread ends.
+
+        A peer blocked on this rank (say, rank 0 waiting for rank 1 while rank 1 saw rank 2 die) must fail at once
+        rather than at the gloo timeout: it is what lets elastic survivors re-form promptly. A gloo group's sockets
+        close only when the last reference to it goes (``abort()`` and ``shutdown()`` leave them open), so the
+        engine drops all of its references; leaving the shared-memory segment marks this rank as gone for the
+        others' liveness checks.
+        """
+        hierarchical, self.hierarchical = self.hierarchical, None
+        self._executor.hierarchical = None
+        groups = [state.group for state in self.process_sets.values() if state.group is not None and self.rank in state.members]
+        if hierarchical is not None:
+            hierarchical.close()
+            if hierarchical.cross_group is not None:
+                groups.append(hierarchical.cross_group)
+        self.process_sets.clear()  # the executor shares this mapping
+        self._world = None
+        for group in groups:
+            try:
+                collectives.destroy_group(group)
+            except (RuntimeError, ValueError) as error:  # already gone with the default group
+                get_logger().debug("engine group already released: %s", error)
+        del groups, hierarchical
+        gc.collect()  # engine objects refer to each other; free the groups now, not at some later collection
 
     def _wait_ms(self, stalled_cycles: int) -> float:
         """How long to sleep before the next cycle, unless a local submission wakes the engine first.
