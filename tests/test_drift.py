@@ -18,9 +18,15 @@ CALIBRATION = Calibration.uniform(0.010, 0.0, 1e10)
 """Every collective takes 10 ms, whatever its size."""
 
 
+def step(monitor: DriftMonitor, execution: tuple[float, int, int] | None) -> float | None:
+    """One step whose every exchange ran as ``execution``, agreed at once (a single rank: its own times)."""
+    monitor.record_step(lambda name: execution)
+    return monitor.agree(monitor.pending())
+
+
 def run_steps(monitor: DriftMonitor, seconds: float, count: int) -> list[float | None]:
     """``count`` steps in which each layer's weight and bias (8 elements each) go in one collective of ``seconds``."""
-    return [monitor.record_step(lambda name: (seconds / 2, 8, 16)) for _ in range(count)]
+    return [step(monitor, (seconds / 2, 8, 16)) for _ in range(count)]
 
 
 def test_accurate_predictions_never_drift_and_fill_measured_ms() -> None:
@@ -35,7 +41,7 @@ def test_accurate_predictions_never_drift_and_fill_measured_ms() -> None:
 def test_a_layer_fused_with_others_is_expected_to_pay_its_share_of_one_latency() -> None:
     layer_plans = plans(predicted_ms=10.0)
     monitor = DriftMonitor(layer_plans, {p.name: [p.name] for p in layer_plans}, CALIBRATION)
-    monitor.record_step(lambda name: (0.0025, 4, 16))  # a quarter of a fused 10 ms collective
+    step(monitor, (0.0025, 4, 16))  # a quarter of a fused 10 ms collective
     assert layer_plans[0].expected_ms == pytest.approx(2.5) and layer_plans[0].measured_ms == pytest.approx(2.5)
 
 
@@ -70,7 +76,7 @@ def test_one_noisy_step_neither_starts_nor_breaks_a_drift() -> None:
 
 def test_layers_without_engine_exchanges_are_skipped() -> None:
     monitor = DriftMonitor(plans(10.0), {"fc0": ["fc0"]}, CALIBRATION)
-    assert monitor.record_step(lambda name: None) is None
+    assert step(monitor, None) is None
     assert [p.name for p in monitor.plans] == ["fc0"]
 
 
@@ -93,9 +99,9 @@ def test_refit_recovers_a_line_from_layers_of_different_sizes() -> None:
         plan.expected_ms = 1.0
     fitted = refit(Calibration.uniform(0.1, 1e-9, 1e10), layer_plans, terms)
     assert fitted.lines["allreduce"] == pytest.approx(truth, rel=1e-6)
-    # Exchanges without measurements are scaled by the median measured/expected ratio.
-    median_ratio = sorted(p.measured_ms / p.expected_ms for p in layer_plans)[1]  # type: ignore[operator]
-    assert fitted.lines["allgather"] == pytest.approx((0.1 * median_ratio, 1e-9 * median_ratio))
+    # Exchanges without measurements take allreduce's changes: α by its α's ratio, β by its β's.
+    assert fitted.lines["allgather"] == pytest.approx((0.1 * truth[0] / 0.1, 1e-9 * truth[1] / 1e-9))
+    assert fitted.lines["fp16"] == pytest.approx((0.1 * truth[0] / 0.1, 0.5e-9 * truth[1] / 1e-9))
 
 
 def test_refit_scales_when_sizes_cannot_separate_latency_from_bandwidth() -> None:
@@ -105,3 +111,63 @@ def test_refit_scales_when_sizes_cannot_separate_latency_from_bandwidth() -> Non
     terms = {p.name: (1.0, 64.0) for p in layer_plans}  # identical layers
     fitted = refit(CALIBRATION, layer_plans, terms)
     assert fitted.lines["allreduce"] == pytest.approx((0.020, 0.0))
+    assert fitted.lines["fp16"] == pytest.approx((0.020, 0.0))  # twice the latency, like allreduce's
+
+
+def test_a_refit_carries_latency_and_bandwidth_changes_separately_to_unmeasured_schemes() -> None:
+    calibration = Calibration.uniform(0.001, 1e-9, 1e10)  # fp16 moves half the bytes at the same latency
+    sizes = (64_000, 12_000_000, 25_000_000)
+    layer_plans = [LayerPlan(f"l{i}", "Linear", (1,), n, None, predicted_ms={"allreduce": calibration.seconds(
+                       "allreduce", n) * 1e3}) for i, n in enumerate(sizes)]  # fmt: skip
+    for plan in layer_plans:  # training is slower than calibration: 3x the latency, 1.5x the time per byte
+        plan.measured_ms = (0.003 + 1.5e-9 * plan.nbytes) * 1e3
+    fitted = refit(calibration, layer_plans, {p.name: (1.0, float(p.nbytes)) for p in layer_plans})
+    assert fitted.lines["allreduce"] == pytest.approx((0.003, 1.5e-9))
+    assert fitted.lines["fp16"] == pytest.approx((0.003, 0.75e-9))
+    for n in sizes:  # busier cores, not a slower link: fp16 gains nothing on allreduce
+        assert fitted.seconds("fp16", n) / fitted.seconds("allreduce", n) >= calibration.seconds(
+            "fp16", n) / calibration.seconds("allreduce", n)  # fmt: skip
+
+
+def test_the_ranks_agreed_times_are_what_counts() -> None:
+    layer_plans = plans(predicted_ms=10.0)
+    names = {p.name: [p.name] for p in layer_plans}
+    monitor = DriftMonitor(layer_plans, names, CALIBRATION, DriftConfig(steps=2, first_backoff_steps=0))
+    slow_rank = DriftMonitor(plans(predicted_ms=10.0), names, CALIBRATION, DriftConfig(steps=2, first_backoff_steps=0))
+    for _ in range(2):
+        monitor.record_step(lambda name: (0.010, 16, 16))
+        slow_rank.record_step(lambda name: (0.040, 16, 16))  # waited 30 ms for its peer to enter each collective
+    assert monitor.pending() == [0.010] * 6 and slow_rank.pending() == [0.040] * 6
+    agreed = [min(pair) for pair in zip(monitor.pending(), slow_rank.pending(), strict=True)]  # what MIN gives
+    assert monitor.agree(agreed) == pytest.approx(0.0) and slow_rank.agree(agreed) == pytest.approx(0.0)
+    assert layer_plans[0].measured_ms == pytest.approx(10.0)
+    assert monitor.pending() == []  # counted once
+    monitor.record_step(lambda name: (0.010, 16, 16))
+    with pytest.raises(ValueError, match="needs 3 values"):
+        monitor.agree([0.010])
+
+
+def test_a_layer_measured_on_a_mix_of_fused_and_lone_steps_is_compared_over_the_same_mix() -> None:
+    layer_plans = plans(predicted_ms=10.0)
+    monitor = DriftMonitor(layer_plans, {p.name: [p.name] for p in layer_plans}, CALIBRATION)
+    for _ in range(4):
+        step(monitor, (0.0025, 4, 16))  # fused: a quarter of one 10 ms collective
+        step(monitor, (0.010, 16, 16))  # alone: a whole one
+    step(monitor, (0.010, 16, 16))
+    # 5 of the last 9 steps ran alone: both medians are those of the lone steps, whatever the last step was.
+    assert layer_plans[0].measured_ms == pytest.approx(10.0) and layer_plans[0].expected_ms == pytest.approx(10.0)
+    step(monitor, (0.0025, 4, 16))
+    step(monitor, (0.0025, 4, 16))
+    assert layer_plans[0].measured_ms == pytest.approx(2.5) and layer_plans[0].expected_ms == pytest.approx(2.5)
+
+
+def test_refit_takes_the_matmul_rate_from_measured_sfb_rebuilds() -> None:
+    calibration = Calibration.uniform(0.001, 1e-9, 1e10)
+    layer = LayerPlan("fc", "Linear", (2048, 3072), 25_174_016, 32, predicted_ms={}, choice="sfb",
+                      rebuild_flops=8e8)  # fmt: skip
+    allgathers_s = 0.004
+    layer.predicted_ms["sfb"] = (allgathers_s + 8e8 / 1e10) * 1e3  # 4 ms of allgathers + 80 ms of rebuild
+    layer.measured_ms = (2 * allgathers_s + 0.040) * 1e3  # the matmul ran at 2e10 flop/s, the allgathers took 8 ms
+    fitted = refit(calibration, [layer], {}, {"fc": 0.040})
+    assert fitted.flops_per_s == pytest.approx(2e10)
+    assert fitted.lines["allgather"] == pytest.approx((0.002, 2e-9))  # twice as slow as calibrated

@@ -1,22 +1,25 @@
 """Compare the plan's predictions with what training measures, and say when to recalibrate.
 
 The engine records how long each collective ran (a fused batch's time shared by bytes). After every step the
-monitor sums each layer's exchanges, keeps a short running median per layer (shown as "measured ms" in the plan
-report), and computes the step's median relative error over the layers, from those running medians and each
-layer's prediction as executed (a layer fused with others shares one latency). When that error stays above the
-threshold for ``steps`` consecutive steps, ``drifted()`` says so; the optimizer then agrees with the other ranks (one
-tiny allreduce every ``steps`` steps), recalibrates from what training measured (``refit``: least squares of each
-exchange's α and β on the layers' times, or scaling by their median measured/expected ratio; probing again at idle
-would miss what training sees, e.g. collectives competing with backprop for the cores) and re-plans at the step
-boundary. A back-off doubles the wait after each recalibration, so a network the α-β model cannot capture is not
-refitted forever.
+monitor sums each layer's exchanges on this rank. Every ``steps`` steps the ranks reduce those times with MIN (one
+small allreduce): each collective's time on the rank that entered it last, the one that did not also wait for its
+peers. Per layer and over the same few steps, the monitor keeps running medians of that time and of the prediction
+as executed (a layer fused with others shares one latency); they are the plan report's "measured" and "expected"
+columns. A step's error is the median over layers of their relative difference. When that error stays above the
+threshold for ``steps`` consecutive steps, ``drifted()`` says so, on every rank alike (all see the same agreed
+values); the optimizer then recalibrates from what training measured (``refit``: least squares of each exchange's
+α and β on the layers' times, or scaling by their median measured/expected ratio; probing again at idle would miss
+what training sees, e.g. collectives competing with backprop for the cores) and re-plans at the step boundary. A
+back-off doubles the wait after each recalibration, so a network the α-β model cannot capture is not refitted
+forever.
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from shoal.plan.calibration import Calibration
@@ -53,8 +56,8 @@ Execution = tuple[float, int, int]
 class DriftMonitor:
     """Tracks measured against expected exchange time per layer, for one plan and calibration."""
 
-    __slots__ = ("_backoff", "_history", "_names", "_next_allowed", "_over", "_step", "calibration", "config", "plans",
-                 "recalibrations", "terms")  # fmt: skip
+    __slots__ = ("_backoff", "_history", "_names", "_next_allowed", "_over", "_pending", "_step", "calibration", "config",
+                 "plans", "rebuilds", "recalibrations", "terms")  # fmt: skip
 
     def __init__(self, plans: list[LayerPlan], names_by_layer: dict[str, list[str]], calibration: Calibration,
                  config: DriftConfig | None = None) -> None:  # fmt: skip
@@ -71,10 +74,19 @@ class DriftMonitor:
         self.plans = [p for p in plans if names_by_layer.get(p.name)]
         self._names = names_by_layer
         self.calibration = calibration
-        self._history: dict[str, deque[float]] = {p.name: deque(maxlen=self.config.window) for p in self.plans}
+        window = self.config.window
+        self._history: dict[str, deque[tuple[float, ...]]] = {p.name: deque(maxlen=window) for p in self.plans}
+        """Per layer, recent steps' (measured seconds, expected seconds as executed, share of latencies, this rank's
+        seconds of local work such as SFB's rebuild)."""
+        self.rebuilds: dict[str, float] = {}
+        """Per SFB layer, the running median of this rank's rebuild seconds; ``refit`` fits the matmul rate to it."""
+        self._pending: list[dict[str, tuple[float, ...]]] = []
+        """Steps recorded since the last ``agree``: per layer, (this rank's seconds, expected seconds, share, local
+        work seconds)."""
         self.terms: dict[str, tuple[float, float]] = {}
         """Per layer, how its time depends on the line as executed: (share of latencies, bytes), so that
-        ``time = latency * terms[0] + per_byte * terms[1]``; what ``refit`` fits the lines to."""
+        ``time = latency * terms[0] + per_byte * terms[1]``; what ``refit`` fits the lines to (the share is the
+        running median, over the same steps as the measured time)."""
 
     def replan(self, plans: list[LayerPlan], names_by_layer: dict[str, list[str]], calibration: Calibration) -> None:
         """Start over on a new plan after a recalibration (the back-off carries on, doubled)."""
@@ -84,41 +96,76 @@ class DriftMonitor:
         self._backoff *= 2
         self.recalibrations += 1
 
-    def _expected_seconds(self, plan: LayerPlan, parts: list[Execution]) -> float:
-        """The plan's prediction for the layer as the engine executed it this step."""
+    def _expected_seconds(self, plan: LayerPlan, parts: list[Execution]) -> tuple[float, float]:
+        """The plan's prediction for the layer as the engine executed it this step, and its share of latencies."""
         exchange = _EXCHANGE_OF.get(plan.choice)
         if exchange is None or plan.choice == "sfb":  # SFB's allgathers and rebuild are predicted as one
-            return plan.predicted_ms[plan.choice] / 1e3
+            return plan.predicted_ms[plan.choice] / 1e3, 1.0
         # Fused with other layers, the collective's latency is shared: predict the batch, keep this layer's part.
         itemsize = plan.nbytes / max(sum(own for _, own, _ in parts), 1)
-        self.terms[plan.name] = (
-            sum(own / batch for _, own, batch in parts if batch),
-            itemsize * sum(own for _, own, _ in parts),
-        )
-        return sum(self.calibration.seconds(exchange, batch * itemsize) * own / batch for _, own, batch in parts if batch)
+        share = sum(own / batch for _, own, batch in parts if batch)
+        expected = sum(self.calibration.seconds(exchange, batch * itemsize) * own / batch
+                       for _, own, batch in parts if batch)  # fmt: skip
+        return expected, share
 
     def record_step(self, execution_of: Callable[[str], Execution | None],
-                    extra_seconds: dict[str, float] | None = None) -> float | None:  # fmt: skip
-        """Take this step's measurements; returns the step's median relative error (None if nothing was measured).
+                    extra_seconds: dict[str, float] | None = None) -> None:  # fmt: skip
+        """Take this rank's measurements of a step; they count once ``agree`` has the ranks' agreed values.
 
         Args:
             execution_of: the engine's record of a request name (None when it has not run).
             extra_seconds: per layer, local work that belongs to its exchange (the SFB rebuild matmul).
         """
         self._step += 1
-        errors = []
+        row: dict[str, tuple[float, ...]] = {}
         for plan in self.plans:
             records = [execution_of(name) for name in self._names[plan.name]]
             parts = [record for record in records if record is not None]
             if len(parts) < len(records) or plan.choice not in plan.predicted_ms:
                 continue
-            measured = sum(seconds for seconds, _, _ in parts) + (extra_seconds or {}).get(plan.name, 0.0)
+            extra = (extra_seconds or {}).get(plan.name, 0.0)
+            row[plan.name] = (sum(seconds for seconds, _, _ in parts) + extra, *self._expected_seconds(plan, parts), extra)
+        self._pending.append(row)
+
+    def pending(self) -> list[float]:
+        """This rank's measured seconds for the steps recorded since the last ``agree``, step by step and layer by
+        layer in plan order (``inf`` where a layer was not measured): what the ranks reduce with MIN."""
+        return [row[p.name][0] if p.name in row else math.inf for row in self._pending for p in self.plans]
+
+    def agree(self, agreed: Sequence[float]) -> float | None:
+        """Count the pending steps with the ranks' agreed times; returns the last step's median relative error.
+
+        ``agreed`` is ``pending()`` reduced with MIN over the ranks: each collective's time on the rank that entered
+        it last, which did not wait for the others. The other ranks' times also include waiting for their peers to
+        arrive (one rank's backprop running late), which is not the exchange's cost and no model of it predicts.
+        Every rank passes the same values, so every rank reaches the same verdict.
+        """
+        if len(agreed) != len(self._pending) * len(self.plans):
+            raise ValueError(f"agree() needs {len(self._pending) * len(self.plans)} values, got {len(agreed)}")
+        error = None
+        for index, row in enumerate(self._pending):
+            step_error = self._count(row, agreed[index * len(self.plans) : (index + 1) * len(self.plans)])
+            error = step_error if step_error is not None else error
+        self._pending = []
+        return error
+
+    def _count(self, row: dict[str, tuple[float, ...]], agreed: Sequence[float]) -> float | None:
+        """Add one step's agreed times to the running medians; returns its median relative error."""
+        errors = []
+        for plan, measured in zip(self.plans, agreed, strict=True):
+            if plan.name not in row or not math.isfinite(measured):
+                continue
             history = self._history[plan.name]
-            history.append(measured)
-            typical = statistics.median(history)  # one noisy step should neither start nor break a drift
+            history.append((measured, *row[plan.name][1:]))
+            # Running medians over the same steps: one noisy step should neither start nor break a drift, and a
+            # layer fused on some steps and alone on others is compared with its prediction over the same mix.
+            typical, expected, share, extra = (statistics.median(column) for column in zip(*history, strict=True))
             plan.measured_ms = typical * 1e3
-            expected = self._expected_seconds(plan, parts)
             plan.expected_ms = expected * 1e3
+            if plan.choice == "sfb":
+                self.rebuilds[plan.name] = extra
+            elif _EXCHANGE_OF.get(plan.choice) is not None:
+                self.terms[plan.name] = (share, float(plan.nbytes))
             if typical > 0:
                 errors.append(abs(expected - typical) / typical)
         if not errors:
@@ -128,7 +175,7 @@ class DriftMonitor:
         return error
 
     def check_due(self) -> bool:
-        """True on the steps where the ranks compare their drift verdicts (the same steps on every rank)."""
+        """True on the steps where the ranks agree on their measurements (the same steps on every rank)."""
         return self._step % self.config.steps == 0
 
     def drifted(self) -> bool:
@@ -136,38 +183,57 @@ class DriftMonitor:
         return self._over >= self.config.steps and self._step >= self._next_allowed
 
 
-def refit(calibration: Calibration, plans: list[LayerPlan], terms: dict[str, tuple[float, float]]) -> Calibration:
-    """Fit each exchange's α–β line to what training measured, layer by layer.
+def refit(calibration: Calibration, plans: list[LayerPlan], terms: dict[str, tuple[float, float]],
+          rebuilds: dict[str, float] | None = None) -> Calibration:  # fmt: skip
+    """Fit each exchange's α–β line, and the matmul rate, to what training measured, layer by layer.
 
     With two or more layers of different sizes on an exchange, α and β are refitted by least squares on relative
-    error (``measured ≈ α·share_of_latencies + β·bytes``, from ``terms``); otherwise, and for SFB's allgather (whose
-    layers also carry a rebuild), the line is scaled by the median measured/expected ratio. Exchanges no layer used
-    are scaled by the median ratio over all layers; the matmul rate is kept.
+    error (``measured ≈ α·share_of_latencies + β·bytes``, from ``terms``); otherwise the line is scaled by the median
+    measured/expected ratio. For SFB layers, ``rebuilds`` (their measured rebuild seconds) sets the matmul rate (the
+    median of rebuild flops per second), and only the rest of their time, the allgathers, counts towards the
+    allgather line. An exchange no layer used takes the changes of the exchange most layers used, α by its α's
+    ratio and β by its β's: what training shows (a busier host, a slower link) applies to every exchange alike,
+    term by term. A single overall factor
+    would not do: when training inflates latency more than bandwidth, as busy cores do, scaling fp16's whole line
+    by the median ratio makes it look cheaper than the refitted allreduce at sizes where it is not.
     """
     ratios: dict[str, list[float]] = {}
     points: dict[str, list[tuple[float, float, float]]] = {}
+    rebuilds = rebuilds or {}
+    rates = [plan.rebuild_flops / rebuilds[plan.name] for plan in plans
+             if plan.choice == "sfb" and plan.rebuild_flops and rebuilds.get(plan.name, 0.0) > 0]  # fmt: skip
+    flops_per_s = statistics.median(rates) if rates else calibration.flops_per_s
     for plan in plans:
         exchange = _EXCHANGE_OF.get(plan.choice)
         if exchange is None or not plan.measured_ms or plan.choice not in plan.predicted_ms:
             continue
-        expected = expected_ms(plan)
-        if not expected:
+        measured, expected = plan.measured_ms / 1e3, expected_ms(plan) / 1e3
+        if plan.choice == "sfb" and plan.rebuild_flops and plan.name in rebuilds:
+            measured -= rebuilds[plan.name]  # what the allgathers took
+            expected -= plan.rebuild_flops / calibration.flops_per_s  # what the plan gave them
+        if measured <= 0 or expected <= 0:
             continue
-        ratios.setdefault(exchange, []).append(plan.measured_ms / expected)
+        ratios.setdefault(exchange, []).append(measured / expected)
         if plan.choice != "sfb" and plan.name in terms:
-            points.setdefault(exchange, []).append((*terms[plan.name], plan.measured_ms / 1e3))
+            points.setdefault(exchange, []).append((*terms[plan.name], measured))
     if not ratios:
-        return calibration
-    overall = statistics.median(r for values in ratios.values() for r in values)
+        return Calibration(calibration.lines, flops_per_s, calibration.links)
     lines = {}
-    for exchange, (latency, per_byte) in calibration.lines.items():
+    for exchange in ratios:
+        latency, per_byte = calibration.lines[exchange]
         fitted = _least_squares(points.get(exchange, []))
-        if fitted is not None:
-            lines[exchange] = fitted
-        else:
-            factor = statistics.median(ratios[exchange]) if exchange in ratios else overall
-            lines[exchange] = (latency * factor, per_byte * factor)
-    return Calibration(lines, calibration.flops_per_s, calibration.links)
+        if fitted is None:
+            factor = statistics.median(ratios[exchange])
+            fitted = (latency * factor, per_byte * factor)
+        lines[exchange] = fitted
+    reference = max(ratios, key=lambda exchange: len(ratios[exchange]))
+    (old_latency, old_per_byte), (new_latency, new_per_byte) = calibration.lines[reference], lines[reference]
+    overall = statistics.median(ratios[reference])
+    latency_factor = new_latency / old_latency if old_latency > 0 else overall
+    per_byte_factor = new_per_byte / old_per_byte if old_per_byte > 0 else overall
+    for exchange, (latency, per_byte) in calibration.lines.items():
+        lines.setdefault(exchange, (latency * latency_factor, per_byte * per_byte_factor))
+    return Calibration(lines, flops_per_s, calibration.links)
 
 
 def _least_squares(points: list[tuple[float, float, float]]) -> tuple[float, float] | None:

@@ -34,6 +34,8 @@ class LayerPlan:
     choice: str = "allreduce"
     forced: bool = False
     measured_ms: float | None = None
+    rebuild_flops: float | None = None
+    """For a fully-connected layer: the floating-point operations of SFB's gradient rebuild (2·P·K·M·N)."""
     expected_ms: float | None = None
     """The chosen scheme's prediction as executed: a layer fused with others into one collective shares that
     collective's α and pays for its own bytes; what ``measured_ms`` is compared with (None before training)."""
@@ -59,13 +61,19 @@ def predict(calibration: Calibration, workers: int, nbytes: int, linear: tuple[i
         rows, outputs, inputs = linear
         gathered_input = workers * rows * inputs * itemsize
         gathered_grad = workers * rows * outputs * itemsize
-        rebuild = 2.0 * workers * rows * outputs * inputs / calibration.flops_per_s
+        rebuild = sfb_rebuild_flops(workers, linear) / calibration.flops_per_s
         # Two allgathers (inputs and output gradients), then one matmul rebuilds the summed gradient.
         predictions["sfb"] = (calibration.seconds("allgather", gathered_input)
                               + calibration.seconds("allgather", gathered_grad) + rebuild)  # fmt: skip
     if servers:
         predictions["ps"] = predict_ps(calibration, workers, servers, nbytes)
     return predictions
+
+
+def sfb_rebuild_flops(workers: int, linear: tuple[int, int, int]) -> float:
+    """Floating-point operations of SFB's rebuild for (K, M, N): the (M×PK)·(PK×N) matmul of the gathered factors."""
+    rows, outputs, inputs = linear
+    return 2.0 * workers * rows * outputs * inputs
 
 
 def predict_ps(calibration: Calibration, workers: int, servers: int, nbytes: int) -> float:
@@ -134,6 +142,8 @@ def build_plan(
         predictions = predict(calibration, workers, nbytes, linear, params[0].element_size(), servers)
         plan = LayerPlan(name, type(module).__name__, tuple(module.weight.shape) if hasattr(module, "weight") else (),
                          nbytes, rows.get(name), {k: v * 1e3 for k, v in predictions.items()})  # fmt: skip
+        if linear is not None:
+            plan.rebuild_flops = sfb_rebuild_flops(workers, linear)
         forced = forced_scheme(name, module, overrides)
         if forced is not None:
             if forced == "sfb" and linear is None:
@@ -177,6 +187,6 @@ def format_plan(plans: list[LayerPlan], workers: int, calibration: Calibration |
         rate = f"{1e-9 / per_byte:.2f} GB/s" if per_byte > 0 else "unbounded"
         lines.append(f"{link} link (gloo allreduce): latency {latency * 1e3:.3f} ms, {rate}")
     lines.append("* forced by comm_overrides. expected: the choice's prediction as executed (fused layers share one "
-                 "latency); measured: its running median in training (not ps); auto chooses ps only with dedicated "
-                 "servers (shoalrun --num-servers)")  # fmt: skip
+                 "latency); measured: the fastest rank's time in training (not ps); both running medians; auto "
+                 "chooses ps only with dedicated servers (shoalrun --num-servers)")  # fmt: skip
     return "\n".join(lines)

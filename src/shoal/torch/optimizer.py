@@ -390,25 +390,28 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def _shoal_watch_drift(self) -> None:
         """After a synchronized step: compare measured exchange times with the plan; re-plan together on drift."""
         monitor = self._shoal_drift
-        if monitor is None:
+        if monitor is None or not monitor.plans:
             return
         engine = handles.engine()
         set_id = set_id_of(self._shoal_process_set)
         rebuilds = {layer.name: layer.rebuild_seconds for layer in self._shoal_sfb_of.values()}
-        error = monitor.record_step(lambda name: engine.execution(name, set_id), rebuilds)
+        monitor.record_step(lambda name: engine.execution(name, set_id), rebuilds)
         if not monitor.check_due():
             return
-        verdict = functions.allreduce(torch.tensor([int(monitor.drifted())]), op=functions.Max,
-                                      name="DistributedOptimizer.plan.drift", process_set=self._shoal_process_set)  # fmt: skip
-        if int(verdict[0]):
+        local = torch.tensor(monitor.pending(), dtype=torch.float64)
+        agreed = functions.allreduce(local, op=functions.Min, name="DistributedOptimizer.plan.measured",
+                                     process_set=self._shoal_process_set)  # fmt: skip
+        error = monitor.agree(agreed.tolist())
+        if monitor.drifted():  # the same verdict on every rank: all hold the same agreed times
             get_logger().warning(
-                "measured exchange times drift from the plan (median error %.0f%% on this rank for %d steps): "
+                "measured exchange times drift from the plan (median error %.0f%% for %d steps): "
                 "recalibrating from the measurements and re-planning",
                 100 * (error or 0.0),
                 monitor.config.steps,
             )
             assert self._shoal_plans is not None and self._shoal_calibration is not None
-            fitted = broadcast_object(refit(self._shoal_calibration, self._shoal_plans, monitor.terms), root_rank=0,
+            fitted = broadcast_object(refit(self._shoal_calibration, self._shoal_plans, monitor.terms,
+                                            monitor.rebuilds), root_rank=0,
                                       name="DistributedOptimizer.plan.refit", process_set=self._shoal_process_set)  # fmt: skip
             keep_calibration(fitted)
             self._shoal_apply_plan(fitted)
