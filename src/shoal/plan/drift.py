@@ -179,7 +179,8 @@ class DriftMonitor:
         return self._step % self.config.steps == 0
 
     def drifted(self) -> bool:
-        """This rank's verdict: the last ``steps`` steps all drifted, and the back-off has passed."""
+        """The verdict, alike on every rank that agreed the same times: the last ``steps`` steps all drifted, and the
+        back-off has passed."""
         return self._over >= self.config.steps and self._step >= self._next_allowed
 
 
