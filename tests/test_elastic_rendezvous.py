@@ -13,7 +13,8 @@ from shoal.exceptions import ElasticRendezvousError, WorkerRemovedError
 from shoal.runner.cli import parse_args
 from shoal.runner.discovery import HostDiscovery, run_discovery_script
 from shoal.runner.hosts import HostSlots, HostSpecError
-from shoal.runtime.elastic_rendezvous import REMOVED, Assignment, ElasticKeys, join_round
+from shoal.runtime.elastic_rendezvous import REMOVED, ElasticKeys, join_round
+from shoal.runtime.launch_env import SlotInfo
 
 
 @pytest.mark.parametrize(
@@ -86,7 +87,7 @@ def _store() -> dist.TCPStore:
 def _publish(store: dist.TCPStore, keys: ElasticKeys, round_number: int, members: dict[str, int], removed=()) -> None:  # type: ignore[no-untyped-def]
     for worker_id, rank in members.items():
         store.set(
-            keys.assignment(round_number, worker_id), Assignment(rank, len(members), rank, len(members), 0, 1, "h").to_json()
+            keys.assignment(round_number, worker_id), SlotInfo("h", rank, len(members), rank, len(members), 0, 1).to_json()
         )
     for worker_id in removed:
         store.set(keys.assignment(round_number, worker_id), REMOVED)
@@ -96,7 +97,7 @@ def _publish(store: dist.TCPStore, keys: ElasticKeys, round_number: int, members
 def test_a_round_forms_once_every_member_arrives() -> None:
     store, keys = _store(), ElasticKeys("t")
     _publish(store, keys, 1, {"a": 0, "b": 1})
-    results: dict[str, tuple[Assignment, int]] = {}
+    results: dict[str, tuple[SlotInfo, int]] = {}
 
     def join(worker_id: str) -> None:
         results[worker_id] = join_round(store, keys, worker_id, 0, timeout_s=10)
@@ -106,21 +107,21 @@ def test_a_round_forms_once_every_member_arrives() -> None:
         thread.start()
     for thread in threads:
         thread.join(timeout=15)
-    assert results["a"] == (Assignment(0, 2, 0, 2, 0, 1, "h"), 1) and results["b"][0].rank == 1
+    assert results["a"] == (SlotInfo("h", 0, 2, 0, 2, 0, 1), 1) and results["b"][0].rank == 1
     assert store.get(keys.state(1)) == b"formed"
 
 
 def test_a_round_missing_a_member_is_abandoned_for_the_next() -> None:
     store, keys = _store(), ElasticKeys("t")
     _publish(store, keys, 1, {"a": 0, "dead": 1})
-    result: list[tuple[Assignment, int]] = []
+    result: list[tuple[SlotInfo, int]] = []
     thread = threading.Thread(target=lambda: result.append(join_round(store, keys, "a", 0, timeout_s=10)))
     thread.start()
     while store.add(keys.arrived(1), 0) < 1:  # a has arrived in round 1 and waits for "dead"
         pass
     _publish(store, keys, 2, {"a": 0})
     thread.join(timeout=15)
-    assert result == [(Assignment(0, 1, 0, 1, 0, 1, "h"), 2)]
+    assert result == [(SlotInfo("h", 0, 1, 0, 1, 0, 1), 2)]
     assert store.get(keys.state(1)) == b"abandoned"
 
 

@@ -21,12 +21,12 @@ import argparse
 import signal
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 from shoal.runner.discovery import HostDiscovery
 from shoal.runner.hosts import HostSlots, SlotInfo, place_ranks
 from shoal.runner.launcher import Job, Worker, _describe_status, requested_hosts
-from shoal.runtime.elastic_rendezvous import ELASTIC_ID_ENV, ELASTIC_TIMEOUT_ENV, REMOVED, Assignment, ElasticKeys
+from shoal.runtime.elastic_rendezvous import ELASTIC_ID_ENV, ELASTIC_TIMEOUT_ENV, REMOVED, ElasticKeys
 
 _READY_SETTLE_S = 0.2
 """A worker asking for a new round usually saw a peer die; give the driver a moment to see the exit too."""
@@ -108,8 +108,7 @@ class ElasticJob(Job):
         assert self._store is not None and self._keys is not None
         self.round += 1
         for member, place in zip(members, place_ranks([m.hostname for m in members]), strict=True):
-            assignment = Assignment(**asdict(place))
-            self._store.set(self._keys.assignment(self.round, member.worker_id), assignment.to_json())
+            self._store.set(self._keys.assignment(self.round, member.worker_id), place.to_json())
             member.rank, member.state = place.rank, "member"
         for worker in self._alive("member", "starting"):
             if worker not in members and worker.state == "member":

@@ -6,6 +6,8 @@ import socket
 from dataclasses import dataclass
 from pathlib import Path
 
+from shoal.runtime.launch_env import SlotInfo
+
 
 class HostSpecError(ValueError):
     """A host list or hostfile that cannot be parsed, or that cannot hold the requested processes."""
@@ -17,19 +19,6 @@ class HostSlots:
 
     hostname: str
     slots: int
-
-
-@dataclass(frozen=True)
-class SlotInfo:
-    """Where one rank runs and its place in the topology, as shoalrun hands it to the worker."""
-
-    hostname: str
-    rank: int
-    size: int
-    local_rank: int
-    local_size: int
-    cross_rank: int
-    cross_size: int
 
 
 def parse_host_entry(entry: str, origin: str) -> HostSlots:

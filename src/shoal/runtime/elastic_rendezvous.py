@@ -15,13 +15,12 @@ round published first marks it ``abandoned`` (a compare-and-set decides which ca
 
 from __future__ import annotations
 
-import json
 import os
 import time
-from dataclasses import dataclass
 from typing import Any
 
 from shoal.exceptions import ElasticRendezvousError, WorkerRemovedError
+from shoal.runtime.launch_env import SlotInfo
 
 ELASTIC_ID_ENV = "SHOAL_ELASTIC_ID"
 """Set by the elastic driver: the worker's identity across rounds (its rank changes, this does not)."""
@@ -34,28 +33,6 @@ _POLL_S = 0.02
 def is_elastic_worker() -> bool:
     """True in a worker started by shoalrun in elastic mode."""
     return bool(os.environ.get(ELASTIC_ID_ENV))
-
-
-@dataclass(frozen=True)
-class Assignment:
-    """A worker's place in one round."""
-
-    rank: int
-    size: int
-    local_rank: int
-    local_size: int
-    cross_rank: int
-    cross_size: int
-    hostname: str
-
-    def to_json(self) -> str:
-        """The form the driver writes into the store."""
-        return json.dumps(self.__dict__, sort_keys=True)
-
-    @classmethod
-    def from_json(cls, text: str) -> Assignment:
-        """Parse what the driver wrote."""
-        return cls(**json.loads(text))
 
 
 class ElasticKeys:
@@ -101,7 +78,7 @@ def current_round(store: Any, keys: ElasticKeys) -> int:
     return int(store.get(keys.round).decode())
 
 
-def join_round(store: Any, keys: ElasticKeys, worker_id: str, last_round: int, timeout_s: float) -> tuple[Assignment, int]:
+def join_round(store: Any, keys: ElasticKeys, worker_id: str, last_round: int, timeout_s: float) -> tuple[SlotInfo, int]:
     """Wait for the newest round after ``last_round`` that assigns this worker, and for all its members to arrive.
 
     Returns:
@@ -122,7 +99,7 @@ def join_round(store: Any, keys: ElasticKeys, worker_id: str, last_round: int, t
             if value == REMOVED:
                 raise WorkerRemovedError(f"the elastic driver left this worker out of round {newest}")
             joined.add(newest)
-            assignment = Assignment.from_json(value)
+            assignment = SlotInfo.from_json(value)
             if _await_members(store, keys, newest, worker_id, assignment.size, deadline):
                 return assignment, newest
             continue

@@ -8,10 +8,34 @@ Supported launchers, tried in this order: shoalrun (``SHOAL_RANK``), torchrun (`
 from __future__ import annotations
 
 import hashlib
+import json
 import re
 import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class SlotInfo:
+    """Where one rank runs and its place in the topology, as shoalrun hands it to the worker (through the
+    environment, or, in an elastic round, through the store as JSON)."""
+
+    hostname: str
+    rank: int
+    size: int
+    local_rank: int
+    local_size: int
+    cross_rank: int
+    cross_size: int
+
+    def to_json(self) -> str:
+        """The form the elastic driver writes into the store."""
+        return json.dumps(self.__dict__, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> SlotInfo:
+        """Parse what the elastic driver wrote."""
+        return cls(**json.loads(text))
 
 
 @dataclass(frozen=True)
