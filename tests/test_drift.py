@@ -16,6 +16,8 @@ def plans(predicted_ms: float) -> list[LayerPlan]:
 
 CALIBRATION = Calibration.uniform(0.010, 0.0, 1e10)
 """Every collective takes 10 ms, whatever its size."""
+NO_WARMUP = DriftConfig(warmup_steps=0)
+"""Count from a plan's first step (the warm-up has a test of its own)."""
 
 
 def step(monitor: DriftMonitor, execution: tuple[float, int, int] | None) -> float | None:
@@ -31,7 +33,9 @@ def run_steps(monitor: DriftMonitor, seconds: float, count: int) -> list[float |
 
 def test_accurate_predictions_never_drift_and_fill_measured_ms() -> None:
     layer_plans = plans(predicted_ms=10.0)
-    monitor = DriftMonitor(layer_plans, {p.name: [f"{p.name}.weight", f"{p.name}.bias"] for p in layer_plans}, CALIBRATION)
+    monitor = DriftMonitor(
+        layer_plans, {p.name: [f"{p.name}.weight", f"{p.name}.bias"] for p in layer_plans}, CALIBRATION, NO_WARMUP
+    )
     errors = run_steps(monitor, 0.0105, 20)
     assert all(e is not None and e < 0.1 for e in errors)
     assert not monitor.drifted()
@@ -40,7 +44,7 @@ def test_accurate_predictions_never_drift_and_fill_measured_ms() -> None:
 
 def test_a_layer_fused_with_others_is_expected_to_pay_its_share_of_one_latency() -> None:
     layer_plans = plans(predicted_ms=10.0)
-    monitor = DriftMonitor(layer_plans, {p.name: [p.name] for p in layer_plans}, CALIBRATION)
+    monitor = DriftMonitor(layer_plans, {p.name: [p.name] for p in layer_plans}, CALIBRATION, NO_WARMUP)
     step(monitor, (0.0025, 4, 16))  # a quarter of a fused 10 ms collective
     assert layer_plans[0].expected_ms == pytest.approx(2.5) and layer_plans[0].measured_ms == pytest.approx(2.5)
 
@@ -48,7 +52,7 @@ def test_a_layer_fused_with_others_is_expected_to_pay_its_share_of_one_latency()
 def test_sustained_drift_is_reported_after_the_configured_steps_then_backs_off() -> None:
     layer_plans = plans(predicted_ms=10.0)
     names = {p.name: [p.name, p.name + ".bias"] for p in layer_plans}
-    monitor = DriftMonitor(layer_plans, names, CALIBRATION, DriftConfig(steps=5, first_backoff_steps=20))
+    monitor = DriftMonitor(layer_plans, names, CALIBRATION, DriftConfig(steps=5, first_backoff_steps=20, warmup_steps=0))
     run_steps(monitor, 0.040, 4)
     assert not monitor.drifted()  # 4 steps of drift are not yet "several"
     run_steps(monitor, 0.040, 1)
@@ -63,7 +67,7 @@ def test_sustained_drift_is_reported_after_the_configured_steps_then_backs_off()
 def test_one_noisy_step_neither_starts_nor_breaks_a_drift() -> None:
     layer_plans = plans(predicted_ms=10.0)
     names = {p.name: [p.name, p.name + ".bias"] for p in layer_plans}
-    monitor = DriftMonitor(layer_plans, names, CALIBRATION, DriftConfig(steps=3, first_backoff_steps=0))
+    monitor = DriftMonitor(layer_plans, names, CALIBRATION, DriftConfig(steps=3, first_backoff_steps=0, warmup_steps=0))
     run_steps(monitor, 0.010, 3)
     run_steps(monitor, 0.040, 1)  # a single slow step: the running median stays on the prediction
     assert not monitor.drifted()
@@ -75,7 +79,7 @@ def test_one_noisy_step_neither_starts_nor_breaks_a_drift() -> None:
 
 
 def test_layers_without_engine_exchanges_are_skipped() -> None:
-    monitor = DriftMonitor(plans(10.0), {"fc0": ["fc0"]}, CALIBRATION)
+    monitor = DriftMonitor(plans(10.0), {"fc0": ["fc0"]}, CALIBRATION, NO_WARMUP)
     assert step(monitor, None) is None
     assert [p.name for p in monitor.plans] == ["fc0"]
 
@@ -132,8 +136,9 @@ def test_a_refit_carries_latency_and_bandwidth_changes_separately_to_unmeasured_
 def test_the_ranks_agreed_times_are_what_counts() -> None:
     layer_plans = plans(predicted_ms=10.0)
     names = {p.name: [p.name] for p in layer_plans}
-    monitor = DriftMonitor(layer_plans, names, CALIBRATION, DriftConfig(steps=2, first_backoff_steps=0))
-    slow_rank = DriftMonitor(plans(predicted_ms=10.0), names, CALIBRATION, DriftConfig(steps=2, first_backoff_steps=0))
+    config = DriftConfig(steps=2, first_backoff_steps=0, warmup_steps=0)
+    monitor = DriftMonitor(layer_plans, names, CALIBRATION, config)
+    slow_rank = DriftMonitor(plans(predicted_ms=10.0), names, CALIBRATION, config)
     for _ in range(2):
         monitor.record_step(lambda name: (0.010, 16, 16))
         slow_rank.record_step(lambda name: (0.040, 16, 16))  # waited 30 ms for its peer to enter each collective
@@ -149,7 +154,7 @@ def test_the_ranks_agreed_times_are_what_counts() -> None:
 
 def test_a_layer_measured_on_a_mix_of_fused_and_lone_steps_is_compared_over_the_same_mix() -> None:
     layer_plans = plans(predicted_ms=10.0)
-    monitor = DriftMonitor(layer_plans, {p.name: [p.name] for p in layer_plans}, CALIBRATION)
+    monitor = DriftMonitor(layer_plans, {p.name: [p.name] for p in layer_plans}, CALIBRATION, NO_WARMUP)
     for _ in range(4):
         step(monitor, (0.0025, 4, 16))  # fused: a quarter of one 10 ms collective
         step(monitor, (0.010, 16, 16))  # alone: a whole one
@@ -171,3 +176,22 @@ def test_refit_takes_the_matmul_rate_from_measured_sfb_rebuilds() -> None:
     fitted = refit(calibration, [layer], {}, {"fc": 0.040})
     assert fitted.flops_per_s == pytest.approx(2e10)
     assert fitted.lines["allgather"] == pytest.approx((0.002, 2e-9))  # twice as slow as calibrated
+
+
+def test_a_plans_first_steps_are_not_counted() -> None:
+    layer_plans = plans(predicted_ms=10.0)
+    names = {p.name: [p.name] for p in layer_plans}
+    monitor = DriftMonitor(layer_plans, names, CALIBRATION, DriftConfig(steps=2, first_backoff_steps=0, warmup_steps=3))
+    for _ in range(3):  # one-off costs of a fresh plan: four times the steady time
+        monitor.record_step(lambda name: (0.040, 16, 16))
+        assert monitor.pending() == [] and not monitor.check_due()
+    assert layer_plans[0].measured_ms is None
+    monitor.record_step(lambda name: (0.010, 16, 16))
+    assert monitor.check_due()  # step 4: the ranks agree on step 4 alone
+    assert monitor.agree(monitor.pending()) == pytest.approx(0.0)
+    assert layer_plans[0].measured_ms == pytest.approx(10.0)
+    fresh = plans(predicted_ms=10.0)
+    monitor.replan(fresh, names, CALIBRATION)  # a new plan warms up again
+    for _ in range(3):
+        monitor.record_step(lambda name: (0.040, 16, 16))
+    assert monitor.pending() == [] and fresh[0].measured_ms is None

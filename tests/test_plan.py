@@ -153,7 +153,7 @@ def _drifting(path: str) -> dict[str, object]:
     optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
                                          named_parameters=model.named_parameters(), model=model, comm="auto")  # fmt: skip
     x, y = data(hvd.size(), 4)
-    for step in range(14):
+    for step in range(24):  # plan, 5 warm-up steps, 5 drifting ones, re-plan, 5 warm-up steps, 5 measured
         optimizer.zero_grad()
         nn.functional.mse_loss(model(x[step % 3]), y[step % 3]).backward()
         optimizer.step()
