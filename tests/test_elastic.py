@@ -24,8 +24,8 @@ EXAMPLE = [sys.executable, str(REPO / "examples" / "elastic_digits.py")]
 class RunningJob:
     """A shoalrun job whose merged output is collected line by line in the background."""
 
-    def __init__(self, flags: list[str], example_args: list[str]) -> None:
-        self.process = subprocess.Popen([*SHOALRUN, *flags, *EXAMPLE, *example_args], env=clean_env(), cwd=REPO,
+    def __init__(self, flags: list[str], example_args: list[str], command: list[str] = EXAMPLE) -> None:
+        self.process = subprocess.Popen([*SHOALRUN, *flags, *command, *example_args], env=clean_env(), cwd=REPO,
                                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
         self.lines: list[str] = []
         self._reader = threading.Thread(target=self._read, daemon=True)
@@ -218,3 +218,17 @@ def test_a_remote_worker_killed_over_ssh_excludes_its_host(loopback_sshd: tuple[
     check_every_sample_once(summary, 4)
     job.wait_for(r"on host 127\.0\.0\.2 .*host 127\.0\.0\.2 gets no new workers", 1)
     assert gone(list(pids.values()), 10), "a worker outlived the job"
+
+
+@pytest.mark.timeout(150)
+def test_unnamed_collectives_barrier_and_sync_batch_norm_pair_up_after_a_reform(tmp_path: Path) -> None:
+    """Survivors and a newcomer name unnamed requests alike after the re-form (the counters restart per init)."""
+    hosts, script = discovery(tmp_path, "localhost:2")
+    worker = [sys.executable, str(REPO / "tests" / "workers" / "elastic_unnamed.py")]
+    job = RunningJob(["-np", "2", "--max-np", "3", "--host-discovery-script", str(script)], ["--steps", "40"], worker)
+    job.wait_for(r"step 5 world 2 rank 0 ok", 60)
+    hosts.write_text("localhost:3\n")
+    assert job.finish(120) == 0, "\n".join(job.lines[-30:])
+    grown = [line for line in job.lines if re.search(r"step \d+ world 3 rank \d ok", line)]
+    assert {re.search(r"rank (\d)", line).group(1) for line in grown} == {"0", "1", "2"}, job.lines[-30:]  # type: ignore[union-attr]
+    assert sum("done world 3" in line for line in job.lines) == 3, job.lines[-30:]

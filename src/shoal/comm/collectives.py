@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -55,9 +56,15 @@ def allgather_object(obj: Any, group_size: int, group: Group) -> list[Any]:
     return gathered
 
 
-def new_group(ranks: list[int]) -> Group:
-    """Create a process group of ``ranks``; every world rank must call this in the same order."""
-    return dist.new_group(ranks=ranks)
+def new_group(ranks: list[int], timeout_s: float | None = None) -> Group:
+    """Create a process group of ``ranks``; every world rank must call this in the same order.
+
+    Args:
+        ranks: the global ranks of the group.
+        timeout_s: how long any collective on the group may block before it fails; None takes torch's default.
+    """
+    timeout = timedelta(seconds=timeout_s) if timeout_s is not None else None
+    return dist.new_group(ranks=ranks, timeout=timeout)
 
 
 def destroy_group(group: Group) -> None:

@@ -39,6 +39,16 @@ class EngineConfig:
     """Warn when a tensor has waited this long for other ranks (SHOAL_STALL_CHECK_TIME_SECONDS)."""
     stall_shutdown_time_s: float = 0.0
     """Fail every pending request when a tensor stalls this long; 0 never (SHOAL_STALL_SHUTDOWN_TIME_SECONDS)."""
+    collective_timeout_s: float = 600.0
+    """How long one of the engine's collectives may block before the transport gives up and the engine stops
+    (SHOAL_COLLECTIVE_TIMEOUT_SECONDS). It only matters when a peer's engine stops taking part while its process
+    lives on: a rank that is merely busy (evaluating, checkpointing) keeps its engine cycling, and waits of any
+    length are normal. It is never shorter than the stall shutdown time, so the stall inspector speaks first."""
+
+    @property
+    def transport_timeout_s(self) -> float:
+        """The timeout the engine gives its groups: the collective timeout, at least the stall shutdown time."""
+        return max(self.collective_timeout_s, self.stall_shutdown_time_s + 30.0)
 
     def __post_init__(self) -> None:
         if self.fusion_threshold_bytes < 0:
@@ -55,6 +65,11 @@ class EngineConfig:
             raise ValueError(f"stall check time must be > 0 s, got {self.stall_check_time_s}")
         if self.stall_shutdown_time_s < 0:
             raise ValueError(f"stall shutdown time must be >= 0 s, got {self.stall_shutdown_time_s}")
+        if self.collective_timeout_s <= self.stall_check_time_s and not self.stall_check_disabled:
+            raise ValueError(
+                f"the collective timeout ({self.collective_timeout_s} s) must exceed the stall check time "
+                f"({self.stall_check_time_s} s), so that a stall is reported before the transport gives up"
+            )
 
     @classmethod
     def from_env(cls) -> EngineConfig:
@@ -74,4 +89,5 @@ class EngineConfig:
             stall_check_disabled=env_bool("STALL_CHECK_DISABLE", False),
             stall_check_time_s=env_float("STALL_CHECK_TIME_SECONDS", defaults.stall_check_time_s),
             stall_shutdown_time_s=env_float("STALL_SHUTDOWN_TIME_SECONDS", defaults.stall_shutdown_time_s),
+            collective_timeout_s=env_float("COLLECTIVE_TIMEOUT_SECONDS", defaults.collective_timeout_s),
         )

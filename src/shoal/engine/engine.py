@@ -30,8 +30,9 @@ from shoal.engine.fusion import plan_batches
 from shoal.engine.negotiation import MessageTable, Response
 from shoal.engine.request import DATA_KINDS, Kind, Request, RequestMeta
 from shoal.engine.response_cache import ResponseCache
-from shoal.engine.stall import StallInspector
+from shoal.engine.stall import CollectiveWatch, StallInspector
 from shoal.engine.timeline import Timeline
+from shoal.engine.validation import check_request
 from shoal.exceptions import HorovodInternalError
 from shoal.log import get_logger
 from shoal.runtime.topology import Topology
@@ -55,13 +56,18 @@ class Engine:
         self.config = config
         # The engine owns a group of its own, so that the user's own torch.distributed calls on the default group
         # (DDP, a raw all_reduce) never interleave with the engine's collectives on the same connections.
-        self._world: Any = collectives.new_group(list(range(size)))
+        # Every group gets an explicit timeout (torch's default is 30 minutes); see EngineConfig.collective_timeout_s.
+        self._world: Any = collectives.new_group(list(range(size)), config.transport_timeout_s)
         self.hierarchical = self._setup_hierarchical(topology, store, job)
         self.process_sets: dict[int, ProcessSetState] = {0: ProcessSetState(tuple(range(size)), self._world)}
         self.timeline: Timeline | None = None
         if config.timeline_path:
             self.timeline = self._open_timeline(config.timeline_path, config.timeline_mark_cycles)
-        self._executor = Executor(rank, self.process_sets, lambda: self.timeline, self.hierarchical)
+        self._watch = CollectiveWatch(rank, config.stall_check_time_s, config.stall_shutdown_time_s,
+                                      config.transport_timeout_s, self._stall_shutdown,
+                                      config.stall_check_disabled)  # fmt: skip
+        self._executor = Executor(rank, self.process_sets, lambda: self.timeline, self.hierarchical, self._watch,
+                                  config.transport_timeout_s)  # fmt: skip
         self._cache = ResponseCache(config.cache_capacity, rank)
         self._bit_words = (config.cache_capacity + 62) // 63
         self._table = MessageTable(size)
@@ -85,10 +91,15 @@ class Engine:
     def submit(self, requests: list[Request]) -> None:
         """Queue requests together (a grouped call lands in one cycle, hence one fused buffer).
 
+        Every request is checked here, on the caller's thread, before any is queued.
+
         Raises:
-            ValueError: a name is already in flight (nothing is queued then).
+            TypeError: a dtype the engine cannot carry, or an op not defined for it (nothing is queued then).
+            ValueError: a name already in flight, an unsupported device or op (nothing is queued then).
             EngineStoppedError: the engine has stopped.
         """
+        for request in requests:
+            check_request(request.meta)
         keys = [(request.meta.process_set, request.meta.name) for request in requests]
         with self._lock:
             if self._stopped is not None:
@@ -102,9 +113,10 @@ class Engine:
             self._in_flight.update(keys)
             self._queue.extend(requests)
             self._lock.notify()
-        if self.timeline is not None:
+        timeline = self.timeline
+        if timeline is not None:
             for request in requests:
-                self.timeline.begin(request.meta.name, f"NEGOTIATE_{request.meta.kind.value.upper()}")
+                timeline.begin(request.meta.name, f"NEGOTIATE_{request.meta.kind.value.upper()}")
 
     @property
     def collective_calls(self) -> int:
@@ -116,16 +128,35 @@ class Engine:
         fused batch's elements); None before it ran."""
         return self._executor.executions.get((process_set, name))
 
-    def stop(self, timeout_s: float = 30.0) -> None:
-        """Ask every rank's engine to stop, fail what is pending, and wait for the thread to end."""
+    def stop(self, timeout_s: float | None = None) -> bool:
+        """Ask every rank's engine to stop, fail what is pending, and wait for the thread to end.
+
+        Args:
+            timeout_s: how long to wait for the thread; by default a little longer than the transport timeout,
+                since every wait of the engine thread is bounded by it.
+
+        Returns:
+            False when the thread is still running (inside a collective): its groups must not be destroyed then.
+        """
         with self._lock:
             self._shutdown_requested = True
             self._lock.notify()
-        self._thread.join(timeout_s)
+        self._thread.join(self.config.transport_timeout_s + 30.0 if timeout_s is None else timeout_s)
+        self._watch.stop()
         if self._thread.is_alive():
+            get_logger().error("Shoal's engine thread did not stop; its process group is left open")
             self._fail_everything(EngineStoppedError("Shoal's engine did not stop in time; pending requests failed"))
-        if self.timeline is not None:
-            self.timeline.close()
+            return False
+        self.stop_timeline()
+        return True
+
+    def _stall_shutdown(self, message: str) -> None:
+        """The collective watch's verdict, as the in-cycle inspector's: fail every pending request and stop (the
+        blocked thread stops at its next cycle, or at the transport timeout)."""
+        get_logger().error("%s", message)
+        with self._lock:
+            self._shutdown_requested = True
+        self._fail_everything(EngineStoppedError(message))
 
     def _setup_hierarchical(self, topology: Topology, store: Any, job: str) -> HierarchicalAllreduce | None:
         """Shared memory within hosts when asked for (or by default when a host has several ranks), agreed by all."""
@@ -137,7 +168,7 @@ class Engine:
                 get_logger().warning("hierarchical allreduce needs the same number of ranks on every host; using gloo")
             return None
         local = create_local_group(store, topology.local_rank, topology.local_size, topology.host_of_rank[self.rank],
-                                   job, self.config.shm_slot_bytes)  # fmt: skip
+                                   job, self.config.shm_slot_bytes, self.config.transport_timeout_s)  # fmt: skip
         # Every host must take the same path, or the collectives would not pair up.
         everywhere = all(collectives.allgather_object(local is not None, self.size, self._world))
         if not everywhere:
@@ -146,7 +177,8 @@ class Engine:
             return None
         cross_group = None
         if topology.cross_size > 1:
-            cross_group = build_cross_groups(topology.local_rank_of_rank, topology.local_size)[topology.local_rank]
+            cross_group = build_cross_groups(topology.local_rank_of_rank, topology.local_size,
+                                             self.config.transport_timeout_s)[topology.local_rank]  # fmt: skip
         assert local is not None
         return HierarchicalAllreduce(local, cross_group, topology.cross_size)
 
@@ -158,13 +190,20 @@ class Engine:
 
     def start_timeline(self, path: str, mark_cycles: bool = False) -> None:
         """Start writing a timeline at run time (replacing any current one)."""
-        old, self.timeline = self.timeline, self._open_timeline(path, mark_cycles)
+        new = self._open_timeline(path, mark_cycles)
+        with self._lock:
+            old, self.timeline = self.timeline, new
         if old is not None:
             old.close()
 
     def stop_timeline(self) -> None:
-        """Stop writing the timeline and close its file."""
-        old, self.timeline = self.timeline, None
+        """Stop writing the timeline and close its file.
+
+        Every reader takes ``self.timeline`` once into a local, and a closed timeline ignores further events, so
+        the engine thread never sees it vanish between a check and a use.
+        """
+        with self._lock:
+            old, self.timeline = self.timeline, None
         if old is not None:
             old.close()
 
@@ -187,6 +226,7 @@ class Engine:
             self._fail_everything(EngineStoppedError(f"Shoal's engine failed: {error}"))
         # Outside the except clause, so that the failed collective's traceback no longer pins its group.
         self._release_connections()
+        self._watch.stop()
 
     def _release_connections(self) -> None:
         """Close this rank's side of every connection the engine owns, as soon as the engine thread ends.
@@ -222,7 +262,8 @@ class Engine:
         """
         if not self._pending:
             return self.config.idle_cycle_time_ms
-        return min(self.config.cycle_time_ms * (2**stalled_cycles), self.config.idle_cycle_time_ms)
+        # The exponent is capped: after hours of waiting the count is huge, and 2**count would overflow a float.
+        return min(self.config.cycle_time_ms * (2 ** min(stalled_cycles, 32)), self.config.idle_cycle_time_ms)
 
     def _fail_everything(self, error: BaseException) -> None:
         with self._lock:
@@ -294,16 +335,18 @@ class Engine:
 
     def _cycle(self) -> tuple[bool, BaseException | None]:
         self.cycles += 1
-        if self.timeline is not None:
-            self.timeline.mark_cycle(self.cycles)
+        timeline = self.timeline
+        if timeline is not None:
+            timeline.mark_cycle(self.cycles)
         shutting_down = self._take_new_requests()
         now = time.monotonic()
         oldest = max((now - r.submitted_at for r in self._pending.values()), default=0.0)
         words = self._bit_vector(shutting_down, self._stall.wants_check(oldest))
-        if self.hierarchical is not None:
-            self.hierarchical.allreduce_(words, "band")
-        else:
-            collectives.bitwise_and_(words, self._world)
+        with self._watch.watching("the negotiation cycle"):
+            if self.hierarchical is not None:
+                self.hierarchical.allreduce_(words, "band")
+            else:
+                collectives.bitwise_and_(words, self._world)
         agreed = words.tolist()
         flags = agreed[0]
         if not flags & _FLAG_NO_SHUTDOWN:
@@ -318,13 +361,15 @@ class Engine:
         if not flags & _FLAG_NO_STALL:
             stop = self._inspect_stalls()
         self._execute(responses)
-        if self.timeline is not None:
-            self.timeline.flush()
+        timeline = self.timeline
+        if timeline is not None:
+            timeline.flush()
         return bool(responses), stop
 
     def _negotiate_new(self, cached: list[Response]) -> list[Response]:
         sending, self._to_send = self._to_send, []
-        gathered = collectives.allgather_object(sending, self.size, self._world)
+        with self._watch.watching("negotiation of new requests"):
+            gathered = collectives.allgather_object(sending, self.size, self._world)
         ready_now = {(r.process_set, r.name) for r in cached}
         for metas in gathered:
             for meta in metas:
@@ -345,16 +390,18 @@ class Engine:
     def _inspect_stalls(self) -> BaseException | None:
         now = time.monotonic()
         report = [(k[0], k[1], now - r.submitted_at) for k, r in self._pending.items()]
-        reports = collectives.allgather_object(report, self.size, self._world)
+        with self._watch.watching("the stall check"):
+            reports = collectives.allgather_object(report, self.size, self._world)
         message = self._stall.inspect(reports, self._members_of(), self.rank)
         return RuntimeError(message) if message is not None else None
 
     def _execute(self, responses: list[Response]) -> None:
+        timeline = self.timeline
         for response in responses:
             key = (response.process_set, response.name)
             self._pending_cached.pop(key, None)
-            if self.timeline is not None and key in self._pending:
-                self.timeline.end(response.name, f"NEGOTIATE_{response.kind.value.upper()}")
+            if timeline is not None and key in self._pending:
+                timeline.end(response.name, f"NEGOTIATE_{response.kind.value.upper()}")
         done: dict[tuple[int, str], Request] = {}
         for response in responses:
             key = (response.process_set, response.name)

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,13 +15,22 @@ from shoal.comm import collectives
 from shoal.comm.hierarchical import HierarchicalAllreduce
 from shoal.engine.fusion import FusedBatch
 from shoal.engine.negotiation import Response
-from shoal.engine.request import Kind, ReduceOp, Request, RequestMeta
+from shoal.engine.request import DATA_KINDS, Kind, ReduceOp, Request, RequestMeta
+from shoal.engine.stall import CollectiveWatch
 from shoal.engine.timeline import Timeline
+from shoal.log import get_logger
 
 # gloo has no int16 kernels; such tensors travel as int32 (exact, and wraps the same way once cast back).
 _WIRE_DTYPES = {torch.int16: torch.int32}
 _REDUCTIONS = {ReduceOp.Average: "sum", ReduceOp.Sum: "sum", ReduceOp.Min: "min", ReduceOp.Max: "max"}
 _REDUCTIONS[ReduceOp.Product] = "product"
+
+
+_WIRED_KINDS = frozenset(kind.value for kind in (*DATA_KINDS, Kind.BARRIER, Kind.ADD_PROCESS_SET))
+
+
+class TransportError(RuntimeError):
+    """A collective on the wire failed (a peer died, a timeout): the engine cannot go on."""
 
 
 @dataclass
@@ -39,18 +49,21 @@ def _scale_(tensor: torch.Tensor, factor: float) -> None:
     """Multiply in place; integer tensors are scaled in float64 and truncated, as Horovod does."""
     if factor == 1.0:
         return
-    if tensor.is_floating_point():
+    if tensor.is_floating_point() or tensor.is_complex():
         tensor.mul_(factor)
     else:
         tensor.copy_((tensor.double() * factor).to(tensor.dtype))
 
 
-def _divide_(tensor: torch.Tensor, divisor: int) -> None:
-    """Average's division: floor division for integers (Horovod's rule), true division for floats."""
-    if tensor.is_floating_point():
-        tensor.div_(divisor)
-    elif tensor.dtype != torch.bool:
-        tensor.floor_divide_(divisor)
+def _postscale_(tensor: torch.Tensor, op: ReduceOp, postscale: float, members: int) -> None:
+    """Scale a reduced buffer as Horovod does: Average is a sum scaled by ``postscale / members`` in one step, so an
+    integer average truncates toward zero once (-3 over 2 ranks gives -1)."""
+    _scale_(tensor, postscale / members if op == ReduceOp.Average else postscale)
+
+
+def _real_view(tensor: torch.Tensor) -> torch.Tensor:
+    """A complex tensor as pairs of reals (same memory); sums and averages are then computed part by part."""
+    return torch.view_as_real(tensor) if tensor.is_complex() else tensor
 
 
 def split_rows(rows: int, parts: int) -> list[int]:
@@ -63,9 +76,13 @@ class Executor:
     """Executes batches of responses on this rank."""
 
     def __init__(self, rank: int, process_sets: dict[int, ProcessSetState], timeline: Callable[[], Timeline | None],
-                 hierarchical: HierarchicalAllreduce | None = None) -> None:  # fmt: skip
+                 hierarchical: HierarchicalAllreduce | None, watch: CollectiveWatch,
+                 group_timeout_s: float | None = None) -> None:  # fmt: skip
         self.rank = rank
         self.hierarchical = hierarchical
+        self._watch = watch
+        self._group_timeout_s = group_timeout_s
+        self._reached_wire = False
         self.process_sets = process_sets
         self._timeline = timeline
         self.next_process_set_id = 1
@@ -87,10 +104,48 @@ class Executor:
             for response in responses:
                 timeline.end(response.name, phase)
 
+    @contextlib.contextmanager
+    def _wire(self, what: str) -> Iterator[None]:
+        """Around every call that talks to peers: watched while it blocks, and any failure is a TransportError."""
+        self._reached_wire = True
+        try:
+            with self._watch.watching(what):
+                yield
+        except TransportError:
+            raise
+        except Exception as error:
+            raise TransportError(f"{what} failed: {error}") from error
+
     def run(self, batch: FusedBatch, local: dict[tuple[int, str], Request]) -> None:
-        """Execute one batch; completes (or fails) this rank's requests in it."""
-        first = batch.responses[0]
+        """Execute one batch; completes (or fails) this rank's requests in it.
+
+        A failure after the wire (scaling, copying results out) fails this batch's requests alone, with an error
+        naming them; the engine goes on. A failure on the wire raises ``TransportError``: the peers' state is
+        unknown then, and the engine must stop. So does a failure before the wire (say, no memory for the fusion
+        buffer): the peers are already inside that collective, and this rank skipping it would pair its next
+        collective with theirs. Deterministic errors never get that far: requests are validated at submission.
+        """
         requests = [local.pop((r.process_set, r.name), None) for r in batch.responses]
+        self._reached_wire = False
+        try:
+            self._run(batch, requests)
+        except TransportError:
+            raise
+        except Exception as error:
+            names = ", ".join(f"'{r.name}'" for r in batch.responses)
+            kind = batch.responses[0].kind.value
+            if not self._reached_wire and batch.responses[0].error is None and kind in _WIRED_KINDS:
+                raise TransportError(
+                    f"{kind} of {names} failed on rank {self.rank} before reaching its peers: {error}"
+                ) from error
+            message = f"Shoal could not complete {kind} of {names} on rank {self.rank}: {error}"
+            get_logger().error("%s", message)
+            for request in requests:
+                if request is not None and not request.done.is_set():
+                    request.fail(RuntimeError(message))
+
+    def _run(self, batch: FusedBatch, requests: list[Request | None]) -> None:
+        first = batch.responses[0]
         if first.error is not None:
             for request in requests:
                 if request is not None:
@@ -123,7 +178,8 @@ class Executor:
             elif first.kind == Kind.REDUCESCATTER:
                 self._reducescatter(first, requests[0], state)
             elif first.kind == Kind.BARRIER:
-                collectives.barrier(state.group)
+                with self._wire(f"barrier '{first.name}'"):
+                    collectives.barrier(state.group)
                 if requests[0] is not None:
                     requests[0].complete(None)
         finally:
@@ -143,6 +199,7 @@ class Executor:
             return request.tensor
         meta = response.meta
         shape = (rows, *meta.shape[1:]) if rows is not None else meta.shape
+        # Requests name the device type only; "cuda" is this rank's current device, as each rank has its own.
         return torch.zeros(shape, dtype=_dtype(meta), device=meta.device)
 
     def _allreduce(self, responses: list[Response], requests: list[Request | None], state: ProcessSetState) -> None:
@@ -168,12 +225,10 @@ class Executor:
         op = ReduceOp(meta.op)
         phase = self._reduce_phase(buffer, responses[0].process_set)
         self._begin(responses, phase)
-        self._reduce_(buffer, _REDUCTIONS[op], responses[0].process_set, state)
+        self._reduce_(buffer, _REDUCTIONS[op], responses[0].process_set, state, responses[0].name)
         self._end(responses, phase)
         self._begin(responses, "MEMCPY_OUT_FUSION_BUFFER")
-        if op == ReduceOp.Average:
-            _divide_(buffer, len(state.members))
-        _scale_(buffer, meta.postscale)
+        _postscale_(buffer, op, meta.postscale, len(state.members))
         if not single_in_place:
             pieces = buffer.split([tensor.numel() for tensor in inputs])
             kept = [
@@ -196,12 +251,15 @@ class Executor:
             return "SHM_ALLREDUCE" if self.hierarchical.cross_size == 1 else "HIERARCHICAL_ALLREDUCE"
         return "NCCL_ALLREDUCE" if buffer.is_cuda else "GLOO_ALLREDUCE"
 
-    def _reduce_(self, buffer: torch.Tensor, reduction: str, process_set: int, state: ProcessSetState) -> None:
+    def _reduce_(self, buffer: torch.Tensor, reduction: str, process_set: int, state: ProcessSetState,
+                 name: str) -> None:  # fmt: skip
         """Allreduce ``buffer`` in place: shared memory (hierarchical) for CPU tensors of the world, else gloo/NCCL."""
-        if self.hierarchical is not None and self._uses_shared_memory(buffer, process_set):
-            self.hierarchical.allreduce_(buffer, reduction)
-        else:
-            collectives.allreduce_(buffer, reduction, state.group)
+        wire = _real_view(buffer)
+        with self._wire(f"allreduce '{name}'"):
+            if self.hierarchical is not None and self._uses_shared_memory(buffer, process_set):
+                self.hierarchical.allreduce_(wire, reduction)
+            else:
+                collectives.allreduce_(wire, reduction, state.group)
 
     def _allgather(self, response: Response, request: Request | None, state: ProcessSetState) -> None:
         rows = [(m.shape[0] if m.shape else 1) if m is not None else 0 for m in (response.rank_metas[r] for r in state.members)]
@@ -211,7 +269,10 @@ class Executor:
         longest = max(rows)
         padded = torch.zeros((longest, *own.shape[1:]), dtype=wire, device=own.device)
         padded[: own.shape[0] if own.dim() else 1].copy_(own.reshape(-1, *own.shape[1:]) if own.dim() else own.reshape(1))
-        chunks = collectives.allgather_equal(padded, len(state.members), state.group)
+        with self._wire(f"allgather '{response.name}'"):
+            chunks = collectives.allgather_equal(_real_view(padded), len(state.members), state.group)
+        if padded.is_complex():
+            chunks = [torch.view_as_complex(chunk) for chunk in chunks]
         result = torch.cat([chunk[:count] for chunk, count in zip(chunks, rows, strict=True)]).to(dtype)
         if request is not None:
             request.complete(result)
@@ -225,7 +286,8 @@ class Executor:
             buffer = request.output
         wire = _WIRE_DTYPES.get(buffer.dtype)
         moved = buffer.to(wire) if wire is not None else buffer
-        collectives.broadcast_(moved, root, state.group)
+        with self._wire(f"broadcast '{response.name}'"):
+            collectives.broadcast_(_real_view(moved), root, state.group)
         if moved is not buffer:
             buffer.copy_(moved)
         if request is not None:
@@ -247,7 +309,8 @@ class Executor:
         tensor = self._input(response, request, rows=sum(send))
         wire = _WIRE_DTYPES.get(tensor.dtype, tensor.dtype)
         output = torch.empty((sum(receive), *tensor.shape[1:]), dtype=wire, device=tensor.device)
-        collectives.alltoall(output, tensor.to(wire), receive, send, state.group)
+        with self._wire(f"alltoall '{response.name}'"):
+            collectives.alltoall(_real_view(output), _real_view(tensor.to(wire)), receive, send, state.group)
         if request is not None:
             request.complete((output.to(tensor.dtype), torch.tensor(receive, dtype=torch.int32)))
 
@@ -259,10 +322,8 @@ class Executor:
         _scale_(buffer, meta.prescale)
         assert meta.op is not None  # allreduce and reducescatter requests always carry their op
         op = ReduceOp(meta.op)
-        self._reduce_(buffer, _REDUCTIONS[op], response.process_set, state)
-        if op == ReduceOp.Average:
-            _divide_(buffer, len(state.members))
-        _scale_(buffer, meta.postscale)
+        self._reduce_(buffer, _REDUCTIONS[op], response.process_set, state, response.name)
+        _postscale_(buffer, op, meta.postscale, len(state.members))
         counts = split_rows(buffer.shape[0], len(state.members))
         me = state.members.index(self.rank)
         start = sum(counts[:me])
@@ -279,7 +340,8 @@ class Executor:
                     request.fail(ValueError(f"a process set with ranks {list(members)} already exists (id {existing[0]})"))
                 return
             # new_group is collective over the world: every rank creates it, members or not.
-            group = collectives.new_group(list(members))
+            with self._wire(f"creating process set {list(members)}"):
+                group = collectives.new_group(list(members), self._group_timeout_s)
             set_id = self.next_process_set_id
             self.next_process_set_id += 1
             self.process_sets[set_id] = ProcessSetState(members, group)
@@ -289,6 +351,7 @@ class Executor:
             set_id = (meta.payload or (-1,))[0]
             state = self.process_sets.pop(set_id, None)
             if state is not None and state.group is not None and self.rank in state.members:
-                collectives.destroy_group(state.group)
+                with self._wire(f"removing process set {set_id}"):
+                    collectives.destroy_group(state.group)
             if request is not None:
                 request.complete(state is not None)

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from shoal.log import get_logger
@@ -52,3 +54,74 @@ class StallInspector:
         if fatal:
             return f"Stall inspector shut the engine down after {self.shutdown_time_s:.0f} s: {' '.join(fatal)}"
         return None
+
+
+class CollectiveWatch:
+    """Watches the engine thread from outside while it is blocked inside one collective.
+
+    The stall inspector runs on the engine thread, between collectives, so it cannot see a collective that never
+    returns: that happens when a peer's engine stops taking part while its process lives on (a call holding the
+    GIL, a stopped process, a very long transfer). This watch runs on a thread of its own: it warns every
+    ``check_time_s`` while one collective lasts, and, when ``shutdown_time_s`` is set, calls ``on_shutdown`` once
+    with the message, so that the pending requests fail instead of waiting for the transport's timeout.
+    """
+
+    def __init__(self, rank: int, check_time_s: float, shutdown_time_s: float, transport_timeout_s: float,
+                 on_shutdown: Callable[[str], None], disabled: bool = False) -> None:  # fmt: skip
+        self.rank = rank
+        self.check_time_s = check_time_s
+        self.shutdown_time_s = shutdown_time_s
+        self.transport_timeout_s = transport_timeout_s
+        self._on_shutdown = on_shutdown
+        self._current: tuple[str, float] | None = None
+        """What the engine thread is blocked in and since when; one attribute, so a reader sees a whole pair."""
+        self._stop = threading.Event()
+        self.warnings = 0
+        self._thread: threading.Thread | None = None
+        if not disabled:
+            self._thread = threading.Thread(target=self._run, name="shoal-engine-watch", daemon=True)
+            self._thread.start()
+
+    @contextlib.contextmanager
+    def watching(self, what: str) -> Iterator[None]:
+        """Mark the engine thread as inside the collective ``what`` for the duration of the block."""
+        self._current = (what, time.monotonic())
+        try:
+            yield
+        finally:
+            self._current = None
+
+    def stop(self) -> None:
+        """End the watching thread."""
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(5.0)
+
+    def _run(self) -> None:
+        poll_s = min(1.0, self.check_time_s / 4)
+        warned: tuple[str, float] | None = None
+        next_warning = 0.0
+        shut = False
+        while not self._stop.wait(poll_s):
+            current = self._current
+            if current is None:
+                continue
+            what, since = current
+            waited = time.monotonic() - since
+            if current != warned:
+                warned, next_warning, shut = current, self.check_time_s, False
+            if waited >= next_warning:
+                next_warning += self.check_time_s
+                self.warnings += 1
+                get_logger().warning(
+                    "Stall inspector: rank %d has been blocked for %.0f s in %s: another rank's engine is not taking "
+                    "part (it may be inside a call that holds the GIL, stopped, or still running a long transfer). "
+                    "The transport gives up after %.0f s (SHOAL_COLLECTIVE_TIMEOUT_SECONDS).",
+                    self.rank, waited, what, self.transport_timeout_s,
+                )  # fmt: skip
+            if self.shutdown_time_s > 0 and waited >= self.shutdown_time_s and not shut:
+                shut = True
+                self._on_shutdown(
+                    f"Stall inspector failed the pending requests after {self.shutdown_time_s:.0f} s: rank {self.rank} "
+                    f"was blocked in {what}"
+                )

@@ -14,11 +14,14 @@ from __future__ import annotations
 import json
 import sys
 import threading
+import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from shoal.comm.p2p import PeerGroup, PeerLostError, PendingSend
+from shoal.config import env_float
 from shoal.log import get_logger
 from shoal.ps.messages import (
     TAG_TO_SERVER,
@@ -33,6 +36,8 @@ from shoal.ps.messages import (
 from shoal.ps.sharding import Piece, build_shard_plan
 
 _CLOSE_WAIT_S = 60.0
+_STALL_CHECK_S = 60.0
+"""Default period of the warnings about a slow server (SHOAL_STALL_CHECK_TIME_SECONDS, as the engine's)."""
 
 
 class ParameterServerError(RuntimeError):
@@ -141,6 +146,21 @@ class PSClient:
                 self.fail(f"{self.server_name(server)} vanished: {error}")
         except Exception as error:  # a malformed message: fail loudly, or finish() would wait forever
             self.fail(f"receiving from {self.server_name(server)} failed: {error!r}")
+
+    def wait_for_replies(self, done: Callable[[], bool], missing: Callable[[], list[int]]) -> None:
+        """Wait until ``done()`` or a failure; a wait past the stall check time is reported again and again.
+
+        A dead server fails the wait within seconds (its connection drops); a live one that is slow to answer is
+        waited for, as the engine waits for a busy peer, and named in a warning every period.
+        """
+        period_s = env_float("STALL_CHECK_TIME_SECONDS", _STALL_CHECK_S)
+        started = time.monotonic()
+        with self.cond:
+            while not self.cond.wait_for(lambda: self.error is not None or done(), timeout=period_s):
+                get_logger().warning(
+                    "shoal.ps: worker %d has waited %.0f s for the servers' replies to pieces %s",
+                    self.worker, time.monotonic() - started, missing()[:8],
+                )  # fmt: skip
 
     def fail(self, message: str) -> None:
         """Record the first failure and wake everything that waits."""
@@ -257,8 +277,7 @@ class PSSession:
         client = self.client
         client.wait_sends(self._sends)
         self._sends = []
-        with client.cond:
-            client.cond.wait_for(lambda: client.error is not None or self._expected <= self._arrived)
+        client.wait_for_replies(lambda: self._expected <= self._arrived, lambda: sorted(self._expected - self._arrived))
         client.raise_if_failed()
         updated = {piece for piece in self._expected}
         for index, param in enumerate(self.params):

@@ -24,6 +24,8 @@ from shoal.ps.server import ShardServer, WorkerLostError
 from shoal.runtime import context
 
 _DEFAULT_START_TIMEOUT_S = 30.0
+_CLOSE_TIMEOUT_S = 600.0
+"""How long shutdown() waits for the other workers to leave this worker's co-located server."""
 
 
 class _Connection:
@@ -108,6 +110,15 @@ def close() -> None:
         return
     connection.client.close()
     if connection.thread is not None and connection.client.error is None and not exiting_on_error():
-        connection.thread.join()
+        # A co-located server keeps serving until every worker has left; peers still training may take long, so
+        # the wait is bounded (and the thread is a daemon: it cannot keep the process alive past its exit).
+        limit_s = env_float("COLLECTIVE_TIMEOUT_SECONDS", _CLOSE_TIMEOUT_S)
+        connection.thread.join(limit_s)
+        if connection.thread.is_alive():
+            get_logger().error(
+                "shoal.ps: this worker's co-located server still serves workers that have not left after %.0f s "
+                "(SHOAL_COLLECTIVE_TIMEOUT_SECONDS); leaving anyway, and they will see it go",
+                limit_s,
+            )
     if connection.client.error is not None:
         get_logger().warning("shoal.ps: left the parameter-server group after: %s", connection.client.error)

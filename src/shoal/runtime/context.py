@@ -42,7 +42,7 @@ class Context:
 
 _lock = threading.RLock()
 _context: Context | None = None
-_shutdown_hooks: list[Callable[[], None]] = []
+_shutdown_hooks: list[Callable[[], bool | None]] = []
 _init_hooks: list[Callable[[Context], None]] = []
 _exit_hook_registered = False
 _elastic_round = 0
@@ -54,8 +54,12 @@ def register_init_hook(hook: Callable[[Context], None]) -> None:
     _init_hooks.append(hook)
 
 
-def register_shutdown_hook(hook: Callable[[], None]) -> None:
-    """Run ``hook()`` at the start of every ``shutdown()``, before the process group is destroyed."""
+def register_shutdown_hook(hook: Callable[[], bool | None]) -> None:
+    """Run ``hook()`` at the start of every ``shutdown()``, before the process group is destroyed.
+
+    A hook returns False when a thread of its own may still be using the process group (it did not stop in
+    time): the group is then left to the process's exit rather than destroyed under that thread.
+    """
     _shutdown_hooks.append(hook)
 
 
@@ -142,11 +146,15 @@ def shutdown() -> None:
     with _lock:
         if _context is None:
             return
+        safe = True
         try:
             for hook in _shutdown_hooks:
-                hook()
+                safe = hook() is not False and safe
         finally:
-            process_group.destroy_world()
+            if safe:
+                process_group.destroy_world()
+            else:
+                get_logger().error("a Shoal thread is still inside a collective; the process group is left open")
             _context = None
 
 

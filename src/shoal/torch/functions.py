@@ -8,7 +8,6 @@ submits several tensors as one handle. Requests are keyed by ``name``; unnamed o
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Sequence
 from typing import Any
 
@@ -22,17 +21,17 @@ from shoal.torch.process_sets import ProcessSet, global_process_set, set_id_of
 Average, Sum, Adasum, Min, Max, Product = (ReduceOp.Average, ReduceOp.Sum, ReduceOp.Adasum, ReduceOp.Min,
                                            ReduceOp.Max, ReduceOp.Product)  # fmt: skip
 
-_counters: dict[tuple[str, int], itertools.count[int]] = {}
-
 
 def _auto_name(kind: Kind, name: str | None, process_set: ProcessSet = global_process_set) -> str:
-    """``name``, or the next ``<op>.noname.<n>``, counted per process set so that ranks outside a set stay in step."""
+    """``name``, or the next ``<op>.noname.<n>``, counted per process set so that ranks outside a set stay in step.
+
+    The counters belong to the session: every ``init()`` (an elastic re-form included) starts them from zero.
+    """
     if name is not None:
         return name
-    set_id = process_set.process_set_id or 0
-    counter = _counters.setdefault((kind.value, set_id), itertools.count())
+    set_id = set_id_of(process_set)
     suffix = f".set{set_id}" if set_id else ""
-    return f"{kind.value}.noname{suffix}.{next(counter)}"
+    return f"{kind.value}.noname{suffix}.{handles.session().next_number(kind.value, set_id)}"
 
 
 def _resolve_op(op: int | None, average: bool | None) -> ReduceOp:
@@ -48,11 +47,23 @@ def _resolve_op(op: int | None, average: bool | None) -> ReduceOp:
 
 
 def _check_tensor(tensor: Any, what: str) -> torch.Tensor:
+    """What only the torch front end can check; dtypes, devices and ops are the engine's (``check_request``)."""
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"{what} expects a torch.Tensor, got {type(tensor).__name__}")
-    if tensor.is_sparse:
-        raise ValueError(f"{what} does not support sparse tensors; densify it first (tensor.to_dense())")
+    if tensor.layout != torch.strided:
+        raise ValueError(f"{what} supports dense (strided) tensors, not {tensor.layout}; densify it first (tensor.to_dense())")
+    if tensor.is_quantized:
+        raise TypeError(f"{what} does not support quantized tensors ({tensor.dtype}); dequantize it first")
     return tensor
+
+
+def _check_writable(tensor: torch.Tensor, what: str) -> None:
+    """An in-place result must be writable element by element: an expanded tensor shares memory between elements."""
+    if any(stride == 0 and size > 1 for stride, size in zip(tensor.stride(), tensor.shape, strict=True)):
+        raise ValueError(
+            f"{what}: the in-place form cannot write into a tensor whose elements share memory (an expand()ed view); "
+            "use the out-of-place form or pass tensor.clone()"
+        )
 
 
 def _meta(tensor: torch.Tensor, kind: Kind, name: str, process_set: ProcessSet, **fields: Any) -> RequestMeta:
@@ -62,7 +73,8 @@ def _meta(tensor: torch.Tensor, kind: Kind, name: str, process_set: ProcessSet, 
         process_set=set_id_of(process_set),
         dtype=str(tensor.dtype).removeprefix("torch."),
         shape=tuple(tensor.shape),
-        device=str(tensor.device),
+        # The device type, not its index: with torch.cuda.set_device(hvd.local_rank()) every rank has its own.
+        device=tensor.device.type,
         **fields,
     )
 
@@ -82,6 +94,7 @@ def _allreduce_request(
     detached = tensor.detach()
     contiguous = detached.contiguous()
     if in_place:
+        _check_writable(tensor, "allreduce")
         request = Request(meta, contiguous, contiguous)
         if contiguous is not detached:  # a non-contiguous tensor: reduce a copy, write the result back
             request.user_tensor = tensor
@@ -171,11 +184,12 @@ def grouped_allreduce(tensors: Sequence[torch.Tensor], average: bool | None = No
                       compression: type[Compressor] = Compression.none, op: int | None = None,
                       prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                       process_set: ProcessSet = global_process_set) -> list[torch.Tensor]:  # fmt: skip
-    """Reduce several tensors at once; returns the reduced tensors in order."""
+    """Reduce several tensors at once; returns the reduced tensors in order. Differentiable."""
+    from shoal.torch.autograd import GroupedAllreduceFunction
+
     compressed = [compression.compress(t) for t in tensors]
-    handle = grouped_allreduce_async([c[0] for c in compressed], average, name, op, prescale_factor,
-                                     postscale_factor, process_set)  # fmt: skip
-    results = handles.synchronize(handle)
+    results = GroupedAllreduceFunction.apply(name, int(_resolve_op(op, average)), prescale_factor, postscale_factor,
+                                             process_set, *[c[0] for c in compressed])  # fmt: skip
     return [compression.decompress(r, c[1]) for r, c in zip(results, compressed, strict=True)]
 
 
@@ -217,8 +231,10 @@ def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: str | None = 
 
 def grouped_allgather(tensors: Sequence[torch.Tensor], name: str | None = None,
                       process_set: ProcessSet = global_process_set) -> list[torch.Tensor]:  # fmt: skip
-    """Allgather several tensors at once."""
-    return handles.synchronize(grouped_allgather_async(tensors, name, process_set))
+    """Allgather several tensors at once. Differentiable."""
+    from shoal.torch.autograd import GroupedAllgatherFunction
+
+    return list(GroupedAllgatherFunction.apply(name, process_set, *tensors))
 
 
 # ----- broadcast -----
@@ -231,6 +247,7 @@ def _broadcast_request(tensor: torch.Tensor, root_rank: int, name: str | None, p
     detached = tensor.detach()
     contiguous = detached.contiguous()
     if in_place:
+        _check_writable(tensor, "broadcast")
         request = Request(meta, contiguous, contiguous)
         if contiguous is not detached:
             request.user_tensor = tensor
@@ -343,11 +360,12 @@ def grouped_reducescatter(tensors: Sequence[torch.Tensor], name: str | None = No
                           compression: type[Compressor] = Compression.none, op: int = Average,
                           process_set: ProcessSet = global_process_set, prescale_factor: float = 1.0,
                           postscale_factor: float = 1.0) -> list[torch.Tensor]:  # fmt: skip
-    """Reduce-scatter several tensors at once."""
+    """Reduce-scatter several tensors at once. Differentiable."""
+    from shoal.torch.autograd import GroupedReducescatterFunction
+
     compressed = [compression.compress(t) for t in tensors]
-    handle = grouped_reducescatter_async([c[0] for c in compressed], name, op, process_set, prescale_factor,
-                                         postscale_factor)  # fmt: skip
-    results = handles.synchronize(handle)
+    results = GroupedReducescatterFunction.apply(name, int(op), process_set, prescale_factor, postscale_factor,
+                                                 *[c[0] for c in compressed])  # fmt: skip
     return [compression.decompress(r, c[1]) for r, c in zip(results, compressed, strict=True)]
 
 

@@ -1,23 +1,28 @@
-"""The engine's life (started by init, stopped by shutdown), request submission, and handles."""
+"""The torch front end's session: one per ``init()``, holding the engine, the open handles and the name counters.
+
+Everything that ``shutdown()`` must forget lives in the one ``Session`` that ``init()`` creates (STYLE habit 13):
+the engine, the handles not yet synchronized, the counters behind ``<op>.noname.<n>`` names and process-set
+registrations. A re-init (``shutdown()``/``init()``, or an elastic re-form, which is the same two calls) starts a
+new session, so survivors and newcomers count unnamed requests from zero alike and name them the same way.
+"""
 
 from __future__ import annotations
 
 import itertools
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from shoal.comm.shm import job_token
 from shoal.engine.config import EngineConfig
-from shoal.engine.engine import Engine
+from shoal.engine.engine import Engine, EngineStoppedError
 from shoal.engine.request import Request
 from shoal.runtime import context
 
-_engine: Engine | None = None
-_handles: dict[int, _HandleEntry] = {}
-_handles_lock = threading.Lock()
+_session_ids = itertools.count(1)
 _handle_ids = itertools.count(1)
+"""Handles are numbered across sessions, so that a handle from before a re-init is never mistaken for a new one."""
 
 
 @dataclass
@@ -26,42 +31,87 @@ class _HandleEntry:
     finish: Callable[[list[Any]], Any]
 
 
-def _start_engine(ctx: context.Context) -> None:
-    global _engine
-    _engine = Engine(ctx.topology, EngineConfig.from_env(), ctx.store, job_token(ctx.launch.secret))
+@dataclass
+class Session:
+    """What one ``init()`` established for the torch API; ``shutdown()`` drops it whole."""
+
+    engine: Engine
+    id: int = field(default_factory=lambda: next(_session_ids))
+    """Stamped on process sets registered in this session, so that a stale one is recognised."""
+    handles: dict[int, _HandleEntry] = field(default_factory=dict)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    _counters: dict[tuple[str, int], itertools.count[int]] = field(default_factory=dict)
+
+    def next_number(self, kind: str, process_set: int) -> int:
+        """The next number of an unnamed request of ``kind`` on ``process_set``: 0, 1, 2, ... per session."""
+        with self.lock:
+            counter = self._counters.setdefault((kind, process_set), itertools.count())
+            return next(counter)
+
+    def new_handle(self, entry: _HandleEntry) -> int:
+        with self.lock:
+            handle = next(_handle_ids)
+            self.handles[handle] = entry
+            return handle
 
 
-def _stop_engine() -> None:
-    global _engine
-    engine, _engine = _engine, None
-    if engine is not None:
-        engine.stop()
+_session: Session | None = None
 
 
-context.register_init_hook(_start_engine)
-context.register_shutdown_hook(_stop_engine)
+def _start_session(ctx: context.Context) -> None:
+    global _session
+    _session = Session(Engine(ctx.topology, EngineConfig.from_env(), ctx.store, job_token(ctx.launch.secret)))
+
+
+def _end_session() -> bool:
+    """Stop the engine and fail whatever was still outstanding; False if the engine thread would not stop."""
+    global _session
+    session, _session = _session, None
+    if session is None:
+        return True
+    stopped = session.engine.stop()
+    with session.lock:
+        entries = list(session.handles.values())
+        session.handles.clear()
+    for entry in entries:
+        for request in entry.requests:
+            if not request.done.is_set():
+                request.fail(EngineStoppedError("Shoal was shut down before this request completed"))
+    return stopped
+
+
+context.register_init_hook(_start_session)
+context.register_shutdown_hook(_end_session)
+
+
+def session() -> Session:
+    """The current session; raises Horovod's ValueError when init() was not called."""
+    context.current()
+    current = _session
+    if current is None:
+        raise ValueError("Shoal has not been initialized; use shoal.torch.init() (hvd.init()).")
+    return current
 
 
 def engine() -> Engine:
     """The running engine; raises Horovod's ValueError when init() was not called."""
-    context.current()
-    if _engine is None:
-        raise ValueError("Shoal has not been initialized; use shoal.torch.init() (hvd.init()).")
-    return _engine
+    return session().engine
 
 
 def submit(requests: list[Request], finish: Callable[[list[Any]], Any]) -> int:
-    """Queue requests as one handle; ``finish`` turns their results into what ``synchronize`` returns."""
-    engine().submit(requests)
-    handle = next(_handle_ids)
-    with _handles_lock:
-        _handles[handle] = _HandleEntry(requests, finish)
-    return handle
+    """Queue requests as one handle; ``finish`` turns their results into what ``synchronize`` returns.
+
+    The engine validates the requests on this thread: a bad one raises here and nothing is queued.
+    """
+    current = session()
+    current.engine.submit(requests)
+    return current.new_handle(_HandleEntry(requests, finish))
 
 
 def _entry(handle: int) -> _HandleEntry:
-    with _handles_lock:
-        entry = _handles.get(handle)
+    current = session()
+    with current.lock:
+        entry = current.handles.get(handle)
     if entry is None:
         raise ValueError(f"handle {handle} is unknown or was already synchronized")
     return entry
@@ -74,11 +124,12 @@ def poll(handle: int) -> bool:
 
 def synchronize(handle: int) -> Any:
     """Wait for the operation behind ``handle`` and return its result; raises the operation's error if it failed."""
+    current = session()
     entry = _entry(handle)
     for request in entry.requests:
         request.done.wait()
-    with _handles_lock:
-        _handles.pop(handle, None)
+    with current.lock:
+        current.handles.pop(handle, None)
     for request in entry.requests:
         if request.error is not None:
             raise request.error
@@ -87,8 +138,10 @@ def synchronize(handle: int) -> Any:
 
 def discard(handle: int) -> None:
     """Forget a handle whose result is no longer wanted (elastic training drops a failed step's handles)."""
-    with _handles_lock:
-        _handles.pop(handle, None)
+    current = _session
+    if current is not None:
+        with current.lock:
+            current.handles.pop(handle, None)
 
 
 def start_timeline(file_path: str, mark_cycles: bool = False) -> None:

@@ -17,6 +17,8 @@ class ProcessSet:
         if ranks is not None and len(self.ranks or []) != len(ranks):
             raise ValueError(f"process set ranks must be unique, got {list(ranks)}")
         self.process_set_id: int | None = None
+        self._session_id: int | None = None
+        """The session (init) this set was registered in; its id means nothing in any other."""
 
     def _members(self) -> list[int]:
         if self.ranks is None:
@@ -45,13 +47,24 @@ class ProcessSet:
 global_process_set = ProcessSet()
 global_process_set.process_set_id = 0
 
-_names = iter(range(1, 1 << 62))
-
 
 def set_id_of(process_set: ProcessSet) -> int:
-    """The registered id of a process set; raises ValueError if it was never added (or was removed)."""
+    """The registered id of a process set in the current session.
+
+    Raises:
+        ValueError: the set was never added, was removed, or was added before the last ``init()`` (after a
+            re-init, including an elastic re-form, ids are handed out afresh and an old set's id could name
+            another set).
+    """
+    if process_set is global_process_set:
+        return 0
     if process_set.process_set_id is None:
         raise ValueError(f"{process_set!r} is not registered; call add_process_set() on every rank first")
+    if process_set._session_id != handles.session().id:
+        raise ValueError(
+            f"{process_set!r} was registered before the last shutdown()/init() (or elastic reset); process sets do "
+            "not survive a re-init: call add_process_set() again on every rank"
+        )
     return process_set.process_set_id
 
 
@@ -65,15 +78,17 @@ def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
     bad = [r for r in process_set.ranks if not 0 <= r < size]
     if bad:
         raise ValueError(f"process set ranks {bad} are outside the world of size {size}")
-    if process_set.process_set_id is not None:
+    current = handles.session()
+    if process_set.process_set_id is not None and process_set._session_id == current.id:
         raise ValueError(f"{process_set!r} is already registered")
     meta = RequestMeta(
-        name=f"shoal.add_process_set.{next(_names)}",
+        name=f"shoal.add_process_set.{current.next_number('add_process_set', 0)}",
         kind=Kind.ADD_PROCESS_SET,
         process_set=0,
         payload=tuple(process_set.ranks),
     )
     process_set.process_set_id = handles.synchronize(handles.submit([Request(meta, None, None)], lambda r: r[0]))
+    process_set._session_id = current.id
     return process_set
 
 
@@ -81,11 +96,12 @@ def remove_process_set(process_set: ProcessSet) -> bool:
     """Unregister a process set on every rank (all must call this); returns True if it was registered."""
     if process_set.process_set_id in (None, 0):
         return False
+    set_id = set_id_of(process_set)
     meta = RequestMeta(
-        name=f"shoal.remove_process_set.{next(_names)}",
+        name=f"shoal.remove_process_set.{handles.session().next_number('remove_process_set', 0)}",
         kind=Kind.REMOVE_PROCESS_SET,
         process_set=0,
-        payload=(int(process_set.process_set_id or 0),),
+        payload=(set_id,),
     )
     removed = bool(handles.synchronize(handles.submit([Request(meta, None, None)], lambda r: r[0])))
     process_set.process_set_id = None

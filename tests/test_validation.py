@@ -1,0 +1,111 @@
+"""Single-process checks of request validation, device negotiation, the engine's waits and the collective watch."""
+
+from __future__ import annotations
+
+import threading
+import time
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+from shoal.engine.config import EngineConfig
+from shoal.engine.engine import Engine
+from shoal.engine.negotiation import find_mismatch
+from shoal.engine.request import Kind, ReduceOp, RequestMeta
+from shoal.engine.stall import CollectiveWatch
+from shoal.engine.validation import SUPPORTED_DTYPES, check_request
+from shoal.torch.functions import _meta
+from shoal.torch.process_sets import global_process_set
+
+
+def meta(dtype: str = "float32", kind: Kind = Kind.ALLREDUCE, op: ReduceOp | None = ReduceOp.Sum, **fields: Any) -> RequestMeta:
+    return RequestMeta(name="t", kind=kind, process_set=0, dtype=dtype, shape=(2,), op=None if op is None else int(op),
+                       **fields)  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", SUPPORTED_DTYPES)
+def test_every_supported_dtype_passes_for_data_movement(dtype: str) -> None:
+    for kind in (Kind.ALLGATHER, Kind.BROADCAST, Kind.ALLTOALL):
+        check_request(meta(dtype, kind, op=None))
+
+
+@pytest.mark.parametrize("dtype", ["uint16", "uint32", "uint64", "float8_e4m3fn", "complex32"])
+def test_unsupported_dtypes_raise_type_error_naming_the_tensor(dtype: str) -> None:
+    with pytest.raises(TypeError, match=rf"tensor 't': dtype {dtype} is not supported; supported dtypes: uint8"):
+        check_request(meta(dtype))
+
+
+@pytest.mark.parametrize(
+    ("dtype", "op", "error", "text"),
+    [
+        ("bool", ReduceOp.Sum, TypeError, "Sum is not defined for bool"),
+        ("bool", ReduceOp.Average, TypeError, "Average is not defined for bool"),
+        ("complex64", ReduceOp.Min, TypeError, "Min is not defined for complex"),
+        ("complex128", ReduceOp.Product, TypeError, "Product is not defined for complex"),
+        ("float32", ReduceOp.Adasum, NotImplementedError, "Adasum"),
+    ],
+)
+def test_reductions_undefined_for_a_dtype_are_refused(dtype: str, op: ReduceOp, error: type, text: str) -> None:
+    with pytest.raises(error, match=text):
+        check_request(meta(dtype, op=op))
+
+
+def test_bool_min_max_product_and_complex_sums_pass() -> None:
+    for op in (ReduceOp.Min, ReduceOp.Max, ReduceOp.Product):
+        check_request(meta("bool", op=op))
+    for op in (ReduceOp.Sum, ReduceOp.Average):
+        check_request(meta("complex64", op=op))
+
+
+def test_bad_devices_ops_and_factors_are_value_errors() -> None:
+    with pytest.raises(ValueError, match="tensors on 'meta' are not supported"):
+        check_request(meta(device="meta"))
+    with pytest.raises(ValueError, match="reducescatter supports Average and Sum, not Max"):
+        check_request(meta(kind=Kind.REDUCESCATTER, op=ReduceOp.Max))
+    with pytest.raises(ValueError, match="prescale factor must be a finite number"):
+        check_request(meta(prescale=float("nan")))
+    with pytest.raises(ValueError, match="unknown reduce op 42"):
+        check_request(RequestMeta(name="t", kind=Kind.ALLREDUCE, process_set=0, dtype="float32", op=42))
+
+
+def _fake_tensor(device: str) -> Any:
+    return SimpleNamespace(dtype=torch.float32, shape=torch.Size([3]), device=torch.device(device))
+
+
+def test_requests_on_different_cuda_devices_negotiate_alike() -> None:
+    """Horovod's recipe, torch.cuda.set_device(hvd.local_rank()), puts rank i on cuda:i: that must agree."""
+    metas = {rank: _meta(_fake_tensor(f"cuda:{rank}"), Kind.ALLREDUCE, "grad", global_process_set, op=0) for rank in (0, 1)}
+    assert metas[0].device == metas[1].device == "cuda"
+    assert find_mismatch(metas, 2) is None
+    mixed = {0: metas[0], 1: _meta(_fake_tensor("cpu"), Kind.ALLREDUCE, "grad", global_process_set, op=0)}
+    assert find_mismatch(mixed, 2) == "Mismatched devices for tensor 'grad': rank 0: cuda, rank 1: cpu"
+
+
+def test_the_engine_pause_never_overflows_however_long_a_peer_takes() -> None:
+    fake = SimpleNamespace(_pending={(0, "t"): None}, config=EngineConfig())
+    # 20 ms cycles for an hour is 180,000 empty cycles; 2**1024 overflowed a float after about 21 s.
+    assert Engine._wait_ms(fake, 180_000) == EngineConfig().idle_cycle_time_ms  # type: ignore[arg-type]
+
+
+def test_the_collective_timeout_must_exceed_the_stall_check_time() -> None:
+    with pytest.raises(ValueError, match="must exceed the stall check time"):
+        EngineConfig(collective_timeout_s=30.0, stall_check_time_s=60.0)
+    assert EngineConfig(stall_shutdown_time_s=900.0).transport_timeout_s == 930.0
+
+
+def test_the_watch_warns_while_a_collective_blocks_and_shuts_down_once() -> None:
+    verdicts: list[str] = []
+    watch = CollectiveWatch(3, check_time_s=0.2, shutdown_time_s=0.5, transport_timeout_s=9.0,
+                            on_shutdown=verdicts.append)  # fmt: skip
+    try:
+        with watch.watching("allreduce 'x'"):
+            time.sleep(0.9)
+        warnings = watch.warnings
+        time.sleep(0.3)  # nothing is blocked now: no more warnings
+        assert watch.warnings == warnings >= 2
+        assert len(verdicts) == 1 and "rank 3 was blocked in allreduce 'x'" in verdicts[0]
+    finally:
+        watch.stop()
+    assert not any(t.name == "shoal-engine-watch" and t.is_alive() for t in threading.enumerate())
