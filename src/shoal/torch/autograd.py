@@ -1,8 +1,18 @@
-"""Autograd for the synchronous collectives, with Horovod's gradients.
+"""Autograd for the synchronous collectives, with Horovod's gradients (horovod/torch/mpi_ops.py, 0.28), op by op.
 
-allreduce: the gradient is allreduced with the same op. allgather: the gradient is summed over ranks and each
-rank keeps its own rows. broadcast: the summed gradient goes to the root, zeros elsewhere. alltoall: the gradient
-travels back the way the data came. reducescatter: the gradient is allgathered (and averaged like the forward).
+========================  ==========================================================================================
+op                        backward of the upstream gradient ``g``
+========================  ==========================================================================================
+allreduce (grouped too)   allreduce of ``g`` with the forward's op and prescale/postscale factors
+allgather (grouped too)   allreduce of ``g`` with **Average**, then this rank's rows (offset by its process-set rank)
+broadcast                 allreduce of ``g`` with **Average** on the root; zeros on every other rank
+alltoall                  alltoall of ``g`` back along the received splits
+reducescatter (grouped)   ``g`` times the set size for Sum (not for Average), times prescale and postscale, allgathered
+========================  ==========================================================================================
+
+So allgather and broadcast give the gradient of the ranks' *mean* loss, allreduce that of their summed loss, and
+reducescatter ``size`` times the summed loss's gradient: Horovod's conventions, kept so that a ported script
+trains the same. The backward collectives are unnamed; every rank runs backward in the same order, so they pair up.
 """
 
 from __future__ import annotations
@@ -34,21 +44,69 @@ class AllreduceFunction(torch.autograd.Function):
         return reduced, None, None, None, None, None
 
 
+class GroupedAllreduceFunction(torch.autograd.Function):
+    """grouped allreduce with gradient: the gradients are reduced as one group, with the same op and factors."""
+
+    @staticmethod
+    def forward(ctx: Any, name: str | None, op: int, prescale: float, postscale: float, process_set: ProcessSet,
+                *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:  # fmt: skip
+        ctx.op, ctx.prescale, ctx.postscale, ctx.process_set = op, prescale, postscale, process_set
+        handle = functions.grouped_allreduce_async(list(tensors), name=name, op=op, prescale_factor=prescale,
+                                                   postscale_factor=postscale, process_set=process_set)  # fmt: skip
+        return tuple(handles.synchronize(handle))
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
+        handle = functions.grouped_allreduce_async([g.contiguous() for g in grads], op=ctx.op,
+                                                   prescale_factor=ctx.prescale, postscale_factor=ctx.postscale,
+                                                   process_set=ctx.process_set)  # fmt: skip
+        return (None, None, None, None, None, *handles.synchronize(handle))
+
+
+def _own_rows(reduced: torch.Tensor, rows: torch.Tensor, process_set: ProcessSet, count: int) -> torch.Tensor:
+    """This rank's rows of an allgathered gradient: offset by the rows of the set's lower ranks."""
+    offset = int(rows[: process_set.rank()].sum())
+    return reduced.narrow(0, offset, count)
+
+
 class AllgatherFunction(torch.autograd.Function):
     """allgather with gradient."""
 
     @staticmethod
     def forward(ctx: Any, tensor: torch.Tensor, name: str | None, process_set: ProcessSet) -> torch.Tensor:
-        ctx.rows = tensor.shape[0] if tensor.dim() else 1
+        ctx.rows, ctx.scalar = (tensor.shape[0], False) if tensor.dim() else (1, True)
         ctx.process_set = process_set
         return handles.synchronize(functions.allgather_async(tensor, name, process_set))
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        summed = functions.allreduce(grad, op=ReduceOp.Sum, process_set=ctx.process_set)
+        reduced = functions.allreduce(grad.contiguous(), op=ReduceOp.Average, process_set=ctx.process_set)
         rows = functions.allgather(torch.tensor([ctx.rows]), process_set=ctx.process_set)
-        offset = int(rows[: ctx.process_set.rank()].sum())
-        return summed.narrow(0, offset, ctx.rows), None, None
+        mine = _own_rows(reduced, rows, ctx.process_set, ctx.rows)
+        return (mine.reshape(()) if ctx.scalar else mine), None, None
+
+
+class GroupedAllgatherFunction(torch.autograd.Function):
+    """grouped allgather with gradient."""
+
+    @staticmethod
+    def forward(ctx: Any, name: str | None, process_set: ProcessSet, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.rows = [t.shape[0] if t.dim() else 1 for t in tensors]
+        ctx.scalars = [t.dim() == 0 for t in tensors]
+        ctx.process_set = process_set
+        return tuple(handles.synchronize(functions.grouped_allgather_async(list(tensors), name, process_set)))
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
+        reduced = handles.synchronize(functions.grouped_allreduce_async([g.contiguous() for g in grads],
+                                                                        op=ReduceOp.Average,
+                                                                        process_set=ctx.process_set))  # fmt: skip
+        rows = functions.allgather(torch.tensor([ctx.rows]), process_set=ctx.process_set)
+        mine = []
+        for index, (tensor, count, scalar) in enumerate(zip(reduced, ctx.rows, ctx.scalars, strict=True)):
+            piece = _own_rows(tensor, rows[:, index], ctx.process_set, count)
+            mine.append(piece.reshape(()) if scalar else piece)
+        return (None, None, *mine)
 
 
 class BroadcastFunction(torch.autograd.Function):
@@ -63,10 +121,10 @@ class BroadcastFunction(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
         from shoal.torch.basics import rank
 
-        summed = functions.allreduce(grad, op=ReduceOp.Sum, process_set=ctx.process_set)
-        if rank() != ctx.root_rank:
-            summed = torch.zeros_like(summed)
-        return summed, None, None, None
+        reduced = functions.allreduce(grad.contiguous(), op=ReduceOp.Average, process_set=ctx.process_set)
+        if rank() != ctx.root_rank:  # root_rank is a global rank, as in the forward
+            reduced = torch.zeros_like(reduced)
+        return reduced, None, None, None
 
 
 class AlltoallFunction(torch.autograd.Function):
@@ -86,19 +144,41 @@ class AlltoallFunction(torch.autograd.Function):
         return back, None, None, None
 
 
+def _reducescatter_grad_scale(op: int, process_set: ProcessSet, prescale: float, postscale: float) -> float:
+    """Horovod's factor on a reducescatter's upstream gradient before it is allgathered."""
+    return (process_set.size() if op == ReduceOp.Sum else 1.0) * prescale * postscale
+
+
 class ReducescatterFunction(torch.autograd.Function):
     """reducescatter with gradient."""
 
     @staticmethod
     def forward(ctx: Any, tensor: torch.Tensor, name: str | None, op: int, process_set: ProcessSet,
                 prescale: float, postscale: float) -> Any:  # fmt: skip
-        ctx.op, ctx.process_set, ctx.scale = op, process_set, prescale * postscale
+        ctx.process_set = process_set
+        ctx.scale = _reducescatter_grad_scale(op, process_set, prescale, postscale)
         handle = functions.reducescatter_async(tensor, name, op, process_set, prescale, postscale)
         return handles.synchronize(handle)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        gathered = functions.allgather(grad.contiguous(), process_set=ctx.process_set)
-        if ctx.op == ReduceOp.Average:
-            gathered = gathered / ctx.process_set.size()
-        return gathered * ctx.scale, None, None, None, None, None
+        gathered = functions.allgather((grad * ctx.scale).contiguous(), process_set=ctx.process_set)
+        return gathered, None, None, None, None, None
+
+
+class GroupedReducescatterFunction(torch.autograd.Function):
+    """grouped reducescatter with gradient."""
+
+    @staticmethod
+    def forward(ctx: Any, name: str | None, op: int, process_set: ProcessSet, prescale: float, postscale: float,
+                *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:  # fmt: skip
+        ctx.process_set = process_set
+        ctx.scale = _reducescatter_grad_scale(op, process_set, prescale, postscale)
+        handle = functions.grouped_reducescatter_async(list(tensors), name, op, process_set, prescale, postscale)
+        return tuple(handles.synchronize(handle))
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
+        scaled = [(g * ctx.scale).contiguous() for g in grads]
+        gathered = handles.synchronize(functions.grouped_allgather_async(scaled, process_set=ctx.process_set))
+        return (None, None, None, None, None, *gathered)
