@@ -62,3 +62,12 @@ def test_allreduce_benchmark_json_contract() -> None:
     assert float(summary["memcpy_GBps"]) > 0  # type: ignore[arg-type]
     small = summary["small_tensors"]
     assert small["count"] == 256 and small["bytes_each"] == 16384 and small["speedup"] > 0  # type: ignore[index]
+
+
+def test_gpu_check_script_passes_its_checks_on_cpu() -> None:
+    """The NCCL check script runs in CI over gloo, so it still works when a GPU machine is lent."""
+    summary = last_json([*SHOALRUN, "-np", "2", sys.executable, "-m", "shoal.bench.gpu_check", "--device", "cpu",
+                         "--mib", "4"])  # fmt: skip
+    assert summary["bench"] == "gpu_check" and summary["world"] == 2 and summary["device"] == "cpu"
+    assert summary["checks"] == {"collectives": True, "distributed_optimizer": True, "sync_batch_norm": True}
+    assert float(summary["allreduce"]["ratio"]) > 0  # type: ignore[index]
