@@ -207,7 +207,7 @@ def test_discovery_offering_fewer_slots_removes_a_worker_cleanly(tmp_path: Path)
 def test_a_remote_worker_killed_over_ssh_excludes_its_host(loopback_sshd: tuple[int, Path]) -> None:
     port, key = loopback_sshd
     flags = ["-np", "3", "-H", "localhost:2,127.0.0.2:1", "-p", str(port), "-i", str(key), "--min-np", "2",
-             "--start-timeout", "60"]  # fmt: skip
+             "--start-timeout", "60", "--ssh-strict-host-key-checking", "no"]  # fmt: skip
     job = RunningJob(flags, ["--epochs", "4", "--step-delay", "0.02", "--log-every", "5"])
     pids = job.worker_pids(3)  # rank 2 runs on 127.0.0.2, through ssh (the same machine, so its pid is visible)
     job.wait_for(r"^\[0\]<stdout>:step 15 ", 60)

@@ -71,3 +71,11 @@ def test_gpu_check_script_passes_its_checks_on_cpu() -> None:
     assert summary["bench"] == "gpu_check" and summary["world"] == 2 and summary["device"] == "cpu"
     assert summary["checks"] == {"collectives": True, "distributed_optimizer": True, "sync_batch_norm": True}
     assert float(summary["allreduce"]["ratio"]) > 0  # type: ignore[index]
+
+
+def test_rendezvous_benchmark_times_both_stores() -> None:
+    summary = last_json([sys.executable, "-m", "shoal.bench.rendezvous", "--worlds", "2", "--repeats", "1", "--reinits", "1",
+                          "--import-grace", "5"])  # fmt: skip
+    (row,) = summary["rows"]  # type: ignore[misc]
+    assert summary["bench"] == "rendezvous" and row["world"] == 2
+    assert row["open_ms"] > 0 and row["auth_ms"] > 0 and row["auth_reinit_ms"] > 0 and row["ratio"] > 0

@@ -61,6 +61,29 @@ def test_real_torchrun(tmp_path: Path) -> None:
     assert sorted(result.stdout.split("\n")[:-1]) == ["0 2 0 2 0 1", "1 2 1 2 0 1"]
 
 
+STORE_KIND = (
+    "import sys, shoal.torch as hvd, torch; from shoal.runtime import context; hvd.init(); "
+    "line = f'{hvd.rank()} {type(context.current().job_store).__name__} {hvd.allreduce(torch.ones(1), op=hvd.Sum).item()}'; "
+    "sys.stdout.write(line + chr(10)); sys.stdout.flush()"
+)
+
+
+@pytest.mark.parametrize("secret", ["", "0123456789abcdef"])
+def test_torchrun_authenticates_the_store_when_shoal_secret_is_set(tmp_path: Path, secret: str) -> None:
+    script = tmp_path / "store_kind.py"
+    script.write_text(STORE_KIND + "\n")
+    env = clean_env()
+    if secret:
+        env["SHOAL_SECRET"] = secret
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port())]
+    result = subprocess.run([*command, str(script)], env=env, capture_output=True, text=True, timeout=90)
+    assert result.returncode == 0, result.stderr
+    kind = "StoreView" if secret else "TCPStore"  # Shoal's authenticated store, or torch's open one
+    assert sorted(result.stdout.split("\n")[:-1]) == [f"0 {kind} 2.0", f"1 {kind} 2.0"]
+    warned = result.stderr.count("is unauthenticated (torchrun without SHOAL_SECRET)")
+    assert warned == (0 if secret else 1), result.stderr  # said once, by rank 0, when there is no secret
+
+
 def test_openmpi_environment() -> None:
     job = str(time.time_ns())
     envs = []
@@ -110,7 +133,20 @@ def test_two_host_run_over_ssh(loopback_sshd: tuple[int, Path]) -> None:
     env = clean_env()
     env["SHOAL_TEST_MARK"] = "forwarded"
     code = PRINT_TOPOLOGY + "; import os; print(os.environ.get('SHOAL_TEST_MARK'), os.getcwd(), flush=True)"
-    args = ["-np", "2", "-H", "localhost:1,127.0.0.2:1", "-p", str(port), "-i", str(key), "--start-timeout", "60"]
+    args = [
+        "-np",
+        "2",
+        "-H",
+        "localhost:1,127.0.0.2:1",
+        "-p",
+        str(port),
+        "-i",
+        str(key),
+        "--start-timeout",
+        "60",
+        "--ssh-strict-host-key-checking",
+        "no",
+    ]  # a throwaway sshd whose port (and key) change every run
     result = subprocess.run(
         [*SHOALRUN, *args, sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
     )

@@ -48,6 +48,7 @@ ELASTIC_NAMES = {
 SHOALRUN_FLAGS = {
     "-h", "--help", "-v", "--version", "-np", "--num-proc", "-cb", "--check-build", "-H", "--hosts",
     "-hostfile", "--hostfile", "-p", "--ssh-port", "-i", "--ssh-identity-file", "--start-timeout",
+    "--ssh-strict-host-key-checking", "-x", "--env",
     "--network-interface", "--gloo", "--output-filename", "--verbose", "--log-level", "--timeline-filename",
     "--timeline-mark-cycles",
     "--hierarchical-allreduce", "--fusion-threshold-mb", "--cycle-time-ms", "--cache-capacity", "--disable-cache",

@@ -136,7 +136,7 @@ def run_ranks(
     listener.bind(("127.0.0.1", 0))
     listener.listen(64)
     port = listener.getsockname()[1]
-    # The store takes ownership of the listening socket and closes it when it is destroyed.
+    # The store takes ownership of the listening socket and closes it with close().
     store = host_store("127.0.0.1", port, secret, timeout_s, listen_fd=listener.detach())
     processes = []
     connections = []
@@ -191,7 +191,7 @@ def run_ranks(
             process.join(timeout=5)
         for connection in connections:
             connection.close()
-        del store
+        store.close()
         from shoal.comm.shm import job_token, remove_job_segments
 
         remove_job_segments(job_token(secret))

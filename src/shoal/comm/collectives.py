@@ -49,11 +49,18 @@ def barrier(group: Group) -> None:
     dist.barrier(group=group)
 
 
-def allgather_object(obj: Any, group_size: int, group: Group) -> list[Any]:
-    """Gather a picklable object from every group member, in group-rank order."""
-    gathered: list[Any] = [None] * group_size
-    dist.all_gather_object(gathered, obj, group=group)
-    return gathered
+def allgather_bytes(data: bytes, group_size: int, group: Group) -> list[bytes]:
+    """Gather a byte string from every group member, in group-rank order (lengths first, then padded data).
+
+    The engine negotiates with this and its own JSON format: unlike ``all_gather_object`` nothing is unpickled.
+    """
+    lengths = allgather_equal(torch.tensor([len(data)], dtype=torch.int64), group_size, group)
+    longest = max(int(n.item()) for n in lengths)
+    padded = torch.zeros(max(longest, 1), dtype=torch.uint8)
+    if data:
+        padded[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    chunks = allgather_equal(padded, group_size, group)
+    return [chunk[: int(n.item())].numpy().tobytes() for chunk, n in zip(chunks, lengths, strict=True)]
 
 
 def new_group(ranks: list[int], timeout_s: float | None = None) -> Group:

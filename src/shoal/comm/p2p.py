@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from shoal.comm.store import check_secret, secret_namespace
+from shoal.comm import store as store_module
 
 _LAZY_INIT_ENV = "TORCH_GLOO_LAZY_INIT"
 _LAZY_INIT_LOCK = threading.Lock()
@@ -138,6 +138,4 @@ def connect_job_store(addr: str, port: int, secret: str | None, timeout_s: float
     Dedicated servers are not Horovod ranks, so they reach the store with the same address, port and secret that
     workers get; workers use the same scope for the same group.
     """
-    store = dist.TCPStore(addr, port, is_master=False, timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
-    check_secret(store, secret, timeout_s)
-    return dist.PrefixStore(f"{secret_namespace(secret)}/ps/", store)
+    return store_module.connect_job_store(addr, port, secret, timeout_s, prefix=f"{store_module.secret_namespace(secret)}/ps/")

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import json
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from shoal.comm.collectives import allgather_bytes
 
 
 def select_backend() -> str:
@@ -29,11 +32,10 @@ def destroy_world() -> None:
         dist.destroy_process_group()
 
 
-def allgather_object(obj: Any) -> list[Any]:
-    """Gather one picklable object from every rank of the default group, in rank order."""
-    gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, obj)
-    return gathered
+def allgather_json(value: Any) -> list[Any]:
+    """Gather one JSON-serialisable value from every rank of the default group, in rank order (no pickle)."""
+    messages = allgather_bytes(json.dumps(value).encode(), dist.get_world_size(), None)
+    return [json.loads(message) for message in messages]
 
 
 def gloo_available() -> bool:

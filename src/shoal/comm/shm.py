@@ -19,7 +19,9 @@ import hashlib
 import mmap
 import os
 import platform
+import re
 import secrets
+import stat
 import time
 from collections.abc import Callable
 from typing import Any
@@ -93,6 +95,27 @@ def _pid_alive(pid: int) -> bool:
         return False
 
 
+def _check_segment_file(path: str, info: os.stat_result, size: int) -> None:
+    """Refuse a segment that is not a regular file of this user's, of exactly the size the job's settings give."""
+    if not stat.S_ISREG(info.st_mode):
+        raise SharedMemoryError(f"segment {path} is not a regular file")
+    if info.st_uid != os.geteuid():
+        raise SharedMemoryError(f"segment {path} belongs to uid {info.st_uid}, not to this user ({os.geteuid()})")
+    if info.st_size != size:
+        raise SharedMemoryError(f"segment {path} holds {info.st_size} bytes where this job's settings give {size}")
+
+
+def check_segment_path(path: str, token: str, host: str) -> str:
+    """The segment path read from the store, if it is one this job's local rank 0 could have created; else raise.
+
+    Only ``/dev/shm/shoal-<job token>-<host>-<8 hex digits>`` is accepted: no other directory, no ``..``.
+    """
+    name = os.path.basename(path)
+    if os.path.dirname(path) != _SHM_DIR or not re.fullmatch(rf"{SEGMENT_PREFIX}{re.escape(token)}-{host}-[0-9a-f]{{8}}", name):
+        raise SharedMemoryError(f"refusing shared-memory segment path {path!r} from the store: not this job's segment")
+    return path
+
+
 def supported() -> bool:
     """Shared memory is used on Linux x86-64 (total store order) with a /dev/shm."""
     return platform.system() == "Linux" and platform.machine() in ("x86_64", "AMD64") and os.path.isdir(_SHM_DIR)
@@ -110,13 +133,14 @@ class SharedMemoryGroup:
         # Two halves: consecutive collective steps alternate between them, so a rank that finished a step may fill
         # the other half for the next one while a slower rank still reads this one; no trailing barrier is needed.
         size = _HEADER_BYTES + 2 * local_size * slot_bytes
-        flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
+        # O_NOFOLLOW: a symlink planted under the segment's name is refused, never followed to another file.
+        flags = os.O_RDWR | os.O_NOFOLLOW | (os.O_CREAT | os.O_EXCL if create else 0)
         fd = os.open(path, flags, 0o600)
         try:
             if create:
                 os.posix_fallocate(fd, 0, size)  # ENOSPC now, instead of SIGBUS on first touch of a page
-            elif os.fstat(fd).st_size < size:
-                raise SharedMemoryError(f"segment {path} is smaller than expected")
+            else:
+                _check_segment_file(path, os.fstat(fd), size)
             self._map = mmap.mmap(fd, size)
         finally:
             os.close(fd)
@@ -373,9 +397,28 @@ def create_local_group(store: Any, local_rank: int, local_size: int, host_key: s
             get_logger().warning("shared-memory collectives are off, falling back to gloo: %s", verdict)
         return None
     if local_rank != 0:
-        group = SharedMemoryGroup(verdict, local_rank, local_size, slot_bytes, create=False, timeout_s=timeout_s)
+        try:
+            group = SharedMemoryGroup(check_segment_path(verdict, token, host), local_rank, local_size, slot_bytes,
+                                      create=False, timeout_s=timeout_s)  # fmt: skip
+        except (SharedMemoryError, OSError) as error:  # tell the others, so that nobody waits for this rank
+            store.set(f"{key}/refused/{local_rank}", str(error))
+            raise SharedMemoryError(f"local rank {local_rank} refused the shared-memory segment: {error}") from error
     attached = store.add(f"{key}/attached", 1)
     if attached == local_size:
         os.unlink(verdict)  # everyone has it mapped: the name is no longer needed, and nothing can leak
+    _wait_for_attachments(store, key, local_size, timeout_s, group)
     group.barrier()
     return group
+
+
+def _wait_for_attachments(store: Any, key: str, local_size: int, timeout_s: float, group: SharedMemoryGroup) -> None:
+    """Wait until every local rank mapped the segment; raise at once if one refused it."""
+    deadline = time.monotonic() + timeout_s
+    refused_keys = [f"{key}/refused/{rank}" for rank in range(1, local_size)]
+    while store.add(f"{key}/attached", 0) < local_size:
+        refused = [k for k in refused_keys if store.check([k])]
+        if refused or time.monotonic() > deadline:
+            group.close()
+            reason = store.get(refused[0]).decode() if refused else f"not every local rank attached in {timeout_s:.0f} s"
+            raise SharedMemoryError(f"shared-memory set-up failed: {reason}")
+        time.sleep(0.005)

@@ -1,61 +1,66 @@
-"""Rendezvous through torch.distributed's TCPStore, with shoalrun's per-job secret checked on the way in."""
+"""Rendezvous: the job's authenticated store (``auth_store``), or torch's TCPStore when no job secret exists."""
 
 from __future__ import annotations
 
 import hashlib
-import hmac
-import secrets
 from datetime import timedelta
+from typing import Any
 
 import torch.distributed as dist
 
-from shoal.runtime.launch_env import LaunchInfo
+from shoal.comm import auth_store
+from shoal.comm.auth_store import AuthStoreServer, StoreAuthError, StoreView
+from shoal.log import get_logger
 
-_NONCE_KEY = "shoal/auth/nonce"
-_DIGEST_KEY = "shoal/auth/digest"
-
-
-def secret_digest(secret: str, nonce: str) -> str:
-    """HMAC-SHA256 of ``nonce`` keyed by the job secret: proves the secret without sending it."""
-    return hmac.new(secret.encode(), nonce.encode(), hashlib.sha256).hexdigest()
+_AUTH_ADDRESS_KEY = "shoal/auth_store_address"
+"""Under torchrun's agent store: where rank 0 serves the job's authenticated store."""
+_warned_open = False
+_job_stores: dict[tuple[str, int, str | None, int], dist.Store] = {}
+"""The job's store, by address: it outlives init()/shutdown() (a rank-0-hosted store would otherwise close under
+peers still using it, and its port could not be bound again), as shoalrun's and torchrun's stores do."""
 
 
 def secret_namespace(secret: str | None) -> str:
-    """Key prefix derived from the secret, so a process that lacks it cannot even find the job's keys."""
+    """Key prefix derived from the secret (kept so that jobs sharing an open store stay apart)."""
     if secret is None:
         return "shoal/open"
     return "shoal/" + hashlib.sha256(secret.encode()).hexdigest()[:16]
 
 
-def host_store(addr: str, port: int, secret: str, timeout_s: float, listen_fd: int | None = None) -> dist.TCPStore:
-    """Start the job's TCPStore server (shoalrun does this) and publish the secret challenge.
+def host_store(addr: str, port: int, secret: str, timeout_s: float, listen_fd: int | None = None) -> StoreView:
+    """Start the job's authenticated store (shoalrun and the test harness do this).
 
     Args:
-        addr: address to listen on.
-        port: port to listen on.
+        addr: address to listen on (ignored with ``listen_fd``).
+        port: port to listen on (ignored with ``listen_fd``).
         secret: the per-job secret handed to the workers.
-        timeout_s: how long store operations may wait.
+        timeout_s: how long this process's own store operations may wait.
         listen_fd: an already bound and listening socket to serve on, so the port cannot be taken meanwhile.
 
     Returns:
-        The server-side store; keep it alive for the life of the job.
+        This process's view of the store; ``close()`` stops the server.
     """
-    store = dist.TCPStore(
-        addr,
-        port,
-        is_master=True,
-        timeout=timedelta(seconds=timeout_s),
-        wait_for_workers=False,
-        master_listen_fd=listen_fd,
-    )
-    nonce = secrets.token_hex(16)
-    store.set(_NONCE_KEY, nonce)
-    store.set(_DIGEST_KEY, secret_digest(secret, nonce))
-    return store
+    return AuthStoreServer(secret, addr, port, listen_fd=listen_fd).local_store(timeout_s)
 
 
-def connect_store(info: LaunchInfo, timeout_s: float) -> dist.Store:
-    """Connect to (or, for rank 0 of a launcher without a store, host) the job's store, checking the secret.
+def connect_job_store(addr: str, port: int, secret: str | None, timeout_s: float, prefix: str = "") -> dist.Store:
+    """A client of the job's authenticated store (the job's processes other than its host), keys under ``prefix``."""
+    if not secret:
+        raise RuntimeError(
+            "shoal: rendezvous refused: SHOAL_SECRET is not set in this process, so it cannot join a shoalrun job"
+        )
+    try:
+        return auth_store.connect(addr, port, secret, timeout_s, prefix)
+    except StoreAuthError as error:
+        raise RuntimeError(f"shoal: {error}") from error
+
+
+def connect_store(info: Any, timeout_s: float) -> dist.Store:
+    """Connect to (or, for rank 0 of a launcher without a store, host) the job's store.
+
+    With a job secret (always under shoalrun; under torchrun, mpirun or srun when ``SHOAL_SECRET`` is set in every
+    rank's environment) the store is authenticated. Without one, torch's TCPStore is used and the first ``init()``
+    warns that anyone who reaches the port can read and steer the job.
 
     Raises:
         RuntimeError: when the store cannot be reached in time, or when this process does not hold the
@@ -64,43 +69,63 @@ def connect_store(info: LaunchInfo, timeout_s: float) -> dist.Store:
     if info.size == 1 and info.store_addr is None:
         return dist.HashStore()
     assert info.store_addr is not None and info.store_port is not None  # LaunchInfo validates this
-    is_master = info.rank == 0 and not info.store_hosted_by_launcher
-    try:
-        store = dist.TCPStore(
-            info.store_addr,
-            info.store_port,
-            world_size=None if info.store_hosted_by_launcher else info.size,
-            is_master=is_master,
-            timeout=timedelta(seconds=timeout_s),
-            wait_for_workers=False,
-        )
-    except Exception as error:  # torch raises several types (DistNetworkError, RuntimeError, TimeoutError)
-        raise RuntimeError(
-            f"shoal: rank {info.rank} could not reach the rendezvous store at {info.store_addr}:{info.store_port} "
-            f"within {timeout_s:.0f} s ({info.launcher}): {error}"
-        ) from error
-    if info.launcher == "shoalrun":
-        check_secret(store, info.secret, timeout_s)
+    key = (info.store_addr, info.store_port, info.secret, info.rank if info.rank == 0 else -1)
+    store = _job_stores.get(key)
+    if store is None:
+        store = _job_stores[key] = _connect_store(info, timeout_s)
     return store
 
 
-def check_secret(store: dist.Store, secret: str | None, timeout_s: float) -> None:
-    """Refuse this process unless it holds the secret whose digest shoalrun published in the store."""
-    if not secret:
-        raise RuntimeError(
-            "shoal: rendezvous refused: SHOAL_SECRET is not set in this process, so it cannot join a shoalrun job"
-        )
+def _connect_store(info: Any, timeout_s: float) -> dist.Store:
+    where = f"{info.store_addr}:{info.store_port}"
     try:
-        store.wait([_NONCE_KEY, _DIGEST_KEY], timedelta(seconds=timeout_s))
-    except Exception as error:
-        raise RuntimeError(f"shoal: the rendezvous store published no secret challenge: {error}") from error
-    nonce = store.get(_NONCE_KEY).decode()
-    expected = store.get(_DIGEST_KEY).decode()
-    if not hmac.compare_digest(secret_digest(secret, nonce), expected):
+        if info.launcher == "shoalrun" or (info.secret and info.store_hosted_by_launcher is False):
+            return _secret_store(info, timeout_s)
+        if info.secret:  # torchrun's agent hosts an open store: it only tells the ranks where rank 0 serves ours
+            return _behind_torchrun_store(info, timeout_s)
+        _warn_unauthenticated(info)
+        return dist.TCPStore(info.store_addr, info.store_port, world_size=None if info.store_hosted_by_launcher else info.size,
+                             is_master=info.rank == 0 and not info.store_hosted_by_launcher,
+                             timeout=timedelta(seconds=timeout_s), wait_for_workers=False)  # fmt: skip
+    except (RuntimeError, OSError) as error:  # OSError: rank 0 cannot bind the port (another process holds it)
+        if str(error).startswith("shoal:"):
+            raise
         raise RuntimeError(
-            "shoal: rendezvous refused: this process's SHOAL_SECRET does not match the job's secret "
-            "(it was not started by this job's shoalrun)"
-        )
+            f"shoal: rank {info.rank} could not reach the rendezvous store at {where} within {timeout_s:.0f} s "
+            f"({info.launcher}): {error}"
+        ) from error
+
+
+def _secret_store(info: Any, timeout_s: float) -> dist.Store:
+    """shoalrun's store (every rank a client), or rank 0 hosting it at the launcher's rendezvous address."""
+    if info.launcher != "shoalrun" and info.rank == 0:
+        return host_store(info.store_addr, info.store_port, info.secret, timeout_s)
+    return connect_job_store(info.store_addr, info.store_port, info.secret, timeout_s)
+
+
+def _behind_torchrun_store(info: Any, timeout_s: float) -> dist.Store:
+    agent = dist.TCPStore(info.store_addr, info.store_port, is_master=False, timeout=timedelta(seconds=timeout_s),
+                          wait_for_workers=False)  # fmt: skip
+    if info.rank == 0:
+        local = host_store(info.store_addr, 0, info.secret, timeout_s)
+        assert local.server is not None
+        agent.set(_AUTH_ADDRESS_KEY, f"{info.store_addr}:{local.server.port}")
+        return local
+    host, _, port = agent.get(_AUTH_ADDRESS_KEY).decode().rpartition(":")
+    # The address comes from an open store; a forged one fails the mutual handshake instead of fooling us.
+    return connect_job_store(host, int(port), info.secret, timeout_s)
+
+
+def _warn_unauthenticated(info: Any) -> None:
+    global _warned_open
+    if not _warned_open and info.rank == 0:
+        _warned_open = True
+        get_logger().warning(
+            "the rendezvous store at %s:%s is unauthenticated (%s without SHOAL_SECRET): anyone who reaches that port "
+            "can read and steer this job. Set the same random SHOAL_SECRET in every rank's environment to "
+            "authenticate it (see README, Security).",
+            info.store_addr, info.store_port, info.launcher,
+        )  # fmt: skip
 
 
 def generation_store(store: dist.Store, secret: str | None, rank: int) -> tuple[dist.Store, int]:
@@ -110,9 +135,15 @@ def generation_store(store: dist.Store, secret: str | None, rank: int) -> tuple[
     """
     namespace = secret_namespace(secret)
     generation = store.add(f"{namespace}/init_count/{rank}", 1)
-    return dist.PrefixStore(f"{namespace}/gen{generation}/", store), generation
+    return prefix_store(f"{namespace}/gen{generation}/", store), generation
 
 
 def prefix_store(prefix: str, store: dist.Store) -> dist.Store:
-    """A view of ``store`` whose keys all live under ``prefix``."""
+    """A view of ``store`` whose keys all live under ``prefix``.
+
+    Shoal's own stores give a view of themselves, which keeps them referenced from Python (torch's PrefixStore
+    holds only the C++ half of a Python store).
+    """
+    if isinstance(store, StoreView):
+        return store.with_prefix(prefix)
     return dist.PrefixStore(prefix, store)

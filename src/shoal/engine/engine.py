@@ -33,6 +33,7 @@ from shoal.engine.response_cache import ResponseCache
 from shoal.engine.stall import CollectiveWatch, StallInspector
 from shoal.engine.timeline import Timeline
 from shoal.engine.validation import check_request
+from shoal.engine.wire_format import decode_requests, decode_stall_report, encode_requests, encode_stall_report
 from shoal.exceptions import HorovodInternalError
 from shoal.log import get_logger
 from shoal.runtime.topology import Topology
@@ -170,7 +171,9 @@ class Engine:
         local = create_local_group(store, topology.local_rank, topology.local_size, topology.host_of_rank[self.rank],
                                    job, self.config.shm_slot_bytes, self.config.transport_timeout_s)  # fmt: skip
         # Every host must take the same path, or the collectives would not pair up.
-        everywhere = all(collectives.allgather_object(local is not None, self.size, self._world))
+        available = torch.tensor([1 if local is not None else 0], dtype=torch.int64)
+        collectives.allreduce_(available, "min", self._world)
+        everywhere = bool(available.item())
         if not everywhere:
             if local is not None:
                 local.close()
@@ -369,7 +372,8 @@ class Engine:
     def _negotiate_new(self, cached: list[Response]) -> list[Response]:
         sending, self._to_send = self._to_send, []
         with self._watch.watching("negotiation of new requests"):
-            gathered = collectives.allgather_object(sending, self.size, self._world)
+            messages = collectives.allgather_bytes(encode_requests(sending), self.size, self._world)
+        gathered = [decode_requests(message, rank) for rank, message in enumerate(messages)]
         ready_now = {(r.process_set, r.name) for r in cached}
         for metas in gathered:
             for meta in metas:
@@ -391,7 +395,8 @@ class Engine:
         now = time.monotonic()
         report = [(k[0], k[1], now - r.submitted_at) for k, r in self._pending.items()]
         with self._watch.watching("the stall check"):
-            reports = collectives.allgather_object(report, self.size, self._world)
+            messages = collectives.allgather_bytes(encode_stall_report(report), self.size, self._world)
+        reports = [decode_stall_report(message, rank) for rank, message in enumerate(messages)]
         message = self._stall.inspect(reports, self._members_of(), self.rank)
         return RuntimeError(message) if message is not None else None
 

@@ -35,6 +35,23 @@ def build_parser() -> argparse.ArgumentParser:
     hosts.add_argument("-p", "--ssh-port", type=int, help="ssh port on the remote hosts")
     hosts.add_argument("-i", "--ssh-identity-file", help="ssh identity (private key) file")
     hosts.add_argument(
+        "--ssh-strict-host-key-checking",
+        choices=["yes", "accept-new", "no"],
+        default="accept-new",
+        help="ssh's StrictHostKeyChecking for remote hosts (default accept-new: a new host's key is recorded, a "
+        "changed key is refused)",
+    )
+    hosts.add_argument(
+        "-x",
+        "--env",
+        dest="forward_env",
+        action="append",
+        default=[],
+        metavar="NAME[=VALUE]",
+        help="forward this environment variable to remote workers (repeatable, as mpirun -x); SHOAL_*, HOROVOD_*, "
+        "PYTHONPATH and a few thread/NCCL/gloo settings are forwarded without it",
+    )
+    hosts.add_argument(
         "--start-timeout", type=float, default=30.0, help="seconds the workers may take to rendezvous (default 30)"
     )
     hosts.add_argument("--network-interface", help="network interface whose address remote workers use to reach the rendezvous")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ipaddress
+import re
 import socket
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,16 +23,50 @@ class HostSlots:
     slots: int
 
 
+_LABEL = re.compile(r"^(?!-)[A-Za-z0-9-]{1,63}(?<!-)$")
+_USER = re.compile(r"^[A-Za-z_][A-Za-z0-9._-]{0,31}$")
+
+
+def check_hostname(host: str, origin: str) -> str:
+    """Return ``host`` when it is a safe ssh destination, else raise HostSpecError naming ``origin``.
+
+    Accepted: an RFC 1123 host name, an IPv4 address or an IPv6 address, optionally after ``user@``. Anything
+    else (a leading ``-`` that ssh would read as an option such as ``-oProxyCommand=...``, spaces, shell or path
+    characters) is refused before any process starts.
+    """
+    user, at, name = host.rpartition("@")
+    if at and not _USER.match(user):
+        raise HostSpecError(f"invalid user name {user!r} in host {host!r} ({origin})")
+    try:
+        ipaddress.ip_address(name)
+        return host
+    except ValueError:
+        pass
+    labels = name[:-1].split(".") if name.endswith(".") else name.split(".")
+    if not name or len(name) > 253 or not all(_LABEL.match(label) for label in labels):
+        raise HostSpecError(
+            f"invalid host name {host!r} in {origin}: expected an RFC 1123 host name or an IP address, optionally as user@host"
+        )
+    return host
+
+
 def parse_host_entry(entry: str, origin: str) -> HostSlots:
-    """Parse one ``host`` or ``host:slots`` entry; ``origin`` names where it came from in errors."""
+    """Parse one ``host``, ``host:slots``, ``[ipv6]`` or ``[ipv6]:slots`` entry; ``origin`` names its source."""
     entry = entry.strip()
     if not entry:
         raise HostSpecError(f"empty host entry in {origin}")
-    if entry.count(":") > 1:
-        raise HostSpecError(f"cannot parse host entry {entry!r} in {origin}; expected host or host:slots")
-    host, _, slots_text = entry.partition(":")
+    if "[" in entry:  # an IPv6 literal: [addr] or [addr]:slots, possibly after user@
+        match = re.fullmatch(r"((?:[^@\[\]]+@)?)\[([0-9A-Fa-f:.]+)\](?::(.*))?", entry)
+        if match is None:
+            raise HostSpecError(f"cannot parse host entry {entry!r} in {origin}; expected [ipv6] or [ipv6]:slots")
+        host, slots_text = match.group(1) + match.group(2), match.group(3) or ""
+    else:
+        if entry.count(":") > 1:
+            raise HostSpecError(f"cannot parse host entry {entry!r} in {origin}; expected host or host:slots")
+        host, _, slots_text = entry.partition(":")
     if not host or any(ch.isspace() for ch in host):
         raise HostSpecError(f"cannot parse host entry {entry!r} in {origin}; expected host or host:slots")
+    check_hostname(host, origin)
     if not slots_text:
         return HostSlots(host, 1)
     try:

@@ -7,6 +7,7 @@ signalled at once. Remote slots go through the system OpenSSH client, wrapped by
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import secrets
 import shlex
@@ -16,6 +17,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,7 +31,24 @@ TERMINATE_GRACE_S = 2.0
 SERVER_EXIT_GRACE_S = 5.0
 """Once every worker finished, how long dedicated parameter servers get to leave on their own."""
 
-_ENV_NOT_FORWARDED = ("HOSTNAME", "PWD", "OLDPWD", "SHLVL", "_", "TERM", "DISPLAY", "PS1", "LS_COLORS")
+_FORWARDED_PREFIXES = ("SHOAL_", "HOROVOD_", "NCCL_", "GLOO_", "TORCH_")
+_FORWARDED_NAMES = ("PYTHONPATH", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "CUDA_VISIBLE_DEVICES")
+
+
+def forwarded_env(environ: Mapping[str, str], requested: list[str]) -> dict[str, str]:
+    """What remote workers get from shoalrun's environment: Shoal's, Horovod's, NCCL/gloo/torch settings, a few
+    thread and path variables, and each ``-x NAME`` (its value here) or ``-x NAME=VALUE``; nothing else."""
+    env = {k: v for k, v in environ.items() if k.startswith(_FORWARDED_PREFIXES) or k in _FORWARDED_NAMES}
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    for item in requested:
+        name, equals, value = item.partition("=")
+        if not name.isidentifier():
+            raise LaunchError(f"-x {item!r}: {name!r} is not an environment variable name")
+        if equals:
+            env[name] = value
+        elif name in environ:
+            env[name] = environ[name]
+    return env
 
 
 def knob_env(args: argparse.Namespace) -> dict[str, str]:
@@ -160,7 +179,9 @@ class Job:
         self.rendezvous_addr = rendezvous_addr or pick_rendezvous_address(remote_hosts, args.network_interface)
         self._listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._listener.bind(("127.0.0.1" if self.all_local else "", 0))
+        # The store listens only on the address the workers are told (loopback for an all-local job), not on every
+        # interface of the machine.
+        self._listener.bind(("127.0.0.1" if self.all_local else self.rendezvous_addr, 0))
         self._listener.listen(128)
         self.rendezvous_port = self._listener.getsockname()[1]
         self.workers: list[Worker] = []
@@ -219,24 +240,21 @@ class Job:
             argv = [*self.local_prefixes.get(slot.hostname, []), *command]
             stdin: int = subprocess.DEVNULL
         else:
-            forwarded = {
-                k: v for k, v in os.environ.items() if k not in _ENV_NOT_FORWARDED and not k.startswith(("SSH_", "BASH_FUNC_"))
-            }
-            forwarded.setdefault("PYTHONUNBUFFERED", "1")
-            forwarded.update(extra)
-            assignments = " ".join(shlex.quote(f"{k}={v}") for k, v in forwarded.items())
+            # The environment (the secret included) travels over ssh's standard input, never on a command line that
+            # every local user can read in /proc/<pid>/cmdline; shoal.runner.remote reads it before starting.
+            remote_env = {**forwarded_env(os.environ, self.args.forward_env), **extra}
             remote_cmd = (
-                f"cd {shlex.quote(os.getcwd())} && exec env {assignments} "
-                f"{shlex.quote(sys.executable)} -m shoal.runner.remote -- {shlex.join(command)}"
+                f"cd {shlex.quote(os.getcwd())} && exec {shlex.quote(sys.executable)} -m shoal.runner.remote "
+                f"--env-from-stdin -- {shlex.join(command)}"
             )
             # Keep-alives make a vanished host end its ssh client (so shoalrun sees the worker fail) within ~15 s.
-            argv = ["ssh", "-o", "BatchMode=yes", "-o", "StrictHostKeyChecking=no", "-o", "LogLevel=ERROR",
-                    "-o", "ServerAliveInterval=5", "-o", "ServerAliveCountMax=3"]  # fmt: skip
+            argv = ["ssh", "-o", "BatchMode=yes", "-o", f"StrictHostKeyChecking={self.args.ssh_strict_host_key_checking}",
+                    "-o", "LogLevel=ERROR", "-o", "ServerAliveInterval=5", "-o", "ServerAliveCountMax=3"]  # fmt: skip
             if self.args.ssh_port:
                 argv += ["-p", str(self.args.ssh_port)]
             if self.args.ssh_identity_file:
                 argv += ["-i", self.args.ssh_identity_file]
-            argv += [slot.hostname, remote_cmd]
+            argv += ["--", slot.hostname, remote_cmd]  # "--": a host name can never be read as an ssh option
             env = dict(os.environ)
             stdin = subprocess.PIPE
         shown = argv if self._is_local(slot.hostname) else [*argv[:-1], "<remote command>"]
@@ -248,6 +266,10 @@ class Job:
             )
         except OSError as error:
             raise LaunchError(f"cannot start {label} on {slot.hostname}: {error}") from error
+        if stdin == subprocess.PIPE:
+            assert process.stdin is not None
+            process.stdin.write((json.dumps(remote_env) + "\n").encode())
+            process.stdin.flush()
         worker = Worker(slot=slot, process=process, server_index=server_index)
         # Output prefix [N] and log directory rank.N for a worker; [server.I] and server.I for a server.
         directory = f"rank.{slot.rank}" if server_index is None else f"server.{server_index}"

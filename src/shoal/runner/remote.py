@@ -4,11 +4,14 @@ shoalrun keeps the ssh session's stdin open. ssh does not forward signals withou
 watches stdin instead: when it closes (shoalrun ended the worker, or shoalrun itself died), the worker's process
 group is terminated, then killed.
 
-Usage (shoalrun builds this line): ``python -m shoal.runner.remote -- command ...``
+Usage (shoalrun builds this line): ``python -m shoal.runner.remote --env-from-stdin -- command ...``. With
+``--env-from-stdin`` the first line of stdin is a JSON object of environment variables for the command (the job
+secret among them): they never appear on a command line.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -35,15 +38,37 @@ def _end_group(child: subprocess.Popen[bytes]) -> None:
         pass
 
 
+def _read_line(fd: int) -> bytes:
+    """The first line on ``fd``, without its newline, read byte by byte so that nothing past it is consumed."""
+    data = bytearray()
+    while True:
+        byte = os.read(fd, 1)
+        if not byte or byte == b"\n":
+            return bytes(data)
+        data += byte
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the command after ``--``; returns its exit code (128+N when it died from signal N)."""
     args = list(sys.argv[1:] if argv is None else argv)
+    env = dict(os.environ)
+    if args[:1] == ["--env-from-stdin"]:
+        args = args[1:]
+        line = _read_line(sys.stdin.fileno())
+        try:
+            received = json.loads(line)
+            if not isinstance(received, dict) or not all(isinstance(v, str) for v in received.values()):
+                raise ValueError("expected a JSON object of strings")
+        except ValueError as error:
+            print(f"shoal.runner.remote: bad environment on stdin: {error}", file=sys.stderr)
+            return 2
+        env.update(received)
     if args[:1] == ["--"]:
         args = args[1:]
     if not args:
         print("shoal.runner.remote: no command given", file=sys.stderr)
         return 2
-    child = subprocess.Popen(args, stdin=subprocess.DEVNULL, start_new_session=True)
+    child = subprocess.Popen(args, stdin=subprocess.DEVNULL, start_new_session=True, env=env)
 
     def watch_stdin() -> None:
         while os.read(sys.stdin.fileno(), 4096):

@@ -1,0 +1,485 @@
+"""The job's rendezvous store, authenticated: nobody without the job secret can read, write or list a key.
+
+torch's ``TCPStore`` answers anyone who connects. This store keeps torch's ``Store`` semantics (gloo's address
+exchange, PrefixStore and the elastic driver use it unchanged), but every connection starts with a mutual
+challenge-response over the job secret and every message after it carries an HMAC-SHA256 under a per-connection
+session key with a per-direction sequence number:
+
+1. server -> client: ``SHOAL-STORE-1`` and a random 32-byte challenge;
+2. client -> server: a random 32-byte nonce and HMAC(secret, "client" | challenge | nonce);
+3. server -> client: HMAC(secret, "server" | challenge | nonce) (so a process squatting on the port is refused too);
+4. both sides derive the session key HMAC(secret, "session" | challenge | nonce); each frame is
+   ``length | payload | HMAC(key, direction | sequence | payload)``.
+
+The secret never crosses the wire, a frame cannot be replayed, reordered or forged, and a client that fails the
+handshake learns nothing (not even whether a key exists). Garbage, oversized frames and slow handshakes close that
+connection only; the server and the job go on. Messages are not encrypted: keys and values (addresses, ports,
+elastic assignments) are visible on the wire to someone who can watch it, as the threat model in README says.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import queue
+import socket
+import struct
+import threading
+import time
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from shoal.log import get_logger
+
+_MAGIC = b"SHOAL-STORE-1"
+_NONCE_BYTES = 32
+_MAC_BYTES = 32
+_MAX_FRAME_BYTES = 64 * 1024 * 1024
+_HANDSHAKE_TIMEOUT_S = 10.0
+_MAX_CONNECTIONS = 4096
+
+(_SET, _GET, _ADD, _COMPARE_SET, _CHECK, _WAIT, _DELETE, _NUM_KEYS, _APPEND) = range(1, 10)
+_OK, _TIMEOUT, _MISSING, _BAD = 0, 1, 2, 3
+
+
+class StoreAuthError(RuntimeError):
+    """The other side does not hold the job secret (or is not a Shoal store at all)."""
+
+
+def _mac(key: bytes, *parts: bytes) -> bytes:
+    return hmac.new(key, b"".join(parts), hashlib.sha256).digest()
+
+
+def _recv_exact(sock: socket.socket, count: int) -> bytes:
+    chunks, left = [], count
+    while left:
+        chunk = sock.recv(min(left, 1 << 20))
+        if not chunk:
+            raise ConnectionError("the connection closed")
+        chunks.append(chunk)
+        left -= len(chunk)
+    return b"".join(chunks)
+
+
+def _pack_fields(*fields: bytes) -> bytes:
+    return b"".join(struct.pack(">I", len(f)) + f for f in fields)
+
+
+def _unpack_fields(data: bytes) -> list[bytes]:
+    fields, offset = [], 0
+    while offset < len(data):
+        if offset + 4 > len(data):
+            raise ValueError("truncated field")
+        (length,) = struct.unpack_from(">I", data, offset)
+        offset += 4
+        if offset + length > len(data):
+            raise ValueError("truncated field")
+        fields.append(data[offset : offset + length])
+        offset += length
+    return fields
+
+
+def _int_field(value: int) -> bytes:
+    return struct.pack(">q", value)
+
+
+def _read_int(field: bytes) -> int:
+    if len(field) != 8:
+        raise ValueError("malformed integer field")
+    return int(struct.unpack(">q", field)[0])
+
+
+class _Channel:
+    """One authenticated connection: framed, MAC'd, sequence-numbered messages in both directions."""
+
+    def __init__(self, sock: socket.socket, key: bytes, outgoing: bytes, incoming: bytes) -> None:
+        self.sock = sock
+        self._key = key
+        self._out, self._in = outgoing, incoming
+        self._sent = 0
+        self._received = 0
+
+    def send(self, payload: bytes) -> None:
+        mac = _mac(self._key, self._out, struct.pack(">Q", self._sent), payload)
+        self._sent += 1
+        self.sock.sendall(struct.pack(">I", len(payload)) + payload + mac)
+
+    def receive(self) -> bytes:
+        (length,) = struct.unpack(">I", _recv_exact(self.sock, 4))
+        if length > _MAX_FRAME_BYTES:
+            raise ValueError(f"a frame of {length} bytes is over the limit")
+        payload = _recv_exact(self.sock, length)
+        mac = _recv_exact(self.sock, _MAC_BYTES)
+        expected = _mac(self._key, self._in, struct.pack(">Q", self._received), payload)
+        if not hmac.compare_digest(mac, expected):
+            raise StoreAuthError("a message failed authentication")
+        self._received += 1
+        return payload
+
+
+def _server_handshake(sock: socket.socket, secret: bytes) -> _Channel:
+    challenge = os.urandom(_NONCE_BYTES)
+    sock.sendall(_MAGIC + challenge)
+    nonce = _recv_exact(sock, _NONCE_BYTES)
+    proof = _recv_exact(sock, _MAC_BYTES)
+    if not hmac.compare_digest(proof, _mac(secret, b"client", challenge, nonce)):
+        raise StoreAuthError("the client does not hold the job secret")
+    sock.sendall(_mac(secret, b"server", challenge, nonce))
+    return _Channel(sock, _mac(secret, b"session", challenge, nonce), b"S", b"C")
+
+
+def _client_handshake(sock: socket.socket, secret: bytes, where: str) -> _Channel:
+    try:
+        magic = _recv_exact(sock, len(_MAGIC))
+    except (ConnectionError, OSError) as error:
+        raise StoreAuthError(f"the rendezvous store at {where} closed the connection: {error}") from error
+    if magic != _MAGIC:
+        raise StoreAuthError(f"{where} is not a Shoal rendezvous store (another program holds the port?)")
+    challenge = _recv_exact(sock, _NONCE_BYTES)
+    nonce = os.urandom(_NONCE_BYTES)
+    sock.sendall(nonce + _mac(secret, b"client", challenge, nonce))
+    try:
+        proof = _recv_exact(sock, _MAC_BYTES)
+    except (ConnectionError, OSError) as error:
+        raise StoreAuthError(
+            f"rendezvous refused by {where}: this process's SHOAL_SECRET does not match the job's secret"
+        ) from error
+    if not hmac.compare_digest(proof, _mac(secret, b"server", challenge, nonce)):
+        raise StoreAuthError(f"the store at {where} does not hold the job secret (another process holds the port?)")
+    return _Channel(sock, _mac(secret, b"session", challenge, nonce), b"C", b"S")
+
+
+class _KeyValues:
+    """The store's data, shared by the network server and the host's in-process view."""
+
+    def __init__(self) -> None:
+        self.data: dict[bytes, bytes] = {}
+        self.cond = threading.Condition()
+
+    def set(self, key: bytes, value: bytes) -> None:
+        with self.cond:
+            self.data[key] = value
+            self.cond.notify_all()
+
+    def wait_for(self, keys: list[bytes], timeout_s: float) -> bool:
+        with self.cond:
+            return self.cond.wait_for(lambda: all(k in self.data for k in keys), timeout=timeout_s)
+
+    def add(self, key: bytes, delta: int) -> int:
+        with self.cond:
+            value = int(self.data.get(key, b"0")) + delta
+            self.data[key] = str(value).encode()
+            self.cond.notify_all()
+            return value
+
+    def compare_set(self, key: bytes, expected: bytes, desired: bytes) -> bytes:
+        with self.cond:
+            current = self.data.get(key)
+            if (current is None and expected == b"") or current == expected:
+                self.data[key] = desired
+                self.cond.notify_all()
+                return desired
+            return current if current is not None else expected
+
+    def append(self, key: bytes, value: bytes) -> None:
+        with self.cond:
+            self.data[key] = self.data.get(key, b"") + value
+            self.cond.notify_all()
+
+    def delete(self, key: bytes) -> bool:
+        with self.cond:
+            return self.data.pop(key, None) is not None
+
+
+def _apply(values: _KeyValues, request: bytes) -> bytes:
+    """Run one decoded request against the data and encode the reply; ValueError for a malformed request."""
+    if not request:
+        raise ValueError("empty request")
+    op, fields = request[0], _unpack_fields(request[1:])
+    if op == _SET and len(fields) == 2:
+        values.set(fields[0], fields[1])
+        return bytes([_OK])
+    if op == _GET and len(fields) == 2:
+        if not values.wait_for([fields[0]], _read_int(fields[1]) / 1000):
+            return bytes([_TIMEOUT])
+        with values.cond:
+            value = values.data.get(fields[0])
+        return bytes([_OK]) + _pack_fields(value) if value is not None else bytes([_MISSING])
+    if op == _ADD and len(fields) == 2:
+        return bytes([_OK]) + _pack_fields(_int_field(values.add(fields[0], _read_int(fields[1]))))
+    if op == _COMPARE_SET and len(fields) == 3:
+        return bytes([_OK]) + _pack_fields(values.compare_set(*fields))
+    if op == _CHECK and fields:
+        with values.cond:
+            present = all(k in values.data for k in fields)
+        return bytes([_OK if present else _MISSING])
+    if op == _WAIT and fields:
+        return bytes([_OK if values.wait_for(fields[:-1], _read_int(fields[-1]) / 1000) else _TIMEOUT])
+    if op == _DELETE and len(fields) == 1:
+        return bytes([_OK if values.delete(fields[0]) else _MISSING])
+    if op == _NUM_KEYS and not fields:
+        with values.cond:
+            return bytes([_OK]) + _pack_fields(_int_field(len(values.data)))
+    if op == _APPEND and len(fields) == 2:
+        values.append(fields[0], fields[1])
+        return bytes([_OK])
+    raise ValueError(f"unknown or malformed request (op {op})")
+
+
+class AuthStoreServer:
+    """Serves the job's keys to authenticated clients, one thread per connection, until ``close()``."""
+
+    def __init__(self, secret: str, host: str = "127.0.0.1", port: int = 0, listen_fd: int | None = None) -> None:
+        if not secret:
+            raise ValueError("an authenticated store needs a non-empty job secret")
+        self._secret = secret.encode()
+        self.values = _KeyValues()
+        if listen_fd is not None:
+            self._listener = socket.socket(fileno=listen_fd)
+        else:
+            family = socket.AF_INET6 if ":" in host else socket.AF_INET
+            self._listener = socket.socket(family, socket.SOCK_STREAM)
+            self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            self._listener.bind((host, port))
+            self._listener.listen(256)
+        self.port = int(self._listener.getsockname()[1])
+        self._connections: set[socket.socket] = set()
+        self._lock = threading.Lock()
+        self._closed = False
+        self.refused = 0
+        """Connections that failed the handshake or sent a malformed message (for tests and logs)."""
+        self._thread = threading.Thread(target=self._accept, name="shoal-store", daemon=True)
+        self._thread.start()
+
+    def _accept(self) -> None:
+        while not self._closed:
+            try:
+                sock, _ = self._listener.accept()
+            except OSError:
+                return
+            with self._lock:
+                if len(self._connections) >= _MAX_CONNECTIONS:
+                    sock.close()
+                    continue
+                self._connections.add(sock)
+            threading.Thread(target=self._serve, args=(sock,), name="shoal-store-conn", daemon=True).start()
+
+    def _serve(self, sock: socket.socket) -> None:
+        try:
+            sock.settimeout(_HANDSHAKE_TIMEOUT_S)
+            channel = _server_handshake(sock, self._secret)
+            sock.settimeout(None)
+            while True:
+                channel.send(_apply(self.values, channel.receive()))
+        except (ConnectionError, OSError):
+            pass  # the client went away
+        except (StoreAuthError, ValueError, struct.error) as error:
+            self.refused += 1
+            get_logger().debug("rendezvous store: closed a connection: %s", error)
+        finally:
+            with self._lock:
+                self._connections.discard(sock)
+            sock.close()
+
+    def local_store(self, timeout_s: float = 300.0) -> StoreView:
+        """A ``Store`` over this server's data for the hosting process itself (no socket, no handshake)."""
+        return StoreView(_LocalBackend(self.values), timeout_s, server=self)
+
+    def close(self) -> None:
+        """Stop accepting and close every connection."""
+        self._closed = True
+        try:
+            self._listener.close()
+        except OSError:
+            pass
+        with self._lock:
+            connections = list(self._connections)
+        for sock in connections:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+
+def _as_bytes(value: str | bytes | bytearray | list[int]) -> bytes:
+    if isinstance(value, str):
+        return value.encode()
+    return bytes(value)
+
+
+def _timeout_error(keys: list[bytes], timeout_s: float) -> RuntimeError:
+    names = ", ".join(k.decode(errors="replace") for k in keys)
+    return dist.DistStoreError(f"wait timeout after {timeout_s * 1000:.0f}ms, keys: {names}")
+
+
+class _LocalBackend:
+    """Requests answered in this process, straight from an ``AuthStoreServer``'s data."""
+
+    def __init__(self, values: _KeyValues) -> None:
+        self.values = values
+
+    def request(self, op: int, fields: list[bytes], timeout_s: float | None = None) -> tuple[int, list[bytes]]:
+        reply = _apply(self.values, bytes([op]) + _pack_fields(*fields))
+        return reply[0], _unpack_fields(reply[1:])
+
+
+class _RemoteBackend:
+    """Requests sent to an ``AuthStoreServer`` over authenticated connections, from a small pool.
+
+    Each request takes an idle connection (opening and authenticating a new one when none is idle), so a blocking
+    ``get`` on one thread never holds up another thread's requests.
+    """
+
+    def __init__(self, host: str, port: int, secret: bytes, timeout_s: float) -> None:
+        self.host, self.port, self._secret = host, port, secret
+        self._timeout_s = timeout_s
+        self._idle: queue.SimpleQueue[_Channel] = queue.SimpleQueue()
+        self._idle.put(self._connect(timeout_s))
+
+    @property
+    def where(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def _connect(self, timeout_s: float) -> _Channel:
+        """Connect and authenticate, retrying refused connections until ``timeout_s`` (the server may be starting)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                sock = socket.create_connection((self.host, self.port), timeout=max(0.1, deadline - time.monotonic()))
+                break
+            except OSError as error:
+                if time.monotonic() >= deadline:
+                    raise dist.DistNetworkError(f"cannot reach the rendezvous store at {self.where}: {error}") from error
+                time.sleep(0.05)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        try:
+            sock.settimeout(_HANDSHAKE_TIMEOUT_S)
+            channel = _client_handshake(sock, self._secret, self.where)
+            sock.settimeout(None)
+        except BaseException:
+            sock.close()
+            raise
+        return channel
+
+    def request(self, op: int, fields: list[bytes], timeout_s: float | None = None) -> tuple[int, list[bytes]]:
+        try:
+            channel = self._idle.get_nowait()
+        except queue.Empty:
+            channel = self._connect(self._timeout_s)
+        try:
+            channel.sock.settimeout(None if timeout_s is None else timeout_s + 30.0)
+            channel.send(bytes([op]) + _pack_fields(*fields))
+            reply = channel.receive()
+        except BaseException:
+            channel.sock.close()
+            raise
+        self._idle.put(channel)
+        if not reply:
+            raise dist.DistStoreError(f"empty reply from the rendezvous store at {self.where}")
+        return reply[0], _unpack_fields(reply[1:])
+
+    def __del__(self) -> None:
+        while True:
+            try:
+                self._idle.get_nowait().sock.close()
+            except (queue.Empty, AttributeError):
+                return
+            except OSError:
+                continue
+
+
+class StoreView(dist.Store):
+    """torch's ``Store`` interface over a backend (local or remote), every key under ``prefix``.
+
+    A Python store handed to torch must stay referenced from Python for as long as torch uses it (pybind keeps
+    only the C++ half alive): clones and prefixed views are therefore kept by the view they came from, and
+    ``shoal.comm.store.prefix_store`` asks for a prefixed view instead of wrapping in torch's PrefixStore.
+    """
+
+    def __init__(self, backend: _LocalBackend | _RemoteBackend, timeout_s: float, prefix: bytes = b"",
+                 server: AuthStoreServer | None = None) -> None:  # fmt: skip
+        super().__init__()
+        self._backend = backend
+        self._timeout_s = timeout_s
+        self._prefix = prefix
+        self._views: list[StoreView] = []
+        self.server = server
+        """For the hosting process's view: the server it belongs to (``close()`` stops it)."""
+
+    def with_prefix(self, prefix: str) -> StoreView:
+        """A view of this store whose keys all live under ``prefix`` (sharing its connections)."""
+        view = StoreView(self._backend, self._timeout_s, self._prefix + prefix.encode(), self.server)
+        self._views.append(view)
+        return view
+
+    def clone(self) -> StoreView:
+        """Another view of the same store (torch clones a store for each thread that uses it)."""
+        return self.with_prefix("")
+
+    def close(self) -> None:
+        """Stop the server, when this is the hosting process's view."""
+        if self.server is not None:
+            self.server.close()
+
+    def _key(self, key: str | bytes) -> bytes:
+        return self._prefix + _as_bytes(key)
+
+    def _request(self, op: int, fields: list[bytes], timeout_s: float | None = None) -> tuple[int, list[bytes]]:
+        return self._backend.request(op, fields, timeout_s)
+
+    def set_timeout(self, timeout: timedelta) -> None:
+        self._timeout_s = timeout.total_seconds()
+
+    @property
+    def timeout(self) -> timedelta:
+        return timedelta(seconds=self._timeout_s)
+
+    def set(self, key: str, value: str | bytes) -> None:
+        self._request(_SET, [self._key(key), _as_bytes(value)])
+
+    def get(self, key: str) -> bytes:
+        wanted = self._key(key)
+        status, fields = self._request(_GET, [wanted, _int_field(int(self._timeout_s * 1000))], self._timeout_s)
+        if status == _TIMEOUT:
+            raise _timeout_error([wanted], self._timeout_s)
+        if status != _OK:
+            raise dist.DistStoreError(f"key {key!r} vanished while being read")
+        return fields[0]
+
+    def add(self, key: str, amount: int) -> int:
+        return _read_int(self._request(_ADD, [self._key(key), _int_field(int(amount))])[1][0])
+
+    def compare_set(self, key: str, expected: str | bytes, desired: str | bytes) -> bytes:
+        return self._request(_COMPARE_SET, [self._key(key), _as_bytes(expected), _as_bytes(desired)])[1][0]
+
+    def append(self, key: str, value: str | bytes) -> None:
+        self._request(_APPEND, [self._key(key), _as_bytes(value)])
+
+    def check(self, keys: list[str]) -> bool:
+        return self._request(_CHECK, [self._key(k) for k in keys])[0] == _OK
+
+    def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
+        timeout_s = self._timeout_s if timeout is None else timeout.total_seconds()
+        wanted = [self._key(k) for k in keys]
+        if self._request(_WAIT, [*wanted, _int_field(int(timeout_s * 1000))], timeout_s)[0] != _OK:
+            raise _timeout_error(wanted, timeout_s)
+
+    def delete_key(self, key: str) -> bool:
+        return self._request(_DELETE, [self._key(key)])[0] == _OK
+
+    def num_keys(self) -> int:
+        return _read_int(self._request(_NUM_KEYS, [])[1][0])
+
+
+def connect(host: str, port: int, secret: str, timeout_s: float = 300.0, prefix: str = "") -> StoreView:
+    """A client of the ``AuthStoreServer`` at ``host:port``, authenticated with ``secret``.
+
+    Raises:
+        StoreAuthError: the server refused this process's secret, or did not prove it holds the job secret.
+        torch.distributed.DistNetworkError: nothing answered within ``timeout_s``.
+    """
+    if not secret:
+        raise ValueError("an authenticated store needs the job secret (SHOAL_SECRET)")
+    return StoreView(_RemoteBackend(host, port, secret.encode(), timeout_s), timeout_s, prefix.encode())
