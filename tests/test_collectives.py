@@ -66,8 +66,8 @@ def _other_collectives() -> dict[str, object]:
         hvd.broadcast_(source, root_rank=0)
         out[f"broadcast_/{dtype}"] = source.double().tolist()
         rows = torch.arange(size * 2).to(torch_dtype) if dtype != "bool" else torch.ones(size * 2, dtype=torch.bool)
-        received, splits = hvd.alltoall(rows + (rank if dtype != "bool" else 0))
-        out[f"alltoall/{dtype}"] = (received.double().tolist(), splits.tolist())
+        received = hvd.alltoall(rows + (rank if dtype != "bool" else 0))  # no splits: Horovod returns the tensor alone
+        out[f"alltoall/{dtype}"] = (received.double().tolist(), [received.shape[0] // size] * size)
     uneven = [r + 1 for r in range(size)]  # rank r sends r'+1 rows to rank r'
     tensor = torch.arange(sum(uneven), dtype=torch.float32) + 100 * rank
     received, splits = hvd.alltoall(tensor, splits=uneven)

@@ -96,7 +96,7 @@ def call(op: str, tensor: torch.Tensor, name: str, process_set: Any) -> torch.Te
         return hvd.broadcast(tensor, root_rank=process_set.ranks[-1] if process_set.ranks else 1, name=name,
                              process_set=process_set)  # fmt: skip
     if kind == "alltoall":
-        return hvd.alltoall(tensor, name=name, process_set=process_set)[0]
+        return hvd.alltoall(tensor, name=name, process_set=process_set)
     if kind == "reducescatter":
         return hvd.reducescatter(tensor, op=REDUCE_OPS[reduce_op], name=name, process_set=process_set)
     if kind == "grouped_allreduce":

@@ -18,6 +18,9 @@ COLLECTIVE_NAMES = {
 }  # fmt: skip
 
 HVD_NAMES = COLLECTIVE_NAMES | {
+    "HorovodInternalError",
+    "HostsUpdatedInterrupt",
+    "sparse_allreduce_async",
     "ccl_built",
     "cross_rank",
     "cross_size",
@@ -75,3 +78,34 @@ def test_environment_names_are_frozen() -> None:
     assert RENDEZVOUS_ENV_NAMES == ("SHOAL_RENDEZVOUS_ADDR", "SHOAL_RENDEZVOUS_PORT", "SHOAL_SECRET")
     assert {"FUSION_THRESHOLD", "CYCLE_TIME", "CACHE_CAPACITY", "TIMELINE", "LOG_LEVEL"} <= set(KNOB_NAMES)
     assert {"STALL_CHECK_TIME_SECONDS", "STALL_SHUTDOWN_TIME_SECONDS", "COLLECTIVE_TIMEOUT_SECONDS"} <= set(KNOB_NAMES)
+
+
+# Every public name of horovod.torch 0.28.1 (its __init__.py imports) and of horovod.torch.mpi_ops' functions.
+HOROVOD_TORCH_NAMES = {
+    "Adasum", "Average", "Compression", "DistributedOptimizer", "HorovodInternalError", "Max", "Min", "ProcessSet",
+    "Product", "Sum", "SyncBatchNorm", "add_process_set", "allgather", "allgather_async", "allgather_object",
+    "allreduce", "allreduce_", "allreduce_async", "allreduce_async_", "alltoall", "alltoall_async", "barrier",
+    "broadcast", "broadcast_", "broadcast_async", "broadcast_async_", "broadcast_object", "broadcast_optimizer_state",
+    "broadcast_parameters", "ccl_built", "cross_rank", "cross_size", "cuda_built", "ddl_built", "elastic",
+    "global_process_set", "gloo_built", "gloo_enabled", "grouped_allgather", "grouped_allgather_async",
+    "grouped_allreduce", "grouped_allreduce_", "grouped_allreduce_async", "grouped_allreduce_async_",
+    "grouped_reducescatter", "grouped_reducescatter_async", "init", "is_initialized", "join", "local_rank",
+    "local_size", "mpi_built", "mpi_enabled", "mpi_threads_supported", "nccl_built", "poll", "rank", "reducescatter",
+    "reducescatter_async", "remove_process_set", "rocm_built", "shutdown", "size", "sparse_allreduce_async",
+    "start_timeline", "stop_timeline", "synchronize",
+}  # fmt: skip
+HOROVOD_MPI_OPS_FUNCTIONS = {
+    "allgather", "allgather_async", "allreduce", "allreduce_", "allreduce_async", "allreduce_async_", "alltoall",
+    "alltoall_async", "barrier", "broadcast", "broadcast_", "broadcast_async", "broadcast_async_", "grouped_allgather",
+    "grouped_allgather_async", "grouped_allreduce", "grouped_allreduce_", "grouped_allreduce_async",
+    "grouped_allreduce_async_", "grouped_reducescatter", "grouped_reducescatter_async", "init", "join", "poll",
+    "reducescatter", "reducescatter_async", "shutdown", "sparse_allreduce_async", "synchronize",
+}  # fmt: skip
+
+
+def test_every_horovod_torch_name_resolves() -> None:
+    import shoal.torch.mpi_ops as mpi_ops
+
+    assert HOROVOD_TORCH_NAMES - set(dir(hvd)) == set()
+    assert HOROVOD_MPI_OPS_FUNCTIONS - set(dir(mpi_ops)) == set()
+    assert mpi_ops.allreduce is hvd.allreduce and mpi_ops.HorovodInternalError is hvd.HorovodInternalError

@@ -17,7 +17,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -157,6 +157,8 @@ class Job:
         rendezvous_addr: str | None = None,
         extra_env: dict[str, str] | None = None,
         bind_all: bool = False,
+        on_store: Callable[[Any], None] | None = None,
+        on_finish: Callable[[Any], None] | None = None,
     ) -> None:
         """A job over ``slots``.
 
@@ -168,7 +170,10 @@ class Job:
             rendezvous_addr: the address workers use to reach the store, overriding the automatic choice.
             extra_env: more environment for every worker.
             bind_all: listen on every interface even when all ``slots`` are local (hosts may join later).
+            on_store: called with the job's store as soon as it exists (before any worker can read it).
+            on_finish: called with the job's store once every worker has ended, before the store is dropped.
         """
+        self._on_store, self._on_finish = on_store, on_finish
         self.args = args
         self.slots = slots
         self.local_prefixes = local_prefixes or {}
@@ -211,6 +216,8 @@ class Job:
                 self.args.start_timeout,
                 listen_fd=self._listener.detach(),
             )
+            if self._on_store is not None:
+                self._on_store(self._store)
         except BaseException as error:  # reported by the supervisor loop, which ends the job
             self._store_error = error
 
@@ -329,6 +336,8 @@ class Job:
             # the interpreter exit under it aborts the process from C++. Wait for it, then drop the store.
             if self._store_thread.ident is not None:
                 self._store_thread.join(timeout=60)
+            if self._on_finish is not None and self._store is not None:
+                self._on_finish(self._store)
             self._store = None
             if self._listener.fileno() != -1:  # the store never took it over
                 self._listener.close()

@@ -1,5 +1,6 @@
 """``import shoal.torch as hvd``: a drop-in for ``horovod.torch``."""
 
+from shoal.exceptions import HorovodInternalError, HostsUpdatedInterrupt
 from shoal.torch import elastic
 from shoal.torch.basics import (
     ccl_built,
@@ -55,6 +56,7 @@ from shoal.torch.functions import (
     join,
     reducescatter,
     reducescatter_async,
+    sparse_allreduce_async,
 )
 from shoal.torch.handles import poll, start_timeline, stop_timeline, synchronize
 from shoal.torch.objects import allgather_object, broadcast_object
@@ -68,6 +70,8 @@ __all__ = [
     "Average",
     "Compression",
     "DistributedOptimizer",
+    "HorovodInternalError",
+    "HostsUpdatedInterrupt",
     "Max",
     "Min",
     "ProcessSet",
@@ -128,6 +132,7 @@ __all__ = [
     "rocm_built",
     "shutdown",
     "size",
+    "sparse_allreduce_async",
     "start_timeline",
     "stop_timeline",
     "synchronize",

@@ -135,11 +135,13 @@ class AlltoallFunction(torch.autograd.Function):
         ctx.process_set = process_set
         output, received = handles.synchronize(functions.alltoall_async(tensor, splits, name, process_set))
         ctx.received = received
+        if splits is None:  # Horovod returns the received splits only when splits were given
+            return output
         ctx.mark_non_differentiable(received)
         return output, received
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor, _grad_splits: Any) -> tuple[Any, ...]:
+    def backward(ctx: Any, grad: torch.Tensor, *_grad_splits: Any) -> tuple[Any, ...]:
         back, _ = functions.alltoall(grad.contiguous(), ctx.received, process_set=ctx.process_set)
         return back, None, None, None
 

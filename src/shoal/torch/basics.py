@@ -2,30 +2,45 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from shoal.comm import process_group
 from shoal.runtime import context
+from shoal.torch.process_sets import ProcessSet, add_process_set
 
 
-def init(comm: Any = None, process_sets: Any = None) -> None:
+def init(comm: Any = None, process_sets: Sequence[ProcessSet] | str | None = None) -> None:
     """Initialize Shoal from the launcher's environment (shoalrun, torchrun, mpirun, srun, or none).
 
     Args:
         comm: Horovod accepts an MPI communicator here; Shoal always uses the launcher's world and only
             accepts None.
-        process_sets: process sets to register at start-up; not supported yet, must be None.
+        process_sets: as in Horovod: None; a list of ``ProcessSet`` objects to register now, in order, on every
+            rank (keep them to pass to collectives; duplicates are refused); or ``"dynamic"`` (nothing now,
+            ``add_process_set()`` later, which Shoal always allows).
 
     Raises:
-        NotImplementedError: when ``comm`` or ``process_sets`` is given.
+        NotImplementedError: when ``comm`` is given.
+        ValueError: a process set is invalid or given twice (Shoal is shut down again then).
     """
     if comm is not None:
         raise NotImplementedError("shoal.torch.init(comm=...) is not supported: Shoal takes its world from the launcher")
-    if process_sets is not None:
-        raise NotImplementedError("shoal.torch.init(process_sets=...) is not supported yet; use add_process_set()")
+    if isinstance(process_sets, str) and process_sets != "dynamic":
+        raise ValueError(f"process_sets must be a list of ProcessSet objects or 'dynamic', got {process_sets!r}")
+    static: list[ProcessSet] = [] if process_sets is None or isinstance(process_sets, str) else list(process_sets)
+    already = context.is_initialized()
     context.init()
+    if already:
+        return
+    try:
+        for process_set in static:
+            add_process_set(process_set)
+    except BaseException:
+        context.shutdown()
+        raise
 
 
 def shutdown() -> None:

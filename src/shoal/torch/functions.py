@@ -8,7 +8,7 @@ submits several tensors as one handle. Requests are keyed by ``name``; unnamed o
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -201,6 +201,28 @@ def grouped_allreduce_(tensors: Sequence[torch.Tensor], average: bool | None = N
     return handles.synchronize(handle)
 
 
+def sparse_allreduce_async(tensor: torch.Tensor, name: str, op: int = Average,
+                           process_set: ProcessSet = global_process_set) -> Callable[[], torch.Tensor]:  # fmt: skip
+    """Reduce a sparse COO tensor as Horovod does: allgather its indices and values (summing duplicates is left to
+    the sparse tensor); returns a callable that waits and gives the result (``synchronize`` accepts it too)."""
+    if not isinstance(tensor, torch.Tensor) or not tensor.is_sparse:
+        raise TypeError("sparse_allreduce_async expects a sparse COO tensor (tensor.is_sparse)")
+    if ReduceOp(op) not in (ReduceOp.Average, ReduceOp.Sum):
+        raise ValueError(f"sparse_allreduce_async supports Average and Sum, not {ReduceOp(op).name}")
+    source = tensor.coalesce()
+    indices = allgather_async(source.indices().t().contiguous(), name=f"{name}.indices", process_set=process_set)
+    values = allgather_async(source.values().contiguous(), name=f"{name}.values", process_set=process_set)
+
+    def result() -> torch.Tensor:
+        gathered_values = handles.synchronize(values)
+        gathered_indices = handles.synchronize(indices)
+        if ReduceOp(op) == ReduceOp.Average:
+            gathered_values = gathered_values / process_set.size()
+        return torch.sparse_coo_tensor(gathered_indices.t(), gathered_values, source.shape)
+
+    return result
+
+
 # ----- allgather -----
 
 
@@ -305,8 +327,12 @@ def alltoall_async(tensor: torch.Tensor, splits: torch.Tensor | Sequence[int] | 
 
 
 def alltoall(tensor: torch.Tensor, splits: torch.Tensor | Sequence[int] | None = None, name: str | None = None,
-             process_set: ProcessSet = global_process_set) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """Scatter rows of ``tensor`` to every rank and gather theirs; returns (received tensor, received splits)."""
+             process_set: ProcessSet = global_process_set) -> Any:  # fmt: skip
+    """Scatter rows of ``tensor`` to every rank and gather theirs. Differentiable.
+
+    Returns, as Horovod does: the received tensor when ``splits`` is None (an even split); (received tensor,
+    received splits) when ``splits`` is given.
+    """
     from shoal.torch.autograd import AlltoallFunction
 
     return AlltoallFunction.apply(tensor, splits, name, process_set)

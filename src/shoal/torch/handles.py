@@ -119,11 +119,18 @@ def _entry(handle: int) -> _HandleEntry:
 
 def poll(handle: int) -> bool:
     """True when the operation behind ``handle`` has finished, so that ``synchronize`` will not block."""
+    if callable(handle):
+        return True
     return all(request.done.is_set() for request in _entry(handle).requests)
 
 
-def synchronize(handle: int) -> Any:
-    """Wait for the operation behind ``handle`` and return its result; raises the operation's error if it failed."""
+def synchronize(handle: int | Callable[[], Any]) -> Any:
+    """Wait for the operation behind ``handle`` and return its result; raises the operation's error if it failed.
+
+    A callable handle (what ``sparse_allreduce_async`` returns, as in Horovod) is called.
+    """
+    if callable(handle):
+        return handle()
     current = session()
     entry = _entry(handle)
     for request in entry.requests:

@@ -121,7 +121,13 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._shoal_sparse: list[torch.Tensor] = []
         self._shoal_synchronized = False
         self._shoal_should_synchronize = True
-        self._shoal_hooks = [p.register_post_accumulate_grad_hook(self._shoal_on_grad) for p in self._shoal_params]
+        # As in Horovod, a rank outside the optimizer's process set exchanges nothing: step() is the local one.
+        self._shoal_member = process_set.included()
+        self._shoal_hooks = (
+            [p.register_post_accumulate_grad_hook(self._shoal_on_grad) for p in self._shoal_params]
+            if self._shoal_member
+            else []
+        )
 
     # ----- hooks: start each reduction as soon as its gradient is final -----
 
@@ -188,6 +194,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     def synchronize(self) -> None:
         """Wait for every gradient reduction of this step (submitting any a parameter never started)."""
+        if not self._shoal_member:
+            self._shoal_synchronized = True
+            return
         self._shoal_flush_bucket()
         layers = list(dict.fromkeys(self._shoal_sfb_of.values()))
         for layer in layers:

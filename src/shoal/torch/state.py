@@ -75,6 +75,8 @@ def broadcast_optimizer_state(
     Works for any ``torch.optim`` optimizer, including one that has not stepped yet (empty state). The structure
     and scalars travel as one pickled object; tensors travel as tensors, in place.
     """
+    if not optimizer.state_dict()["state"]:
+        _materialize_state(optimizer)
     tensors: list[torch.Tensor] = []
     skeleton = _strip_tensors(optimizer.state_dict(), tensors) if rank() == root_rank else None
     skeleton = broadcast_object(skeleton, root_rank, name="broadcast_optimizer_state.skeleton", process_set=process_set)
@@ -88,6 +90,27 @@ def broadcast_optimizer_state(
         handles.synchronize(handle)
     if rank() != root_rank:
         optimizer.load_state_dict(_fill_tensors(skeleton, tensors))
+
+
+def _materialize_state(optimizer: torch.optim.Optimizer) -> None:
+    """Give a fresh optimizer its state, as Horovod does: zero gradients, then one local step.
+
+    Every rank then holds the same state buffers (momentum, Adam's moments) for the broadcast to fill, and every
+    trainable parameter has a gradient tensor afterwards. Like Horovod's, the step is the wrapped optimizer's own
+    (no gradient exchange), and with weight decay it moves the parameters; broadcast_parameters after it, or
+    before training, makes them equal again.
+    """
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            if param.requires_grad and param.grad is None:
+                param.grad = torch.zeros_like(param)
+                if isinstance(optimizer, torch.optim.SparseAdam):
+                    param.grad = param.grad.to_sparse()
+    base_step = getattr(optimizer, "_shoal_base", None)
+    if base_step is not None:  # a DistributedOptimizer: step without exchanging the zero gradients
+        base_step.step(optimizer)
+    else:
+        optimizer.step()
 
 
 def _collect_slots(value: Any, slots: list[_TensorSlot]) -> None:

@@ -1,0 +1,117 @@
+"""``shoal.run``: Horovod's programmatic launcher (``horovod.run``), on shoalrun's machinery."""
+
+from __future__ import annotations
+
+import pickle
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from shoal.runner.cli import parse_args
+from shoal.runner.launcher import Job, build_slots
+from shoal.runner.task import PAYLOAD_KEY, result_key, task_prefix
+
+
+def _dumps(value: Any) -> bytes:
+    """cloudpickle when installed (lambdas and closures travel by value, as in Horovod), else pickle."""
+    try:
+        import cloudpickle  # type: ignore[import-not-found,import-untyped,unused-ignore]
+    except ImportError:
+        return pickle.dumps(value)
+    return bytes(cloudpickle.dumps(value))
+
+
+def run(
+    func: Callable[..., Any],
+    args: Sequence[Any] = (),
+    kwargs: Mapping[str, Any] | None = None,
+    num_proc: int | None = None,
+    hosts: str | None = None,
+    hostfile: str | None = None,
+    start_timeout: float | None = None,
+    ssh_port: int | None = None,
+    ssh_identity_file: str | None = None,
+    verbose: bool | None = None,
+    use_gloo: bool | None = None,
+    use_mpi: bool | None = None,
+    network_interfaces: Sequence[str] | None = None,
+    executable: str | None = None,
+    env: Mapping[str, str] | None = None,
+    np: int | None = None,
+    network_interface: str | None = None,
+    output_filename: str | None = None,
+) -> list[Any]:
+    """Run ``func(*args, **kwargs)`` on every rank of a new job and return the results in rank order.
+
+    Horovod's ``horovod.run``: the same machinery as ``shoalrun`` (local processes, ssh to ``hosts``), the job's
+    authenticated store carries the pickled function (cloudpickle when installed) and the results. ``func`` calls
+    ``hvd.init()`` itself, as under Horovod. Must be called from the main thread (it handles SIGINT/SIGTERM).
+
+    Args:
+        func: the function; module-level, or anything cloudpickle can carry.
+        args: positional arguments, the same on every rank.
+        kwargs: keyword arguments, the same on every rank.
+        num_proc: number of ranks (``np`` is Horovod's deprecated name).
+        hosts: ``"host1:2,host2:2"``, as ``-H``.
+        hostfile: a hostfile, as ``--hostfile``.
+        start_timeout: seconds allowed for rendezvous.
+        ssh_port: ssh port of remote hosts.
+        ssh_identity_file: ssh private key.
+        verbose: print what the launcher does.
+        use_gloo: accepted for Horovod compatibility (Shoal always uses gloo, and NCCL for CUDA tensors).
+        use_mpi: Shoal has no MPI controller; True is refused.
+        network_interfaces: interfaces whose address remote workers use to reach the rendezvous.
+        executable: the Python interpreter of the workers (default: this one).
+        env: environment for the workers, on top of this process's.
+        network_interface: Horovod's deprecated single-interface form.
+        output_filename: directory for per-rank output logs, as ``--output-filename``.
+
+    Returns:
+        ``func``'s return value on each rank, in rank order.
+
+    Raises:
+        RuntimeError: a rank raised (its traceback is in the message), or the job failed.
+        ValueError: bad arguments (no process count, both hosts and hostfile, ...).
+        NotImplementedError: ``use_mpi=True``.
+    """
+    if use_mpi:
+        raise NotImplementedError("shoal.run(use_mpi=True): Shoal has no MPI controller; it runs over gloo/NCCL")
+    count = num_proc if num_proc is not None else np
+    flags: list[str] = []
+    if count is not None:
+        flags += ["-np", str(count)]
+    for flag, value in (("-H", hosts), ("--hostfile", hostfile), ("-p", ssh_port), ("-i", ssh_identity_file),
+                        ("--start-timeout", start_timeout), ("--output-filename", output_filename)):  # fmt: skip
+        if value is not None:
+            flags += [flag, str(value)]
+    interfaces = list(network_interfaces or []) + ([network_interface] if network_interface else [])
+    if interfaces:
+        flags += ["--network-interface", ",".join(interfaces)]
+    if verbose:
+        flags.append("--verbose")
+    try:
+        parsed = parse_args([*flags, executable or sys.executable, "-m", "shoal.runner.task"])
+    except SystemExit as exit_error:  # argparse's way of saying the flags are wrong (it printed why)
+        raise ValueError(f"shoal.run: invalid arguments ({' '.join(flags)})") from exit_error
+    payload = _dumps((func, tuple(args), dict(kwargs or {})))
+    results: dict[int, tuple[str, Any]] = {}
+    slots = build_slots(parsed)
+
+    def publish(store: Any) -> None:
+        store.with_prefix(task_prefix(job.secret)).set(PAYLOAD_KEY, payload)
+
+    def collect(store: Any) -> None:
+        view = store.with_prefix(task_prefix(job.secret))
+        for slot in slots:
+            if view.check([result_key(slot.rank)]):
+                results[slot.rank] = pickle.loads(view.get(result_key(slot.rank)))
+
+    job = Job(parsed, slots, extra_env=dict(env or {}), on_store=publish, on_finish=collect)
+    code = job.run()
+    failures = [f"rank {rank} raised:\n{value}" for rank, (status, value) in sorted(results.items()) if status != "ok"]
+    if failures:
+        raise RuntimeError("shoal.run: " + "\n".join(failures))
+    if code != 0 or len(results) != len(slots):
+        missing = sorted(set(range(len(slots))) - set(results))
+        raise RuntimeError(f"shoal.run: the job failed (exit code {code}); ranks without a result: {missing}")
+    return [results[rank][1] for rank in range(len(slots))]

@@ -1,0 +1,52 @@
+"""The worker side of ``shoal.run``: fetch the function from the job's store, run it, store the result.
+
+Started by ``shoal.run`` as ``python -m shoal.runner.task`` on every rank, through the same launcher as
+``shoalrun``. The payload and the results travel through the job's authenticated store (pickled: only members of
+the job can write there).
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import sys
+import traceback
+
+from shoal.comm.store import connect_job_store, secret_namespace
+from shoal.config import env_float
+
+PAYLOAD_KEY = "payload"
+
+
+def result_key(rank: int) -> str:
+    """Where rank ``rank`` leaves its result."""
+    return f"result/{rank}"
+
+
+def task_prefix(secret: str | None) -> str:
+    """The store prefix of ``shoal.run``'s keys in a job with this secret."""
+    return f"{secret_namespace(secret)}/task/"
+
+
+def main() -> int:
+    """Run the job's function on this rank; exit 0 when it returned, 1 when it raised."""
+    secret = os.environ.get("SHOAL_SECRET")
+    store = connect_job_store(os.environ["SHOAL_RENDEZVOUS_ADDR"], int(os.environ["SHOAL_RENDEZVOUS_PORT"]), secret,
+                              env_float("START_TIMEOUT", 30.0), prefix=task_prefix(secret))  # fmt: skip
+    rank = int(os.environ["SHOAL_RANK"])
+    try:
+        func, args, kwargs = pickle.loads(store.get(PAYLOAD_KEY))
+        outcome: tuple[str, object] = ("ok", func(*args, **kwargs))
+    except BaseException:  # the caller of shoal.run gets the traceback
+        outcome = ("error", traceback.format_exc())
+    try:
+        data = pickle.dumps(outcome)
+    except Exception as error:  # an unpicklable return value
+        data = pickle.dumps(("error", f"rank {rank}'s result cannot be pickled: {error!r}"))
+        outcome = ("error", "")
+    store.set(result_key(rank), data)  # type: ignore[arg-type]  # torch stubs say str; bytes are stored as they are
+    return 0 if outcome[0] == "ok" else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
