@@ -66,6 +66,13 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=32, help="per-rank batch size")
     parser.add_argument("--lr", type=float, default=0.05, help="learning rate for one rank; scaled by world size")
     parser.add_argument("--checkpoint", default="checkpoints/digits.pt", help="where rank 0 saves the model")
+    parser.add_argument(
+        "--op",
+        choices=["average", "adasum"],
+        default="average",
+        help="how updates combine: average the gradients (lr scaled by world size) or Adasum the updates (lr not "
+        "scaled, as Horovod recommends on CPU)",
+    )
     args = parser.parse_args()
 
     torch.set_num_threads(1)
@@ -75,8 +82,10 @@ def main() -> None:
     sampler = DistributedSampler(train_set, num_replicas=hvd.size(), rank=hvd.rank(), shuffle=True, seed=0)
     loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler)
     model = DigitsNet()
-    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr * hvd.size(), momentum=0.9)
-    optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
+    adasum = args.op == "adasum"
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr * (1 if adasum else hvd.size()), momentum=0.9)
+    optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
+                                         op=hvd.Adasum if adasum else hvd.Average)  # fmt: skip
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     hvd.broadcast_optimizer_state(optimizer, root_rank=0)
 
@@ -102,7 +111,8 @@ def main() -> None:
         os.makedirs(os.path.dirname(args.checkpoint) or ".", exist_ok=True)
         torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, args.checkpoint)
         print(f"saved {args.checkpoint}")
-        print(json.dumps({"example": "digits", "world": hvd.size(), "test_accuracy": round(test_accuracy, 4)}))
+        summary = {"example": "digits", "world": hvd.size(), "op": args.op, "test_accuracy": round(test_accuracy, 4)}
+        print(json.dumps(summary))
     hvd.shutdown()
 
 

@@ -300,7 +300,7 @@ def _bad_input() -> list[str]:
     errors = []
     for call in (
         lambda: hvd.allreduce([1, 2]),
-        lambda: hvd.allreduce(torch.ones(1), op=hvd.Adasum),
+        lambda: hvd.allreduce(torch.ones(1, dtype=torch.int32), op=hvd.Adasum),
         lambda: hvd.alltoall(torch.ones(3), splits=[1, 1]),
         lambda: hvd.synchronize(123456),
         lambda: hvd.reducescatter(torch.ones(2), op=hvd.Max),
@@ -316,7 +316,7 @@ def _bad_input() -> list[str]:
 
 def test_bad_input_gets_clear_errors() -> None:
     errors = run_ranks(_bad_input, 2)[0]
-    assert errors == ["TypeError", "NotImplementedError", "ValueError", "ValueError", "ValueError", "ValueError"]
+    assert errors == ["TypeError", "TypeError", "ValueError", "ValueError", "ValueError", "ValueError"]
 
 
 def test_api_before_init_raises() -> None:

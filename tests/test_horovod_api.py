@@ -131,3 +131,84 @@ def test_shoal_run_returns_every_rank_result_and_raises_with_the_traceback() -> 
     assert horovod.run(_work, args=(2.0,), kwargs={"offset": 10}, np=2, env=env) == [[6.0, 6.0, 10.0], [6.0, 6.0, 11.0]]
     with pytest.raises(RuntimeError, match=r"(?s)rank 1 raised:.*ValueError: rank one is unhappy"):
         horovod.run(_unhappy_rank_one, num_proc=2, env=env)
+
+
+HOROVOD_SCRIPT = """
+import sys
+import horovod
+import horovod.torch as hvd
+import torch
+from horovod.common.exceptions import HorovodInternalError
+from horovod.torch.elastic import TorchState
+from horovod.torch.mpi_ops import allreduce
+import shoal.torch
+hvd.init()
+same = hvd is shoal.torch and allreduce is shoal.torch.allreduce and TorchState is shoal.torch.elastic.TorchState
+same = same and HorovodInternalError is shoal.torch.HorovodInternalError
+sys.stdout.write(f"{hvd.rank()} {hvd.allreduce(torch.ones(1), op=hvd.Sum).item()} {same}" + chr(10))
+"""
+
+
+def test_an_unmodified_horovod_script_runs_under_horovod_compat(tmp_path: object) -> None:
+    import subprocess
+    import sys
+
+    from conftest import SHOALRUN, clean_env
+
+    script = f"{tmp_path}/train.py"
+    with open(script, "w") as handle:
+        handle.write(HOROVOD_SCRIPT)
+    result = subprocess.run([*SHOALRUN, "--horovod-compat", "-np", "2", sys.executable, script], env=clean_env(),
+                            capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert sorted(result.stdout.splitlines()) == ["[0]<stdout>:0 2.0 True", "[1]<stdout>:1 2.0 True"]
+    # Without the option the same script finds no horovod at all (nothing named horovod was installed).
+    plain = subprocess.run([sys.executable, script], env=clean_env(), capture_output=True, text=True, timeout=60)
+    assert "No module named 'horovod'" in plain.stderr
+
+
+def test_horovod_compat_refuses_a_real_horovod_on_the_path(tmp_path: object) -> None:
+    import os
+    import subprocess
+    import sys
+
+    from conftest import SHOALRUN, clean_env
+
+    os.makedirs(f"{tmp_path}/site/horovod")
+    open(f"{tmp_path}/site/horovod/__init__.py", "w").close()
+    env = clean_env()
+    env["PYTHONPATH"] = f"{tmp_path}/site"
+    command = [*SHOALRUN, "--horovod-compat", "-np", "1", sys.executable, "-c", "import horovod.torch"]
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=60)
+    assert result.returncode != 0
+    assert "a real Horovod is importable too" in result.stderr and f"{tmp_path}/site/horovod" in result.stderr
+
+
+def _embedding_rows(rank: int, step: int) -> torch.Tensor:
+    return torch.tensor([[rank + step, 3], [5, (rank * 2 + step) % 10]])
+
+
+def _sparse_adam() -> list[list[float]]:
+    hvd.init()
+    torch.manual_seed(0)
+    embedding = torch.nn.Embedding(10, 3, sparse=True)
+    optimizer = hvd.DistributedOptimizer(torch.optim.SparseAdam(embedding.parameters(), lr=0.1),
+                                         named_parameters=embedding.named_parameters())  # fmt: skip
+    for step in range(3):
+        optimizer.zero_grad()
+        embedding(_embedding_rows(hvd.rank(), step)).pow(2).sum().backward()
+        optimizer.step()
+    return embedding.weight.detach().tolist()
+
+
+def test_sparse_gradients_train_with_sparse_adam_as_one_process_would() -> None:
+    """sparse_as_dense=False: gradients stay sparse (allgather of indices and values), so SparseAdam accepts them."""
+    torch.manual_seed(0)
+    embedding = torch.nn.Embedding(10, 3, sparse=True)
+    optimizer = torch.optim.SparseAdam(embedding.parameters(), lr=0.1)
+    for step in range(3):
+        optimizer.zero_grad()
+        (sum(embedding(_embedding_rows(rank, step)).pow(2).sum() for rank in range(2)) / 2).backward()  # type: ignore[union-attr]
+        optimizer.step()
+    for weights in run_ranks(_sparse_adam, 2):
+        torch.testing.assert_close(torch.tensor(weights), embedding.weight.detach(), rtol=1e-6, atol=1e-6)

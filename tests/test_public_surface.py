@@ -51,7 +51,10 @@ ELASTIC_NAMES = {
 SHOALRUN_FLAGS = {
     "-h", "--help", "-v", "--version", "-np", "--num-proc", "-cb", "--check-build", "-H", "--hosts",
     "-hostfile", "--hostfile", "-p", "--ssh-port", "-i", "--ssh-identity-file", "--start-timeout",
-    "--ssh-strict-host-key-checking", "-x", "--env",
+    "--ssh-strict-host-key-checking", "-x", "--env", "--horovod-compat", "--network-interfaces", "--slots-per-host",
+    "--min-num-proc", "--max-num-proc", "-prefix-timestamp", "--prefix-output-with-timestamp", "--log-with-timestamp",
+    "--log-without-timestamp", "--log-hide-timestamp", "--no-log-hide-timestamp", "--no-timeline-mark-cycles",
+    "--no-hierarchical-allreduce", "--stall-check", "--gloo-timeout-seconds",
     "--network-interface", "--gloo", "--output-filename", "--verbose", "--log-level", "--timeline-filename",
     "--timeline-mark-cycles",
     "--hierarchical-allreduce", "--fusion-threshold-mb", "--cycle-time-ms", "--cache-capacity", "--disable-cache",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -146,6 +147,10 @@ def test_signal_to_shoalrun_ends_the_whole_tree(worker_env: dict[str, str], tmp_
         (["-np", "two", "true"], "invalid int value"),
         (["-np", "1", "--hostfile", "/nonexistent/hosts", "true"], "cannot read hostfile"),
         (["-np", "0", "true"], "-np must be >= 1"),
+        (["-np", "2", "--mpi", "true"], "--mpi: Shoal has no MPI controller"),
+        (["--nproc-per-node", "2", "true"], "--nproc-per-node: torchrun's; use -np N"),
+        (["-np", "2", "--autotune-log-file", "x.csv", "true"], "--autotune-log-file: not supported yet"),
+        (["-np", "1", "-H", "localhost", "--slots-per-host", "0", "true"], "--slots-per-host must be >= 1"),
     ],
 )
 def test_bad_flags_give_one_line_and_exit_2(worker_env: dict[str, str], args: list[str], message: str) -> None:
@@ -185,3 +190,23 @@ def test_sigkill_of_shoalrun_still_leaves_no_orphans(worker_env: dict[str, str],
     process.kill()
     process.wait(timeout=10)
     assert not survivors(pids, within_s=10), "workers outlived a SIGKILLed shoalrun"
+
+
+def test_horovodrun_flag_meanings(tmp_path: Path) -> None:
+    from shoal.runner.cli import parse_args
+    from shoal.runner.launcher import build_slots, knob_env
+
+    args = parse_args(["--slots-per-host", "2", "-H", "localhost", "--log-level", "debug", "--disable-cache",
+                       "--no-hierarchical-allreduce", "--gloo-timeout-seconds", "900", "--min-num-proc", "2",
+                       "--network-interfaces", "lo", "true"])  # fmt: skip
+    assert len(build_slots(args)) == 2 and args.min_np == 2 and args.network_interface == "lo"
+    env = knob_env(args)
+    assert env["SHOAL_LOG_LEVEL"] == "debug" and env["SHOAL_HIERARCHICAL_ALLREDUCE"] == "0"
+    assert env["SHOAL_COLLECTIVE_TIMEOUT_SECONDS"] == "900.0"
+    assert "SHOAL_CACHE_CAPACITY" not in env  # horovodrun's --disable-cache is about its own check cache
+
+
+def test_prefix_output_with_timestamp(worker_env: dict[str, str]) -> None:
+    result = shoalrun(["-np", "1", "--prefix-output-with-timestamp", sys.executable, "-c", "print('hi')"], worker_env)
+    assert result.returncode == 0, result.stderr
+    assert re.fullmatch(r"\w{3} \w{3} +\d+ \d\d:\d\d:\d\d \d{4}\[0\]<stdout>:hi", result.stdout.strip()), result.stdout

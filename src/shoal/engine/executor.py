@@ -13,6 +13,7 @@ import torch
 
 from shoal.comm import collectives
 from shoal.comm.hierarchical import HierarchicalAllreduce
+from shoal.engine import adasum
 from shoal.engine.fusion import FusedBatch
 from shoal.engine.negotiation import Response
 from shoal.engine.request import DATA_KINDS, Kind, ReduceOp, Request, RequestMeta
@@ -223,10 +224,15 @@ class Executor:
         self._end(responses, "MEMCPY_IN_FUSION_BUFFER")
         assert meta.op is not None  # allreduce and reducescatter requests always carry their op
         op = ReduceOp(meta.op)
-        phase = self._reduce_phase(buffer, responses[0].process_set)
-        self._begin(responses, phase)
-        self._reduce_(buffer, _REDUCTIONS[op], responses[0].process_set, state, responses[0].name)
-        self._end(responses, phase)
+        if op == ReduceOp.Adasum:
+            self._begin(responses, "ADASUM_ALLREDUCE")
+            self._adasum_(buffer, [tensor.numel() for tensor in inputs], state, responses[0].name)
+            self._end(responses, "ADASUM_ALLREDUCE")
+        else:
+            phase = self._reduce_phase(buffer, responses[0].process_set)
+            self._begin(responses, phase)
+            self._reduce_(buffer, _REDUCTIONS[op], responses[0].process_set, state, responses[0].name)
+            self._end(responses, phase)
         self._begin(responses, "MEMCPY_OUT_FUSION_BUFFER")
         _postscale_(buffer, op, meta.postscale, len(state.members))
         if not single_in_place:
@@ -241,6 +247,17 @@ class Executor:
             if request is not None:
                 request.complete(request.output)
         self._end(responses, "MEMCPY_OUT_FUSION_BUFFER")
+
+    def _adasum_(self, buffer: torch.Tensor, sizes: list[int], state: ProcessSetState, name: str) -> None:
+        """Adasum in place: gather every member's buffer, then combine each tensor's slices along the same tree on
+        every rank (identical float operations, so identical results). Moves members x the bytes of a ring
+        allreduce; Horovod's recursive halving moves fewer, but needs a power-of-two world."""
+        with self._wire(f"adasum allreduce '{name}'"):
+            gathered = collectives.allgather_equal(buffer, len(state.members), state.group)
+        offset = 0
+        for count in sizes:
+            buffer[offset : offset + count] = adasum.reduce_tree([part[offset : offset + count] for part in gathered])
+            offset += count
 
     def _uses_shared_memory(self, buffer: torch.Tensor, process_set: int) -> bool:
         return self.hierarchical is not None and process_set == 0 and not buffer.is_cuda

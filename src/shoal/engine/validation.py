@@ -33,6 +33,7 @@ DEVICE_TYPES = ("cpu", "cuda")
 """gloo serves CPU tensors, NCCL CUDA tensors."""
 
 _REDUCING = (Kind.ALLREDUCE, Kind.REDUCESCATTER)
+_FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
 _REDUCESCATTER_OPS = (ReduceOp.Average, ReduceOp.Sum)
 _COMPLEX_OPS = (ReduceOp.Average, ReduceOp.Sum)
 _BOOL_OPS = (ReduceOp.Min, ReduceOp.Max, ReduceOp.Product)
@@ -65,10 +66,10 @@ def check_request(meta: RequestMeta) -> None:
     if meta.op is None or meta.op not in _OP_VALUES:
         raise ValueError(f"{what}: unknown reduce op {meta.op}")
     op = ReduceOp(meta.op)
-    if op == ReduceOp.Adasum:
-        raise NotImplementedError(f"{what}: Adasum is not supported by Shoal yet; use Average or Sum")
     if meta.kind == Kind.REDUCESCATTER and op not in _REDUCESCATTER_OPS:
         raise ValueError(f"{what}: reducescatter supports Average and Sum, not {op.name}")
+    if op == ReduceOp.Adasum and meta.dtype not in _FLOAT_DTYPES:
+        raise TypeError(f"{what}: Adasum combines floating-point tensors only ({', '.join(_FLOAT_DTYPES)}), not {meta.dtype}")
     if meta.dtype.startswith("complex") and op not in _COMPLEX_OPS:
         raise TypeError(f"{what}: {op.name} is not defined for complex tensors; supported: Sum, Average")
     if meta.dtype == "bool":

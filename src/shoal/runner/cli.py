@@ -8,11 +8,53 @@ from typing import NoReturn
 
 import shoal
 
+FLAG_HINTS = {
+    "--mpi": "Shoal has no MPI controller; it always runs over gloo (and NCCL for CUDA tensors): drop the flag",
+    "--jsrun": "Shoal launches over ssh or locally; jsrun is not supported",
+    "--mpi-args": "Shoal does not start mpirun; pass environment with -x NAME instead",
+    "--tcp": "Shoal's transport is torch.distributed (gloo/NCCL) over TCP already: drop the flag",
+    "--binding-args": "Shoal does not start mpirun, so there are no binding arguments",
+    "--mpi-threads-disable": "Shoal has no MPI controller: drop the flag",
+    "--no-mpi-threads-disable": "Shoal has no MPI controller: drop the flag",
+    "--num-nccl-streams": "Shoal issues NCCL collectives from one engine thread on one stream: drop the flag",
+    "--thread-affinity": "not supported; pin threads in the training script (torch.set_num_threads, taskset)",
+    "--hierarchical-allgather": "not supported: allgather always goes over torch.distributed",
+    "--no-hierarchical-allgather": "allgather is never hierarchical in Shoal: drop the flag",
+    "--torus-allreduce": "not supported; --hierarchical-allreduce is the two-level path",
+    "--no-torus-allreduce": "Shoal has no torus allreduce: drop the flag",
+    "--blacklist-cooldown-range": "not supported: a failing host is excluded for the rest of the elastic job",
+    "--config-file": "not supported yet: give the flags on the command line",
+    "--autotune": "not supported yet: set --fusion-threshold-mb, --cycle-time-ms and SHOAL_BUCKET_BYTES by hand",
+    "--nproc-per-node": "torchrun's; use -np N (with -H host:slots for several hosts)",
+    "--nproc_per_node": "torchrun's; use -np N (with -H host:slots for several hosts)",
+    "--nnodes": "torchrun's; list the hosts with -H host1:slots,host2:slots (or --hostfile)",
+    "--node-rank": "torchrun's; shoalrun starts every host's workers itself, over ssh",
+    "--node_rank": "torchrun's; shoalrun starts every host's workers itself, over ssh",
+    "--master-addr": "torchrun's; shoalrun hosts the rendezvous itself (--network-interface picks its address)",
+    "--master_addr": "torchrun's; shoalrun hosts the rendezvous itself (--network-interface picks its address)",
+    "--master-port": "torchrun's; shoalrun hosts the rendezvous itself on a free port",
+    "--master_port": "torchrun's; shoalrun hosts the rendezvous itself on a free port",
+    "--rdzv-backend": "torchrun's; shoalrun's rendezvous is its own authenticated store",
+    "--rdzv-endpoint": "torchrun's; shoalrun's rendezvous is its own authenticated store",
+    "--standalone": "torchrun's; shoalrun on one host is standalone already: drop the flag",
+    "--max-restarts": "torchrun's; use elastic flags (--min-np, --max-np) and --reset-limit",
+}
+"""horovodrun and torchrun flags shoalrun does not take, with what to do instead."""
+
 
 class _OneLineErrorParser(argparse.ArgumentParser):
-    """argparse prints the usage before an error; shoalrun prints one line and exits 2."""
+    """argparse prints the usage before an error; shoalrun prints one line (with a hint for flags it knows of from
+    horovodrun or torchrun) and exits 2."""
 
     def error(self, message: str) -> NoReturn:
+        if message.startswith("unrecognized arguments:"):
+            for token in message.split(":", 1)[1].split():
+                flag = token.split("=", 1)[0]
+                autotune = flag.startswith("--autotune") or flag == "--no-autotune"
+                hint = FLAG_HINTS.get("--autotune" if autotune else flag)
+                if hint:
+                    message = f"{message}; {flag}: {hint}"
+                    break
         print(f"shoalrun: error: {message} (see shoalrun --help)", file=sys.stderr)
         sys.exit(2)
 
@@ -54,17 +96,35 @@ def build_parser() -> argparse.ArgumentParser:
     hosts.add_argument(
         "--start-timeout", type=float, default=30.0, help="seconds the workers may take to rendezvous (default 30)"
     )
-    hosts.add_argument("--network-interface", help="network interface whose address remote workers use to reach the rendezvous")
+    hosts.add_argument(
+        "--network-interface",
+        "--network-interfaces",
+        dest="network_interface",
+        help="network interface(s), comma-separated, whose address remote workers use to reach the rendezvous",
+    )
+    hosts.add_argument(
+        "--slots-per-host",
+        type=int,
+        help="slots of every host listed without ':N' in -H, a hostfile or discovery output (default 1)",
+    )
     hosts.add_argument(
         "--gloo",
         action="store_true",
         help="accepted for horovodrun compatibility; Shoal always uses gloo (and NCCL for CUDA tensors)",
     )
+    hosts.add_argument(
+        "--horovod-compat",
+        action="store_true",
+        help="run unmodified Horovod scripts: `import horovod.torch as hvd` (and every horovod.* module) resolves to "
+        "Shoal in the workers; nothing is installed, and a real Horovod on the path is refused",
+    )
     elastic = parser.add_argument_group(
         "elastic training (any of these flags makes the job elastic: it survives workers that die or join)"
     )
-    elastic.add_argument("--min-np", type=int, help="fewest workers the job may run with (default: -np)")
-    elastic.add_argument("--max-np", type=int, help="most workers the job may grow to (default: every slot offered)")
+    elastic.add_argument("--min-np", "--min-num-proc", dest="min_np", type=int,
+                         help="fewest workers the job may run with (default: -np)")  # fmt: skip
+    elastic.add_argument("--max-np", "--max-num-proc", dest="max_np", type=int,
+                         help="most workers the job may grow to (default: every slot offered)")  # fmt: skip
     elastic.add_argument(
         "--host-discovery-script",
         help="executable polled every second; prints the available hosts, one 'host:slots' per line",
@@ -92,13 +152,25 @@ def build_parser() -> argparse.ArgumentParser:
     )
     output.add_argument("--verbose", action="store_true", help="print what shoalrun does (hosts, rendezvous, commands)")
     output.add_argument(
-        "--log-level",
-        choices=["TRACE", "DEBUG", "INFO", "WARNING", "ERROR", "FATAL"],
-        help="Shoal log level in the workers (SHOAL_LOG_LEVEL)",
+        "-prefix-timestamp",
+        "--prefix-output-with-timestamp",
+        dest="prefix_timestamp",
+        action="store_true",
+        help="prefix every output line with the time it arrived, as horovodrun does",
     )
+    output.add_argument(
+        "--log-level",
+        type=str.upper,
+        choices=["TRACE", "DEBUG", "INFO", "WARNING", "ERROR", "FATAL"],
+        help="Shoal log level in the workers (SHOAL_LOG_LEVEL; any case)",
+    )
+    for flag in ("--log-with-timestamp", "--log-without-timestamp", "--log-hide-timestamp", "--no-log-hide-timestamp"):
+        output.add_argument(flag, action="store_true", help=argparse.SUPPRESS)  # horovodrun's; Shoal logs no time
     tuning = parser.add_argument_group("engine tuning (passed to the workers as environment variables)")
     tuning.add_argument("--timeline-filename", help="write a Chrome-trace timeline of the engine to this file (SHOAL_TIMELINE)")
     tuning.add_argument("--timeline-mark-cycles", action="store_true", help="mark engine cycles in the timeline")
+    tuning.add_argument("--no-timeline-mark-cycles", dest="timeline_mark_cycles", action="store_false",
+                        help=argparse.SUPPRESS)  # fmt: skip
     tuning.add_argument("--fusion-threshold-mb", type=float, help="tensor fusion buffer size in MiB (SHOAL_FUSION_THRESHOLD)")
     tuning.add_argument("--cycle-time-ms", type=float, help="engine cycle time in ms (SHOAL_CYCLE_TIME)")
     tuning.add_argument(
@@ -107,9 +179,25 @@ def build_parser() -> argparse.ArgumentParser:
         help="allreduce through shared memory within each host, torch.distributed between hosts "
         "(SHOAL_HIERARCHICAL_ALLREDUCE; on by default whenever a host runs several ranks)",
     )
+    tuning.add_argument(
+        "--no-hierarchical-allreduce",
+        action="store_true",
+        help="never use shared memory within hosts; every allreduce goes over gloo (SHOAL_HIERARCHICAL_ALLREDUCE=0)",
+    )
     tuning.add_argument("--cache-capacity", type=int, help="response cache capacity; 0 disables it (SHOAL_CACHE_CAPACITY)")
-    tuning.add_argument("--disable-cache", action="store_true", help="disable the response cache (same as --cache-capacity 0)")
+    tuning.add_argument(
+        "--disable-cache",
+        action="store_true",
+        help="horovodrun's: skip its cached host and NIC checks; Shoal keeps no such cache, so this changes nothing "
+        "(the response cache is --cache-capacity 0)",
+    )
     tuning.add_argument("--no-stall-check", action="store_true", help="disable the stall inspector")
+    tuning.add_argument("--stall-check", dest="no_stall_check", action="store_false", help=argparse.SUPPRESS)
+    tuning.add_argument(
+        "--gloo-timeout-seconds",
+        type=float,
+        help="how long one engine collective may block before it fails (SHOAL_COLLECTIVE_TIMEOUT_SECONDS)",
+    )
     tuning.add_argument(
         "--stall-check-warning-time-seconds",
         type=float,
@@ -162,6 +250,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("no command given; usage: shoalrun -np N [flags] command [args ...]")
     if args.hosts and args.hostfile:
         parser.error("use either -H/--hosts or --hostfile, not both")
+    if args.hierarchical_allreduce and args.no_hierarchical_allreduce:
+        parser.error("use either --hierarchical-allreduce or --no-hierarchical-allreduce, not both")
+    if args.slots_per_host is not None and args.slots_per_host < 1:
+        parser.error(f"--slots-per-host must be >= 1, got {args.slots_per_host}")
     args.elastic = any(getattr(args, n) is not None for n in ("min_np", "max_np", "host_discovery_script", "reset_limit"))
     if args.num_servers < 0:
         parser.error(f"--num-servers must be >= 0, got {args.num_servers}")

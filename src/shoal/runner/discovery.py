@@ -17,7 +17,7 @@ from shoal.runner.hosts import HostSlots, HostSpecError, parse_host_entry
 SCRIPT_TIMEOUT_S = 10.0
 
 
-def run_discovery_script(script: str, timeout_s: float = SCRIPT_TIMEOUT_S) -> list[HostSlots]:
+def run_discovery_script(script: str, timeout_s: float = SCRIPT_TIMEOUT_S, default_slots: int = 1) -> list[HostSlots]:
     """Run the discovery script once and parse its output.
 
     Raises:
@@ -34,7 +34,7 @@ def run_discovery_script(script: str, timeout_s: float = SCRIPT_TIMEOUT_S) -> li
     for line in result.stdout.splitlines():
         line = line.strip()
         if line and not line.startswith("#"):
-            entry = parse_host_entry(line, f"the output of {script!r}")
+            entry = parse_host_entry(line, f"the output of {script!r}", default_slots)
             hosts[entry.hostname] = entry  # a host printed twice: the last line wins
     return list(hosts.values())
 
@@ -42,10 +42,12 @@ def run_discovery_script(script: str, timeout_s: float = SCRIPT_TIMEOUT_S) -> li
 class HostDiscovery:
     """Keeps the current host list: static (``-H``/``--hostfile``/``-np``), or polled from a script in a thread."""
 
-    def __init__(self, static_hosts: list[HostSlots], script: str | None, interval_s: float = 1.0) -> None:
+    def __init__(self, static_hosts: list[HostSlots], script: str | None, interval_s: float = 1.0,
+                 default_slots: int = 1) -> None:  # fmt: skip
         self._hosts = list(static_hosts)
         self._script = script
         self._interval_s = interval_s
+        self._default_slots = default_slots
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._last_error = ""
@@ -75,7 +77,7 @@ class HostDiscovery:
     def _poll_once(self) -> None:
         assert self._script is not None
         try:
-            hosts = run_discovery_script(self._script)
+            hosts = run_discovery_script(self._script, default_slots=self._default_slots)
         except HostSpecError as error:
             if str(error) != self._last_error:
                 print(f"shoalrun: warning: {error}; keeping the previous host list", file=sys.stderr, flush=True)

@@ -52,7 +52,7 @@ class ElasticJob(Job):
 
     def __init__(self, args: argparse.Namespace, static_hosts: list[HostSlots]) -> None:
         """An elastic job over the static hosts (or those the discovery script prints)."""
-        discovery = HostDiscovery(static_hosts, args.host_discovery_script)
+        discovery = HostDiscovery(static_hosts, args.host_discovery_script, default_slots=args.slots_per_host or 1)
         discovery.start()
         # Only used to choose the rendezvous address: hosts discovered later may be remote, so then listen on all.
         known = [SlotInfo(h.hostname, 0, 1, 0, 1, 0, 1) for h in discovery.hosts()]

@@ -50,8 +50,11 @@ def check_hostname(host: str, origin: str) -> str:
     return host
 
 
-def parse_host_entry(entry: str, origin: str) -> HostSlots:
-    """Parse one ``host``, ``host:slots``, ``[ipv6]`` or ``[ipv6]:slots`` entry; ``origin`` names its source."""
+def parse_host_entry(entry: str, origin: str, default_slots: int = 1) -> HostSlots:
+    """Parse one ``host``, ``host:slots``, ``[ipv6]`` or ``[ipv6]:slots`` entry; ``origin`` names its source.
+
+    A host without ``:slots`` gets ``default_slots`` (shoalrun's ``--slots-per-host``, as horovodrun's).
+    """
     entry = entry.strip()
     if not entry:
         raise HostSpecError(f"empty host entry in {origin}")
@@ -68,7 +71,7 @@ def parse_host_entry(entry: str, origin: str) -> HostSlots:
         raise HostSpecError(f"cannot parse host entry {entry!r} in {origin}; expected host or host:slots")
     check_hostname(host, origin)
     if not slots_text:
-        return HostSlots(host, 1)
+        return HostSlots(host, default_slots)
     try:
         slots = int(slots_text)
     except ValueError:
@@ -87,14 +90,14 @@ def _check_unique(hosts: list[HostSlots], origin: str) -> list[HostSlots]:
     return hosts
 
 
-def parse_hosts(spec: str) -> list[HostSlots]:
-    """Parse ``-H host1:slots,host2:slots`` (a host without ``:slots`` has one slot)."""
+def parse_hosts(spec: str, default_slots: int = 1) -> list[HostSlots]:
+    """Parse ``-H host1:slots,host2:slots`` (a host without ``:slots`` has ``default_slots``)."""
     if not spec.strip():
         raise HostSpecError("the host list (-H) is empty")
-    return _check_unique([parse_host_entry(part, "-H") for part in spec.split(",")], "-H")
+    return _check_unique([parse_host_entry(part, "-H", default_slots) for part in spec.split(",")], "-H")
 
 
-def parse_hostfile(path: str) -> list[HostSlots]:
+def parse_hostfile(path: str, default_slots: int = 1) -> list[HostSlots]:
     """Parse a hostfile: one ``host slots=N`` or ``host:N`` per line; ``#`` starts a comment."""
     try:
         text = Path(path).read_text()
@@ -110,7 +113,7 @@ def parse_hostfile(path: str) -> list[HostSlots]:
         if len(words) == 2 and words[1].startswith("slots="):
             hosts.append(parse_host_entry(f"{words[0]}:{words[1][len('slots=') :]}", origin))
         elif len(words) == 1:
-            hosts.append(parse_host_entry(words[0], origin))
+            hosts.append(parse_host_entry(words[0], origin, default_slots))
         else:
             raise HostSpecError(f"cannot parse {origin}: {raw_line!r}; expected 'host slots=N' or 'host:N'")
     if not hosts:

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from shoal.compat import HOROVOD_SHIM_PATH
 from shoal.runner.hosts import HostSlots, SlotInfo, assign_slots, is_local_host, parse_hostfile, parse_hosts
 from shoal.runner.output import OutputPump
 from shoal.runner.rendezvous_address import pick_rendezvous_address
@@ -66,8 +67,10 @@ def knob_env(args: argparse.Namespace) -> dict[str, str]:
         env["SHOAL_HIERARCHICAL_ALLREDUCE"] = "1"
     if args.cache_capacity is not None:
         env["SHOAL_CACHE_CAPACITY"] = str(args.cache_capacity)
-    if args.disable_cache:
-        env["SHOAL_CACHE_CAPACITY"] = "0"
+    if args.no_hierarchical_allreduce:
+        env["SHOAL_HIERARCHICAL_ALLREDUCE"] = "0"
+    if args.gloo_timeout_seconds is not None:
+        env["SHOAL_COLLECTIVE_TIMEOUT_SECONDS"] = str(args.gloo_timeout_seconds)
     if args.no_stall_check:
         env["SHOAL_STALL_CHECK_DISABLE"] = "1"
     if args.stall_check_warning_time_seconds is not None:
@@ -229,6 +232,8 @@ class Job:
             "SHOAL_SECRET": self.secret,
         }
         env.update(knob_env(self.args))
+        if self.args.horovod_compat:
+            env["PYTHONPATH"] = os.pathsep.join(p for p in (HOROVOD_SHIM_PATH, os.environ.get("PYTHONPATH")) if p)
         return env
 
     def _spawn(self, slot: SlotInfo, worker_env: dict[str, str] | None = None, server_index: int | None = None,
@@ -291,7 +296,7 @@ class Job:
                 rank_dir = Path(self.args.output_filename) / directory
                 rank_dir.mkdir(parents=True, exist_ok=True)
                 log_path = rank_dir / stream_name
-            pump = OutputPump(stream, sink, self._sink_lock, tag, stream_name, log_path)
+            pump = OutputPump(stream, sink, self._sink_lock, tag, stream_name, log_path, self.args.prefix_timestamp)
             pump.start()
             worker.pumps.append(pump)
         return worker
@@ -451,7 +456,7 @@ def build_slots(args: argparse.Namespace) -> list[SlotInfo]:
 def requested_hosts(args: argparse.Namespace) -> list[HostSlots]:
     """The hosts given by -H or --hostfile, else ``localhost`` with -np slots."""
     if args.hosts:
-        return parse_hosts(args.hosts)
+        return parse_hosts(args.hosts, args.slots_per_host or 1)
     if args.hostfile:
-        return parse_hostfile(args.hostfile)
+        return parse_hostfile(args.hostfile, args.slots_per_host or 1)
     return [HostSlots("localhost", args.num_proc)]

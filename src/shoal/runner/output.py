@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 from typing import IO, BinaryIO
 
@@ -21,12 +22,15 @@ class OutputPump:
         rank: int | str,
         stream_name: str,
         log_path: Path | None,
+        timestamp: bool = False,
     ) -> None:
         self._source = source
         self._sink = sink
         self._sink_lock = sink_lock
         self._prefix = f"[{rank}]<{stream_name}>:".encode()
         self._log_path = log_path
+        self._timestamp = timestamp
+        """Put the arrival time before the prefix, as horovodrun --prefix-output-with-timestamp does."""
         self._thread = threading.Thread(target=self._run, name=f"shoalrun-{stream_name}-{rank}", daemon=True)
 
     def start(self) -> None:
@@ -43,8 +47,11 @@ class OutputPump:
             for line in iter(self._source.readline, b""):
                 if not line.endswith(b"\n"):
                     line += b"\n"
+                prefix = self._prefix
+                if self._timestamp:
+                    prefix = time.strftime("%a %b %d %H:%M:%S %Y").encode() + b"[" + prefix[1:]
                 with self._sink_lock:
-                    self._sink.write(self._prefix + line)
+                    self._sink.write(prefix + line)
                     self._sink.flush()
                 if log is not None:
                     log.write(line)

@@ -40,10 +40,7 @@ def _resolve_op(op: int | None, average: bool | None) -> ReduceOp:
         if op is not None:
             raise ValueError("the 'average' argument is deprecated and cannot be combined with 'op'")
         return ReduceOp.Average if average else ReduceOp.Sum
-    resolved = ReduceOp.Average if op is None else ReduceOp(op)
-    if resolved == ReduceOp.Adasum:
-        raise NotImplementedError("Adasum is not supported by Shoal yet; use Average or Sum")
-    return resolved
+    return ReduceOp.Average if op is None else ReduceOp(op)
 
 
 def _check_tensor(tensor: Any, what: str) -> torch.Tensor:
@@ -218,7 +215,7 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: str, op: int = Average,
         gathered_indices = handles.synchronize(indices)
         if ReduceOp(op) == ReduceOp.Average:
             gathered_values = gathered_values / process_set.size()
-        return torch.sparse_coo_tensor(gathered_indices.t(), gathered_values, source.shape)
+        return torch.sparse_coo_tensor(gathered_indices.t(), gathered_values, source.shape, check_invariants=False)
 
     return result
 

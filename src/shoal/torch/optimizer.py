@@ -24,7 +24,7 @@ from shoal.plan.planner import SCHEMES, LayerPlan, build_plan, forced_scheme, fo
 from shoal.plan.sfb import SufficientFactorLayer
 from shoal.ps.config import PSConfig, resolve_config
 from shoal.ps.optimizers import describe_optimizer
-from shoal.torch import functions, handles
+from shoal.torch import adasum_optimizer, basics, functions, handles
 from shoal.torch.compression import Compression, Compressor
 from shoal.torch.objects import broadcast_object
 from shoal.torch.process_sets import ProcessSet, global_process_set, set_id_of
@@ -91,7 +91,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._shoal_names = {id(p): f"param.{i}" for i, p in enumerate(params)}
         if backward_passes_per_step < 1:
             raise ValueError(f"backward_passes_per_step must be >= 1, got {backward_passes_per_step}")
-        if op not in (ReduceOp.Average, ReduceOp.Sum, ReduceOp.Adasum):
+        if op not in (ReduceOp.Average, ReduceOp.Sum, ReduceOp.Adasum):  # Adasum here: a world of one rank
             raise ValueError(f"DistributedOptimizer supports op=Average or Sum, not {ReduceOp(op).name}")
         if gradient_predivide_factor != 1.0 and op != ReduceOp.Average:
             raise ValueError("gradient_predivide_factor is only valid with op=Average")
@@ -241,7 +241,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                                      process_set=self._shoal_process_set)  # fmt: skip
         if self._shoal_op == ReduceOp.Average:
             values = values / self._shoal_process_set.size()
-        return torch.sparse_coo_tensor(indices, values, grad.shape).coalesce()
+        return torch.sparse_coo_tensor(indices, values, grad.shape, check_invariants=False).coalesce()
 
     # ----- per-layer schemes (Poseidon) -----
 
@@ -537,9 +537,16 @@ def DistributedOptimizer(
     if bucket_bytes < 0:
         raise ValueError(f"bucket_bytes must be >= 0, got {bucket_bytes}")
     handles.engine()  # raises Horovod's ValueError before init()
-    if ReduceOp(op) == ReduceOp.Adasum:
-        raise NotImplementedError("op=Adasum is not supported by Shoal yet; use Average or Sum")
     params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
+    if ReduceOp(op) == ReduceOp.Adasum and basics.size() > 1:  # as in Horovod: one rank needs no delta optimizer
+        if process_set is not global_process_set or comm != "allreduce":
+            raise NotImplementedError("op=Adasum supports the global process set and comm='allreduce' only")
+        pairs = list(named_parameters) if named_parameters is not None else [(f"param.{i}", p) for i, p in enumerate(params)]
+        by_id = {id(p): name for name, p in pairs}
+        missing = [i for i, p in enumerate(params) if id(p) not in by_id]
+        if missing:
+            raise ValueError(f"named_parameters was given, but the optimizer has parameters that are not in it ({missing[:5]})")
+        return adasum_optimizer.wrap(optimizer, by_id, compression, backward_passes_per_step)
     if isinstance(groups, int):
         num_groups, groups = groups, None
     if num_groups < 0:
