@@ -210,3 +210,43 @@ def test_prefix_output_with_timestamp(worker_env: dict[str, str]) -> None:
     result = shoalrun(["-np", "1", "--prefix-output-with-timestamp", sys.executable, "-c", "print('hi')"], worker_env)
     assert result.returncode == 0, result.stderr
     assert re.fullmatch(r"\w{3} \w{3} +\d+ \d\d:\d\d:\d\d \d{4}\[0\]<stdout>:hi", result.stdout.strip()), result.stdout
+
+
+def test_config_file_sets_knobs_and_flags_win(tmp_path: Path) -> None:
+    from shoal.runner.cli import parse_args
+    from shoal.runner.launcher import knob_env
+
+    config = tmp_path / "horovod.yaml"
+    config.write_text(
+        textwrap.dedent("""
+        params: {fusion_threshold_mb: 32, cycle_time_ms: 2, cache_capacity: 512, hierarchical_allreduce: false}
+        timeline: {filename: tl.json, mark_cycles: true}
+        stall_check: {enabled: true, warning_time_seconds: 30, shutdown_time_seconds: 0}
+        library_options: {gloo_timeout_seconds: 900, num_nccl_streams: 1}
+        logging: {level: info}
+        autotune: {enabled: false, log_file: x.csv}
+    """)
+    )
+    env = knob_env(parse_args(["--config-file", str(config), "--cycle-time-ms", "5", "-np", "1", "true"]))
+    assert env["SHOAL_FUSION_THRESHOLD"] == str(32 * 1024 * 1024) and env["SHOAL_CYCLE_TIME"] == "5.0"  # flag wins
+    assert env["SHOAL_CACHE_CAPACITY"] == "512" and env["SHOAL_HIERARCHICAL_ALLREDUCE"] == "0"
+    assert env["SHOAL_TIMELINE_MARK_CYCLES"] == "1" and env["SHOAL_STALL_CHECK_TIME_SECONDS"] == "30.0"
+    assert env["SHOAL_COLLECTIVE_TIMEOUT_SECONDS"] == "900.0" and env["SHOAL_LOG_LEVEL"] == "info"
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("params: {fusion_threshold: 32}", "unknown key params.fusion_threshold"),
+        ("parms: {}", "unknown config file section 'parms'"),
+        ("autotune: {enabled: true}", "autotune.enabled: autotuning is not supported"),
+        ("controller: mpi", "controller 'mpi' is not supported"),
+        ("params: {cycle_time_ms: fast}", "params.cycle_time_ms: bad value 'fast'"),
+        ("[unclosed", "is not valid YAML"),
+    ],
+)
+def test_config_file_errors_are_one_line(worker_env: dict[str, str], tmp_path: Path, text: str, message: str) -> None:
+    config = tmp_path / "bad.yaml"
+    config.write_text(text + "\n")
+    result = shoalrun(["--config-file", str(config), "-np", "1", "true"], worker_env, timeout=30)
+    assert result.returncode == 2 and message in result.stderr, result.stderr

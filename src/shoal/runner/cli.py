@@ -7,6 +7,7 @@ import sys
 from typing import NoReturn
 
 import shoal
+from shoal.runner.config_file import apply_config, load_config
 
 FLAG_HINTS = {
     "--mpi": "Shoal has no MPI controller; it always runs over gloo (and NCCL for CUDA tensors): drop the flag",
@@ -23,7 +24,6 @@ FLAG_HINTS = {
     "--torus-allreduce": "not supported; --hierarchical-allreduce is the two-level path",
     "--no-torus-allreduce": "Shoal has no torus allreduce: drop the flag",
     "--blacklist-cooldown-range": "not supported: a failing host is excluded for the rest of the elastic job",
-    "--config-file": "not supported yet: give the flags on the command line",
     "--autotune": "not supported yet: set --fusion-threshold-mb, --cycle-time-ms and SHOAL_BUCKET_BYTES by hand",
     "--nproc-per-node": "torchrun's; use -np N (with -H host:slots for several hosts)",
     "--nproc_per_node": "torchrun's; use -np N (with -H host:slots for several hosts)",
@@ -146,6 +146,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="start this many dedicated parameter-server processes beside the workers (default 0: co-located "
         "server shards inside the workers)",
     )
+    parser.add_argument(
+        "--config-file",
+        help="horovodrun's YAML config file (params, timeline, stall_check, library_options, logging); flags on the "
+        "command line win over it (needs PyYAML)",
+    )
     output = parser.add_argument_group("output")
     output.add_argument(
         "--output-filename", help="directory; each rank's stdout and stderr also go to DIR/rank.N/{stdout,stderr}"
@@ -244,6 +249,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.command and args.command[0] == "--":
         args.command = args.command[1:]
+    if args.config_file:
+        tokens = list(sys.argv[1:] if argv is None else argv)
+        flags = tokens[: len(tokens) - len(args.command)]
+        given = {action.dest for action in parser._actions
+                 if any(t == o or t.startswith(o + "=") for t in flags for o in action.option_strings)}  # fmt: skip
+        try:
+            apply_config(args, load_config(args.config_file), given)
+        except ValueError as error:
+            parser.error(str(error))
     if args.check_build:
         return args
     if not args.command:
