@@ -55,6 +55,8 @@ SHOALRUN_FLAGS = {
     "--min-num-proc", "--max-num-proc", "-prefix-timestamp", "--prefix-output-with-timestamp", "--log-with-timestamp",
     "--log-without-timestamp", "--log-hide-timestamp", "--no-log-hide-timestamp", "--no-timeline-mark-cycles",
     "--no-hierarchical-allreduce", "--stall-check", "--gloo-timeout-seconds", "--config-file",
+    "--autotune", "--no-autotune", "--autotune-log-file", "--autotune-warmup-samples", "--autotune-steps-per-sample",
+    "--autotune-bayes-opt-max-samples", "--autotune-gaussian-process-noise",
     "--network-interface", "--gloo", "--output-filename", "--verbose", "--log-level", "--timeline-filename",
     "--timeline-mark-cycles",
     "--hierarchical-allreduce", "--fusion-threshold-mb", "--cycle-time-ms", "--cache-capacity", "--disable-cache",

@@ -149,7 +149,6 @@ def test_signal_to_shoalrun_ends_the_whole_tree(worker_env: dict[str, str], tmp_
         (["-np", "0", "true"], "-np must be >= 1"),
         (["-np", "2", "--mpi", "true"], "--mpi: Shoal has no MPI controller"),
         (["--nproc-per-node", "2", "true"], "--nproc-per-node: torchrun's; use -np N"),
-        (["-np", "2", "--autotune-log-file", "x.csv", "true"], "--autotune-log-file: not supported yet"),
         (["-np", "1", "-H", "localhost", "--slots-per-host", "0", "true"], "--slots-per-host must be >= 1"),
     ],
 )
@@ -239,7 +238,7 @@ def test_config_file_sets_knobs_and_flags_win(tmp_path: Path) -> None:
     [
         ("params: {fusion_threshold: 32}", "unknown key params.fusion_threshold"),
         ("parms: {}", "unknown config file section 'parms'"),
-        ("autotune: {enabled: true}", "autotune.enabled: autotuning is not supported"),
+        ("params: {torus_allreduce: true}", "params.torus_allreduce is not supported"),
         ("controller: mpi", "controller 'mpi' is not supported"),
         ("params: {cycle_time_ms: fast}", "params.cycle_time_ms: bad value 'fast'"),
         ("[unclosed", "is not valid YAML"),

@@ -109,3 +109,10 @@ def test_the_watch_warns_while_a_collective_blocks_and_shuts_down_once() -> None
     finally:
         watch.stop()
     assert not any(t.name == "shoal-engine-watch" and t.is_alive() for t in threading.enumerate())
+
+
+def test_tuned_settings_survive_the_broadcast_encoding() -> None:
+    from shoal.engine.autotune import TunedSettings
+
+    for settings in (TunedSettings(0, 0.5, 0, False, False), TunedSettings(64 << 20, 10.0, None, True, True)):
+        assert TunedSettings.from_tensor(settings.to_tensor()) == settings  # bucket 0 (each gradient alone) is not None

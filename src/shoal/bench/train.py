@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -96,6 +97,33 @@ def run_solo(args: argparse.Namespace, batches: list[tuple[torch.Tensor, torch.T
     return ips
 
 
+def run_autotuned(args: argparse.Namespace, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[float, int]:
+    """Train under autotune until every rank froze the best setting, then time the same steps as ``run_shoal``.
+
+    Returns (images per second with the frozen setting, tuning steps it took).
+    """
+    from shoal.torch import handles
+
+    torch.manual_seed(0)
+    model, _ = build(args.model)
+    optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9),
+                                         named_parameters=model.named_parameters())  # fmt: skip
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    loss_fn = nn.CrossEntropyLoss()
+    tuning_steps = 0
+    while True:  # the ranks agree on when the tuning is over, so that all start the timed phase together
+        frozen = float(bool(handles.engine().autotune_frozen))
+        if hvd.allreduce(torch.tensor([frozen]), op=hvd.Min, name="bench.train.frozen").item() > 0:
+            break
+        x, y = batches[tuning_steps % len(batches)]
+        optimizer.zero_grad()
+        loss_fn(model(x), y).backward()
+        optimizer.step()
+        tuning_steps += 1
+    elapsed = _slowest(_timed_steps(model, optimizer, batches, args.warmup, args.steps, hvd.barrier))
+    return hvd.size() * args.batch_size * args.steps / elapsed, tuning_steps
+
+
 def main(argv: list[str] | None = None) -> None:
     """Parse flags, run the phases, print the JSON line."""
     parser = argparse.ArgumentParser(prog="python -m shoal.bench.train", description=__doc__.split("\n")[0])
@@ -106,6 +134,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=20, help="timed steps per phase (default 20)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps before each phase (default 3)")
     parser.add_argument("--rounds", type=int, default=2, help="alternating Shoal/DDP rounds; the best of each is kept")
+    parser.add_argument("--autotune", action="store_true",
+                        help="then autotune (needs optuna) and time the frozen setting against the defaults")  # fmt: skip
+    parser.add_argument("--autotune-samples", type=int, default=12, help="scored autotune samples (default 12)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     hvd.init()
@@ -116,6 +147,18 @@ def main(argv: list[str] | None = None) -> None:
         if args.compare == "ddp":
             ddp_runs.append(run_ddp(args, batches))
     solo_ips = run_solo(args, batches)
+    tuned: tuple[float, int] | None = None
+    settings: list[object] = []
+    if args.autotune:  # re-init under autotune, in the same invocation as the default-settings rounds above
+        hvd.shutdown()
+        os.environ.update(SHOAL_AUTOTUNE="1", SHOAL_AUTOTUNE_BAYES_OPT_MAX_SAMPLES=str(args.autotune_samples))
+        hvd.init()
+        tuned = run_autotuned(args, batches)
+        from shoal.torch import handles
+
+        engine = handles.engine()
+        settings = [engine.config.fusion_threshold_bytes, round(engine.config.cycle_time_ms, 3), engine.tuned_bucket_bytes]
+        shoal_runs.append(run_shoal(args, batches))  # the defaults once more, after tuning, as a drift check
     if hvd.rank() == 0:
         model, _ = build(args.model)
         shoal_ips = max(shoal_runs)
@@ -139,6 +182,11 @@ def main(argv: list[str] | None = None) -> None:
             print(f"ddp:   {', '.join(f'{v:.1f}' for v in ddp_runs)} img/s")
             result["ddp_ips"] = round(max(ddp_runs), 1)
             result["ratio"] = round(shoal_ips / max(ddp_runs), 3)
+        if tuned is not None:
+            print(f"autotuned: {tuned[0]:.1f} img/s after {tuned[1]} tuning steps (settings {settings})")
+            result["autotuned_ips"] = round(tuned[0], 1)
+            result["autotune_ratio"] = round(tuned[0] / shoal_ips, 3)
+            result["autotune_settings"] = settings
         print(f"solo (1 process, no communication): {solo_ips:.1f} img/s")
         result["solo_ips"] = round(solo_ips, 1)
         print(json.dumps(result), flush=True)

@@ -45,6 +45,20 @@ class EngineConfig:
     lives on: a rank that is merely busy (evaluating, checkpointing) keeps its engine cycling, and waits of any
     length are normal. It is never shorter than the stall shutdown time, so the stall inspector speaks first."""
 
+    autotune: bool = False
+    """Tune fusion threshold, cycle time, bucket size, response cache and hierarchical allreduce while training
+    (SHOAL_AUTOTUNE; see engine/autotune.py)."""
+    autotune_log_file: str | None = None
+    """CSV of every autotune sample, written by rank 0 (SHOAL_AUTOTUNE_LOG)."""
+    autotune_warmup_samples: int = 3
+    """Samples at the default settings that are not scored (SHOAL_AUTOTUNE_WARMUP_SAMPLES)."""
+    autotune_steps_per_sample: int = 10
+    """Engine cycles that moved data per sample (SHOAL_AUTOTUNE_STEPS_PER_SAMPLE)."""
+    autotune_max_samples: int = 20
+    """Scored samples before the best setting is frozen (SHOAL_AUTOTUNE_BAYES_OPT_MAX_SAMPLES)."""
+    autotune_gaussian_process_noise: float = 0.8
+    """0: the score is deterministic; otherwise noisy (SHOAL_AUTOTUNE_GAUSSIAN_PROCESS_NOISE)."""
+
     @property
     def transport_timeout_s(self) -> float:
         """The timeout the engine gives its groups: the collective timeout, at least the stall shutdown time."""
@@ -90,4 +104,12 @@ class EngineConfig:
             stall_check_time_s=env_float("STALL_CHECK_TIME_SECONDS", defaults.stall_check_time_s),
             stall_shutdown_time_s=env_float("STALL_SHUTDOWN_TIME_SECONDS", defaults.stall_shutdown_time_s),
             collective_timeout_s=env_float("COLLECTIVE_TIMEOUT_SECONDS", defaults.collective_timeout_s),
+            autotune=env_bool("AUTOTUNE", False),
+            autotune_log_file=env_str("AUTOTUNE_LOG"),
+            autotune_warmup_samples=env_int("AUTOTUNE_WARMUP_SAMPLES", defaults.autotune_warmup_samples),
+            autotune_steps_per_sample=env_int("AUTOTUNE_STEPS_PER_SAMPLE", defaults.autotune_steps_per_sample),
+            autotune_max_samples=env_int("AUTOTUNE_BAYES_OPT_MAX_SAMPLES", defaults.autotune_max_samples),
+            autotune_gaussian_process_noise=env_float(
+                "AUTOTUNE_GAUSSIAN_PROCESS_NOISE", defaults.autotune_gaussian_process_noise
+            ),
         )

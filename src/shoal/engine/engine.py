@@ -24,6 +24,7 @@ import torch
 from shoal.comm import collectives
 from shoal.comm.hierarchical import HierarchicalAllreduce, build_cross_groups
 from shoal.comm.shm import create_local_group
+from shoal.engine.autotune import SETTINGS_WIRE_LENGTH, AutotuneConfig, Autotuner, TunedSettings, import_optuna
 from shoal.engine.config import EngineConfig
 from shoal.engine.executor import Executor, ProcessSetState
 from shoal.engine.fusion import plan_batches
@@ -69,6 +70,17 @@ class Engine:
                                       config.stall_check_disabled)  # fmt: skip
         self._executor = Executor(rank, self.process_sets, lambda: self.timeline, self.hierarchical, self._watch,
                                   config.transport_timeout_s)  # fmt: skip
+        self._cache_enabled = config.cache_capacity > 0
+        self.tuned_bucket_bytes: int | None = None
+        """The optimizer's gradient bucket chosen by autotune; None: the optimizer's own."""
+        self._autotune: Autotuner | None = None
+        if config.autotune:
+            import_optuna()  # every rank, so that a missing optuna fails init everywhere alike
+            settings = TunedSettings(config.fusion_threshold_bytes, config.cycle_time_ms, None, self._cache_enabled)
+            tuning = AutotuneConfig(config.autotune_log_file, config.autotune_warmup_samples,
+                                    config.autotune_steps_per_sample, config.autotune_max_samples,
+                                    config.autotune_gaussian_process_noise)  # fmt: skip
+            self._autotune = Autotuner(tuning, rank, self.hierarchical is not None, settings)
         self._cache = ResponseCache(config.cache_capacity, rank)
         self._bit_words = (config.cache_capacity + 62) // 63
         self._table = MessageTable(size)
@@ -118,6 +130,11 @@ class Engine:
         if timeline is not None:
             for request in requests:
                 timeline.begin(request.meta.name, f"NEGOTIATE_{request.meta.kind.value.upper()}")
+
+    @property
+    def autotune_frozen(self) -> bool | None:
+        """None without autotune; else whether the best setting has been frozen (on this rank's engine)."""
+        return None if self._autotune is None else self._autotune.frozen
 
     @property
     def collective_calls(self) -> int:
@@ -289,7 +306,7 @@ class Engine:
         for request in new:
             key = (request.meta.process_set, request.meta.name)
             self._pending[key] = request
-            cache_id = self._cache.lookup(request.meta) if self._cache.capacity else None
+            cache_id = self._cache.lookup(request.meta) if self._cache.capacity and self._cache_enabled else None
             if cache_id is not None:
                 self._pending_cached[key] = cache_id
             else:
@@ -425,15 +442,34 @@ class Engine:
                 if not request.done.is_set():
                     request.fail(EngineStoppedError(f"Shoal's engine failed: {error}"))
             raise
+        if self._autotune is not None:
+            moved = sum(r.meta.nbytes for r in responses if r.kind in DATA_KINDS and r.error is None)
+            if self._autotune.record(moved):
+                self._next_autotune_sample()
         for response in responses:
             if self._cacheable(response):
                 evicted = self._cache.insert(response)
                 if evicted is not None:
                     self._requeue_cached((evicted.process_set, evicted.name))
 
+    def _next_autotune_sample(self) -> None:
+        """A sample ended on every rank in this cycle: rank 0 decides the next settings, all apply them."""
+        assert self._autotune is not None
+        decided = self._autotune.next_settings() if self.rank == 0 else torch.zeros(SETTINGS_WIRE_LENGTH, dtype=torch.float64)
+        with self._watch.watching("the autotune broadcast"):
+            collectives.broadcast_(decided, 0, self._world)
+        settings = self._autotune.apply(decided)
+        self.config.fusion_threshold_bytes = settings.fusion_threshold_bytes
+        self.config.cycle_time_ms = settings.cycle_time_ms
+        self._cache_enabled = settings.cache_enabled and self._cache.capacity > 0
+        self._executor.use_hierarchical = settings.hierarchical
+        self.tuned_bucket_bytes = settings.bucket_bytes
+
     def _cacheable(self, response: Response) -> bool:
         """Cache only clean data collectives that every member submitted (no joined rank stood in)."""
-        if not self._cache.capacity or response.error is not None or response.kind not in DATA_KINDS:
+        if not self._cache.capacity or not self._cache_enabled or response.error is not None:
+            return False
+        if response.kind not in DATA_KINDS:
             return False
         state = self.process_sets.get(response.process_set)
         if state is None or self._cache.id_for_name(response.process_set, response.name) is not None:

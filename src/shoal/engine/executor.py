@@ -84,6 +84,8 @@ class Executor:
         self._watch = watch
         self._group_timeout_s = group_timeout_s
         self._reached_wire = False
+        self.use_hierarchical = True
+        """Autotune may turn the shared-memory path off (and on) for data, on every rank in the same cycle."""
         self.process_sets = process_sets
         self._timeline = timeline
         self.next_process_set_id = 1
@@ -260,7 +262,7 @@ class Executor:
             offset += count
 
     def _uses_shared_memory(self, buffer: torch.Tensor, process_set: int) -> bool:
-        return self.hierarchical is not None and process_set == 0 and not buffer.is_cuda
+        return self.hierarchical is not None and self.use_hierarchical and process_set == 0 and not buffer.is_cuda
 
     def _reduce_phase(self, buffer: torch.Tensor, process_set: int) -> str:
         """The timeline name of the path ``_reduce_`` takes for this buffer."""

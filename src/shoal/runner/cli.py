@@ -24,7 +24,6 @@ FLAG_HINTS = {
     "--torus-allreduce": "not supported; --hierarchical-allreduce is the two-level path",
     "--no-torus-allreduce": "Shoal has no torus allreduce: drop the flag",
     "--blacklist-cooldown-range": "not supported: a failing host is excluded for the rest of the elastic job",
-    "--autotune": "not supported yet: set --fusion-threshold-mb, --cycle-time-ms and SHOAL_BUCKET_BYTES by hand",
     "--nproc-per-node": "torchrun's; use -np N (with -H host:slots for several hosts)",
     "--nproc_per_node": "torchrun's; use -np N (with -H host:slots for several hosts)",
     "--nnodes": "torchrun's; list the hosts with -H host1:slots,host2:slots (or --hostfile)",
@@ -50,8 +49,7 @@ class _OneLineErrorParser(argparse.ArgumentParser):
         if message.startswith("unrecognized arguments:"):
             for token in message.split(":", 1)[1].split():
                 flag = token.split("=", 1)[0]
-                autotune = flag.startswith("--autotune") or flag == "--no-autotune"
-                hint = FLAG_HINTS.get("--autotune" if autotune else flag)
+                hint = FLAG_HINTS.get(flag)
                 if hint:
                     message = f"{message}; {flag}: {hint}"
                     break
@@ -197,6 +195,24 @@ def build_parser() -> argparse.ArgumentParser:
         "(the response cache is --cache-capacity 0)",
     )
     tuning.add_argument("--no-stall-check", action="store_true", help="disable the stall inspector")
+    tuning.add_argument(
+        "--autotune",
+        action="store_true",
+        help="tune fusion threshold, cycle time, gradient bucket, response cache and hierarchical allreduce while "
+        "training, by Bayesian optimisation (SHOAL_AUTOTUNE; needs optuna: pip install 'shoal[autotune]')",
+    )
+    tuning.add_argument("--no-autotune", dest="autotune", action="store_false", help=argparse.SUPPRESS)
+    tuning.add_argument("--autotune-log-file", help="CSV of every autotune sample, written by rank 0")
+    tuning.add_argument("--autotune-warmup-samples", type=int, help="samples at the defaults that are not scored (3)")
+    tuning.add_argument("--autotune-steps-per-sample", type=int, help="engine cycles that moved data per autotune sample (10)")
+    tuning.add_argument(
+        "--autotune-bayes-opt-max-samples", type=int, help="scored samples before the best setting is frozen (20)"
+    )
+    tuning.add_argument(
+        "--autotune-gaussian-process-noise",
+        type=float,
+        help="0 treats the score as deterministic, anything up to 1 as noisy (0.8)",
+    )
     tuning.add_argument("--stall-check", dest="no_stall_check", action="store_false", help=argparse.SUPPRESS)
     tuning.add_argument(
         "--gloo-timeout-seconds",

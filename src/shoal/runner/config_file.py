@@ -9,7 +9,7 @@ Example::
     logging:       {level: WARNING}
 
 A flag given on the command line wins over the file. Keys for what Shoal does not have (MPI, NCCL streams, thread
-affinity, hierarchical allgather, torus allreduce, autotune) are accepted when they ask for nothing (false, 0, or
+affinity, hierarchical allgather, torus allreduce) are accepted when they ask for nothing (false, 0, or
 the default) and refused otherwise, as is any key horovodrun does not know: a typo never passes silently.
 """
 
@@ -55,12 +55,12 @@ _SECTIONS: dict[str, dict[str, tuple[str, Setter]]] = {
         "torus_allreduce": ("", _unsupported("params.torus_allreduce")),
     },
     "autotune": {
-        "enabled": ("", _unsupported("autotune.enabled: autotuning")),
-        "log_file": ("", _unsupported("autotune.log_file", lambda v: True)),
-        "warmup_samples": ("", _unsupported("autotune.warmup_samples", lambda v: True)),
-        "steps_per_sample": ("", _unsupported("autotune.steps_per_sample", lambda v: True)),
-        "bayes_opt_max_samples": ("", _unsupported("autotune.bayes_opt_max_samples", lambda v: True)),
-        "gaussian_process_noise": ("", _unsupported("autotune.gaussian_process_noise", lambda v: True)),
+        "enabled": ("autotune", _set("autotune", bool)),
+        "log_file": ("autotune_log_file", _set("autotune_log_file", str)),
+        "warmup_samples": ("autotune_warmup_samples", _set("autotune_warmup_samples", int)),
+        "steps_per_sample": ("autotune_steps_per_sample", _set("autotune_steps_per_sample", int)),
+        "bayes_opt_max_samples": ("autotune_bayes_opt_max_samples", _set("autotune_bayes_opt_max_samples", int)),
+        "gaussian_process_noise": ("autotune_gaussian_process_noise", _set("autotune_gaussian_process_noise")),
     },
     "timeline": {
         "filename": ("timeline_filename", _set("timeline_filename", str)),

@@ -69,6 +69,15 @@ def knob_env(args: argparse.Namespace) -> dict[str, str]:
         env["SHOAL_CACHE_CAPACITY"] = str(args.cache_capacity)
     if args.no_hierarchical_allreduce:
         env["SHOAL_HIERARCHICAL_ALLREDUCE"] = "0"
+    if args.autotune:
+        env["SHOAL_AUTOTUNE"] = "1"
+    for flag, name in (("autotune_log_file", "AUTOTUNE_LOG"), ("autotune_warmup_samples", "AUTOTUNE_WARMUP_SAMPLES"),
+                       ("autotune_steps_per_sample", "AUTOTUNE_STEPS_PER_SAMPLE"),
+                       ("autotune_bayes_opt_max_samples", "AUTOTUNE_BAYES_OPT_MAX_SAMPLES"),
+                       ("autotune_gaussian_process_noise", "AUTOTUNE_GAUSSIAN_PROCESS_NOISE")):  # fmt: skip
+        value = getattr(args, flag)
+        if value is not None:
+            env[f"SHOAL_{name}"] = os.path.abspath(value) if flag == "autotune_log_file" else str(value)
     if args.gloo_timeout_seconds is not None:
         env["SHOAL_COLLECTIVE_TIMEOUT_SECONDS"] = str(args.gloo_timeout_seconds)
     if args.no_stall_check:

@@ -161,8 +161,13 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             return
         self._shoal_bucket.append(param)
         self._shoal_bucket_size += param.numel() * param.element_size()
-        if self._shoal_bucket_size >= self._shoal_bucket_bytes:
+        if self._shoal_bucket_size >= self._shoal_bucket_limit():
             self._shoal_flush_bucket()
+
+    def _shoal_bucket_limit(self) -> int:
+        """The bucket size: autotune's choice while it runs (or once frozen), else the optimizer's own."""
+        tuned = handles.engine().tuned_bucket_bytes
+        return self._shoal_bucket_bytes if tuned is None else tuned
 
     def _shoal_flush_bucket(self) -> None:
         if self._shoal_bucket:
