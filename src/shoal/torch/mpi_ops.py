@@ -1,64 +1,10 @@
 """``horovod.torch.mpi_ops``: the same names at the module path Horovod scripts import them from."""
 
-from shoal.exceptions import HorovodInternalError
-from shoal.torch.basics import (
-    ccl_built,
-    cross_rank,
-    cross_size,
-    cuda_built,
-    ddl_built,
-    gloo_built,
-    gloo_enabled,
-    init,
-    is_initialized,
-    local_rank,
-    local_size,
-    mpi_built,
-    mpi_enabled,
-    mpi_threads_supported,
-    nccl_built,
-    rank,
-    rocm_built,
-    shutdown,
-    size,
-)
-from shoal.torch.functions import (
-    Adasum,
-    Average,
-    Max,
-    Min,
-    Product,
-    Sum,
-    allgather,
-    allgather_async,
-    allreduce,
-    allreduce_,
-    allreduce_async,
-    allreduce_async_,
-    alltoall,
-    alltoall_async,
-    barrier,
-    broadcast,
-    broadcast_,
-    broadcast_async,
-    broadcast_async_,
-    grouped_allgather,
-    grouped_allgather_async,
-    grouped_allreduce,
-    grouped_allreduce_,
-    grouped_allreduce_async,
-    grouped_allreduce_async_,
-    grouped_reducescatter,
-    grouped_reducescatter_async,
-    join,
-    reducescatter,
-    reducescatter_async,
-    sparse_allreduce_async,
-)
-from shoal.torch.handles import poll, start_timeline, stop_timeline, synchronize
-from shoal.torch.process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
+from typing import Any
 
-__all__ = [
+import shoal.torch as _hvd
+
+NAMES = (
     "Adasum", "Average", "HorovodInternalError", "Max", "Min", "ProcessSet", "Product", "Sum", "add_process_set",
     "allgather", "allgather_async", "allreduce", "allreduce_", "allreduce_async", "allreduce_async_", "alltoall",
     "alltoall_async", "barrier", "broadcast", "broadcast_", "broadcast_async", "broadcast_async_", "ccl_built",
@@ -68,4 +14,16 @@ __all__ = [
     "init", "is_initialized", "join", "local_rank", "local_size", "mpi_built", "mpi_enabled", "mpi_threads_supported",
     "nccl_built", "poll", "rank", "reducescatter", "reducescatter_async", "remove_process_set", "rocm_built",
     "shutdown", "size", "sparse_allreduce_async", "start_timeline", "stop_timeline", "synchronize",
-]  # fmt: skip
+)  # fmt: skip
+"""Horovod's ``mpi_ops`` names; each resolves, on access, to ``shoal.torch``'s own object."""
+
+
+def __getattr__(name: str) -> Any:
+    """Each name is ``shoal.torch``'s own object (``mpi_ops.allreduce is hvd.allreduce``)."""
+    if name in NAMES:
+        return getattr(_hvd, name)
+    raise AttributeError(f"module 'shoal.torch.mpi_ops' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return list(NAMES)
