@@ -77,7 +77,6 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=1e-3)
     args = parser.parse_args()
 
-    torch.set_num_threads(1)
     hvd.init()
     corpus = load_corpus(args.corpus_bytes)
     torch.manual_seed(0)

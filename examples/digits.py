@@ -75,7 +75,6 @@ def main() -> None:
     )
     args = parser.parse_args()
 
-    torch.set_num_threads(1)
     hvd.init()
     torch.manual_seed(0)
     train_set, test_set = load_data()

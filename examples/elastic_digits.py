@@ -33,7 +33,6 @@ def main() -> None:
     parser.add_argument("--log-every", type=int, default=10, help="rank 0 prints progress every this many steps")
     args = parser.parse_args()
 
-    torch.set_num_threads(1)
     hvd.init()
     torch.manual_seed(0)
     train_set, test_set = load_data()

@@ -30,7 +30,6 @@ def main() -> None:
     parser.add_argument("--bf16-allreduce", action="store_true", help="bf16 compression during allreduce")
     args = parser.parse_args()
 
-    torch.set_num_threads(1)
     hvd.init()
     torch.manual_seed(0)
     model, make_input = build(args.model)

@@ -54,7 +54,7 @@ SHOALRUN_FLAGS = {
     "--ssh-strict-host-key-checking", "-x", "--env", "--horovod-compat", "--network-interfaces", "--slots-per-host",
     "--min-num-proc", "--max-num-proc", "-prefix-timestamp", "--prefix-output-with-timestamp", "--log-with-timestamp",
     "--log-without-timestamp", "--log-hide-timestamp", "--no-log-hide-timestamp", "--no-timeline-mark-cycles",
-    "--no-hierarchical-allreduce", "--stall-check", "--gloo-timeout-seconds", "--config-file",
+    "--no-hierarchical-allreduce", "--stall-check", "--gloo-timeout-seconds", "--config-file", "--ranks-filter",
     "--autotune", "--no-autotune", "--autotune-log-file", "--autotune-warmup-samples", "--autotune-steps-per-sample",
     "--autotune-bayes-opt-max-samples", "--autotune-gaussian-process-noise",
     "--network-interface", "--gloo", "--output-filename", "--verbose", "--log-level", "--timeline-filename",

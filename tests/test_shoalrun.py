@@ -86,7 +86,8 @@ def test_stdout_and_stderr_are_prefixed_and_logged_per_rank(worker_env: dict[str
     result = shoalrun(["-np", "2", "--output-filename", str(logs), sys.executable, "-c", code], worker_env)
     assert result.returncode == 0
     assert sorted(result.stdout.splitlines()) == ["[0]<stdout>:out 0", "[1]<stdout>:out 1"]
-    assert sorted(result.stderr.splitlines()) == ["[0]<stderr>:err 0", "[1]<stderr>:err 1"]
+    workers = sorted(line for line in result.stderr.splitlines() if line.startswith("["))
+    assert workers == ["[0]<stderr>:err 0", "[1]<stderr>:err 1"]
     assert (logs / "rank.1" / "stdout").read_text() == "out 1\n"
     assert (logs / "rank.0" / "stderr").read_text() == "err 0\n"
 
@@ -249,3 +250,43 @@ def test_config_file_errors_are_one_line(worker_env: dict[str, str], tmp_path: P
     config.write_text(text + "\n")
     result = shoalrun(["--config-file", str(config), "-np", "1", "true"], worker_env, timeout=30)
     assert result.returncode == 2 and message in result.stderr, result.stderr
+
+
+TQDM_WORKER = """
+import os, sys, time
+from tqdm import tqdm
+for _ in tqdm(range(4), file=sys.stderr, mininterval=0, disable=os.environ["SHOAL_RANK"] != "0"):
+    time.sleep(0.4)
+time.sleep(2)  # the bar has finished drawing; the worker lives on
+print("threads", os.environ.get("OMP_NUM_THREADS"), flush=True)
+"""
+
+
+def test_a_progress_bar_moves_before_the_worker_exits(worker_env: dict[str, str]) -> None:
+    """tqdm redraws with \\r: each redraw must reach shoalrun's output while the worker still runs."""
+    worker_env.pop("OMP_NUM_THREADS", None)
+    process = subprocess.Popen([*SHOALRUN, "-np", "2", sys.executable, "-c", TQDM_WORKER], env=worker_env,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+    assert process.stderr is not None
+    seen = b""
+    deadline = time.monotonic() + 60
+    while b"2/4" not in seen and time.monotonic() < deadline:
+        seen += os.read(process.stderr.fileno(), 4096)
+    finished_when_seen = b"4/4" in seen
+    out, err = process.communicate(timeout=60)
+    assert b"[0]<stderr>:" in seen and b"2/4" in seen and b"\r" in seen, seen
+    assert not finished_when_seen  # the redraw arrived while the bar was still running, not with its last line
+    cores = os.cpu_count() or 1
+    assert sorted(out.decode().splitlines()) == [f"[{r}]<stdout>:threads {max(1, cores // 2)}" for r in range(2)]
+    assert (seen + err).count(b"shoalrun: OMP_NUM_THREADS=") == 1
+
+
+def test_ranks_filter_and_zero_padded_logs(worker_env: dict[str, str], tmp_path: Path) -> None:
+    code = "import os; print('hello from', os.environ['SHOAL_RANK'])"
+    logs = tmp_path / "logs"
+    result = shoalrun(["-np", "11", "--ranks-filter", "0,9-10", "--output-filename", str(logs), sys.executable, "-c",
+                       code], worker_env, timeout=120)  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert sorted(result.stdout.splitlines()) == [f"[{r}]<stdout>:hello from {r}" for r in (0, 10, 9)]
+    assert sorted(p.name for p in logs.iterdir()) == [f"rank.{r:02d}" for r in range(11)]  # horovodrun's padding
+    assert (logs / "rank.05" / "stdout").read_text() == "hello from 5\n"  # filtered out of the console, still logged

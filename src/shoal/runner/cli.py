@@ -155,6 +155,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     output.add_argument("--verbose", action="store_true", help="print what shoalrun does (hosts, rendezvous, commands)")
     output.add_argument(
+        "--ranks-filter",
+        metavar="RANKS",
+        help="show only these ranks' output, e.g. 0 or 0,2-3 (as torchrun's --local-ranks-filter); every rank's "
+        "output still goes to --output-filename",
+    )
+    output.add_argument(
         "-prefix-timestamp",
         "--prefix-output-with-timestamp",
         dest="prefix_timestamp",

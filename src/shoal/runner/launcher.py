@@ -52,6 +52,18 @@ def forwarded_env(environ: Mapping[str, str], requested: list[str]) -> dict[str,
     return env
 
 
+def parse_rank_filter(text: str) -> set[int]:
+    """``--ranks-filter 0,2-3`` as a set of ranks."""
+    ranks: set[int] = set()
+    for part in text.split(","):
+        first, _, last = part.strip().partition("-")
+        try:
+            ranks.update(range(int(first), int(last or first) + 1))
+        except ValueError:
+            raise LaunchError(f"--ranks-filter: cannot read {part!r}; expected ranks like 0,2-3") from None
+    return ranks
+
+
 def knob_env(args: argparse.Namespace) -> dict[str, str]:
     """The engine knobs given as flags, as the SHOAL_ environment variables the workers read."""
     env: dict[str, str] = {"SHOAL_START_TIMEOUT": str(args.start_timeout)}
@@ -186,6 +198,8 @@ class Job:
             on_finish: called with the job's store once every worker has ended, before the store is dropped.
         """
         self._on_store, self._on_finish = on_store, on_finish
+        self._said_threads = False
+        self.shown_ranks = parse_rank_filter(args.ranks_filter) if args.ranks_filter else None
         self.args = args
         self.slots = slots
         self.local_prefixes = local_prefixes or {}
@@ -210,6 +224,16 @@ class Job:
 
     def _is_local(self, hostname: str) -> bool:
         return hostname in self.local_prefixes or is_local_host(hostname)
+
+    def _threads_per_worker(self, hostname: str) -> int:
+        """Cores ÷ local workers: N ranks each using every core would fight over them (torchrun does the same)."""
+        local_workers = max(1, sum(1 for s in self.slots if s.hostname == hostname))
+        threads = max(1, (os.cpu_count() or 1) // local_workers)
+        if not self._said_threads:
+            self._said_threads = True
+            print(f"shoalrun: OMP_NUM_THREADS={threads} for each local worker ({os.cpu_count()} cores / {local_workers} "
+                  "workers); set OMP_NUM_THREADS to choose another", file=sys.stderr, flush=True)  # fmt: skip
+        return threads
 
     def _verbose(self, message: str) -> None:
         if self.args.verbose:
@@ -257,6 +281,8 @@ class Job:
             env = dict(os.environ)
             env.setdefault("PYTHONUNBUFFERED", "1")
             env.update(extra)
+            if "OMP_NUM_THREADS" not in env:
+                env["OMP_NUM_THREADS"] = str(self._threads_per_worker(slot.hostname))
             env["SHOAL_LAUNCHER_PID"] = str(os.getpid())  # lets a worker end itself if shoalrun is SIGKILLed
             argv = [*self.local_prefixes.get(slot.hostname, []), *command]
             stdin: int = subprocess.DEVNULL
@@ -292,8 +318,10 @@ class Job:
             process.stdin.write((json.dumps(remote_env) + "\n").encode())
             process.stdin.flush()
         worker = Worker(slot=slot, process=process, server_index=server_index)
-        # Output prefix [N] and log directory rank.N for a worker; [server.I] and server.I for a server.
-        directory = f"rank.{slot.rank}" if server_index is None else f"server.{server_index}"
+        # Output prefix [N] and log directory rank.N for a worker (N zero-padded to the widest rank, as horovodrun
+        # does); [server.I] and server.I for a server.
+        width = len(str(max(len(self.slots) - 1, 0)))
+        directory = f"rank.{slot.rank:0{width}d}" if server_index is None else f"server.{server_index}"
         tag: int | str = slot.rank if server_index is None else directory
         for stream_name, stream, sink in (
             ("stdout", process.stdout, sys.stdout.buffer),
@@ -305,7 +333,9 @@ class Job:
                 rank_dir = Path(self.args.output_filename) / directory
                 rank_dir.mkdir(parents=True, exist_ok=True)
                 log_path = rank_dir / stream_name
-            pump = OutputPump(stream, sink, self._sink_lock, tag, stream_name, log_path, self.args.prefix_timestamp)
+            visible = server_index is not None or self.shown_ranks is None or slot.rank in self.shown_ranks
+            pump = OutputPump(stream, sink, self._sink_lock, tag, stream_name, log_path, self.args.prefix_timestamp,
+                              visible)  # fmt: skip
             pump.start()
             worker.pumps.append(pump)
         return worker
