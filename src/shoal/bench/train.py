@@ -69,8 +69,8 @@ def run_shoal(args: argparse.Namespace, batches: list[tuple[torch.Tensor, torch.
                                          comm=args.comm)  # fmt: skip
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     elapsed = _slowest(_timed_steps(model, optimizer, batches, args.warmup, args.steps, hvd.barrier))
-    if args.comm == "auto" and hvd.rank() == 0:
-        hvd.plan_report()
+    if args.comm == "auto":
+        hvd.plan_report()  # rank 0 prints it
     return hvd.size() * args.batch_size * args.steps / elapsed
 
 

@@ -52,13 +52,20 @@ def last_plan() -> LastPlan | None:
     return _last_plan
 
 
-def plan_report(print_table: bool = True) -> str:
-    """The last plan of ``comm="auto"``: per layer, shape, bytes, K, predicted ms per scheme, choice, measured ms."""
+def plan_report(print_table: bool | None = None) -> str:
+    """The last plan of ``comm="auto"``: per layer, shape, bytes, K, predicted ms per scheme, choice, measured ms.
+
+    Args:
+        print_table: print the table too; by default only rank 0 prints (every rank holds the same plan).
+
+    Returns:
+        The table, on every rank.
+    """
     if _last_plan is None:
         text = "no plan yet: use DistributedOptimizer(..., model=model, comm='auto') and take one step"
     else:
         text = format_plan(_last_plan.plans, _last_plan.workers, _last_plan.calibration)
-    if print_table:
+    if print_table or (print_table is None and (not basics.is_initialized() or basics.rank() == 0)):
         print(text)
     return text
 
