@@ -190,3 +190,13 @@ def test_calibration_measures_each_link_class_when_hosts_hold_several_ranks() ->
     assert set(rates) == {"intra-host", "inter-host"}, result.stdout
     assert float(rates["inter-host"]) < float(rates["intra-host"]), rates  # the shaped 1 Gbit/s link is the slow one
     assert float(rates["inter-host"]) < 0.2, rates  # 1 Gbit/s is 0.125 GB/s
+
+
+def test_check_build_reports_each_host_over_ssh(loopback_sshd: tuple[int, Path]) -> None:
+    port, key = loopback_sshd
+    args = ["--check-build", "-H", "localhost,127.0.0.2", "-p", str(port), "-i", str(key),
+            "--ssh-strict-host-key-checking", "no"]  # fmt: skip
+    result = subprocess.run([*SHOALRUN, *args], env=clean_env(), capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert "host localhost: this machine" in result.stdout
+    assert re.search(r"host 127\.0\.0\.2: reachable over ssh, Shoal \S+, torch \S+: same versions", result.stdout)

@@ -2,49 +2,59 @@
 
 from __future__ import annotations
 
+import shlex
+import subprocess
 import sys
+from typing import Any
 
 from shoal.runner.cli import parse_args
-from shoal.runner.hosts import HostSpecError
-from shoal.runner.launcher import Job, build_slots
+from shoal.runner.hosts import HostSpecError, is_local_host
+from shoal.runner.launcher import Job, build_slots, requested_hosts, ssh_argv
 
 
-def check_build() -> str:
-    """horovodrun --check-build's report, for Shoal."""
+def check_build(args: Any) -> str:
+    """``shoalrun --check-build``: the environment report, then, with -H or --hostfile, each remote host's check."""
+    from shoal.env import report
+
+    lines = [report()]
+    if args.hosts or args.hostfile:
+        try:
+            hosts = requested_hosts(args)
+        except HostSpecError as error:
+            return f"{lines[0]}\nhosts: {error}"
+        for host in hosts:
+            lines.append(f"host {host.hostname}: {check_host(args, host.hostname)}")
+    return "\n".join(lines)
+
+
+def check_host(args: Any, hostname: str, timeout_s: float = 20.0) -> str:
+    """Whether ``hostname`` is reachable over ssh and has the same Shoal and torch as this machine."""
+    import torch
+
     import shoal
-    import shoal.torch as hvd
 
-    def mark(flag: object) -> str:
-        return "[X]" if flag else "[ ]"
-
-    return "\n".join(
-        [
-            f"Shoal v{shoal.__version__}:",
-            "",
-            "Available Frameworks:",
-            "    [ ] TensorFlow",
-            "    [X] PyTorch",
-            "    [ ] MXNet",
-            "",
-            "Available Controllers:",
-            f"    {mark(hvd.mpi_built())} MPI",
-            f"    {mark(hvd.gloo_built())} Gloo",
-            "",
-            "Available Tensor Operations:",
-            f"    {mark(hvd.nccl_built())} NCCL",
-            "    [ ] DDL",
-            "    [ ] CCL",
-            f"    {mark(hvd.mpi_built())} MPI",
-            f"    {mark(hvd.gloo_built())} Gloo",
-        ]
-    )
+    if is_local_host(hostname):
+        return "this machine"
+    probe = "import shoal, torch; print(shoal.__version__, torch.__version__)"
+    command = ssh_argv(args, hostname, f"{shlex.quote(sys.executable)} -c {shlex.quote(probe)}")
+    try:
+        result = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, stdin=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired:
+        return f"NOT reachable: ssh did not answer within {timeout_s:.0f} s"
+    if result.returncode != 0:
+        detail = (result.stderr.strip().splitlines() or ["no error text"])[-1]
+        return f"NOT usable: {detail} (exit {result.returncode})"
+    remote_shoal, _, remote_torch = result.stdout.strip().partition(" ")
+    same = remote_shoal == shoal.__version__ and remote_torch == torch.__version__
+    verdict = "same versions" if same else f"DIFFERENT versions (here Shoal {shoal.__version__}, torch {torch.__version__})"
+    return f"reachable over ssh, Shoal {remote_shoal}, torch {remote_torch}: {verdict}"
 
 
 def main(argv: list[str] | None = None) -> int:
     """shoalrun's entry point; returns the exit code (a failed worker's code, 2 for bad flags)."""
     args = parse_args(argv)
     if args.check_build:
-        print(check_build())
+        print(check_build(args))
         return 0
     if args.elastic:
         from shoal.runner.elastic_driver import ElasticJob, elastic_hosts

@@ -52,6 +52,18 @@ def forwarded_env(environ: Mapping[str, str], requested: list[str]) -> dict[str,
     return env
 
 
+def ssh_argv(args: argparse.Namespace, hostname: str, remote_cmd: str) -> list[str]:
+    """The ssh command that runs ``remote_cmd`` on ``hostname`` with shoalrun's ssh flags."""
+    # Keep-alives make a vanished host end its ssh client (so shoalrun sees the worker fail) within ~15 s.
+    argv = ["ssh", "-o", "BatchMode=yes", "-o", f"StrictHostKeyChecking={args.ssh_strict_host_key_checking}",
+            "-o", "LogLevel=ERROR", "-o", "ServerAliveInterval=5", "-o", "ServerAliveCountMax=3"]  # fmt: skip
+    if args.ssh_port:
+        argv += ["-p", str(args.ssh_port)]
+    if args.ssh_identity_file:
+        argv += ["-i", args.ssh_identity_file]
+    return [*argv, "--", hostname, remote_cmd]  # "--": a host name can never be read as an ssh option
+
+
 def parse_rank_filter(text: str) -> set[int]:
     """``--ranks-filter 0,2-3`` as a set of ranks."""
     ranks: set[int] = set()
@@ -294,14 +306,7 @@ class Job:
                 f"cd {shlex.quote(os.getcwd())} && exec {shlex.quote(sys.executable)} -m shoal.runner.remote "
                 f"--env-from-stdin -- {shlex.join(command)}"
             )
-            # Keep-alives make a vanished host end its ssh client (so shoalrun sees the worker fail) within ~15 s.
-            argv = ["ssh", "-o", "BatchMode=yes", "-o", f"StrictHostKeyChecking={self.args.ssh_strict_host_key_checking}",
-                    "-o", "LogLevel=ERROR", "-o", "ServerAliveInterval=5", "-o", "ServerAliveCountMax=3"]  # fmt: skip
-            if self.args.ssh_port:
-                argv += ["-p", str(self.args.ssh_port)]
-            if self.args.ssh_identity_file:
-                argv += ["-i", self.args.ssh_identity_file]
-            argv += ["--", slot.hostname, remote_cmd]  # "--": a host name can never be read as an ssh option
+            argv = ssh_argv(self.args, slot.hostname, remote_cmd)
             env = dict(os.environ)
             stdin = subprocess.PIPE
         shown = argv if self._is_local(slot.hostname) else [*argv[:-1], "<remote command>"]
