@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -51,9 +52,11 @@ def test_train_benchmark_json_contract() -> None:
         assert float(summary[key]) > 0, key  # type: ignore[arg-type]
 
 
-def test_allreduce_benchmark_json_contract() -> None:
-    command = [*SHOALRUN, "-np", "2", sys.executable, "-m", "shoal.bench.allreduce", "--max-mib", "1", "--iterations", "3"]
+def test_allreduce_benchmark_json_contract(tmp_path: Path) -> None:
+    command = [*SHOALRUN, "-np", "2", sys.executable, "-m", "shoal.bench.allreduce", "--max-mib", "1", "--iterations", "3",
+               "--json", str(tmp_path / "allreduce.json")]  # fmt: skip
     summary = last_json(command)
+    assert json.loads((tmp_path / "allreduce.json").read_text()) == summary  # --json writes the same object
     assert summary["bench"] == "allreduce" and summary["world"] == 2
     rows = summary["rows"]
     assert [row["bytes"] for row in rows] == [4096, 16384, 65536, 262144, 1048576]  # type: ignore[union-attr,index]
@@ -62,6 +65,12 @@ def test_allreduce_benchmark_json_contract() -> None:
     assert float(summary["memcpy_GBps"]) > 0  # type: ignore[arg-type]
     small = summary["small_tensors"]
     assert small["count"] == 256 and small["bytes_each"] == 16384 and small["speedup"] > 0  # type: ignore[index]
+    # ... and bench.plot draws it.
+    plotted = subprocess.run([sys.executable, "-m", "shoal.bench.plot", str(tmp_path / "allreduce.json"), "-o",
+                              str(tmp_path / "img")], env=clean_env(), capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert plotted.returncode == 0, plotted.stderr
+    png = tmp_path / "img" / "allreduce.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
 
 
 def test_gpu_check_script_passes_its_checks_on_cpu() -> None:

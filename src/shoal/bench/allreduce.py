@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 from collections.abc import Callable
 
 import torch
 
 import shoal.torch as hvd
+from shoal.bench import add_json_flag, emit
 from shoal.comm import collectives
 from shoal.comm.hierarchical import HierarchicalAllreduce
 from shoal.comm.shm import create_local_group, job_token
@@ -125,6 +125,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m shoal.bench.allreduce", description=__doc__.split("\n")[0])
     parser.add_argument("--max-mib", type=int, default=256, help="largest message in MiB (default 256)")
     parser.add_argument("--iterations", type=int, default=10, help="timed iterations per size (default 10)")
+    add_json_flag(parser)
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     hvd.init()
@@ -144,7 +145,7 @@ def main(argv: list[str] | None = None) -> None:
         result = {"bench": "allreduce", "world": hvd.size(), "rows": rows, "memcpy_GBps": round(limit, 3),
                   "small_tensors": small, "empty_cycle_ms": round(empty_cycle_ms, 4),
                   "empty_cycle_path": "shm" if hierarchical is not None else "gloo"}  # fmt: skip
-        print(json.dumps(result), flush=True)
+        emit(result, args.json)
     if hierarchical is not None:
         hierarchical.close()
     hvd.shutdown()

@@ -11,7 +11,6 @@ this script working on machines without a GPU. Prints one line per check, then (
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from collections.abc import Callable
 
@@ -19,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 import shoal.torch as hvd
+from shoal.bench import add_json_flag, emit
 from shoal.comm import collectives
 from shoal.plan.calibration import median_seconds
 
@@ -105,6 +105,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description="Check Shoal's NCCL path on GPUs (or the same checks on CPU).")
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     parser.add_argument("--mib", type=int, default=64, help="size of the timed allreduce")
+    add_json_flag(parser)
     args = parser.parse_args()
     hvd.init()
     if args.device == "cuda":
@@ -129,7 +130,7 @@ def main() -> None:
         print(f"allreduce {args.mib} MiB: shoal {timing['shoal_ms']} ms, raw {timing['raw_ms']} ms")
         result = {"bench": "gpu_check", "world": hvd.size(), "device": args.device, "checks": checks,
                   "allreduce": timing}  # fmt: skip
-        print(json.dumps(result), flush=True)
+        emit(result, args.json)
     hvd.shutdown()
     if not all(checks.values()):
         sys.exit(1)

@@ -21,6 +21,8 @@ import subprocess
 import sys
 import time
 
+from shoal.bench import add_json_flag, emit
+
 
 def _worker(start_at: float, reinits: int) -> None:
     import torch
@@ -81,6 +83,7 @@ def main() -> None:
     parser.add_argument("--reinits", type=int, default=5, help="shutdown()/init() cycles timed after the first init")
     parser.add_argument("--import-grace", type=float, default=10.0, help="seconds the ranks get to import torch first")
     parser.add_argument("--worker", type=float, help=argparse.SUPPRESS)
+    add_json_flag(parser)
     args = parser.parse_args()
     if args.worker is not None:
         _worker(args.worker, args.reinits)
@@ -98,7 +101,7 @@ def main() -> None:
         print(f"world {world}: open store {row['open_ms']} ms (re-init {row['open_reinit_ms']} ms), "
               f"authenticated {row['auth_ms']} ms (re-init {row['auth_reinit_ms']} ms)", flush=True)  # fmt: skip
         rows.append(row)
-    print(json.dumps({"bench": "rendezvous", "rows": rows}), flush=True)
+    emit({"bench": "rendezvous", "rows": rows}, args.json)
 
 
 if __name__ == "__main__":

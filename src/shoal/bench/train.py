@@ -9,7 +9,6 @@ where ips counts images (or sequences) per second over all workers and ``ratio``
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import time
 from collections import Counter
@@ -19,6 +18,7 @@ import torch
 from torch import nn
 
 import shoal.torch as hvd
+from shoal.bench import add_json_flag, emit
 from shoal.bench.models import build, parameter_count
 from shoal.comm.baselines import wrap_ddp
 from shoal.plan.planner import median_error
@@ -137,6 +137,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--autotune", action="store_true",
                         help="then autotune (needs optuna) and time the frozen setting against the defaults")  # fmt: skip
     parser.add_argument("--autotune-samples", type=int, default=12, help="scored autotune samples (default 12)")
+    add_json_flag(parser)
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     hvd.init()
@@ -189,7 +190,7 @@ def main(argv: list[str] | None = None) -> None:
             result["autotune_settings"] = settings
         print(f"solo (1 process, no communication): {solo_ips:.1f} img/s")
         result["solo_ips"] = round(solo_ips, 1)
-        print(json.dumps(result), flush=True)
+        emit(result, args.json)
     hvd.shutdown()
 
 
