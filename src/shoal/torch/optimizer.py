@@ -8,6 +8,7 @@ backprop. ``step()`` (or ``synchronize()``) waits for the results and then appli
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -50,6 +51,21 @@ _last_plan: LastPlan | None = None
 def last_plan() -> LastPlan | None:
     """The most recent ``comm="auto"`` plan in this process (its ``plans`` fill in measured times as training runs)."""
     return _last_plan
+
+
+def describe_choices(plans: list[LayerPlan]) -> str:
+    """``allreduce: 3, sfb: 2`` for a plan."""
+    counts: dict[str, int] = {}
+    for plan in plans:
+        counts[plan.choice] = counts.get(plan.choice, 0) + 1
+    return ", ".join(f"{scheme}: {count}" for scheme, count in sorted(counts.items()))
+
+
+def describe_calibration(calibration: Calibration) -> str:
+    """What the plan rests on: the measured allreduce line and the matmul rate."""
+    latency, per_byte = calibration.lines["allreduce"]
+    return (f"allreduce {latency * 1e3:.3f} ms + {1 / per_byte / 1e9 if per_byte else float('inf'):.2f} GB/s, "
+            f"matmul {calibration.flops_per_s / 1e9:.1f} GFLOP/s")  # fmt: skip
 
 
 def plan_report(print_table: bool | None = None) -> str:
@@ -390,6 +406,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._shoal_drift.replan(self._shoal_plans, exchanges, calibration)
         global _last_plan
         _last_plan = LastPlan(self._shoal_plans, workers, self._shoal_drift.recalibrations, calibration)
+        if basics.rank() == 0:  # one line per (re-)plan, so that the planner never works silently
+            print(f"[shoal] comm='auto' {'re-planned' if refresh else 'planned'} {len(self._shoal_plans)} layers "
+                  f"({describe_choices(self._shoal_plans)}) from {describe_calibration(calibration)}",
+                  file=sys.stderr, flush=True)  # fmt: skip
 
     def _shoal_clear_schemes(self) -> None:
         """Undo ``_shoal_assign`` (before a re-plan): drop SFB layers' hooks and per-layer compressors."""
@@ -424,7 +444,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                                      process_set=self._shoal_process_set)  # fmt: skip
         error = monitor.agree(agreed.tolist())
         if monitor.drifted():  # the same verdict on every rank: all hold the same agreed times
-            get_logger().warning(
+            log = get_logger().warning if basics.rank() == 0 else get_logger().debug  # said once, by rank 0
+            log(
                 "measured exchange times drift from the plan (median error %.0f%% for %d steps): "
                 "recalibrating from the measurements and re-planning",
                 100 * (error or 0.0),
