@@ -67,8 +67,21 @@ def build_hierarchical() -> HierarchicalAllreduce | None:
     return HierarchicalAllreduce(local, None, 1) if local is not None else None
 
 
+_HEADER = f"{'bytes':>12} {'shoal ms':>10} {'raw ms':>10} {'ratio':>7} {'busbw GB/s':>11} {'hier ms':>9}"
+
+
+def _print_row(row: dict[str, float]) -> None:
+    print(f"{row['bytes']:>12} {row['shoal_ms']:>10.3f} {row['raw_ms']:>10.3f} {row['ratio']:>7.2f} "
+          f"{row['busbw_GBps']:>11.3f} {row.get('hier_ms', float('nan')):>9.3f}", flush=True)  # fmt: skip
+
+
 def bench_sizes(max_bytes: int, iterations: int, hierarchical: HierarchicalAllreduce | None) -> list[dict[str, float]]:
-    """Shoal's in-place allreduce (its default path), raw all_reduce, and the bare hierarchical transport."""
+    """Shoal's in-place allreduce (its default path), raw all_reduce, and the bare hierarchical transport.
+
+    Rank 0 prints each size's row as soon as it is measured, so a long run shows its progress.
+    """
+    if hvd.rank() == 0:
+        print(_HEADER, flush=True)
     rows = []
     nbytes = 4096
     while nbytes <= max_bytes:
@@ -83,6 +96,8 @@ def bench_sizes(max_bytes: int, iterations: int, hierarchical: HierarchicalAllre
             row["hier_ms"] = round(hier_ms, 4)
             row["hier_busbw_GBps"] = round(_busbw(nbytes, hier_ms), 3)
         rows.append(row)
+        if hvd.rank() == 0:
+            _print_row(row)
         nbytes *= 4
     return rows
 
@@ -135,10 +150,6 @@ def main(argv: list[str] | None = None) -> None:
     small = bench_small_tensors()
     empty_cycle_ms = bench_empty_cycle(hierarchical)
     if hvd.rank() == 0:
-        print(f"{'bytes':>12} {'shoal ms':>10} {'raw ms':>10} {'ratio':>7} {'busbw GB/s':>11} {'hier ms':>9}")
-        for row in rows:
-            print(f"{row['bytes']:>12} {row['shoal_ms']:>10.3f} {row['raw_ms']:>10.3f} {row['ratio']:>7.2f} "
-                  f"{row['busbw_GBps']:>11.3f} {row.get('hier_ms', float('nan')):>9.3f}")  # fmt: skip
         print(f"memcpy limit: {limit:.2f} GB/s; empty negotiation cycle: {empty_cycle_ms:.4f} ms")
         print(f"{small['count']} x {small['bytes_each']} B: shoal {small['shoal_ms']:.2f} ms, "
               f"raw {small['raw_per_tensor_ms']:.3f} ms per tensor, speedup {small['speedup']:.1f}x")  # fmt: skip

@@ -143,10 +143,13 @@ def main(argv: list[str] | None = None) -> None:
     hvd.init()
     batches = _batches(args.model, args.batch_size, 4)
     shoal_runs, ddp_runs = [], []
-    for _ in range(args.rounds):
+    for round_number in range(args.rounds):
         shoal_runs.append(run_shoal(args, batches))
         if args.compare == "ddp":
             ddp_runs.append(run_ddp(args, batches))
+        if hvd.rank() == 0:  # progress: each round as it ends
+            ddp = f", ddp {ddp_runs[-1]:.1f} img/s" if ddp_runs else ""
+            print(f"round {round_number + 1}/{args.rounds}: shoal {shoal_runs[-1]:.1f} img/s{ddp}", flush=True)
     solo_ips = run_solo(args, batches)
     tuned: tuple[float, int] | None = None
     settings: list[object] = []
