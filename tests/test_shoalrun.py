@@ -151,6 +151,8 @@ def test_signal_to_shoalrun_ends_the_whole_tree(worker_env: dict[str, str], tmp_
         (["-np", "2", "--mpi", "true"], "--mpi: Shoal has no MPI controller"),
         (["--nproc-per-node", "2", "true"], "--nproc-per-node: torchrun's; use -np N"),
         (["-np", "1", "-H", "localhost", "--slots-per-host", "0", "true"], "--slots-per-host must be >= 1"),
+        (["-np", "2", "--ranks-filter", "0,x", "true"], "--ranks-filter: cannot read 'x'"),
+        (["-np", "1", "-x", "1BAD=2", "true"], "-x/--env: '1BAD' is not an environment variable name"),
     ],
 )
 def test_bad_flags_give_one_line_and_exit_2(worker_env: dict[str, str], args: list[str], message: str) -> None:

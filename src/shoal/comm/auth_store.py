@@ -14,7 +14,7 @@ session key with a per-direction sequence number:
 The secret never crosses the wire, a frame cannot be replayed, reordered or forged, and a client that fails the
 handshake learns nothing (not even whether a key exists). Garbage, oversized frames and slow handshakes close that
 connection only; the server and the job go on. Messages are not encrypted: keys and values (addresses, ports,
-elastic assignments) are visible on the wire to someone who can watch it, as the threat model in README says.
+elastic assignments) are visible on the wire to someone who can watch it, as the threat model in docs/security.md says.
 """
 
 from __future__ import annotations

@@ -123,7 +123,7 @@ def _warn_unauthenticated(info: Any) -> None:
         get_logger().warning(
             "the rendezvous store at %s:%s is unauthenticated (%s without SHOAL_SECRET): anyone who reaches that port "
             "can read and steer this job. Set the same random SHOAL_SECRET in every rank's environment to "
-            "authenticate it (see README, Security).",
+            "authenticate it (see docs/security.md).",
             info.store_addr, info.store_port, info.launcher,
         )  # fmt: skip
 

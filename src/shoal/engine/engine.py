@@ -71,6 +71,7 @@ class Engine:
         self._executor = Executor(rank, self.process_sets, lambda: self.timeline, self.hierarchical, self._watch,
                                   config.transport_timeout_s)  # fmt: skip
         self._cache_enabled = config.cache_capacity > 0
+        """False with no cache, or while autotune has it off; implies a capacity > 0 when True."""
         self.tuned_bucket_bytes: int | None = None
         """The optimizer's gradient bucket chosen by autotune; None: the optimizer's own."""
         self._autotune: Autotuner | None = None
@@ -306,7 +307,7 @@ class Engine:
         for request in new:
             key = (request.meta.process_set, request.meta.name)
             self._pending[key] = request
-            cache_id = self._cache.lookup(request.meta) if self._cache.capacity and self._cache_enabled else None
+            cache_id = self._cache.lookup(request.meta) if self._cache_enabled else None
             if cache_id is not None:
                 self._pending_cached[key] = cache_id
             else:
@@ -467,9 +468,7 @@ class Engine:
 
     def _cacheable(self, response: Response) -> bool:
         """Cache only clean data collectives that every member submitted (no joined rank stood in)."""
-        if not self._cache.capacity or not self._cache_enabled or response.error is not None:
-            return False
-        if response.kind not in DATA_KINDS:
+        if not self._cache_enabled or response.error is not None or response.kind not in DATA_KINDS:
             return False
         state = self.process_sets.get(response.process_set)
         if state is None or self._cache.id_for_name(response.process_set, response.name) is not None:

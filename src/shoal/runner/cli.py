@@ -57,6 +57,26 @@ class _OneLineErrorParser(argparse.ArgumentParser):
         sys.exit(2)
 
 
+def environment_item(item: str) -> str:
+    """``-x NAME`` or ``-x NAME=VALUE``, with NAME a valid environment variable name."""
+    name = item.partition("=")[0]
+    if not name.isidentifier():
+        raise argparse.ArgumentTypeError(f"{name!r} is not an environment variable name")
+    return item
+
+
+def parse_rank_filter(text: str) -> set[int]:
+    """``--ranks-filter 0,2-3`` as a set of ranks; a bad value is a one-line argparse error."""
+    ranks: set[int] = set()
+    for part in text.split(","):
+        first, _, last = part.strip().partition("-")
+        try:
+            ranks.update(range(int(first), int(last or first) + 1))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"cannot read {part!r}; expected ranks like 0,2-3") from None
+    return ranks
+
+
 def build_parser() -> argparse.ArgumentParser:
     """Return shoalrun's argument parser (the flag set is frozen by a test)."""
     parser = _OneLineErrorParser(
@@ -85,6 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
         "-x",
         "--env",
         dest="forward_env",
+        type=environment_item,
         action="append",
         default=[],
         metavar="NAME[=VALUE]",
@@ -156,6 +177,7 @@ def build_parser() -> argparse.ArgumentParser:
     output.add_argument("--verbose", action="store_true", help="print what shoalrun does (hosts, rendezvous, commands)")
     output.add_argument(
         "--ranks-filter",
+        type=parse_rank_filter,
         metavar="RANKS",
         help="show only these ranks' output, e.g. 0 or 0,2-3 (as torchrun's --local-ranks-filter); every rank's "
         "output still goes to --output-filename",

@@ -42,9 +42,7 @@ def forwarded_env(environ: Mapping[str, str], requested: list[str]) -> dict[str,
     env = {k: v for k, v in environ.items() if k.startswith(_FORWARDED_PREFIXES) or k in _FORWARDED_NAMES}
     env.setdefault("PYTHONUNBUFFERED", "1")
     for item in requested:
-        name, equals, value = item.partition("=")
-        if not name.isidentifier():
-            raise LaunchError(f"-x {item!r}: {name!r} is not an environment variable name")
+        name, equals, value = item.partition("=")  # names were checked when the flags were parsed
         if equals:
             env[name] = value
         elif name in environ:
@@ -62,18 +60,6 @@ def ssh_argv(args: argparse.Namespace, hostname: str, remote_cmd: str) -> list[s
     if args.ssh_identity_file:
         argv += ["-i", args.ssh_identity_file]
     return [*argv, "--", hostname, remote_cmd]  # "--": a host name can never be read as an ssh option
-
-
-def parse_rank_filter(text: str) -> set[int]:
-    """``--ranks-filter 0,2-3`` as a set of ranks."""
-    ranks: set[int] = set()
-    for part in text.split(","):
-        first, _, last = part.strip().partition("-")
-        try:
-            ranks.update(range(int(first), int(last or first) + 1))
-        except ValueError:
-            raise LaunchError(f"--ranks-filter: cannot read {part!r}; expected ranks like 0,2-3") from None
-    return ranks
 
 
 def knob_env(args: argparse.Namespace) -> dict[str, str]:
@@ -211,7 +197,7 @@ class Job:
         """
         self._on_store, self._on_finish = on_store, on_finish
         self._said_threads = False
-        self.shown_ranks = parse_rank_filter(args.ranks_filter) if args.ranks_filter else None
+        self.shown_ranks: set[int] | None = args.ranks_filter
         self.args = args
         self.slots = slots
         self.local_prefixes = local_prefixes or {}

@@ -15,6 +15,7 @@ import torch
 from shoal.engine.request import ReduceOp
 from shoal.torch import functions, handles
 from shoal.torch.compression import Compressor
+from shoal.torch.optimizer_class import computed_too_often, mix_into
 
 
 class _AdasumOptimizer(torch.optim.Optimizer):
@@ -37,10 +38,7 @@ class _AdasumOptimizer(torch.optim.Optimizer):
     def _shoal_on_grad(self, param: torch.Tensor) -> None:
         key = id(param)
         if key in self._shoal_handles:
-            raise AssertionError(
-                f"the gradient of '{self._shoal_names[key]}' was computed more than backward_passes_per_step="
-                f"{self._shoal_passes} times before step(); increase backward_passes_per_step"
-            )
+            raise computed_too_often(self._shoal_names[key], self._shoal_passes, "increase backward_passes_per_step")
         self._shoal_counts[key] += 1
         if self._shoal_counts[key] == self._shoal_passes:
             self._shoal_start_exchange(param)
@@ -102,11 +100,6 @@ class _AdasumOptimizer(torch.optim.Optimizer):
 def wrap(optimizer: torch.optim.Optimizer, names: dict[int, str], compression: type[Compressor],
          backward_passes_per_step: int) -> torch.optim.Optimizer:  # fmt: skip
     """The Adasum form of ``DistributedOptimizer``: a subclass of ``optimizer``'s class sharing its state."""
-    base = type(optimizer)
-    methods = {k: v for k, v in vars(_AdasumOptimizer).items() if k not in ("__dict__", "__weakref__", "__annotations__")}
-    cls: Any = type(base.__name__, (base,), methods)
-    cls._shoal_base = base
-    wrapped: Any = object.__new__(cls)
-    wrapped.__dict__.update(optimizer.__dict__)
+    wrapped = mix_into(optimizer, _AdasumOptimizer)
     wrapped._shoal_adasum_setup(names, compression, backward_passes_per_step)
     return wrapped

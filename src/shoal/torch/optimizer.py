@@ -28,6 +28,7 @@ from shoal.ps.optimizers import describe_optimizer
 from shoal.torch import adasum_optimizer, basics, functions, handles
 from shoal.torch.compression import Compression, Compressor
 from shoal.torch.objects import broadcast_object
+from shoal.torch.optimizer_class import computed_too_often, mix_into
 from shoal.torch.process_sets import ProcessSet, global_process_set, set_id_of
 
 DEFAULT_BUCKET_BYTES = 2 * 1024 * 1024
@@ -157,11 +158,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def _shoal_on_grad(self, param: torch.Tensor) -> None:
         key = id(param)
         if key in self._shoal_submitted:
-            raise AssertionError(
-                f"the gradient of '{self._shoal_names[key]}' was computed more than backward_passes_per_step="
-                f"{self._shoal_passes} times before step(); call optimizer.step() (or synchronize()) between "
-                "backward passes, or raise backward_passes_per_step to accumulate locally"
-            )
+            raise computed_too_often(self._shoal_names[key], self._shoal_passes,
+                                     "call optimizer.step() (or synchronize()) between backward passes, or raise "
+                                     "backward_passes_per_step to accumulate locally")  # fmt: skip
         self._shoal_counts[key] += 1
         if self._shoal_counts[key] < self._shoal_passes:
             return
@@ -262,14 +261,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def _shoal_sparse_allreduce(self, grad: torch.Tensor | None, name: str) -> torch.Tensor:
         """Sparse gradients: allgather indices and values, then sum duplicates (averaging if op is Average)."""
         assert grad is not None
-        grad = grad.coalesce()
-        indices = functions.allgather(grad.indices().t().contiguous(), name=f"DistributedOptimizer.{name}.indices",
-                                      process_set=self._shoal_process_set).t()  # fmt: skip
-        values = functions.allgather(grad.values().contiguous(), name=f"DistributedOptimizer.{name}.values",
-                                     process_set=self._shoal_process_set)  # fmt: skip
-        if self._shoal_op == ReduceOp.Average:
-            values = values / self._shoal_process_set.size()
-        return torch.sparse_coo_tensor(indices, values, grad.shape, check_invariants=False).coalesce()
+        op = ReduceOp.Average if self._shoal_op == ReduceOp.Average else ReduceOp.Sum  # Adasum on one rank: a sum
+        result = functions.sparse_allreduce_async(grad, f"DistributedOptimizer.{name}", op, self._shoal_process_set)
+        return result().coalesce()
 
     # ----- per-layer schemes (Poseidon) -----
 
@@ -601,12 +595,7 @@ def DistributedOptimizer(
         known = {id(p) for p in params}
         if any(key not in known for key in listed):
             raise ValueError("groups contain a tensor that is not a trainable parameter of this optimizer")
-    base = type(optimizer)
-    methods = {k: v for k, v in vars(_DistributedOptimizer).items() if k not in ("__dict__", "__weakref__")}
-    cls: Any = type(base.__name__, (base,), methods)
-    cls._shoal_base = base
-    wrapped: Any = object.__new__(cls)  # shares the user's optimizer state: no second __init__
-    wrapped.__dict__.update(optimizer.__dict__)
+    wrapped = mix_into(optimizer, _DistributedOptimizer)
     named = list(named_parameters) if named_parameters is not None else None
     wrapped._shoal_setup(named, compression, backward_passes_per_step, ReduceOp(op), gradient_predivide_factor,
                          groups or None, sparse_as_dense, process_set, bucket_bytes)  # fmt: skip
