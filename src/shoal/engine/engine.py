@@ -392,6 +392,14 @@ class Engine:
         with self._watch.watching("negotiation of new requests"):
             messages = collectives.allgather_bytes(encode_requests(sending), self.size, self._world)
         gathered = [decode_requests(message, rank) for rank, message in enumerate(messages)]
+        timeline = self.timeline
+        if timeline is not None:
+            seen_by: dict[str, list[int]] = {}
+            for rank, metas in enumerate(gathered):
+                for meta in metas:
+                    seen_by.setdefault(meta.name, []).append(rank)
+            for name, ranks in seen_by.items():
+                timeline.ready(name, ranks)
         ready_now = {(r.process_set, r.name) for r in cached}
         for metas in gathered:
             for meta in metas:

@@ -1,5 +1,10 @@
 """The timeline: a Chrome-trace / Perfetto JSON file of what the engine did to every tensor.
 
+Each rank's file starts with a ``shoal_clock`` metadata event: the Unix time (µs) of its zero, so that
+``python -m shoal.timeline merge`` can put per-rank files on one clock. Rows: one per tensor (its negotiation,
+with an instant mark per rank as that rank's request is seen, then the collective and its inner steps), and a
+``compute`` row where ``DistributedOptimizer`` marks forward, backward, synchronize and update spans.
+
 The file is written as a stream: ``[`` then one event per line, each followed by a comma, flushed every cycle. A
 file left behind by a killed job therefore lacks only the closing ``]`` and maybe a partial last line; Chrome's
 trace viewer accepts the missing bracket, and ``load_timeline`` also drops a partial line.
@@ -13,6 +18,9 @@ import threading
 import time
 from typing import IO, Any
 
+COMPUTE_ROW = "compute"
+"""The row name (tid 0) of the optimizer's compute markers; tensor rows start at tid 1."""
+
 
 class Timeline:
     """Writes trace events for one rank: pid is the rank, each tensor gets its own row (tid)."""
@@ -24,13 +32,17 @@ class Timeline:
         self._lock = threading.Lock()
         self._tids: dict[str, int] = {}
         self._start = time.perf_counter()
+        unix_zero_us = time.time() * 1e6  # read right after the perf_counter zero: the two clocks' offset
         directory = os.path.dirname(os.path.abspath(path))
         os.makedirs(directory, exist_ok=True)
         self._file: IO[str] | None = open(path, "w")
         self._file.write("[\n")
         self._emit({"name": "process_name", "ph": "M", "pid": rank, "args": {"name": f"rank {rank}"}})
+        self._emit({"name": "shoal_clock", "ph": "M", "pid": rank, "args": {"unix_us_at_zero": unix_zero_us}})
+        self._emit({"name": "thread_name", "ph": "M", "pid": rank, "tid": 0, "args": {"name": COMPUTE_ROW}})
 
-    def _now_us(self) -> float:
+    def now_us(self) -> float:
+        """Microseconds since this timeline started (the clock of every event in it)."""
         return (time.perf_counter() - self._start) * 1e6
 
     def _emit(self, event: dict[str, Any]) -> None:
@@ -48,7 +60,7 @@ class Timeline:
     def begin(self, tensor_name: str, phase: str, args: dict[str, Any] | None = None) -> None:
         """Open a phase on a tensor's row."""
         with self._lock:
-            event = {"name": phase, "ph": "B", "ts": self._now_us(), "pid": self._rank, "tid": self._tid(tensor_name)}
+            event = {"name": phase, "ph": "B", "ts": self.now_us(), "pid": self._rank, "tid": self._tid(tensor_name)}
             if args:
                 event["args"] = args
             self._emit(event)
@@ -56,13 +68,27 @@ class Timeline:
     def end(self, tensor_name: str, phase: str) -> None:
         """Close the phase most recently opened on a tensor's row."""
         with self._lock:
-            self._emit({"name": phase, "ph": "E", "ts": self._now_us(), "pid": self._rank, "tid": self._tid(tensor_name)})
+            self._emit({"name": phase, "ph": "E", "ts": self.now_us(), "pid": self._rank, "tid": self._tid(tensor_name)})
+
+    def ready(self, tensor_name: str, ranks: list[int]) -> None:
+        """Instant marks on a tensor's row: these ranks' requests for it were seen in this negotiation cycle."""
+        with self._lock:
+            ts, tid = self.now_us(), self._tid(tensor_name)
+            for rank in ranks:
+                self._emit({"name": f"READY {rank}", "cat": "ready", "ph": "i", "s": "t", "ts": ts, "pid": self._rank,
+                            "tid": tid, "args": {"rank": rank}})  # fmt: skip
+
+    def compute(self, name: str, start_us: float, end_us: float) -> None:
+        """A finished span on the compute row (FORWARD, BACKWARD, SYNCHRONIZE, UPDATE), times from ``now_us()``."""
+        with self._lock:
+            self._emit({"name": name, "cat": "compute", "ph": "X", "ts": start_us, "dur": max(0.0, end_us - start_us),
+                        "pid": self._rank, "tid": 0})  # fmt: skip
 
     def mark_cycle(self, cycle: int) -> None:
         """An instant event at the start of an engine cycle (only with cycle marking on)."""
         if self.mark_cycles:
             with self._lock:
-                self._emit({"name": "CYCLE_START", "ph": "i", "s": "p", "ts": self._now_us(), "pid": self._rank,
+                self._emit({"name": "CYCLE_START", "ph": "i", "s": "p", "ts": self.now_us(), "pid": self._rank,
                             "args": {"cycle": cycle}})  # fmt: skip
 
     def flush(self) -> None:
@@ -75,7 +101,7 @@ class Timeline:
         """Finish the JSON array and close the file."""
         with self._lock:
             if self._file is not None:
-                end = {"name": "timeline_end", "ph": "i", "s": "g", "ts": self._now_us(), "pid": self._rank}
+                end = {"name": "timeline_end", "ph": "i", "s": "g", "ts": self.now_us(), "pid": self._rank}
                 self._file.write(json.dumps(end, separators=(",", ":")) + "\n]\n")
                 self._file.close()
                 self._file = None

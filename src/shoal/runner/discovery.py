@@ -39,6 +39,11 @@ def run_discovery_script(script: str, timeout_s: float = SCRIPT_TIMEOUT_S, defau
     return list(hosts.values())
 
 
+def progress_period(timeout_s: float) -> float:
+    """How often a waiting elastic driver says what it waits for: every 10 s, or three times within a short timeout."""
+    return max(1.0, min(10.0, timeout_s / 3))
+
+
 class HostDiscovery:
     """Keeps the current host list: static (``-H``/``--hostfile``/``-np``), or polled from a script in a thread."""
 
@@ -90,9 +95,16 @@ class HostDiscovery:
     def wait_for_slots(self, needed: int, timeout_s: float, excluded: set[str]) -> bool:
         """Wait until the hosts (minus ``excluded``) offer ``needed`` slots; False after ``timeout_s``."""
         deadline = time.monotonic() + timeout_s
+        said = time.monotonic()
         while True:
-            if sum(h.slots for h in self.hosts() if h.hostname not in excluded) >= needed:
+            offered = sum(h.slots for h in self.hosts() if h.hostname not in excluded)
+            if offered >= needed:
                 return True
-            if time.monotonic() >= deadline or self._script is None:
+            now = time.monotonic()
+            if now >= deadline or self._script is None:
                 return False
+            if now - said >= progress_period(timeout_s):
+                said = now
+                print(f"shoalrun: host discovery offers {offered} of the {needed} slots needed; waiting "
+                      f"{deadline - now:.0f} s more", file=sys.stderr, flush=True)  # fmt: skip
             time.sleep(0.1)

@@ -23,7 +23,7 @@ import sys
 import time
 from dataclasses import dataclass
 
-from shoal.runner.discovery import HostDiscovery
+from shoal.runner.discovery import HostDiscovery, progress_period
 from shoal.runner.hosts import HostSlots, SlotInfo, place_ranks
 from shoal.runner.launcher import Job, Worker, _describe_status, requested_hosts
 from shoal.runtime.elastic_rendezvous import ELASTIC_ID_ENV, ELASTIC_TIMEOUT_ENV, REMOVED, ElasticKeys
@@ -70,6 +70,7 @@ class ElasticJob(Job):
         self._round_members: list[ElasticWorker] = []
         self._round_published_at = 0.0
         self._round_formed = False
+        self._progress_said = 0.0
 
     # ----- the worker set -----
 
@@ -245,10 +246,20 @@ class ElasticJob(Job):
             return
         # A member starting up may still be importing torch: --start-timeout on top of --elastic-timeout.
         bound = self.args.elastic_timeout + self.args.start_timeout
-        if time.monotonic() - self._round_published_at < bound:
+        now = time.monotonic()
+        waited = now - self._round_published_at
+        period = progress_period(bound)
+        due = waited >= bound or (waited >= period and now - self._progress_said >= period)
+        if not due:
             return
         missing = [m for m in self._round_members if m.process.returncode is None
                    and not self._store.check([self._keys.arrival(self.round, m.worker_id)])]  # fmt: skip
+        if waited < bound:
+            self._progress_said = now
+            if missing:
+                print(f"shoalrun: round {self.round} waits for worker(s) {', '.join(m.worker_id for m in missing)} "
+                      f"to join; {bound - waited:.0f} s left before they are ended", file=sys.stderr, flush=True)  # fmt: skip
+            return
         for member in missing:
             print(f"shoalrun: worker {member.worker_id} did not join round {self.round} within {bound:.0f} s "
                   "(--elastic-timeout + --start-timeout); ending it", file=sys.stderr, flush=True)  # fmt: skip
@@ -276,6 +287,11 @@ class ElasticJob(Job):
             if now - self._below_min_since >= args.elastic_timeout:
                 return self._fail(f"only {len(members)} worker(s) remain, fewer than --min-np {args.min_np}, and no "
                                   f"host offered more slots within --elastic-timeout {args.elastic_timeout:.0f} s")  # fmt: skip
+            if now - max(self._below_min_since, self._progress_said) >= progress_period(args.elastic_timeout):
+                self._progress_said = now
+                left = args.elastic_timeout - (now - self._below_min_since)
+                print(f"shoalrun: still {len(members)} worker(s), fewer than --min-np {args.min_np}; {left:.0f} s "
+                      "left for hosts to offer more", file=sys.stderr, flush=True)  # fmt: skip
             return None
         if args.reset_limit is not None and self.resets >= args.reset_limit:
             return self._fail(f"the job needs to re-form ({reason}) but --reset-limit {args.reset_limit} is reached")

@@ -93,6 +93,11 @@ def session() -> Session:
     return current
 
 
+def current_session() -> Session | None:
+    """The current session, or None outside init()/shutdown() (never raises)."""
+    return _session
+
+
 def engine() -> Engine:
     """The running engine; raises Horovod's ValueError when init() was not called."""
     return session().engine

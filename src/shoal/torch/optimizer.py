@@ -87,6 +87,57 @@ def plan_report(print_table: bool | None = None) -> str:
     return text
 
 
+class _ComputeMarks:
+    """The optimizer's spans on the timeline's compute row, written only while a timeline is open.
+
+    FORWARD runs from ``zero_grad()`` (or the end of the previous ``step()``) to the first final gradient, so it
+    holds data loading, the forward pass, the loss and backward up to that gradient; BACKWARD runs from the first
+    final gradient to the last (the span in which reductions start, overlapping the rest of backprop);
+    SYNCHRONIZE is the wait for the reduced gradients; UPDATE the local optimizer's step.
+    """
+
+    def __init__(self) -> None:
+        self._since: float | None = None
+        self._first: float | None = None
+        self._last = 0.0
+
+    @staticmethod
+    def _timeline() -> Any:
+        current = handles.current_session()
+        return None if current is None else current.engine.timeline
+
+    def gradient(self) -> None:
+        timeline = self._timeline()
+        if timeline is None:
+            return
+        now = timeline.now_us()
+        if self._first is None:
+            self._first = now
+            if self._since is not None and self._since <= now:
+                timeline.compute("FORWARD", self._since, now)
+        self._last = now
+
+    @contextlib.contextmanager
+    def span(self, name: str) -> Iterator[None]:
+        timeline = self._timeline()
+        if timeline is None:
+            yield
+            return
+        if name == "SYNCHRONIZE" and self._first is not None:
+            timeline.compute("BACKWARD", self._first, self._last)
+            self._first = None
+        start = timeline.now_us()
+        try:
+            yield
+        finally:
+            timeline.compute(name, start, timeline.now_us())
+
+    def step_ended(self) -> None:
+        timeline = self._timeline()
+        self._since = None if timeline is None else timeline.now_us()
+        self._first = None
+
+
 class _DistributedOptimizer(torch.optim.Optimizer):
     """Methods mixed into a subclass of the user's optimizer class (so ``isinstance`` still holds)."""
 
@@ -145,6 +196,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._shoal_sparse: list[torch.Tensor] = []
         self._shoal_synchronized = False
         self._shoal_should_synchronize = True
+        self._shoal_marks = _ComputeMarks()
         # As in Horovod, a rank outside the optimizer's process set exchanges nothing: step() is the local one.
         self._shoal_member = process_set.included()
         self._shoal_hooks = (
@@ -156,6 +208,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     # ----- hooks: start each reduction as soon as its gradient is final -----
 
     def _shoal_on_grad(self, param: torch.Tensor) -> None:
+        self._shoal_marks.gradient()
         key = id(param)
         if key in self._shoal_submitted:
             raise computed_too_often(self._shoal_names[key], self._shoal_passes,
@@ -224,6 +277,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if not self._shoal_member:
             self._shoal_synchronized = True
             return
+        with self._shoal_marks.span("SYNCHRONIZE"):
+            self._shoal_synchronize()
+
+    def _shoal_synchronize(self) -> None:
         self._shoal_flush_bucket()
         layers = list(dict.fromkeys(self._shoal_sfb_of.values()))
         for layer in layers:
@@ -475,17 +532,21 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 self._shoal_apply_plan()
             elif self._shoal_should_synchronize:
                 self._shoal_watch_drift()
-        if session is None:
-            return self._shoal_base.step(self, closure)
-        # The servers already applied the update to their parameters: hide them from the local optimizer.
-        hidden = [(p, p.grad) for p in session.params]
-        for param, _ in hidden:
-            param.grad = None
-        try:
-            return self._shoal_base.step(self, closure)
-        finally:
-            for param, grad in hidden:
-                param.grad = grad
+        with self._shoal_marks.span("UPDATE"):
+            try:
+                if session is None:
+                    return self._shoal_base.step(self, closure)
+                # The servers already applied the update to their parameters: hide them from the local optimizer.
+                hidden = [(p, p.grad) for p in session.params]
+                for param, _ in hidden:
+                    param.grad = None
+                try:
+                    return self._shoal_base.step(self, closure)
+                finally:
+                    for param, grad in hidden:
+                        param.grad = grad
+            finally:
+                self._shoal_marks.step_ended()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear gradients; refuses while reductions are still writing into them."""
@@ -495,6 +556,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 "optimizer.synchronize(): the gradient reductions in flight would be lost"
             )
         self._shoal_base.zero_grad(self, set_to_none)
+        self._shoal_marks.step_ended()
 
     def _shoal_drop_step(self) -> None:
         """Forget the gradient exchanges of an unfinished step (elastic training, after a failed collective)."""
@@ -507,6 +569,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._shoal_bucket, self._shoal_bucket_size = [], 0
         self._shoal_counts = dict.fromkeys(self._shoal_counts, 0)
         self._shoal_synchronized = False
+        self._shoal_marks.step_ended()
         for layer in dict.fromkeys(self._shoal_sfb_of.values()):
             layer.reset()
         for param in self._shoal_params:
