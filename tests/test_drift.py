@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 
-import shoal.torch  # noqa: F401  (shoal.plan's modules are imported through the torch front end)
 from shoal.plan.calibration import Calibration, calibration_from_json, calibration_to_json
 from shoal.plan.drift import DriftConfig, DriftMonitor, refit
 from shoal.plan.planner import LayerPlan

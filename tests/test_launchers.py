@@ -181,7 +181,7 @@ def test_two_emulated_hosts_in_network_namespaces() -> None:
 )
 def test_calibration_measures_each_link_class_when_hosts_hold_several_ranks() -> None:
     command = [sys.executable, "-m", "shoal.bench.netns", "--hosts", "2", "--ranks-per-host", "2", "--rate", "1gbit",
-               "--", sys.executable, "-m", "shoal.plan", "--model", "mlp"]  # fmt: skip
+               "--", sys.executable, "-m", "shoal.bench.plan", "--model", "mlp"]  # fmt: skip
     result = subprocess.run(command, env=clean_env(), capture_output=True, text=True, timeout=180)
     assert result.returncode == 0, result.stderr[-3000:]
     rates = dict(

@@ -11,6 +11,7 @@ from torch import nn
 import shoal.torch as hvd
 from shoal.plan.calibration import Calibration, calibration_to_json
 from shoal.plan.planner import build_plan, median_error, predict
+from shoal.plan.schemes import Scheme
 from shoal.testing import run_ranks
 
 ATOL = 1e-5
@@ -58,8 +59,9 @@ def _distributed(comm: str, reuse: bool, rows: int) -> dict[str, object]:
     x, y = data(hvd.size(), rows)
     part = slice(hvd.rank() * rows, (hvd.rank() + 1) * rows)
     train(model, optimizer, x[:, part], y[:, part], reuse)
-    layers = sorted({layer.name for layer in optimizer._shoal_sfb_of.values()})  # type: ignore[attr-defined]
-    choices = [plan.choice for plan in optimizer._shoal_plans or []]  # type: ignore[attr-defined]
+    router = optimizer._shoal_router  # type: ignore[attr-defined]
+    layers = sorted(layer.name for layer in router.layers() if layer.scheme == Scheme.SFB)
+    choices = [plan.choice.value for plan in router.plans or []]
     return {"weights": {k: v.numpy() for k, v in model.state_dict().items()}, "sfb_layers": layers,
             "report": hvd.plan_report(print_table=False), "choices": choices}  # fmt: skip
 
@@ -118,7 +120,7 @@ def _forced_in_optimizer() -> list[str]:
     optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model=model,
                                          named_parameters=model.named_parameters(),
                                          comm_overrides={"fc1": "sfb", nn.Linear: "fp16"})  # fmt: skip
-    layers = sorted({layer.name for layer in optimizer._shoal_sfb_of.values()})  # type: ignore[attr-defined]
+    layers = sorted(layer.name for layer in optimizer._shoal_router.layers() if layer.scheme == Scheme.SFB)  # type: ignore[attr-defined]
     compressed = sorted(n for n, p in model.named_parameters()
                         if optimizer._shoal_compressor(p) is hvd.Compression.fp16)  # type: ignore[attr-defined]  # fmt: skip
     return [*layers, "|", *compressed]
@@ -145,7 +147,7 @@ def _expect_value_error() -> str:
 def _drifting(path: str) -> dict[str, object]:
     import json
 
-    from shoal.torch.optimizer import last_plan
+    from shoal.torch.layer_comm.router import last_plan
 
     hvd.init()
     torch.manual_seed(0)
@@ -157,7 +159,7 @@ def _drifting(path: str) -> dict[str, object]:
         optimizer.zero_grad()
         nn.functional.mse_loss(model(x[step % 3]), y[step % 3]).backward()
         optimizer.step()
-    monitor = optimizer._shoal_drift  # type: ignore[attr-defined]
+    monitor = optimizer._shoal_router.drift  # type: ignore[attr-defined]
     plan = last_plan()
     assert plan is not None
     plans = plan.plans

@@ -23,7 +23,7 @@ from shoal.bench.models import build, parameter_count
 from shoal.comm.baselines import wrap_ddp
 from shoal.plan.planner import median_error
 from shoal.ps.config import resolve_config
-from shoal.torch.optimizer import last_plan
+from shoal.torch.layer_comm.router import last_plan
 
 COMM_CHOICES = ("allreduce", "fp16", "bf16", "sfb", "ps", "auto")
 

@@ -1,18 +1,9 @@
 """Compare the plan's predictions with what training measures, and say when to recalibrate.
 
-The engine records how long each collective ran (a fused batch's time shared by bytes). After every step the
-monitor sums each layer's exchanges on this rank (except in a plan's first ``warmup_steps``, whose one-off costs
-would mislead). Every ``steps`` steps the ranks reduce those times with MIN (one
-small allreduce): each collective's time on the rank that entered it last, the one that did not also wait for its
-peers. Per layer and over the same few steps, the monitor keeps running medians of that time and of the prediction
-as executed (a layer fused with others shares one latency); they are the plan report's "measured" and "expected"
-columns. A step's error is the median over layers of their relative difference. When that error stays above the
-threshold for ``steps`` consecutive steps, ``drifted()`` says so, on every rank alike (all see the same agreed
-values); the optimizer then recalibrates from what training measured (``refit``: least squares of each exchange's
-α and β on the layers' times, or scaling by their median measured/expected ratio; probing again at idle would miss
-what training sees, e.g. collectives competing with backprop for the cores) and re-plans at the step boundary. A
-back-off doubles the wait after each recalibration, so a network the α-β model cannot capture is not refitted
-forever.
+Per layer, the monitor keeps running medians of its measured exchange time (the MIN over ranks: the rank that
+entered last did not also wait for its peers) and of its prediction as executed. When their median relative error
+stays above a threshold for some steps, ``drifted()`` says so on every rank alike, and ``refit`` fits the lines to
+the measurements. docs/communication.md describes the policy and its numbers.
 """
 
 from __future__ import annotations
@@ -25,9 +16,7 @@ from dataclasses import dataclass
 
 from shoal.plan.calibration import Calibration
 from shoal.plan.planner import LayerPlan, expected_ms
-
-_EXCHANGE_OF = {"allreduce": "allreduce", "fp16": "fp16", "bf16": "bf16", "sfb": "allgather"}
-"""Which calibrated line a scheme's exchange runs on."""
+from shoal.plan.schemes import Scheme
 
 
 @dataclass
@@ -44,9 +33,7 @@ class DriftConfig:
     """Steps in each layer's running median of measured time."""
     warmup_steps: int = 5
     """Steps after each plan (the first, and every re-plan) whose times are not counted: a plan's first exchanges
-    pay one-off costs (new request names negotiated, buffers allocated, caches cold). Measured on a small MLP's
-    fp16 exchange: 0.57, 0.49, 0.35, 0.26, 0.26 ms on its first five steps, 0.16 ms from then on; a refit from
-    the first five predicted twice to three times the steady time."""
+    pay one-off costs (new request names negotiated, buffers allocated, caches cold)."""
 
     def __post_init__(self) -> None:
         if self.threshold <= 0:
@@ -105,8 +92,8 @@ class DriftMonitor:
 
     def _expected_seconds(self, plan: LayerPlan, parts: list[Execution]) -> tuple[float, float]:
         """The plan's prediction for the layer as the engine executed it this step, and its share of latencies."""
-        exchange = _EXCHANGE_OF.get(plan.choice)
-        if exchange is None or plan.choice == "sfb":  # SFB's allgathers and rebuild are predicted as one
+        exchange = plan.choice.exchange
+        if exchange is None or plan.choice == Scheme.SFB:  # SFB's allgathers and rebuild are predicted as one
             return plan.predicted_ms[plan.choice] / 1e3, 1.0
         # Fused with other layers, the collective's latency is shared: predict the batch, keep this layer's part.
         itemsize = plan.nbytes / max(sum(own for _, own, _ in parts), 1)
@@ -171,9 +158,9 @@ class DriftMonitor:
             typical, expected, share, extra = (statistics.median(column) for column in zip(*history, strict=True))
             plan.measured_ms = typical * 1e3
             plan.expected_ms = expected * 1e3
-            if plan.choice == "sfb":
+            if plan.choice == Scheme.SFB:
                 self.rebuilds[plan.name] = extra
-            elif _EXCHANGE_OF.get(plan.choice) is not None:
+            elif plan.choice.exchange is not None:
                 self.terms[plan.name] = (share, float(plan.nbytes))
             if typical > 0:
                 errors.append(abs(expected - typical) / typical)
@@ -203,29 +190,26 @@ def refit(calibration: Calibration, plans: list[LayerPlan], terms: dict[str, tup
     measured/expected ratio. For SFB layers, ``rebuilds`` (their measured rebuild seconds) sets the matmul rate (the
     median of rebuild flops per second), and only the rest of their time, the allgathers, counts towards the
     allgather line. An exchange no layer used takes the changes of the exchange most layers used, α by its α's
-    ratio and β by its β's: what training shows (a busier host, a slower link) applies to every exchange alike,
-    term by term. A single overall factor
-    would not do: when training inflates latency more than bandwidth, as busy cores do, scaling fp16's whole line
-    by the median ratio makes it look cheaper than the refitted allreduce at sizes where it is not.
+    ratio and β by its β's (one overall factor would not do: training inflates latency more than bandwidth).
     """
     ratios: dict[str, list[float]] = {}
     points: dict[str, list[tuple[float, float, float]]] = {}
     rebuilds = rebuilds or {}
     rates = [plan.rebuild_flops / rebuilds[plan.name] for plan in plans
-             if plan.choice == "sfb" and plan.rebuild_flops and rebuilds.get(plan.name, 0.0) > 0]  # fmt: skip
+             if plan.choice == Scheme.SFB and plan.rebuild_flops and rebuilds.get(plan.name, 0.0) > 0]  # fmt: skip
     flops_per_s = statistics.median(rates) if rates else calibration.flops_per_s
     for plan in plans:
-        exchange = _EXCHANGE_OF.get(plan.choice)
+        exchange = plan.choice.exchange
         if exchange is None or not plan.measured_ms or plan.choice not in plan.predicted_ms:
             continue
         measured, expected = plan.measured_ms / 1e3, expected_ms(plan) / 1e3
-        if plan.choice == "sfb" and plan.rebuild_flops and plan.name in rebuilds:
+        if plan.choice == Scheme.SFB and plan.rebuild_flops and plan.name in rebuilds:
             measured -= rebuilds[plan.name]  # what the allgathers took
             expected -= plan.rebuild_flops / calibration.flops_per_s  # what the plan gave them
         if measured <= 0 or expected <= 0:
             continue
         ratios.setdefault(exchange, []).append(measured / expected)
-        if plan.choice != "sfb" and plan.name in terms:
+        if plan.choice != Scheme.SFB and plan.name in terms:
             points.setdefault(exchange, []).append((*terms[plan.name], measured))
     if not ratios:
         return Calibration(calibration.lines, flops_per_s, calibration.links)

@@ -16,8 +16,7 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from shoal.plan.calibration import Calibration
-
-SCHEMES = ("allreduce", "fp16", "bf16", "sfb", "ps")
+from shoal.plan.schemes import SCHEMES, Scheme
 
 
 @dataclass
@@ -30,8 +29,8 @@ class LayerPlan:
     nbytes: int
     rows: int | None
     """K: rows per step (fully-connected layers), when known."""
-    predicted_ms: dict[str, float] = field(default_factory=dict)
-    choice: str = "allreduce"
+    predicted_ms: dict[Scheme, float] = field(default_factory=dict)
+    choice: Scheme = Scheme.ALLREDUCE
     forced: bool = False
     measured_ms: float | None = None
     rebuild_flops: float | None = None
@@ -40,9 +39,12 @@ class LayerPlan:
     """The chosen scheme's prediction as executed: a layer fused with others into one collective shares that
     collective's α and pays for its own bytes; what ``measured_ms`` is compared with (None before training)."""
 
+    def __post_init__(self) -> None:
+        self.choice = Scheme.parse(self.choice, f"the plan of '{self.name}'")
+
 
 def predict(calibration: Calibration, workers: int, nbytes: int, linear: tuple[int, int, int] | None,
-            itemsize: int = 4, servers: int | None = None) -> dict[str, float]:  # fmt: skip
+            itemsize: int = 4, servers: int | None = None) -> dict[Scheme, float]:  # fmt: skip
     """Predicted seconds for each eligible scheme for one layer's gradient of ``nbytes``.
 
     Args:
@@ -55,18 +57,18 @@ def predict(calibration: Calibration, workers: int, nbytes: int, linear: tuple[i
     """
     if workers == 1:
         return {scheme: 0.0 for scheme in SCHEMES
-                if (scheme != "sfb" or linear is not None) and (scheme != "ps" or servers)}  # fmt: skip
-    predictions = {scheme: calibration.seconds(scheme, nbytes) for scheme in ("allreduce", "fp16", "bf16")}
+                if (scheme != Scheme.SFB or linear is not None) and (scheme != Scheme.PS or servers)}  # fmt: skip
+    predictions = {s: calibration.seconds(s.value, nbytes) for s in (Scheme.ALLREDUCE, Scheme.FP16, Scheme.BF16)}
     if linear is not None:
         rows, outputs, inputs = linear
         gathered_input = workers * rows * inputs * itemsize
         gathered_grad = workers * rows * outputs * itemsize
         rebuild = sfb_rebuild_flops(workers, linear) / calibration.flops_per_s
         # Two allgathers (inputs and output gradients), then one matmul rebuilds the summed gradient.
-        predictions["sfb"] = (calibration.seconds("allgather", gathered_input)
+        predictions[Scheme.SFB] = (calibration.seconds("allgather", gathered_input)
                               + calibration.seconds("allgather", gathered_grad) + rebuild)  # fmt: skip
     if servers:
-        predictions["ps"] = predict_ps(calibration, workers, servers, nbytes)
+        predictions[Scheme.PS] = predict_ps(calibration, workers, servers, nbytes)
     return predictions
 
 
@@ -96,13 +98,13 @@ def predict_ps(calibration: Calibration, workers: int, servers: int, nbytes: int
     return link_per_byte * busiest_bytes + message_latency * messages
 
 
-def forced_scheme(name: str, module: nn.Module, overrides: dict[object, str]) -> str | None:
+def forced_scheme(name: str, module: nn.Module, overrides: dict[object, str]) -> Scheme | None:
     """The scheme ``overrides`` forces on a module, by its name first, then by its type."""
     if name in overrides:
-        return overrides[name]
+        return Scheme.parse(overrides[name], "comm_overrides")
     for key, scheme in overrides.items():
         if isinstance(key, type) and isinstance(module, key):
-            return scheme
+            return Scheme.parse(scheme, "comm_overrides")
     return None
 
 
@@ -112,7 +114,7 @@ def build_plan(
     workers: int,
     rows: dict[str, int],
     overrides: dict[object, str] | None = None,
-    allowed: tuple[str, ...] = SCHEMES,
+    allowed: tuple[Scheme, ...] = SCHEMES,
     servers: int | None = None,
 ) -> list[LayerPlan]:
     """Plan every module that owns trainable parameters directly.
@@ -128,8 +130,7 @@ def build_plan(
     """
     overrides = overrides or {}
     for scheme in overrides.values():
-        if scheme not in SCHEMES:
-            raise ValueError(f"unknown scheme {scheme!r} in comm_overrides; choose from {SCHEMES}")
+        Scheme.parse(scheme, "comm_overrides")
     plans = []
     for name, module in model.named_modules():
         params = [p for p in module.parameters(recurse=False) if p.requires_grad]
@@ -146,7 +147,7 @@ def build_plan(
             plan.rebuild_flops = sfb_rebuild_flops(workers, linear)
         forced = forced_scheme(name, module, overrides)
         if forced is not None:
-            if forced == "sfb" and linear is None:
+            if forced == Scheme.SFB and linear is None:
                 raise ValueError(f"comm_overrides forces sfb on '{name}', but it is not an nn.Linear that ran forward")
             plan.choice, plan.forced = forced, True
         else:
@@ -170,13 +171,13 @@ def median_error(plans: list[LayerPlan]) -> float | None:
 
 def format_plan(plans: list[LayerPlan], workers: int, calibration: Calibration | None = None) -> str:
     """The plan as a table: layer, shape, bytes, K, predicted ms per scheme, choice, measured ms."""
-    header = f"{'layer':<24} {'shape':<16} {'bytes':>11} {'K':>6} " + " ".join(f"{s + ' ms':>10}" for s in SCHEMES)
+    header = f"{'layer':<24} {'shape':<16} {'bytes':>11} {'K':>6} " + " ".join(f"{s.value + ' ms':>10}" for s in SCHEMES)
     lines = [f"plan for {workers} workers", header + f" {'choice':>10} {'expected':>9} {'measured':>9}"]
     for plan in plans:
         cells = " ".join(f"{plan.predicted_ms[s]:>10.3f}" if s in plan.predicted_ms else f"{'-':>10}" for s in SCHEMES)
         measured = f"{plan.measured_ms:>9.3f}" if plan.measured_ms is not None else f"{'-':>9}"
         measured = (f"{plan.expected_ms:>9.3f} " if plan.expected_ms is not None else f"{'-':>9} ") + measured
-        choice = plan.choice + ("*" if plan.forced else "")
+        choice = plan.choice.value + ("*" if plan.forced else "")
         lines.append(f"{plan.name or '(model)':<24} {'x'.join(map(str, plan.shape)):<16} {plan.nbytes:>11} "
                      f"{plan.rows if plan.rows is not None else '-':>6} {cells} {choice:>10} {measured}")  # fmt: skip
     error = median_error(plans)

@@ -11,11 +11,11 @@ A server or worker that dies surfaces as ``ParameterServerError`` naming it, on 
 
 from __future__ import annotations
 
-import json
 import sys
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -29,6 +29,7 @@ from shoal.ps.messages import (
     TAG_TO_WORKER,
     TAG_TO_WORKER_PAYLOAD,
     Kind,
+    SessionSpec,
     empty_header,
     header,
     unpack,
@@ -78,19 +79,19 @@ class PSClient:
 
     # ----- sessions -----
 
-    def open_session(self, params: list[torch.Tensor], names: list[str], spec: dict[str, Any], store: Any) -> PSSession:
+    def open_session(self, params: list[torch.Tensor], names: list[str], spec: SessionSpec, store: Any) -> PSSession:
         """Register one optimizer's PS-managed parameters; every worker opens sessions in the same order."""
         session_id = self._next_session
         self._next_session += 1
         pieces = build_shard_plan([(p.numel(), p.element_size()) for p in params], self.servers)
-        spec = dict(spec, pieces=[[q.param, q.start, q.numel, q.itemsize, q.server] for q in pieces], names=names,
-                    dtypes=[str(p.dtype).removeprefix("torch.") for p in params])  # fmt: skip
+        spec = replace(spec, pieces=[[q.param, q.start, q.numel, q.itemsize, q.server] for q in pieces], names=names,
+                       dtypes=[str(p.dtype).removeprefix("torch.") for p in params])  # fmt: skip
         key = f"session/{session_id}"
         if self.worker == 0:
-            store.set(key, json.dumps(spec))
+            store.set(key, spec.to_json())
         else:
-            published = json.loads(store.get(key).decode())
-            if published["pieces"] != spec["pieces"] or published["names"] != names:
+            published = SessionSpec.from_json(store.get(key).decode())
+            if published.pieces != spec.pieces or published.names != names:
                 raise ValueError(
                     "comm='ps': worker 0 and this worker route different parameters (or shapes) through the "
                     "parameter server; every worker must build the same model and the same comm= choices"

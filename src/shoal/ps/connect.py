@@ -40,8 +40,9 @@ class _Connection:
         self.generation = generation
 
 
+_PART = "ps.connection"
+"""The process context's part holding this init()'s connection to the servers."""
 _lock = threading.Lock()
-_connection: _Connection | None = None
 _hook_registered = False
 _served_generations: set[int] = set()
 """The init() generations that used dedicated servers in this process (they serve only one)."""
@@ -49,16 +50,17 @@ _served_generations: set[int] = set()
 
 def connect(config: PSConfig) -> tuple[PSClient, Any]:
     """This process's client (joining the group on first use; every worker must get here) and the group's store."""
-    global _connection, _hook_registered
+    global _hook_registered
     with _lock:
         current = context.current()
-        if _connection is not None and _connection.generation == current.generation:
-            return _connection.client, _connection.store
-        if not _hook_registered:
-            context.register_shutdown_hook(close)
-            _hook_registered = True
-        _connection = _join(config, current)
-        return _connection.client, _connection.store
+        connection: _Connection | None = current.part(_PART)
+        if connection is None:
+            if not _hook_registered:
+                context.register_shutdown_hook(close)
+                _hook_registered = True
+            connection = _join(config, current)
+            current.set_part(_PART, connection)
+        return connection.client, connection.store
 
 
 def _join(config: PSConfig, current: Any) -> _Connection:
@@ -98,14 +100,16 @@ def _join(config: PSConfig, current: Any) -> _Connection:
 
 def local_server() -> ShardServer | None:
     """The server shard this process hosts (co-located mode), e.g. to read its pull recorder in a test."""
-    return _connection.server if _connection is not None else None
+    current = context.peek()
+    connection: _Connection | None = None if current is None else current.part(_PART)
+    return connection.server if connection is not None else None
 
 
 def close() -> None:
     """Leave the group: goodbye to every server; a co-located server keeps serving until every worker left."""
-    global _connection
+    current = context.peek()
     with _lock:
-        connection, _connection = _connection, None
+        connection: _Connection | None = None if current is None else current.parts.pop(_PART, None)
     if connection is None:
         return
     connection.client.close()

@@ -8,6 +8,9 @@ headers and payloads travel under different tags so each side posts exactly the 
 from __future__ import annotations
 
 import enum
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import torch
 
@@ -53,3 +56,33 @@ def unpack(received: torch.Tensor) -> tuple[Kind, int, int, int, float, int]:
     """(kind, session, piece, clock, lr, extra) of a received header."""
     kind, session, piece, clock, lr, extra = received.tolist()
     return Kind(int(kind)), int(session), int(piece), int(clock), lr, int(extra)
+
+
+@dataclass(frozen=True)
+class SessionSpec:
+    """What worker 0 publishes in the store (``session/<id>``, JSON) for the servers: one optimizer's PS layers."""
+
+    optimizer: str
+    """The server-side optimizer (``describe_optimizer``'s name: sgd, adam, adamw)."""
+    groups: list[dict[str, Any]]
+    """Hyperparameters per param group of the wrapped optimizer."""
+    param_groups: list[int]
+    """Per served parameter, the index of its group."""
+    mode: str
+    """bsp, ssp or async."""
+    staleness: int
+    average: bool
+    """Average the workers' gradients (else sum)."""
+    pieces: list[list[int]] = field(default_factory=list)
+    """Per piece: [parameter index, start, numel, itemsize, server]."""
+    names: list[str] = field(default_factory=list)
+    """Per served parameter, its name."""
+    dtypes: list[str] = field(default_factory=list)
+    """Per served parameter, its torch dtype without the ``torch.`` prefix."""
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> SessionSpec:
+        return cls(**json.loads(text))

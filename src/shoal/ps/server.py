@@ -12,7 +12,6 @@ environment contract is in ``shoal.ps.launch``), or as a thread inside each work
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import sys
@@ -31,6 +30,7 @@ from shoal.ps.messages import (
     TAG_TO_WORKER,
     TAG_TO_WORKER_PAYLOAD,
     Kind,
+    SessionSpec,
     empty_header,
     header,
     unpack,
@@ -64,16 +64,16 @@ class _PieceState:
 class _Session:
     """One DistributedOptimizer's parameters on this server (pieces it owns), as described by worker 0's spec."""
 
-    def __init__(self, spec: dict[str, Any], server_index: int, workers: int) -> None:
-        self.mode: str = spec["mode"]
-        self.staleness: int = spec["staleness"]
-        self.average: bool = spec["average"]
+    def __init__(self, spec: SessionSpec, server_index: int, workers: int) -> None:
+        self.mode = spec.mode
+        self.staleness = spec.staleness
+        self.average = spec.average
         self.pieces: dict[int, _PieceState] = {}
-        for index, (param, _start, numel, _itemsize, server) in enumerate(spec["pieces"]):
+        for index, (param, _start, numel, _itemsize, server) in enumerate(spec.pieces):
             if server == server_index:
-                dtype = getattr(torch, spec["dtypes"][param])
-                hyper = spec["groups"][spec["param_groups"][param]]
-                self.pieces[index] = _PieceState(index, numel, dtype, spec["optimizer"], hyper, workers)
+                dtype = getattr(torch, spec.dtypes[param])
+                hyper = spec.groups[spec.param_groups[param]]
+                self.pieces[index] = _PieceState(index, numel, dtype, spec.optimizer, hyper, workers)
 
 
 class ShardServer:
@@ -162,7 +162,7 @@ class ShardServer:
         with self._sessions_lock:
             session = self._sessions.get(session_id)
             if session is None:
-                spec = json.loads(self.store.get(f"session/{session_id}").decode())
+                spec = SessionSpec.from_json(self.store.get(f"session/{session_id}").decode())
                 session = self._sessions[session_id] = _Session(spec, self.server_index, self.workers)
             return session
 

@@ -14,7 +14,7 @@ from shoal.runner.launcher import Job, build_slots, requested_hosts, ssh_argv
 
 def check_build(args: Any) -> str:
     """``shoalrun --check-build``: the environment report, then, with -H or --hostfile, each remote host's check."""
-    from shoal.env import report
+    from shoal.runner.env_report import report
 
     lines = [report()]
     if args.hosts or args.hostfile:

@@ -1,7 +1,11 @@
 """The process-wide Shoal context: ``init()`` builds it, ``shutdown()`` tears it down.
 
-Horovod's API is module-level (``hvd.rank()``), so one context per process is unavoidable; it lives here, in one
-object with explicit fields, and nowhere else.
+Horovod's API is module-level (``hvd.rank()``), so one context per process is unavoidable. Everything that belongs
+to one ``init()`` lives in it: the fields below, and in ``parts`` what higher layers build on it (the user API's
+session with the engine, handles and name counters; the measured calibration; the last ``comm="auto"`` plan; the
+parameter server's connection). ``shutdown()`` drops it whole, and an elastic re-form builds a new one, so nothing of
+an old job survives into the next. Two things outlive a context on purpose: the job's store connection
+(``comm.store``: a rank-0-hosted store must outlive re-inits) and the launcher watchdog thread (one per process).
 """
 
 from __future__ import annotations
@@ -11,7 +15,7 @@ import dataclasses
 import os
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from shoal.comm import process_group, store
@@ -38,6 +42,15 @@ class Context:
     """The job store scoped to this generation; later layers keep their own keys under it."""
     job_store: Any = None
     """The whole job's store (elastic training talks to shoalrun's driver through it)."""
+    parts: dict[str, Any] = field(default_factory=dict)
+    """What higher layers keep for this ``init()``, by a name their module owns (see the module docstring)."""
+
+    def part(self, name: str) -> Any:
+        """A higher layer's state for this ``init()``; None until it sets it."""
+        return self.parts.get(name)
+
+    def set_part(self, name: str, value: Any) -> None:
+        self.parts[name] = value
 
 
 _lock = threading.RLock()
@@ -166,6 +179,11 @@ def current() -> Context:
     if context is None:
         raise ValueError("Shoal has not been initialized; use shoal.torch.init() (hvd.init()).")
     return context
+
+
+def peek() -> Context | None:
+    """The context, or None outside ``init()``/``shutdown()`` (never raises)."""
+    return _context
 
 
 def is_initialized() -> bool:

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from shoal.engine.request import Kind, ReduceOp, Request, RequestMeta
-from shoal.torch import handles
+from shoal.torch import basics, handles
 from shoal.torch.compression import Compression, Compressor
 from shoal.torch.process_sets import ProcessSet, global_process_set, set_id_of
 
@@ -141,7 +141,6 @@ def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | Non
               prescale_factor: float = 1.0, postscale_factor: float = 1.0,
               process_set: ProcessSet = global_process_set) -> torch.Tensor:  # fmt: skip
     """Return ``tensor`` averaged (or summed, ...) over all ranks. Differentiable: the gradient is allreduced too."""
-    from shoal.torch.autograd import AllreduceFunction
 
     compressed, ctx = compression.compress(tensor)
     reduced = AllreduceFunction.apply(compressed, name, int(_resolve_op(op, average)), prescale_factor,
@@ -182,7 +181,6 @@ def grouped_allreduce(tensors: Sequence[torch.Tensor], average: bool | None = No
                       prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                       process_set: ProcessSet = global_process_set) -> list[torch.Tensor]:  # fmt: skip
     """Reduce several tensors at once; returns the reduced tensors in order. Differentiable."""
-    from shoal.torch.autograd import GroupedAllreduceFunction
 
     compressed = [compression.compress(t) for t in tensors]
     results = GroupedAllreduceFunction.apply(name, int(_resolve_op(op, average)), prescale_factor, postscale_factor,
@@ -236,7 +234,6 @@ def allgather_async(tensor: torch.Tensor, name: str | None = None, process_set: 
 
 def allgather(tensor: torch.Tensor, name: str | None = None, process_set: ProcessSet = global_process_set) -> torch.Tensor:
     """Concatenate every rank's ``tensor`` along dimension 0. Differentiable."""
-    from shoal.torch.autograd import AllgatherFunction
 
     return AllgatherFunction.apply(tensor, name, process_set)
 
@@ -251,7 +248,6 @@ def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: str | None = 
 def grouped_allgather(tensors: Sequence[torch.Tensor], name: str | None = None,
                       process_set: ProcessSet = global_process_set) -> list[torch.Tensor]:  # fmt: skip
     """Allgather several tensors at once. Differentiable."""
-    from shoal.torch.autograd import GroupedAllgatherFunction
 
     return list(GroupedAllgatherFunction.apply(name, process_set, *tensors))
 
@@ -295,7 +291,6 @@ def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
 def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None,
               process_set: ProcessSet = global_process_set) -> torch.Tensor:  # fmt: skip
     """Return ``root_rank``'s ``tensor`` on every rank. Differentiable."""
-    from shoal.torch.autograd import BroadcastFunction
 
     return BroadcastFunction.apply(tensor, root_rank, name, process_set)
 
@@ -330,7 +325,6 @@ def alltoall(tensor: torch.Tensor, splits: torch.Tensor | Sequence[int] | None =
     Returns, as Horovod does: the received tensor when ``splits`` is None (an even split); (received tensor,
     received splits) when ``splits`` is given.
     """
-    from shoal.torch.autograd import AlltoallFunction
 
     return AlltoallFunction.apply(tensor, splits, name, process_set)
 
@@ -362,7 +356,6 @@ def reducescatter(tensor: torch.Tensor, name: str | None = None, compression: ty
                   op: int = Average, process_set: ProcessSet = global_process_set, prescale_factor: float = 1.0,
                   postscale_factor: float = 1.0) -> torch.Tensor:  # fmt: skip
     """Reduce ``tensor`` over all ranks and return this rank's block of rows. Differentiable."""
-    from shoal.torch.autograd import ReducescatterFunction
 
     compressed, ctx = compression.compress(tensor)
     result = ReducescatterFunction.apply(compressed, name, int(op), process_set, prescale_factor, postscale_factor)
@@ -384,7 +377,6 @@ def grouped_reducescatter(tensors: Sequence[torch.Tensor], name: str | None = No
                           process_set: ProcessSet = global_process_set, prescale_factor: float = 1.0,
                           postscale_factor: float = 1.0) -> list[torch.Tensor]:  # fmt: skip
     """Reduce-scatter several tensors at once. Differentiable."""
-    from shoal.torch.autograd import GroupedReducescatterFunction
 
     compressed = [compression.compress(t) for t in tensors]
     results = GroupedReducescatterFunction.apply(name, int(op), process_set, prescale_factor, postscale_factor,
@@ -410,3 +402,179 @@ def join(device: int = -1) -> int:
     """
     meta = RequestMeta(name="shoal.join", kind=Kind.JOIN, process_set=0)
     return handles.synchronize(handles.submit([Request(meta, None, None)], _single))
+
+
+# ----- autograd, beside the ops it differentiates -----
+# Autograd for the synchronous collectives, with Horovod's gradients (horovod/torch/mpi_ops.py, 0.28), op by op.
+#
+# ========================  ==========================================================================================
+# op                        backward of the upstream gradient ``g``
+# ========================  ==========================================================================================
+# allreduce (grouped too)   allreduce of ``g`` with the forward's op and prescale/postscale factors
+# allgather (grouped too)   allreduce of ``g`` with **Average**, then this rank's rows (offset by its process-set rank)
+# broadcast                 allreduce of ``g`` with **Average** on the root; zeros on every other rank
+# alltoall                  alltoall of ``g`` back along the received splits
+# reducescatter (grouped)   ``g`` times the set size for Sum (not for Average), times prescale and postscale, allgathered
+# ========================  ==========================================================================================
+#
+# So allgather and broadcast give the gradient of the ranks' *mean* loss, allreduce that of their summed loss, and
+# reducescatter ``size`` times the summed loss's gradient: Horovod's conventions, kept so that a ported script
+# trains the same. The backward collectives are unnamed; every rank runs backward in the same order, so they pair up.
+
+
+class AllreduceFunction(torch.autograd.Function):
+    """allreduce with gradient."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, name: str | None, op: int, prescale: float, postscale: float,
+                process_set: ProcessSet) -> torch.Tensor:  # fmt: skip
+        ctx.op, ctx.prescale, ctx.postscale, ctx.process_set = op, prescale, postscale, process_set
+        handle = allreduce_async(tensor, name=name, op=op, prescale_factor=prescale,
+                                           postscale_factor=postscale, process_set=process_set)  # fmt: skip
+        return handles.synchronize(handle)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        reduced = allreduce(grad, op=ctx.op, prescale_factor=ctx.prescale, postscale_factor=ctx.postscale,
+                                      process_set=ctx.process_set)  # fmt: skip
+        return reduced, None, None, None, None, None
+
+
+class GroupedAllreduceFunction(torch.autograd.Function):
+    """grouped allreduce with gradient: the gradients are reduced as one group, with the same op and factors."""
+
+    @staticmethod
+    def forward(ctx: Any, name: str | None, op: int, prescale: float, postscale: float, process_set: ProcessSet,
+                *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:  # fmt: skip
+        ctx.op, ctx.prescale, ctx.postscale, ctx.process_set = op, prescale, postscale, process_set
+        handle = grouped_allreduce_async(list(tensors), name=name, op=op, prescale_factor=prescale,
+                                                   postscale_factor=postscale, process_set=process_set)  # fmt: skip
+        return tuple(handles.synchronize(handle))
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
+        handle = grouped_allreduce_async([g.contiguous() for g in grads], op=ctx.op,
+                                                   prescale_factor=ctx.prescale, postscale_factor=ctx.postscale,
+                                                   process_set=ctx.process_set)  # fmt: skip
+        return (None, None, None, None, None, *handles.synchronize(handle))
+
+
+def _own_rows(reduced: torch.Tensor, rows: torch.Tensor, process_set: ProcessSet, count: int) -> torch.Tensor:
+    """This rank's rows of an allgathered gradient: offset by the rows of the set's lower ranks."""
+    offset = int(rows[: process_set.rank()].sum())
+    return reduced.narrow(0, offset, count)
+
+
+class AllgatherFunction(torch.autograd.Function):
+    """allgather with gradient."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, name: str | None, process_set: ProcessSet) -> torch.Tensor:
+        ctx.rows, ctx.scalar = (tensor.shape[0], False) if tensor.dim() else (1, True)
+        ctx.process_set = process_set
+        return handles.synchronize(allgather_async(tensor, name, process_set))
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        reduced = allreduce(grad.contiguous(), op=ReduceOp.Average, process_set=ctx.process_set)
+        rows = allgather(torch.tensor([ctx.rows]), process_set=ctx.process_set)
+        mine = _own_rows(reduced, rows, ctx.process_set, ctx.rows)
+        return (mine.reshape(()) if ctx.scalar else mine), None, None
+
+
+class GroupedAllgatherFunction(torch.autograd.Function):
+    """grouped allgather with gradient."""
+
+    @staticmethod
+    def forward(ctx: Any, name: str | None, process_set: ProcessSet, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.rows = [t.shape[0] if t.dim() else 1 for t in tensors]
+        ctx.scalars = [t.dim() == 0 for t in tensors]
+        ctx.process_set = process_set
+        return tuple(handles.synchronize(grouped_allgather_async(list(tensors), name, process_set)))
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
+        reduced = handles.synchronize(grouped_allreduce_async([g.contiguous() for g in grads],
+                                                                        op=ReduceOp.Average,
+                                                                        process_set=ctx.process_set))  # fmt: skip
+        rows = allgather(torch.tensor([ctx.rows]), process_set=ctx.process_set)
+        mine = []
+        for index, (tensor, count, scalar) in enumerate(zip(reduced, ctx.rows, ctx.scalars, strict=True)):
+            piece = _own_rows(tensor, rows[:, index], ctx.process_set, count)
+            mine.append(piece.reshape(()) if scalar else piece)
+        return (None, None, *mine)
+
+
+class BroadcastFunction(torch.autograd.Function):
+    """broadcast with gradient."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, root_rank: int, name: str | None, process_set: ProcessSet) -> Any:
+        ctx.root_rank, ctx.process_set = root_rank, process_set
+        return handles.synchronize(broadcast_async(tensor, root_rank, name, process_set))
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        reduced = allreduce(grad.contiguous(), op=ReduceOp.Average, process_set=ctx.process_set)
+        if basics.rank() != ctx.root_rank:  # root_rank is a global rank, as in the forward
+            reduced = torch.zeros_like(reduced)
+        return reduced, None, None, None
+
+
+class AlltoallFunction(torch.autograd.Function):
+    """alltoall with gradient."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, splits: Any, name: str | None, process_set: ProcessSet) -> Any:
+        ctx.process_set = process_set
+        output, received = handles.synchronize(alltoall_async(tensor, splits, name, process_set))
+        ctx.received = received
+        if splits is None:  # Horovod returns the received splits only when splits were given
+            return output
+        ctx.mark_non_differentiable(received)
+        return output, received
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor, *_grad_splits: Any) -> tuple[Any, ...]:
+        back, _ = alltoall(grad.contiguous(), ctx.received, process_set=ctx.process_set)
+        return back, None, None, None
+
+
+def _reducescatter_grad_scale(op: int, process_set: ProcessSet, prescale: float, postscale: float) -> float:
+    """Horovod's factor on a reducescatter's upstream gradient before it is allgathered."""
+    return (process_set.size() if op == ReduceOp.Sum else 1.0) * prescale * postscale
+
+
+class ReducescatterFunction(torch.autograd.Function):
+    """reducescatter with gradient."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, name: str | None, op: int, process_set: ProcessSet,
+                prescale: float, postscale: float) -> Any:  # fmt: skip
+        ctx.process_set = process_set
+        ctx.scale = _reducescatter_grad_scale(op, process_set, prescale, postscale)
+        handle = reducescatter_async(tensor, name, op, process_set, prescale, postscale)
+        return handles.synchronize(handle)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        gathered = allgather((grad * ctx.scale).contiguous(), process_set=ctx.process_set)
+        return gathered, None, None, None, None, None
+
+
+class GroupedReducescatterFunction(torch.autograd.Function):
+    """grouped reducescatter with gradient."""
+
+    @staticmethod
+    def forward(ctx: Any, name: str | None, op: int, process_set: ProcessSet, prescale: float, postscale: float,
+                *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:  # fmt: skip
+        ctx.process_set = process_set
+        ctx.scale = _reducescatter_grad_scale(op, process_set, prescale, postscale)
+        handle = grouped_reducescatter_async(list(tensors), name, op, process_set, prescale, postscale)
+        return tuple(handles.synchronize(handle))
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
+        scaled = [(g * ctx.scale).contiguous() for g in grads]
+        gathered = handles.synchronize(grouped_allgather_async(scaled, process_set=ctx.process_set))
+        return (None, None, None, None, None, *gathered)

@@ -55,18 +55,18 @@ class Session:
             return handle
 
 
-_session: Session | None = None
+_PART = "torch.session"
+"""This module's part of the process context."""
 
 
 def _start_session(ctx: context.Context) -> None:
-    global _session
-    _session = Session(Engine(ctx.topology, EngineConfig.from_env(), ctx.store, job_token(ctx.launch.secret)))
+    ctx.set_part(_PART, Session(Engine(ctx.topology, EngineConfig.from_env(), ctx.store, job_token(ctx.launch.secret))))
 
 
 def _end_session() -> bool:
     """Stop the engine and fail whatever was still outstanding; False if the engine thread would not stop."""
-    global _session
-    session, _session = _session, None
+    ctx = context.peek()
+    session: Session | None = ctx.parts.pop(_PART, None) if ctx is not None else None
     if session is None:
         return True
     stopped = session.engine.stop()
@@ -86,8 +86,7 @@ context.register_shutdown_hook(_end_session)
 
 def session() -> Session:
     """The current session; raises Horovod's ValueError when init() was not called."""
-    context.current()
-    current = _session
+    current: Session | None = context.current().part(_PART)
     if current is None:
         raise ValueError("Shoal has not been initialized; use shoal.torch.init() (hvd.init()).")
     return current
@@ -95,7 +94,8 @@ def session() -> Session:
 
 def current_session() -> Session | None:
     """The current session, or None outside init()/shutdown() (never raises)."""
-    return _session
+    ctx = context.peek()
+    return None if ctx is None else ctx.part(_PART)
 
 
 def engine() -> Engine:
@@ -150,7 +150,7 @@ def synchronize(handle: int | Callable[[], Any]) -> Any:
 
 def discard(handle: int) -> None:
     """Forget a handle whose result is no longer wanted (elastic training drops a failed step's handles)."""
-    current = _session
+    current = current_session()
     if current is not None:
         with current.lock:
             current.handles.pop(handle, None)

@@ -8,9 +8,7 @@ backprop. ``step()`` (or ``synchronize()``) waits for the results and then appli
 from __future__ import annotations
 
 import contextlib
-import sys
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -18,73 +16,16 @@ from torch import nn
 
 from shoal.config import env_int
 from shoal.engine.request import ReduceOp
-from shoal.log import get_logger
-from shoal.plan.calibration import Calibration, job_calibration, keep_calibration
-from shoal.plan.drift import DriftMonitor, refit
-from shoal.plan.planner import SCHEMES, LayerPlan, build_plan, forced_scheme, format_plan
-from shoal.plan.sfb import SufficientFactorLayer
-from shoal.ps.config import PSConfig, resolve_config
-from shoal.ps.optimizers import describe_optimizer
+from shoal.ps.config import resolve_config
 from shoal.torch import adasum_optimizer, basics, functions, handles
 from shoal.torch.compression import Compression, Compressor
-from shoal.torch.objects import broadcast_object
+from shoal.torch.layer_comm.router import COMM_CHOICES, LayerRouter, OptimizerFacts, plan_report
 from shoal.torch.optimizer_class import computed_too_often, mix_into
-from shoal.torch.process_sets import ProcessSet, global_process_set, set_id_of
+from shoal.torch.process_sets import ProcessSet, global_process_set
+
+__all__ = ["DistributedOptimizer", "drop_unfinished_step", "plan_report"]
 
 DEFAULT_BUCKET_BYTES = 2 * 1024 * 1024
-_SCHEME_COMPRESSION: dict[str, type[Compressor]] = {"fp16": Compression.fp16, "bf16": Compression.bf16}
-
-
-@dataclass
-class LastPlan:
-    """The most recent plan made by any DistributedOptimizer in this process."""
-
-    plans: list[LayerPlan]
-    workers: int
-    refits: int
-    """How many times drift made it recalibrate."""
-    calibration: Calibration
-
-
-_last_plan: LastPlan | None = None
-
-
-def last_plan() -> LastPlan | None:
-    """The most recent ``comm="auto"`` plan in this process (its ``plans`` fill in measured times as training runs)."""
-    return _last_plan
-
-
-def describe_choices(plans: list[LayerPlan]) -> str:
-    """``allreduce: 3, sfb: 2`` for a plan."""
-    counts: dict[str, int] = {}
-    for plan in plans:
-        counts[plan.choice] = counts.get(plan.choice, 0) + 1
-    return ", ".join(f"{scheme}: {count}" for scheme, count in sorted(counts.items()))
-
-
-def describe_calibration(calibration: Calibration) -> str:
-    """What the plan rests on: the measured allreduce line and the matmul rate."""
-    latency, per_byte = calibration.lines["allreduce"]
-    return (f"allreduce {latency * 1e3:.3f} ms + {1 / per_byte / 1e9 if per_byte else float('inf'):.2f} GB/s, "
-            f"matmul {calibration.flops_per_s / 1e9:.1f} GFLOP/s")  # fmt: skip
-
-
-def plan_report(print_table: bool | None = None) -> str:
-    """The last plan of ``comm="auto"``: per layer, shape, bytes, K, predicted ms per scheme, choice, measured ms.
-
-    Args:
-        print_table: print the table too; by default only rank 0 prints (every rank holds the same plan).
-
-    Returns:
-        The table, on every rank.
-    """
-    if _last_plan is None:
-        text = "no plan yet: use DistributedOptimizer(..., model=model, comm='auto') and take one step"
-    else:
-        text = format_plan(_last_plan.plans, _last_plan.workers, _last_plan.calibration)
-    if print_table or (print_table is None and (not basics.is_initialized() or basics.rank() == 0)):
-        print(text)
-    return text
 
 
 class _ComputeMarks:
@@ -142,6 +83,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     """Methods mixed into a subclass of the user's optimizer class (so ``isinstance`` still holds)."""
 
     _shoal_base: type[torch.optim.Optimizer]
+    _shoal_router: LayerRouter
+    """Per-layer communication (schemes, the auto planner); set right after ``_shoal_setup``."""
 
     def _shoal_setup(self, named_parameters: list[tuple[str, torch.Tensor]] | None, compression: type[Compressor],
                      backward_passes_per_step: int, op: ReduceOp, gradient_predivide_factor: float,
@@ -218,13 +161,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if self._shoal_counts[key] < self._shoal_passes:
             return
         self._shoal_counts[key] = 0
-        if self._shoal_ps is not None and self._shoal_ps.manages(param):
-            self._shoal_submitted.add(key)  # pushed to its parameter servers now; step() pulls the fresh values
-            self._shoal_ps.push(param, self._shoal_lr_of[key]["lr"])
-            return
-        layer = self._shoal_sfb_of.get(key)
-        if layer is not None and layer.usable:
-            self._shoal_submitted.add(key)  # its layer allgathers the factors instead
+        if self._shoal_router.takes(param):  # its scheme sends it (SFB's factors, the parameter server)
+            self._shoal_submitted.add(key)
             return
         group = self._shoal_group_of.get(key)
         if group is not None:
@@ -282,24 +220,15 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     def _shoal_synchronize(self) -> None:
         self._shoal_flush_bucket()
-        layers = list(dict.fromkeys(self._shoal_sfb_of.values()))
-        for layer in layers:
-            if layer.usable:
-                self._shoal_submitted.update(id(p) for p in layer.parameters)
+        layers = self._shoal_router.layers()
         missing = [p for p in self._shoal_params if id(p) not in self._shoal_submitted]
-        if self._shoal_ps is not None:
-            for param in [p for p in missing if self._shoal_ps.manages(p)]:
-                self._shoal_grad(param)  # a zero gradient stands in, so no server waits for this worker
-                self._shoal_submitted.add(id(param))
-                self._shoal_ps.push(param, self._shoal_lr_of[id(param)]["lr"])
-            missing = [p for p in missing if not self._shoal_ps.manages(p)]
-            self._shoal_ps.wait_pushes()  # p.grad may be edited (clipped) once synchronize() returns
+        for layer in layers:
+            self._shoal_submitted.update(id(p) for p in layer.claim_missing(missing))
+        missing = [p for p in self._shoal_params if id(p) not in self._shoal_submitted]
         if missing:  # no gradient this step here (or a layer that fell back): stand in, so no rank ever hangs
             self._shoal_submit(missing)
         for layer in layers:
-            if layer.usable:
-                layer.finish(average=self._shoal_op == ReduceOp.Average)
-            layer.reset()
+            layer.finish(average=self._shoal_op == ReduceOp.Average)
         for handle, params, compressed_list, contexts in self._shoal_in_flight:
             handles.synchronize(handle)
             for param, compressed, ctx in zip(params, compressed_list, contexts, strict=True):
@@ -322,192 +251,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         result = functions.sparse_allreduce_async(grad, f"DistributedOptimizer.{name}", op, self._shoal_process_set)
         return result().coalesce()
 
-    # ----- per-layer schemes (Poseidon) -----
-
     def _shoal_compressor(self, param: torch.Tensor) -> type[Compressor]:
-        return self._shoal_compressor_of.get(id(param), self._shoal_compression)
-
-    def _shoal_setup_comm(self, model: nn.Module | None, comm: str, overrides: dict[Any, str] | None,
-                          ps_config: PSConfig) -> None:  # fmt: skip
-        self._shoal_comm = comm
-        self._shoal_model = model
-        self._shoal_overrides = dict(overrides or {})
-        self._shoal_ps_config = ps_config
-        self._shoal_ps: Any = None
-        self._shoal_lr_of = {id(p): group for group in self.param_groups for p in group["params"]}
-        self._shoal_compressor_of: dict[int, type[Compressor]] = {}
-        self._shoal_sfb_of: dict[int, SufficientFactorLayer] = {}
-        self._shoal_plans: list[LayerPlan] | None = None
-        self._shoal_drift: DriftMonitor | None = None
-        self._shoal_calibration: Calibration | None = None
-        self._shoal_rows: dict[str, int] = {}
-        self._shoal_row_hooks: list[Any] = []
-        if model is None:
-            if comm in ("sfb", "auto") or overrides:
-                raise ValueError(f"comm={comm!r} and comm_overrides need model= (the nn.Module being trained)")
-            if comm in ("fp16", "bf16"):
-                self._shoal_compression = _SCHEME_COMPRESSION[comm]
-            if comm == "ps":
-                self._shoal_open_ps(self._shoal_params)
-            return
-        if comm == "auto":
-            for name, module in model.named_modules():
-                if isinstance(module, nn.Linear):
-                    self._shoal_row_hooks.append(module.register_forward_hook(self._shoal_row_counter(name)))
-            return
-        schemes = {}
-        for name, module in model.named_modules():
-            if any(p.requires_grad for p in module.parameters(recurse=False)):
-                forced = forced_scheme(name, module, self._shoal_overrides)
-                default = "sfb" if comm == "sfb" and isinstance(module, nn.Linear) else comm
-                schemes[name] = forced or default
-        self._shoal_assign(schemes)
-
-    def _shoal_row_counter(self, name: str) -> Any:
-        def record(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
-            rows = args[0].numel() // args[0].shape[-1] if args[0].dim() else 1
-            self._shoal_rows[name] = max(self._shoal_rows.get(name, 0), rows)
-
-        return record
-
-    def _shoal_assign(self, schemes: dict[str, str]) -> None:
-        """Apply a scheme per module name: a compressor, or a sufficient-factor layer for ``sfb``."""
-        assert self._shoal_model is not None
-        modules = dict(self._shoal_model.named_modules())
-        served: list[torch.Tensor] = []
-        for name, scheme in schemes.items():
-            module = modules[name]
-            params = [p for p in module.parameters(recurse=False) if p.requires_grad]
-            if scheme == "sfb":
-                if not isinstance(module, nn.Linear):
-                    raise ValueError(f"sfb needs an nn.Linear, but '{name}' is a {type(module).__name__}")
-                if self._shoal_passes > 1:
-                    get_logger().info("sfb is off for '%s': backward_passes_per_step > 1 accumulates gradients", name)
-                    continue
-                layer = SufficientFactorLayer(name or "model", module, self._shoal_process_set)
-                for param in params:
-                    self._shoal_sfb_of[id(param)] = layer
-            elif scheme in _SCHEME_COMPRESSION:
-                for param in params:
-                    self._shoal_compressor_of[id(param)] = _SCHEME_COMPRESSION[scheme]
-            elif scheme == "ps":
-                served += params
-            elif scheme != "allreduce":
-                raise ValueError(f"scheme {scheme!r} for '{name}' is not available; choose from {SCHEMES}")
-        if served:
-            self._shoal_open_ps(served)
-
-    def _shoal_open_ps(self, params: list[torch.Tensor]) -> None:
-        """Route these parameters through the parameter server (joins its group on first use; every rank calls)."""
-        from shoal.ps.connect import connect  # the PS joins its own group only when some layer uses it
-
-        if self._shoal_process_set is not global_process_set:
-            raise ValueError("comm='ps' works on the global process set only")
-        from shoal.runtime.elastic_rendezvous import is_elastic_worker
-
-        if is_elastic_worker():
-            raise ValueError("comm='ps' is not available in elastic jobs yet: a server shard cannot move to new workers")
-        owned = {id(p) for p in self._shoal_params}
-        params = [p for p in dict.fromkeys(params) if id(p) in owned]
-        if not params:
-            return
-        name, groups = describe_optimizer(self._shoal_base, self.param_groups)
-        group_index = {id(p): i for i, group in enumerate(self.param_groups) for p in group["params"]}
-        config = self._shoal_ps_config
-        spec = {"optimizer": name, "groups": groups, "param_groups": [group_index[id(p)] for p in params],
-                "mode": config.mode, "staleness": config.staleness, "average": self._shoal_op == ReduceOp.Average}  # fmt: skip
-        client, store = connect(config)
-        self._shoal_ps = client.open_session(params, [self._shoal_names[id(p)] for p in params], spec, store)
-
-    def _shoal_apply_plan(self, calibration: Calibration | None = None) -> None:
-        """Calibrate, agree on row counts, plan and switch schemes (all ranks): after the first step of
-        ``comm="auto"``, and again with a refitted ``calibration`` when measurements drift from the plan."""
-        refresh = calibration is not None
-        assert self._shoal_model is not None
-        for hook in self._shoal_row_hooks:
-            hook.remove()
-        self._shoal_row_hooks = []
-        names = sorted(self._shoal_rows)
-        rows = torch.tensor([self._shoal_rows[n] for n in names], dtype=torch.int64)
-        if names and not refresh:
-            rows = functions.allreduce(rows, op=functions.Max, name="DistributedOptimizer.plan.rows",
-                                       process_set=self._shoal_process_set)  # fmt: skip
-            self._shoal_rows = dict(zip(names, rows.tolist(), strict=True))
-        calibration = calibration or job_calibration()
-        self._shoal_calibration = calibration
-        workers = self._shoal_process_set.size()
-        dedicated = self._shoal_ps_config.dedicated
-        # ps only when servers exist, and only in the first plan: one session holds a fixed set of layers, so a
-        # re-plan keeps the layers already served (their optimizer state lives there) and adds none.
-        allowed = SCHEMES if dedicated and self._shoal_ps is None else tuple(s for s in SCHEMES if s != "ps")
-        overrides = dict(self._shoal_overrides)
-        modules = dict(self._shoal_model.named_modules())
-        if self._shoal_plans is not None:  # layers already on the servers stay there (their state lives there)
-            overrides.update({modules[p.name]: "ps" for p in self._shoal_plans if p.choice == "ps"})
-            self._shoal_clear_schemes()
-        self._shoal_plans = build_plan(self._shoal_model, calibration, workers, self._shoal_rows, overrides, allowed,
-                                       self._shoal_ps_config.num_servers if dedicated else workers)  # fmt: skip
-        # With a session open, every ps layer of this plan is one it already serves (a re-plan adds none).
-        self._shoal_assign({p.name: p.choice for p in self._shoal_plans
-                            if not (p.choice == "ps" and self._shoal_ps is not None)})  # fmt: skip
-        exchanges = {plan.name: self._shoal_exchange_names(plan, modules[plan.name]) for plan in self._shoal_plans}
-        if self._shoal_drift is None:
-            self._shoal_drift = DriftMonitor(self._shoal_plans, exchanges, calibration)
-        else:
-            self._shoal_drift.replan(self._shoal_plans, exchanges, calibration)
-        global _last_plan
-        _last_plan = LastPlan(self._shoal_plans, workers, self._shoal_drift.recalibrations, calibration)
-        if basics.rank() == 0:  # one line per (re-)plan, so that the planner never works silently
-            print(f"[shoal] comm='auto' {'re-planned' if refresh else 'planned'} {len(self._shoal_plans)} layers "
-                  f"({describe_choices(self._shoal_plans)}) from {describe_calibration(calibration)}",
-                  file=sys.stderr, flush=True)  # fmt: skip
-
-    def _shoal_clear_schemes(self) -> None:
-        """Undo ``_shoal_assign`` (before a re-plan): drop SFB layers' hooks and per-layer compressors."""
-        for layer in dict.fromkeys(self._shoal_sfb_of.values()):
-            layer.remove()
-        self._shoal_sfb_of.clear()
-        self._shoal_compressor_of.clear()
-
-    def _shoal_exchange_names(self, plan: LayerPlan, module: nn.Module) -> list[str]:
-        """The engine request names that carry ``plan``'s layer's exchange (none for ps: not an engine collective)."""
-        if plan.choice == "ps":
-            return []
-        if plan.choice == "sfb":
-            base = f"DistributedOptimizer.sfb.{plan.name or 'model'}"
-            return [f"{base}.input", f"{base}.output_grad"]
-        return [f"DistributedOptimizer.{self._shoal_names[id(p)]}" for p in module.parameters(recurse=False)
-                if p.requires_grad and id(p) in self._shoal_names]  # fmt: skip
-
-    def _shoal_watch_drift(self) -> None:
-        """After a synchronized step: compare measured exchange times with the plan; re-plan together on drift."""
-        monitor = self._shoal_drift
-        if monitor is None or not monitor.plans:
-            return
-        engine = handles.engine()
-        set_id = set_id_of(self._shoal_process_set)
-        rebuilds = {layer.name: layer.rebuild_seconds for layer in self._shoal_sfb_of.values()}
-        monitor.record_step(lambda name: engine.execution(name, set_id), rebuilds)
-        if not monitor.check_due():
-            return
-        local = torch.tensor(monitor.pending(), dtype=torch.float64)
-        agreed = functions.allreduce(local, op=functions.Min, name="DistributedOptimizer.plan.measured",
-                                     process_set=self._shoal_process_set)  # fmt: skip
-        error = monitor.agree(agreed.tolist())
-        if monitor.drifted():  # the same verdict on every rank: all hold the same agreed times
-            log = get_logger().warning if basics.rank() == 0 else get_logger().debug  # said once, by rank 0
-            log(
-                "measured exchange times drift from the plan (median error %.0f%% for %d steps): "
-                "recalibrating from the measurements and re-planning",
-                100 * (error or 0.0),
-                monitor.config.steps,
-            )
-            assert self._shoal_plans is not None and self._shoal_calibration is not None
-            fitted = broadcast_object(refit(self._shoal_calibration, self._shoal_plans, monitor.terms,
-                                            monitor.rebuilds), root_rank=0,
-                                      name="DistributedOptimizer.plan.refit", process_set=self._shoal_process_set)  # fmt: skip
-            keep_calibration(fitted)
-            self._shoal_apply_plan(fitted)
+        """The buckets' compressor for ``param``: its layer scheme's (fp16/bf16), else the optimizer's."""
+        return self._shoal_router.compressor(param) or self._shoal_compression
 
     @contextlib.contextmanager
     def skip_synchronize(self) -> Iterator[None]:
@@ -524,28 +270,17 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if self._shoal_should_synchronize and not already_synchronized:
             self.synchronize()
         self._shoal_synchronized = False
-        session = self._shoal_ps  # (auto may open one below; its layers were allreduced this step)
-        if session is not None:
-            session.finish()  # fresh values from the servers are now in p.data
-        if self._shoal_comm == "auto":
-            if self._shoal_plans is None:
-                self._shoal_apply_plan()
-            elif self._shoal_should_synchronize:
-                self._shoal_watch_drift()
+        # The servers already applied their layers' update (and their values are in p.data now): hide those
+        # parameters from the local optimizer.
+        hidden = [(p, p.grad) for p in self._shoal_router.start_update(self._shoal_should_synchronize)]
         with self._shoal_marks.span("UPDATE"):
+            for param, _ in hidden:
+                param.grad = None
             try:
-                if session is None:
-                    return self._shoal_base.step(self, closure)
-                # The servers already applied the update to their parameters: hide them from the local optimizer.
-                hidden = [(p, p.grad) for p in session.params]
-                for param, _ in hidden:
-                    param.grad = None
-                try:
-                    return self._shoal_base.step(self, closure)
-                finally:
-                    for param, grad in hidden:
-                        param.grad = grad
+                return self._shoal_base.step(self, closure)
             finally:
+                for param, grad in hidden:
+                    param.grad = grad
                 self._shoal_marks.step_ended()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -570,7 +305,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._shoal_counts = dict.fromkeys(self._shoal_counts, 0)
         self._shoal_synchronized = False
         self._shoal_marks.step_ended()
-        for layer in dict.fromkeys(self._shoal_sfb_of.values()):
+        for layer in self._shoal_router.layers():
             layer.reset()
         for param in self._shoal_params:
             param.grad = None
@@ -619,8 +354,8 @@ def DistributedOptimizer(
     ``"async"``; the environment fallbacks are ``SHOAL_PS_MODE`` and ``SHOAL_PS_STALENESS``. The servers are
     dedicated processes under ``shoalrun --num-servers S``, otherwise a thread in every worker (co-located).
     """
-    if comm not in ("allreduce", "fp16", "bf16", "sfb", "ps", "auto"):
-        raise ValueError(f"comm must be allreduce, fp16, bf16, sfb, ps or auto, got {comm!r}")
+    if comm not in COMM_CHOICES:
+        raise ValueError(f"comm must be one of {', '.join(COMM_CHOICES)}, got {comm!r}")
     ps_config = resolve_config(ps_mode, ps_staleness)
     if bucket_bytes is None:
         bucket_bytes = env_int("BUCKET_BYTES", DEFAULT_BUCKET_BYTES)
@@ -662,5 +397,14 @@ def DistributedOptimizer(
     named = list(named_parameters) if named_parameters is not None else None
     wrapped._shoal_setup(named, compression, backward_passes_per_step, ReduceOp(op), gradient_predivide_factor,
                          groups or None, sparse_as_dense, process_set, bucket_bytes)  # fmt: skip
-    wrapped._shoal_setup_comm(model, comm, comm_overrides, ps_config)
+    facts = OptimizerFacts(wrapped._shoal_params, wrapped._shoal_names, wrapped.param_groups, wrapped._shoal_base,
+                           ReduceOp(op) == ReduceOp.Average, backward_passes_per_step, process_set)  # fmt: skip
+    wrapped._shoal_router = LayerRouter(facts, model, comm, comm_overrides, ps_config)
     return wrapped
+
+
+def drop_unfinished_step(optimizer: torch.optim.Optimizer) -> None:
+    """Forget the gradient exchanges of an unfinished step (elastic recovery after a failed collective); a no-op
+    for an optimizer that is not a ``DistributedOptimizer``."""
+    if isinstance(optimizer, _DistributedOptimizer):
+        optimizer._shoal_drop_step()

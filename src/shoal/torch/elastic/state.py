@@ -15,6 +15,7 @@ import torch
 
 from shoal.exceptions import HostsUpdatedInterrupt
 from shoal.log import get_logger
+from shoal.torch.optimizer import drop_unfinished_step
 
 
 class State:
@@ -157,9 +158,7 @@ class TorchState(ObjectState):
         if self.model is not None:
             self.model.load_state_dict(self._saved_model)
         if self.optimizer is not None:
-            drop = getattr(self.optimizer, "_shoal_drop_step", None)
-            if drop is not None:
-                drop()
+            drop_unfinished_step(self.optimizer)
             self.optimizer.load_state_dict(copy.deepcopy(self._saved_optimizer))
         for name, value in self._handled.items():
             value.load_state_dict(copy.deepcopy(self._saved_handled[name]))
@@ -173,9 +172,7 @@ class TorchState(ObjectState):
         if self.model is not None:
             broadcast_parameters(self.model.state_dict(), root_rank=0)
         if self.optimizer is not None:
-            drop = getattr(self.optimizer, "_shoal_drop_step", None)
-            if drop is not None:
-                drop()
+            drop_unfinished_step(self.optimizer)
             broadcast_optimizer_state(self.optimizer, root_rank=0)
         for name, value in self._handled.items():
             if isinstance(value, ElasticSampler):

@@ -50,11 +50,18 @@ class SufficientFactorLayer:
         if self.calls != 1 or self._input is None or self._handles is not None:
             return  # called twice this step: the optimizer falls back to allreduce for this layer
         factor = grad.detach().reshape(-1, self.module.out_features).contiguous()
+        self._handles = self._gather(self._input.contiguous(), factor)
+
+    @property
+    def exchange_names(self) -> tuple[str, str]:
+        """The engine request names of the two allgathers: the inputs, then the output gradients."""
         base = f"DistributedOptimizer.sfb.{self.name}"
-        self._handles = (
-            functions.allgather_async(self._input.contiguous(), name=f"{base}.input", process_set=self.process_set),
-            functions.allgather_async(factor, name=f"{base}.output_grad", process_set=self.process_set),
-        )
+        return f"{base}.input", f"{base}.output_grad"
+
+    def _gather(self, inputs: torch.Tensor, output_grads: torch.Tensor) -> tuple[int, int]:
+        input_name, grad_name = self.exchange_names
+        return (functions.allgather_async(inputs, name=input_name, process_set=self.process_set),
+                functions.allgather_async(output_grads, name=grad_name, process_set=self.process_set))  # fmt: skip
 
     @property
     def usable(self) -> bool:
@@ -69,11 +76,7 @@ class SufficientFactorLayer:
         if self._handles is None:
             empty_input = torch.zeros(0, self.module.in_features, dtype=self.module.weight.dtype)
             empty_grad = torch.zeros(0, self.module.out_features, dtype=self.module.weight.dtype)
-            base = f"DistributedOptimizer.sfb.{self.name}"
-            self._handles = (
-                functions.allgather_async(empty_input, name=f"{base}.input", process_set=self.process_set),
-                functions.allgather_async(empty_grad, name=f"{base}.output_grad", process_set=self.process_set),
-            )
+            self._handles = self._gather(empty_input, empty_grad)
         inputs = handles.synchronize(self._handles[0])
         output_grads = handles.synchronize(self._handles[1])
         started = time.perf_counter()

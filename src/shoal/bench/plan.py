@@ -1,6 +1,6 @@
-"""``python -m shoal.plan --model mlp``: calibrate this job's network and print the per-layer plan.
+"""``python -m shoal.bench.plan --model mlp``: calibrate this job's network and print the per-layer plan.
 
-Run it under the launcher to plan for a real world size: ``shoalrun -np 2 python -m shoal.plan --model mlp``. One
+Run it under the launcher to plan for a real world size: ``shoalrun -np 2 python -m shoal.bench.plan --model mlp``. One
 forward pass per rank measures K (rows per step) for every fully-connected layer; then every rank calibrates
 together and rank 0 prints the table. As a single process (P = 1) every scheme costs nothing.
 """
@@ -14,13 +14,13 @@ from torch import nn
 
 import shoal.torch as hvd
 from shoal.bench.models import build
-from shoal.plan.calibration import measure
 from shoal.plan.planner import build_plan, format_plan
+from shoal.torch.layer_comm.calibrate import measure
 
 
 def main(argv: list[str] | None = None) -> None:
     """Parse flags, measure K and the network, print the plan on rank 0."""
-    parser = argparse.ArgumentParser(prog="python -m shoal.plan", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m shoal.bench.plan", description=__doc__.split("\n")[0])
     parser.add_argument("--model", choices=["cnn", "mlp", "transformer"], default="mlp")
     parser.add_argument("--batch-size", type=int, default=32, help="per-worker batch size (default 32)")
     args = parser.parse_args(argv)

@@ -1,0 +1,321 @@
+"""Which scheme carries each layer's gradients, and the ``comm="auto"`` planner that decides it.
+
+``LayerRouter`` is the per-layer half of ``DistributedOptimizer``: it maps every parameter to its ``LayerComm``
+(``schemes.py``), chooses those from ``comm=`` and ``comm_overrides`` or, with ``comm="auto"``, after the first step
+from the calibrated cost model (``shoal.plan``), and watches the measured exchange times for drift. The optimizer
+keeps Horovod's surface (hooks, buckets, synchronize, step) and asks the router per parameter.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from shoal.log import get_logger
+from shoal.plan.calibration import Calibration
+from shoal.plan.drift import DriftMonitor, refit
+from shoal.plan.planner import LayerPlan, build_plan, forced_scheme, format_plan
+from shoal.plan.schemes import SCHEMES, Scheme
+from shoal.ps.config import PSConfig
+from shoal.ps.messages import SessionSpec
+from shoal.runtime import context
+from shoal.torch import basics, functions, handles
+from shoal.torch.compression import Compressor
+from shoal.torch.layer_comm.calibrate import job_calibration, keep_calibration
+from shoal.torch.layer_comm.schemes import LayerComm, ParameterServer, SufficientFactors, Wiring, make_layer_comm
+from shoal.torch.objects import broadcast_object
+from shoal.torch.process_sets import ProcessSet, global_process_set, set_id_of
+
+AUTO = "auto"
+COMM_CHOICES = (*(s.value for s in SCHEMES), AUTO)
+"""What ``DistributedOptimizer(comm=...)`` accepts."""
+
+
+@dataclass
+class LastPlan:
+    """The most recent plan made by any DistributedOptimizer in this job (kept in the process context)."""
+
+    plans: list[LayerPlan]
+    workers: int
+    refits: int
+    """How many times drift made it recalibrate."""
+    calibration: Calibration
+
+
+def last_plan() -> LastPlan | None:
+    """The most recent ``comm="auto"`` plan of this job (its ``plans`` fill in measured times as training runs)."""
+    plan: LastPlan | None = context.current().part("torch.last_plan")
+    return plan
+
+
+def describe_choices(plans: list[LayerPlan]) -> str:
+    """``allreduce: 3, sfb: 2`` for a plan."""
+    counts: dict[str, int] = {}
+    for plan in plans:
+        counts[plan.choice.value] = counts.get(plan.choice.value, 0) + 1
+    return ", ".join(f"{scheme}: {count}" for scheme, count in sorted(counts.items()))
+
+
+def describe_calibration(calibration: Calibration) -> str:
+    """What the plan rests on: the measured allreduce line and the matmul rate."""
+    latency, per_byte = calibration.lines["allreduce"]
+    bandwidth = 1 / per_byte / 1e9 if per_byte else float("inf")
+    return f"allreduce {latency * 1e3:.3f} ms + {bandwidth:.2f} GB/s, matmul {calibration.flops_per_s / 1e9:.1f} GFLOP/s"
+
+
+def plan_report(print_table: bool | None = None) -> str:
+    """The last plan of ``comm="auto"``: per layer, shape, bytes, K, predicted ms per scheme, choice, measured ms.
+
+    Args:
+        print_table: print the table too; by default only rank 0 prints (every rank holds the same plan).
+
+    Returns:
+        The table, on every rank.
+    """
+    plan = last_plan() if basics.is_initialized() else None
+    if plan is None:
+        text = "no plan yet: use DistributedOptimizer(..., model=model, comm='auto') and take one step"
+    else:
+        text = format_plan(plan.plans, plan.workers, plan.calibration)
+    if print_table or (print_table is None and (not basics.is_initialized() or basics.rank() == 0)):
+        print(text)
+    return text
+
+
+@dataclass
+class OptimizerFacts:
+    """What the router needs to know about its optimizer."""
+
+    params: list[torch.Tensor]
+    """The trainable parameters."""
+    names: dict[int, str]
+    """Each parameter's name, by ``id``."""
+    param_groups: list[dict[str, Any]]
+    base: type[torch.optim.Optimizer]
+    """The wrapped optimizer's class (the servers run the same update)."""
+    average: bool
+    passes: int
+    """backward_passes_per_step."""
+    process_set: ProcessSet
+
+
+class LayerRouter:
+    """Every parameter's ``LayerComm``, and with ``comm="auto"`` the plan and drift monitor that choose them."""
+
+    def __init__(self, facts: OptimizerFacts, model: nn.Module | None, comm: str, overrides: dict[Any, str] | None,
+                 ps_config: PSConfig) -> None:  # fmt: skip
+        if comm not in COMM_CHOICES:
+            raise ValueError(f"comm must be one of {', '.join(COMM_CHOICES)}, got {comm!r}")
+        self.facts = facts
+        self.model = model
+        self.auto = comm == AUTO
+        self.overrides = dict(overrides or {})
+        for scheme in self.overrides.values():
+            Scheme.parse(scheme, "comm_overrides")
+        self.ps_config = ps_config
+        self.ps: ParameterServer | None = None
+        self._comm_of: dict[int, LayerComm] = {}
+        self._lr_of = {id(p): group for group in facts.param_groups for p in group["params"]}
+        self.plans: list[LayerPlan] | None = None
+        self.drift: DriftMonitor | None = None
+        self.calibration: Calibration | None = None
+        self._rows: dict[str, int] = {}
+        self._row_hooks: list[Any] = []
+        if model is None:
+            if self.auto or comm == Scheme.SFB or overrides:
+                raise ValueError(f"comm={comm!r} and comm_overrides need model= (the nn.Module being trained)")
+            self._assign_all(Scheme(comm))
+        elif self.auto:
+            for name, module in model.named_modules():
+                if isinstance(module, nn.Linear):
+                    self._row_hooks.append(module.register_forward_hook(self._row_counter(name)))
+        else:
+            schemes = {}
+            for name, module in model.named_modules():
+                if any(p.requires_grad for p in module.parameters(recurse=False)):
+                    default = Scheme.SFB if comm == Scheme.SFB and isinstance(module, nn.Linear) else Scheme(comm)
+                    if default == Scheme.SFB and not isinstance(module, nn.Linear):
+                        default = Scheme.ALLREDUCE
+                    schemes[name] = forced_scheme(name, module, self.overrides) or default
+            self._assign(schemes)
+
+    # ----- asked by the optimizer -----
+
+    def takes(self, param: torch.Tensor) -> bool:
+        """The gradient hook: True when the parameter's scheme sends it (not the optimizer's buckets)."""
+        comm = self._comm_of.get(id(param))
+        return comm is not None and comm.takes(param)
+
+    def compressor(self, param: torch.Tensor) -> type[Compressor] | None:
+        """The buckets' compressor for ``param`` when its scheme sets one."""
+        comm = self._comm_of.get(id(param))
+        return None if comm is None else comm.compressor
+
+    def layers(self) -> list[LayerComm]:
+        """Every distinct ``LayerComm`` (each once)."""
+        return list({id(comm): comm for comm in self._comm_of.values()}.values())
+
+    def start_update(self, synchronized: bool) -> list[torch.Tensor]:
+        """Before the local optimizer's step: pull the servers' values, (re-)plan if due. Returns the parameters
+        the local step must skip (the servers updated them)."""
+        ps = self.ps  # (auto may open one below; its layers were allreduced this step)
+        if ps is not None:
+            ps.session.finish()
+        if self.auto:
+            if self.plans is None:
+                self.apply_plan()
+            elif synchronized:
+                self._watch_drift()
+        return list(ps.session.params) if ps is not None else []
+
+    # ----- schemes -----
+
+    def _row_counter(self, name: str) -> Callable[..., None]:
+        def record(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+            rows = args[0].numel() // args[0].shape[-1] if args[0].dim() else 1
+            self._rows[name] = max(self._rows.get(name, 0), rows)
+
+        return record
+
+    def _wiring(self) -> Wiring:
+        return Wiring(self.facts.process_set, self.ps.session if self.ps else None, lambda p: self._lr_of[id(p)]["lr"])
+
+    def _assign_all(self, scheme: Scheme) -> None:
+        """Without a model: one scheme for every parameter."""
+        if scheme == Scheme.PS:
+            self._open_ps(self.facts.params)
+        elif scheme != Scheme.ALLREDUCE:
+            comm = make_layer_comm(scheme, "", None, self.facts.params, self._wiring())
+            self._comm_of.update({id(p): comm for p in self.facts.params})
+
+    def _assign(self, schemes: dict[str, Scheme]) -> None:
+        """A scheme per module name (parameters of modules not named keep the plain allreduce)."""
+        assert self.model is not None
+        modules = dict(self.model.named_modules())
+        served: list[torch.Tensor] = []
+        for name, scheme in schemes.items():
+            params = [p for p in modules[name].parameters(recurse=False) if p.requires_grad]
+            if scheme == Scheme.PS:
+                served += params
+                continue
+            if scheme == Scheme.SFB and self.facts.passes > 1:
+                get_logger().info("sfb is off for '%s': backward_passes_per_step > 1 accumulates gradients", name)
+                continue
+            if scheme != Scheme.ALLREDUCE:
+                comm = make_layer_comm(scheme, name, modules[name], params, self._wiring())
+                self._comm_of.update({id(p): comm for p in params})
+        if served:
+            self._open_ps(served)
+
+    def _open_ps(self, params: list[torch.Tensor]) -> None:
+        """Route these parameters through the parameter server (joins its group on first use; every rank calls)."""
+        from shoal.ps.connect import connect  # the PS joins its own group only when some layer uses it
+        from shoal.ps.optimizers import describe_optimizer
+        from shoal.runtime.elastic_rendezvous import is_elastic_worker
+
+        facts = self.facts
+        if facts.process_set is not global_process_set:
+            raise ValueError("comm='ps' works on the global process set only")
+        if is_elastic_worker():
+            raise ValueError("comm='ps' is not available in elastic jobs yet: a server shard cannot move to new workers")
+        owned = {id(p) for p in facts.params}
+        params = [p for p in dict.fromkeys(params) if id(p) in owned]
+        if not params:
+            return
+        name, groups = describe_optimizer(facts.base, facts.param_groups)
+        group_index = {id(p): i for i, group in enumerate(facts.param_groups) for p in group["params"]}
+        config = self.ps_config
+        spec = SessionSpec(name, groups, [group_index[id(p)] for p in params], config.mode, config.staleness,
+                           facts.average)  # fmt: skip
+        client, store = connect(config)
+        session = client.open_session(params, [facts.names[id(p)] for p in params], spec, store)
+        wiring = Wiring(facts.process_set, session, lambda p: self._lr_of[id(p)]["lr"])
+        self.ps = ParameterServer.build(Scheme.PS, "ps", None, params, wiring)  # type: ignore[assignment]
+        self._comm_of.update({id(p): self.ps for p in params})  # type: ignore[misc]
+
+    def _clear(self) -> None:
+        """Undo ``_assign`` before a re-plan (the parameter server keeps the layers it serves)."""
+        for comm in self.layers():
+            if comm is not self.ps:
+                comm.remove()
+        self._comm_of = {key: comm for key, comm in self._comm_of.items() if comm is self.ps}
+
+    def _exchange_names(self, module: nn.Module) -> list[str]:
+        params = [p for p in module.parameters(recurse=False) if p.requires_grad and id(p) in self.facts.names]
+        comm = self._comm_of.get(id(params[0])) if params else None
+        return (comm or LayerComm("", list(params))).exchange_names(self.facts.names)
+
+    # ----- comm="auto" -----
+
+    def apply_plan(self, calibration: Calibration | None = None) -> None:
+        """Calibrate, agree on row counts, plan and switch schemes (all ranks): after the first step of
+        ``comm="auto"``, and again with a refitted ``calibration`` when measurements drift from the plan."""
+        refresh = calibration is not None
+        assert self.model is not None
+        facts = self.facts
+        for hook in self._row_hooks:
+            hook.remove()
+        self._row_hooks = []
+        names = sorted(self._rows)
+        if names and not refresh:
+            rows = torch.tensor([self._rows[n] for n in names], dtype=torch.int64)
+            rows = functions.allreduce(rows, op=functions.Max, name="DistributedOptimizer.plan.rows",
+                                       process_set=facts.process_set)  # fmt: skip
+            self._rows = dict(zip(names, rows.tolist(), strict=True))
+        calibration = calibration or job_calibration()
+        self.calibration = calibration
+        workers = facts.process_set.size()
+        dedicated = self.ps_config.dedicated
+        # ps only when servers exist, and only in the first plan: one session holds a fixed set of layers, so a
+        # re-plan keeps the layers already served (their optimizer state lives there) and adds none.
+        allowed = SCHEMES if dedicated and self.ps is None else tuple(s for s in SCHEMES if s != Scheme.PS)
+        overrides = dict(self.overrides)
+        modules = dict(self.model.named_modules())
+        if self.plans is not None:  # layers already on the servers stay there (their state lives there)
+            overrides.update({modules[p.name]: Scheme.PS for p in self.plans if p.choice == Scheme.PS})
+            self._clear()
+        servers = self.ps_config.num_servers if dedicated else workers
+        self.plans = build_plan(self.model, calibration, workers, self._rows, overrides, allowed, servers)
+        # With a session open, every ps layer of this plan is one it already serves (a re-plan adds none).
+        self._assign({p.name: p.choice for p in self.plans if not (p.choice == Scheme.PS and self.ps is not None)})
+        exchanges = {plan.name: self._exchange_names(modules[plan.name]) for plan in self.plans}
+        if self.drift is None:
+            self.drift = DriftMonitor(self.plans, exchanges, calibration)
+        else:
+            self.drift.replan(self.plans, exchanges, calibration)
+        context.current().set_part("torch.last_plan", LastPlan(self.plans, workers, self.drift.recalibrations, calibration))
+        if basics.rank() == 0:  # one line per (re-)plan, so that the planner never works silently
+            print(f"[shoal] comm='auto' {'re-planned' if refresh else 'planned'} {len(self.plans)} layers "
+                  f"({describe_choices(self.plans)}) from {describe_calibration(calibration)}",
+                  file=sys.stderr, flush=True)  # fmt: skip
+
+    def _watch_drift(self) -> None:
+        """After a synchronized step: compare measured exchange times with the plan; re-plan together on drift."""
+        monitor = self.drift
+        if monitor is None or not monitor.plans:
+            return
+        engine = handles.engine()
+        set_id = set_id_of(self.facts.process_set)
+        rebuilds = {c.layer.name: c.rebuild_seconds for c in self.layers() if isinstance(c, SufficientFactors)}
+        monitor.record_step(lambda name: engine.execution(name, set_id), rebuilds)
+        if not monitor.check_due():
+            return
+        local = torch.tensor(monitor.pending(), dtype=torch.float64)
+        agreed = functions.allreduce(local, op=functions.Min, name="DistributedOptimizer.plan.measured",
+                                     process_set=self.facts.process_set)  # fmt: skip
+        error = monitor.agree(agreed.tolist())
+        if monitor.drifted():  # the same verdict on every rank: all hold the same agreed times
+            log = get_logger().warning if basics.rank() == 0 else get_logger().debug  # said once, by rank 0
+            log("measured exchange times drift from the plan (median error %.0f%% for %d steps): recalibrating "
+                "from the measurements and re-planning", 100 * (error or 0.0), monitor.config.steps)  # fmt: skip
+            assert self.plans is not None and self.calibration is not None
+            fitted = broadcast_object(refit(self.calibration, self.plans, monitor.terms, monitor.rebuilds),
+                                      root_rank=0, name="DistributedOptimizer.plan.refit",
+                                      process_set=self.facts.process_set)  # fmt: skip
+            keep_calibration(fitted)
+            self.apply_plan(fitted)

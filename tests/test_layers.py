@@ -1,0 +1,144 @@
+"""The import graph of src/shoal: the layer table in docs/architecture.md holds, no cycles, every module imports alone."""
+
+from __future__ import annotations
+
+import ast
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+from conftest import REPO, clean_env
+
+SOURCE = REPO / "src" / "shoal"
+
+
+def modules() -> dict[str, Path]:
+    """Every module of the package by dotted name."""
+    found = {}
+    for path in SOURCE.rglob("*.py"):
+        parts = list(path.relative_to(SOURCE.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        found[".".join(parts)] = path
+    return found
+
+
+def imports_of(path: Path, known: dict[str, Path]) -> set[str]:
+    """The Shoal modules ``path`` imports, at module level or inside functions, outside ``if TYPE_CHECKING``."""
+    tree = ast.parse(path.read_text())
+    typing_only = {id(node) for branch in ast.walk(tree) if isinstance(branch, ast.If)
+                   and "TYPE_CHECKING" in ast.unparse(branch.test) for node in ast.walk(branch)}  # fmt: skip
+
+    def owner(name: str) -> str:
+        while name not in known:
+            name = name.rpartition(".")[0]
+        return name
+
+    targets = set()
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith("shoal"):
+            assert node.module is not None
+            for alias in node.names:
+                full = f"{node.module}.{alias.name}"
+                targets.add(full if full in known else owner(node.module))
+        elif isinstance(node, ast.Import):
+            targets.update(owner(alias.name) for alias in node.names if alias.name.startswith("shoal"))
+    return targets
+
+
+def graph() -> dict[str, set[str]]:
+    """Module -> the modules it imports, leaving out its own ancestor packages (always initialised first)."""
+    known = modules()
+    return {name: {t for t in imports_of(path, known) if t != name and not name.startswith(t + ".")}
+            for name, path in known.items()}  # fmt: skip
+
+
+def package(module: str) -> str:
+    return module.split(".")[1] if "." in module else ""
+
+
+def layer_table() -> dict[str, set[str]]:
+    """The table of docs/architecture.md: package -> the packages it may import."""
+    text = (REPO / "docs" / "architecture.md").read_text()
+    section = text.split("## Layers and what each may import", 1)[1].split("\n## ", 1)[0]
+    table = {}
+    for line in section.splitlines():
+        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+        if len(cells) == 2 and cells[0].startswith("`"):
+            table[cells[0].strip("`")] = set(re.findall(r"`(\w+)`", cells[1]))
+    return table
+
+
+def test_every_package_imports_only_what_its_layer_allows() -> None:
+    table = layer_table()
+    edges = graph()
+    packages = {package(m) for m in edges} - {""}
+    assert packages == set(table), f"docs/architecture.md's table must list every package: {packages ^ set(table)}"
+    breaches = sorted(f"{source} imports {target}" for source, targets in edges.items() for target in targets
+                      if package(source) and package(target) and package(target) != package(source)
+                      and package(target) not in table[package(source)])  # fmt: skip
+    assert not breaches, "imports the layer table does not allow:\n" + "\n".join(breaches)
+
+
+def test_no_import_cycles() -> None:
+    edges = graph()
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles = []
+
+    def visit(node: str) -> None:  # Tarjan's strongly connected components
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for target in edges[node]:
+            if target not in index:
+                visit(target)
+                low[node] = min(low[node], low[target])
+            elif target in stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for node in edges:
+        if node not in index:
+            visit(node)
+    assert not cycles, f"modules that import each other: {cycles}"
+
+
+def test_the_layer_check_catches_a_breach(tmp_path: Path) -> None:
+    known = {"shoal.plan.planner": tmp_path / "p.py", "shoal.torch": tmp_path / "t.py"}
+    (tmp_path / "p.py").write_text("def f():\n    from shoal.torch import functions\n")
+    assert imports_of(tmp_path / "p.py", known) == {"shoal.torch"}  # a lazy import counts too
+    assert "torch" not in layer_table()["plan"]
+
+
+IMPORT_EACH = """
+import importlib, sys, traceback
+failed = []
+for name in sys.argv[1:]:
+    for loaded in [m for m in sys.modules if m == "shoal" or m.startswith("shoal.")]:
+        del sys.modules[loaded]  # a fresh Shoal each time (torch stays loaded: it is not ours to test)
+    try:
+        importlib.import_module(name)
+    except Exception:
+        failed.append(name + ": " + traceback.format_exc(limit=3))
+print("\\n".join(failed) if failed else "all imported")
+"""
+
+
+def test_every_module_imports_on_its_own() -> None:
+    names = sorted(m for m in modules() if not m.endswith(".__main__"))  # entry points run when imported
+    result = subprocess.run([sys.executable, "-c", IMPORT_EACH, *names], env=clean_env(), capture_output=True,
+                            text=True, timeout=170)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip() == "all imported", result.stdout[-5000:]
