@@ -20,7 +20,7 @@ from shoal.ps.config import resolve_config
 from shoal.torch import adasum_optimizer, basics, functions, handles
 from shoal.torch.compression import Compression, Compressor
 from shoal.torch.layer_comm.router import COMM_CHOICES, LayerRouter, OptimizerFacts, plan_report
-from shoal.torch.optimizer_class import computed_too_often, mix_into
+from shoal.torch.optimizer_class import computed_too_often, is_mixed_with, mix_into
 from shoal.torch.process_sets import ProcessSet, global_process_set
 
 __all__ = ["DistributedOptimizer", "drop_unfinished_step", "plan_report"]
@@ -406,5 +406,5 @@ def DistributedOptimizer(
 def drop_unfinished_step(optimizer: torch.optim.Optimizer) -> None:
     """Forget the gradient exchanges of an unfinished step (elastic recovery after a failed collective); a no-op
     for an optimizer that is not a ``DistributedOptimizer``."""
-    if isinstance(optimizer, _DistributedOptimizer):
-        optimizer._shoal_drop_step()
+    if is_mixed_with(optimizer, _DistributedOptimizer):
+        optimizer._shoal_drop_step()  # type: ignore[attr-defined]

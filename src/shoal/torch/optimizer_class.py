@@ -18,9 +18,16 @@ def mix_into(optimizer: torch.optim.Optimizer, mixin: type) -> Any:
     methods = {k: v for k, v in vars(mixin).items() if k not in ("__dict__", "__weakref__", "__annotations__")}
     cls: Any = type(base.__name__, (base,), methods)
     cls._shoal_base = base
+    cls._shoal_mixin = mixin
     wrapped = object.__new__(cls)
     wrapped.__dict__.update(optimizer.__dict__)
     return wrapped
+
+
+def is_mixed_with(optimizer: object, mixin: type) -> bool:
+    """True when ``optimizer`` came out of ``mix_into(..., mixin)`` (its class copies the methods; it does not
+    inherit them, so ``isinstance`` cannot tell)."""
+    return getattr(type(optimizer), "_shoal_mixin", None) is mixin
 
 
 def computed_too_often(name: str, passes: int, advice: str) -> AssertionError:
