@@ -57,6 +57,8 @@ COVERED: dict[str, tuple[str, list[str]]] = {
         "test_examples.py::test_allreduce_benchmark_json_contract", ["-np", "shoal.bench.allreduce"]),
     "shoalrun -np 2 python -m shoal.bench.train --model mlp --compare ddp": (
         "test_examples.py::test_train_benchmark_json_contract", ["shoal.bench.train", "mlp", "ddp_ips"]),
+    "shoalrun -np 2 python -m shoal.bench.train --model mlp --profile": (
+        "test_examples.py::test_train_benchmark_json_contract", ["shoal.bench.train", "mlp", "--profile"]),
     "python -m shoal.bench.netns --hosts 2 --ranks-per-host 2 --rate 1gbit -- python -m shoal.bench.allreduce": (
         "test_launchers.py::test_two_emulated_hosts_in_network_namespaces",
         ["shoal.bench.netns", "--ranks-per-host", "1gbit"]),

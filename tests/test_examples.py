@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -44,12 +45,26 @@ def test_synthetic_benchmark_reports_rates() -> None:
 
 
 def test_train_benchmark_json_contract() -> None:
-    command = [*SHOALRUN, "-np", "2", sys.executable, "-m", "shoal.bench.train", "--model", "mlp", "--steps", "2",
-               "--rounds", "1", "--warmup", "1"]  # fmt: skip
-    summary = last_json(command)
+    command = [*SHOALRUN, "-np", "2", sys.executable, "-m", "shoal.bench.train", "--model", "mlp", "--steps", "3",
+               "--rounds", "1", "--warmup", "1", "--profile"]  # fmt: skip
+    result = subprocess.run(command, env=clean_env(), capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads(result.stdout.strip().splitlines()[-1].split(":", 1)[1])
     assert summary["bench"] == "train" and summary["model"] == "mlp" and summary["world"] == 2
-    for key in ("shoal_ips", "ddp_ips", "ratio", "solo_ips"):
-        assert float(summary[key]) > 0, key  # type: ignore[arg-type]
+    for key in ("shoal_ips", "ddp_ips", "ratio", "bound_ips", "of_bound", "solo_ips"):
+        assert float(summary[key]) > 0, key
+    assert abs(float(summary["of_bound"]) - float(summary["shoal_ips"]) / float(summary["bound_ips"])) < 0.01
+    # --profile: where a step's time went, from a timeline of one more Shoal phase (3 steps)
+    assert re.search(
+        r"compute on rank 0, 3 steps, median ms: forward [\d.]+, backward [\d.]+, synchronize [\d.]+, "
+        r"update [\d.]+ \(step [\d.]+\)",
+        result.stdout,
+    ), result.stdout[-2000:]
+    assert re.search(
+        r"engine on rank 0, ms per step .*: negotiation [\d.]+, collectives [\d.]+, copies in [\d.]+, "
+        r"reduction [\d.]+, copies out [\d.]+",
+        result.stdout,
+    ), result.stdout[-2000:]
 
 
 def test_allreduce_benchmark_json_contract(tmp_path: Path) -> None:

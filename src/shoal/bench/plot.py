@@ -5,8 +5,8 @@ Each file is a benchmark's ``--json`` output; one PNG per file, named after it:
 
 - allreduce: bus bandwidth against message size for Shoal's engine, raw torch.distributed and the bare shared-memory
   path, with the same run's single-thread memcpy rate as the ceiling;
-- train: images per second of Shoal, DDP, autotuned Shoal when measured, and the no-communication bound (world ×
-  one process alone);
+- train: images per second of Shoal, DDP, autotuned Shoal when measured, and the no-communication bound (every
+  rank training at once with no communication; older results: world × one process alone);
 - rendezvous: init() time with torch's open store and Shoal's authenticated one, per world size.
 """
 
@@ -57,7 +57,9 @@ def plot_train(result: dict[str, Any], axes: Any) -> None:
         bars.append(("Shoal autotuned", result["autotuned_ips"], "tab:cyan"))
     if "ddp_ips" in result:
         bars.append(("DDP", result["ddp_ips"], "tab:orange"))
-    if "solo_ips" in result:
+    if "bound_ips" in result:
+        bars.append(("no-communication bound\n(all ranks, no exchange)", result["bound_ips"], "tab:grey"))
+    elif "solo_ips" in result:
         bars.append((f"no-communication bound\n({world} × one process)", world * result["solo_ips"], "tab:grey"))
     labels, values, colors = zip(*bars, strict=True)
     axes.bar(labels, values, color=colors)

@@ -1,15 +1,19 @@
 """Training throughput: Shoal's DistributedOptimizer against DDP, same model, data and seed, in one invocation.
 
 Run: ``shoalrun -np 2 python -m shoal.bench.train --model mlp --compare ddp``. Prints per-phase lines, then (rank
-0) one JSON line: ``{"bench":"train","model":..,"world":..,"shoal_ips":..,"ddp_ips":..,"ratio":..,"solo_ips":..}``
-where ips counts images (or sequences) per second over all workers and ``ratio`` = shoal_ips / ddp_ips.
-``solo_ips`` is one process training alone with no communication (the other ranks wait).
+0) one JSON line: ``{"bench":"train","model":..,"world":..,"shoal_ips":..,"ddp_ips":..,"ratio":..,"bound_ips":..,
+"of_bound":..,"solo_ips":..}`` where ips counts images (or sequences) per second over all workers, ``ratio`` =
+shoal_ips / ddp_ips, ``bound_ips`` is every rank training at the same time with no communication at all (the
+machine's limit for this model: ranks share memory bandwidth and caches), ``of_bound`` = shoal_ips / bound_ips, and
+``solo_ips`` is one process training alone (the other ranks wait). ``--profile`` then times one more Shoal phase
+with a timeline and prints where a step's time goes.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import tempfile
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -23,9 +27,8 @@ from shoal.bench.models import build, parameter_count
 from shoal.comm.baselines import wrap_ddp
 from shoal.plan.planner import median_error
 from shoal.ps.config import resolve_config
-from shoal.torch.layer_comm.router import last_plan
-
-COMM_CHOICES = ("allreduce", "fp16", "bf16", "sfb", "ps", "auto")
+from shoal.torch.layer_comm.router import COMM_CHOICES, last_plan
+from shoal.torch.layer_comm.schemes import SufficientFactors
 
 
 def _batches(model_name: str, batch_size: int, count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -84,6 +87,50 @@ def run_ddp(args: argparse.Namespace, batches: list[tuple[torch.Tensor, torch.Te
     return hvd.size() * args.batch_size * args.steps / elapsed
 
 
+def run_profiled(args: argparse.Namespace, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> list[str]:
+    """One more Shoal phase with a timeline on every rank; rank 0 returns where a step's time went."""
+    from shoal.timeline import hidden_share, load_trace, step_profile
+
+    torch.manual_seed(0)
+    model, _ = build(args.model)
+    optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9),
+                                         named_parameters=model.named_parameters(), model=model,
+                                         comm=args.comm)  # fmt: skip
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    _timed_steps(model, optimizer, batches, args.warmup, 0, hvd.barrier)  # warm up outside the timeline
+    with tempfile.TemporaryDirectory(prefix="shoal-profile-") as directory:
+        shared = hvd.broadcast_object(directory, root_rank=0, name="bench.train.profile_dir")  # one host: rank 0's
+        hvd.start_timeline(os.path.join(shared, "tl-{rank}.json"))
+        _timed_steps(model, optimizer, batches, 0, args.steps, hvd.barrier)
+        hvd.stop_timeline()
+        hvd.barrier()
+        lines: list[str] = []
+        if hvd.rank() == 0:
+            files = [os.path.join(shared, f"tl-{rank}.json") for rank in range(hvd.size())]
+            trace = load_trace([f for f in files if os.path.exists(f)])
+            profile = step_profile(trace, 0)
+            lines = profile.lines(0) if profile is not None else ["no optimizer steps in the profile timeline"]
+            shares = hidden_share(trace)
+            if 0 in shares:
+                lines.append(f"collectives hidden under backward on rank 0: {shares[0][1]:.0%}")
+            layers = optimizer._shoal_router.layers()  # type: ignore[attr-defined]
+            rebuilds = [c for c in layers if isinstance(c, SufficientFactors)]
+            if rebuilds:
+                total = sum(c.rebuild_seconds for c in rebuilds) * 1e3
+                lines.append(f"SFB gradient rebuilds, last step: {total:.2f} ms over {len(rebuilds)} layers")
+        hvd.barrier()  # rank 0 has read the files before the directory goes
+    return lines
+
+
+def run_bound(args: argparse.Namespace, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+    """Images per second over all workers when every rank trains at once with no communication (the bound)."""
+    torch.manual_seed(0)
+    model, _ = build(args.model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    elapsed = _slowest(_timed_steps(model, optimizer, batches, args.warmup, args.steps, hvd.barrier))
+    return hvd.size() * args.batch_size * args.steps / elapsed
+
+
 def run_solo(args: argparse.Namespace, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
     """Images per second of rank 0 training alone (no communication) while the other ranks wait."""
     ips = 0.0
@@ -136,21 +183,26 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=2, help="alternating Shoal/DDP rounds; the best of each is kept")
     parser.add_argument("--autotune", action="store_true",
                         help="then autotune (needs optuna) and time the frozen setting against the defaults")  # fmt: skip
+    parser.add_argument("--profile", action="store_true",
+                        help="then time one more Shoal phase with a timeline and print where a step's time goes")  # fmt: skip
     parser.add_argument("--autotune-samples", type=int, default=12, help="scored autotune samples (default 12)")
     add_json_flag(parser)
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     hvd.init()
     batches = _batches(args.model, args.batch_size, 4)
-    shoal_runs, ddp_runs = [], []
-    for round_number in range(args.rounds):
+    shoal_runs, ddp_runs, bound_runs = [], [], []
+    for round_number in range(args.rounds):  # alternating, so that a slow spell of the machine hits each alike
         shoal_runs.append(run_shoal(args, batches))
         if args.compare == "ddp":
             ddp_runs.append(run_ddp(args, batches))
+        bound_runs.append(run_bound(args, batches))
         if hvd.rank() == 0:  # progress: each round as it ends
-            ddp = f", ddp {ddp_runs[-1]:.1f} img/s" if ddp_runs else ""
-            print(f"round {round_number + 1}/{args.rounds}: shoal {shoal_runs[-1]:.1f} img/s{ddp}", flush=True)
+            ddp = f", ddp {ddp_runs[-1]:.1f}" if ddp_runs else ""
+            print(f"round {round_number + 1}/{args.rounds}: shoal {shoal_runs[-1]:.1f}{ddp}, no-communication bound "
+                  f"{bound_runs[-1]:.1f} img/s", flush=True)  # fmt: skip
     solo_ips = run_solo(args, batches)
+    profile = run_profiled(args, batches) if args.profile else []
     tuned: tuple[float, int] | None = None
     settings: list[object] = []
     if args.autotune:  # re-init under autotune, in the same invocation as the default-settings rounds above
@@ -191,8 +243,17 @@ def main(argv: list[str] | None = None) -> None:
             result["autotuned_ips"] = round(tuned[0], 1)
             result["autotune_ratio"] = round(tuned[0] / shoal_ips, 3)
             result["autotune_settings"] = settings
+        bound_ips = max(bound_runs)
+        print(f"bound (all ranks, no communication): {', '.join(f'{v:.1f}' for v in bound_runs)} img/s; Shoal "
+              f"reaches {shoal_ips / bound_ips:.1%} of it")  # fmt: skip
+        result["bound_ips"] = round(bound_ips, 1)
+        result["of_bound"] = round(shoal_ips / bound_ips, 3)
         print(f"solo (1 process, no communication): {solo_ips:.1f} img/s")
         result["solo_ips"] = round(solo_ips, 1)
+        if profile:
+            print("profile (one more Shoal phase, timed with a timeline on every rank):")
+            for line in profile:
+                print(f"  {line}")
         emit(result, args.json)
     hvd.shutdown()
 

@@ -228,6 +228,57 @@ def _last(exchange: dict[int, float]) -> list[int]:
     return [] if len(last) == len(exchange) else last
 
 
+COMPUTE_SPANS = ("FORWARD", "BACKWARD", "SYNCHRONIZE", "UPDATE")
+ENGINE_PARTS = (("negotiation", "negotiate"), ("collectives", "transfer"), ("copies in", "MEMCPY_IN_FUSION_BUFFER"),
+                ("reduction", "wire"), ("copies out", "MEMCPY_OUT_FUSION_BUFFER"))  # fmt: skip
+
+
+@dataclass
+class StepProfile:
+    """Where one rank's optimizer steps spent their time (from the compute row and the engine's spans)."""
+
+    steps: int
+    step_ms: float
+    """Median from a step's FORWARD start to its UPDATE end."""
+    compute_ms: dict[str, float]
+    """Median per step of each compute span (FORWARD, BACKWARD, SYNCHRONIZE, UPDATE) and CAST (summed per step)."""
+    engine_ms: dict[str, float]
+    """Per step, the union of the engine's spans of each part (they overlap compute and each other)."""
+
+    def lines(self, rank: int) -> list[str]:
+        compute = ", ".join(f"{name.lower()} {self.compute_ms[name]:.2f}" for name in COMPUTE_SPANS
+                            if name in self.compute_ms)  # fmt: skip
+        casts = f", casts {self.compute_ms['CAST']:.2f}" if "CAST" in self.compute_ms else ""
+        engine = ", ".join(f"{label} {self.engine_ms[label]:.2f}" for label, _ in ENGINE_PARTS)
+        return [f"compute on rank {rank}, {self.steps} steps, median ms: {compute}{casts} (step {self.step_ms:.2f})",
+                f"engine on rank {rank}, ms per step (unions of spans; they overlap compute): {engine}"]  # fmt: skip
+
+
+def step_profile(trace: Trace, rank: int) -> StepProfile | None:
+    """The profile of ``rank``'s optimizer steps in ``trace``; None without compute marks."""
+    compute = [p for p in trace.phases if p.compute and p.rank == rank]
+    forwards = [p for p in compute if p.name == "FORWARD"]
+    updates = [p for p in compute if p.name == "UPDATE"]
+    if not forwards or not updates:
+        return None
+    steps = min(len(forwards), len(updates))
+    forwards, updates = forwards[-steps:], updates[-steps:]
+    step_ms = median((u.end_us - f.start_us) / 1e3 for f, u in zip(forwards, updates, strict=True))
+    start, end = forwards[0].start_us, updates[-1].end_us
+    compute_ms = {name: median(p.ms for p in compute if p.name == name) for name in COMPUTE_SPANS
+                  if any(p.name == name for p in compute)}  # fmt: skip
+    casts = [p.ms for p in compute if p.name == "CAST" and start <= p.start_us <= end]
+    if casts:
+        compute_ms["CAST"] = sum(casts) / steps
+    engine_ms = {}
+    for label, key in ENGINE_PARTS:
+        spans = [(max(p.start_us, start), min(p.end_us, end)) for p in trace.phases
+                 if p.rank == rank and not p.compute and key in (p.kind, p.name) and p.end_us > start
+                 and p.start_us < end]  # fmt: skip
+        engine_ms[label] = sum(b - a for a, b in _union(spans)) / 1e3 / steps
+    return StepProfile(steps, step_ms, compute_ms, engine_ms)
+
+
 def summarize(trace: Trace | list[Phase], top: int = 15) -> str:
     """Per tensor: exchanges, median negotiation wait, transfer, wire and copy times, how far apart the ranks
     arrived and which came last; then the ranks that arrive last overall, the compute spans and the share of
@@ -269,13 +320,9 @@ def summarize(trace: Trace | list[Phase], top: int = 15) -> str:
         together = sum(1 for e in every if not _last(e))
         ranked = "".join(f"rank {rank} in {count / len(every):.0%}, " for rank, count in counts.most_common())
         lines.append(f"arrived last: {ranked}all together in {together / len(every):.0%} of {len(every)} exchanges")
-    compute = [p for p in trace.phases if p.compute and p.rank == first_rank]
-    if compute:
-        spans = ", ".join(f"{name.lower()} {median(p.ms for p in compute if p.name == name):.2f}"
-                          for name in ("FORWARD", "BACKWARD", "SYNCHRONIZE", "UPDATE")
-                          if any(p.name == name for p in compute))  # fmt: skip
-        steps = sum(1 for p in compute if p.name == "UPDATE")
-        lines.append(f"compute on rank {first_rank}, {steps} steps, median ms: {spans}")
+    profile = step_profile(trace, first_rank)
+    if profile is not None:
+        lines.extend(profile.lines(first_rank))
     shares = hidden_share(trace)
     if shares:
         lines.append("communication hidden under backward: " + ", ".join(

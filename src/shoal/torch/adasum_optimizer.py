@@ -15,6 +15,7 @@ import torch
 from shoal.engine.request import ReduceOp
 from shoal.torch import functions, handles
 from shoal.torch.compression import Compressor
+from shoal.torch.layer_comm.schemes import gradient_request_name
 from shoal.torch.optimizer_class import computed_too_often, mix_into
 
 
@@ -59,7 +60,7 @@ class _AdasumOptimizer(torch.optim.Optimizer):
             for group, params in zip(self.param_groups, stashed, strict=True):
                 group["params"] = params
         compressed, ctx = self._shoal_compression.compress(param.detach())
-        handle = functions.allreduce_async_(compressed, name=f"DistributedOptimizer.{self._shoal_names[key]}",
+        handle = functions.allreduce_async_(compressed, name=gradient_request_name(self._shoal_names[key]),
                                             op=ReduceOp.Adasum)  # fmt: skip
         self._shoal_handles[key] = (param, handle, ctx, compressed)
 

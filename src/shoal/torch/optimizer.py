@@ -20,6 +20,7 @@ from shoal.ps.config import resolve_config
 from shoal.torch import adasum_optimizer, basics, functions, handles
 from shoal.torch.compression import Compression, Compressor
 from shoal.torch.layer_comm.router import COMM_CHOICES, LayerRouter, OptimizerFacts, plan_report
+from shoal.torch.layer_comm.schemes import gradient_request_name
 from shoal.torch.optimizer_class import computed_too_often, is_mixed_with, mix_into
 from shoal.torch.process_sets import ProcessSet, global_process_set
 
@@ -202,8 +203,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             (self._shoal_sparse if self._shoal_grad(param).is_sparse else dense).append(param)
         if not dense:
             return
-        packed = [self._shoal_compressor(p).compress(self._shoal_grad(p)) for p in dense]
-        names = [f"DistributedOptimizer.{self._shoal_names[id(p)]}" for p in dense]
+        compressors = [self._shoal_compressor(p) for p in dense]
+        with self._shoal_cast_span(compressors):
+            packed = [c.compress(self._shoal_grad(p)) for c, p in zip(compressors, dense, strict=True)]
+        names = [gradient_request_name(self._shoal_names[id(p)]) for p in dense]
         handle = functions.allreduce_named_async_([c for c, _ in packed], names, self._shoal_op, self._shoal_prescale,
                                                   self._shoal_postscale, self._shoal_process_set)  # fmt: skip
         self._shoal_in_flight.append((handle, dense, [c for c, _ in packed], [ctx for _, ctx in packed]))
@@ -231,10 +234,12 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             layer.finish(average=self._shoal_op == ReduceOp.Average)
         for handle, params, compressed_list, contexts in self._shoal_in_flight:
             handles.synchronize(handle)
-            for param, compressed, ctx in zip(params, compressed_list, contexts, strict=True):
-                if compressed is not param.grad:
-                    assert param.grad is not None
-                    param.grad.copy_(self._shoal_compressor(param).decompress(compressed, ctx))
+            compressors = [self._shoal_compressor(p) for p in params]
+            with self._shoal_cast_span(compressors):
+                for param, compressor, compressed, ctx in zip(params, compressors, compressed_list, contexts, strict=True):
+                    if compressed is not param.grad:
+                        assert param.grad is not None
+                        param.grad.copy_(compressor.decompress(compressed, ctx))
         for param in self._shoal_sparse:
             param.grad = self._shoal_sparse_allreduce(param.grad, self._shoal_names[id(param)])
         self._shoal_in_flight.clear()
@@ -248,8 +253,14 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         """Sparse gradients: allgather indices and values, then sum duplicates (averaging if op is Average)."""
         assert grad is not None
         op = ReduceOp.Average if self._shoal_op == ReduceOp.Average else ReduceOp.Sum  # Adasum on one rank: a sum
-        result = functions.sparse_allreduce_async(grad, f"DistributedOptimizer.{name}", op, self._shoal_process_set)
+        result = functions.sparse_allreduce_async(grad, gradient_request_name(name), op, self._shoal_process_set)
         return result().coalesce()
+
+    def _shoal_cast_span(self, compressors: list[type[Compressor]]) -> contextlib.AbstractContextManager[None]:
+        """A CAST span on the timeline's compute row around casts (nothing to mark without one)."""
+        if all(c is Compression.none for c in compressors):
+            return contextlib.nullcontext()
+        return self._shoal_marks.span("CAST")
 
     def _shoal_compressor(self, param: torch.Tensor) -> type[Compressor]:
         """The buckets' compressor for ``param``: its layer scheme's (fp16/bf16), else the optimizer's."""

@@ -22,6 +22,11 @@ from shoal.torch.layer_comm.sfb import SufficientFactorLayer
 from shoal.torch.process_sets import ProcessSet
 
 
+def gradient_request_name(param_name: str) -> str:
+    """The engine request name of a parameter's gradient exchange (Horovod's ``DistributedOptimizer.<name>``)."""
+    return f"DistributedOptimizer.{param_name}"
+
+
 @dataclass
 class Wiring:
     """What a scheme may need from its optimizer."""
@@ -69,7 +74,7 @@ class LayerComm:
 
     def exchange_names(self, names: dict[int, str]) -> list[str]:
         """The engine request names that carry these parameters (``names``: the optimizer's, by ``id``)."""
-        return [f"DistributedOptimizer.{names[id(p)]}" for p in self.params]
+        return [gradient_request_name(names[id(p)]) for p in self.params]
 
 
 class CastAllreduce(LayerComm):
