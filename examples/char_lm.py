@@ -81,8 +81,9 @@ def main() -> None:
     corpus = load_corpus(args.corpus_bytes)
     torch.manual_seed(0)
     model = CharTransformer(args.context)
-    optimizer = hvd.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=args.lr * math.sqrt(hvd.size())),
-                                         named_parameters=model.named_parameters())  # fmt: skip
+    optimizer = hvd.DistributedOptimizer(
+        torch.optim.AdamW(model.parameters(), lr=args.lr * math.sqrt(hvd.size())), named_parameters=model.named_parameters()
+    )
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     hvd.broadcast_optimizer_state(optimizer, root_rank=0)
     generator = torch.Generator().manual_seed(1000 + hvd.rank())  # each rank reads different windows
@@ -106,8 +107,16 @@ def main() -> None:
     final_loss = hvd.allreduce(torch.tensor(sum(losses[-50:]) / len(losses[-50:])), name="final.loss").item()
     if hvd.rank() == 0:
         print("sample:\n" + sample(model, b"def ", 200, args.context))
-        print(json.dumps({"example": "char_lm", "world": hvd.size(), "first_loss": round(first_loss, 3),
-                          "final_loss": round(final_loss, 3)}))  # fmt: skip
+        print(
+            json.dumps(
+                {
+                    "example": "char_lm",
+                    "world": hvd.size(),
+                    "first_loss": round(first_loss, 3),
+                    "final_loss": round(final_loss, 3),
+                }
+            )
+        )
     hvd.shutdown()
 
 

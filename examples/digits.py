@@ -83,8 +83,9 @@ def main() -> None:
     model = DigitsNet()
     adasum = args.op == "adasum"
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr * (1 if adasum else hvd.size()), momentum=0.9)
-    optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
-                                         op=hvd.Adasum if adasum else hvd.Average)  # fmt: skip
+    optimizer = hvd.DistributedOptimizer(
+        optimizer, named_parameters=model.named_parameters(), op=hvd.Adasum if adasum else hvd.Average
+    )
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     hvd.broadcast_optimizer_state(optimizer, root_rank=0)
 
@@ -103,8 +104,11 @@ def main() -> None:
         totals = hvd.allreduce(totals, op=hvd.Sum, name="epoch.totals")
         test_accuracy = evaluate(model, test_set)
         if hvd.rank() == 0:
-            print(f"epoch {epoch + 1}: train loss {totals[0] / totals[2]:.4f}, train accuracy "
-                  f"{totals[1] / totals[2]:.4f}, test accuracy {test_accuracy:.4f}", flush=True)  # fmt: skip
+            print(
+                f"epoch {epoch + 1}: train loss {totals[0] / totals[2]:.4f}, train accuracy "
+                f"{totals[1] / totals[2]:.4f}, test accuracy {test_accuracy:.4f}",
+                flush=True,
+            )
 
     if hvd.rank() == 0:
         os.makedirs(os.path.dirname(args.checkpoint) or ".", exist_ok=True)

@@ -79,8 +79,14 @@ def main() -> None:
                     if report_commit:  # how long recovery took: compare with the time of the failure
                         print(f"first commit after reset {resets}: step {state.step} at {time.time():.3f}", flush=True)
                         report_commit = False
-            state.epoch_log.append({"epoch": state.epoch, "distinct": len(state.sampler.processed_indices),
-                                    "recorded": state.sampler.processed_count, "world": hvd.size()})  # fmt: skip
+            state.epoch_log.append(
+                {
+                    "epoch": state.epoch,
+                    "distinct": len(state.sampler.processed_indices),
+                    "recorded": state.sampler.processed_count,
+                    "world": hvd.size(),
+                }
+            )
             state.epoch += 1
             state.sampler.set_epoch(state.epoch)
             state.commit()
@@ -88,9 +94,15 @@ def main() -> None:
 
     test_accuracy = train(state)
     if hvd.rank() == 0:
-        summary = {"example": "elastic_digits", "world": hvd.size(), "test_accuracy": round(test_accuracy, 4),
-                   "committed_steps": state.step, "resets": resets, "train_samples": len(train_set),
-                   "epochs": state.epoch_log}  # fmt: skip
+        summary = {
+            "example": "elastic_digits",
+            "world": hvd.size(),
+            "test_accuracy": round(test_accuracy, 4),
+            "committed_steps": state.step,
+            "resets": resets,
+            "train_samples": len(train_set),
+            "epochs": state.epoch_log,
+        }
         print(json.dumps(summary), flush=True)
     hvd.shutdown()
 

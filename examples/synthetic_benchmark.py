@@ -69,8 +69,13 @@ def main() -> None:
     per_worker = hvd.allreduce(torch.tensor(mean), name="img_sec").item()
     log(f"Img/sec per worker: {mean:.1f} +-{ci95:.1f}")
     log(f"Total img/sec on {hvd.size()} worker(s): {hvd.size() * per_worker:.1f} +-{hvd.size() * ci95:.1f}")
-    summary = {"example": "synthetic_benchmark", "world": hvd.size(), "img_sec_per_worker": round(mean, 1),
-               "img_sec_per_worker_ci95": round(ci95, 1), "total_img_sec": round(hvd.size() * per_worker, 1)}  # fmt: skip
+    summary = {
+        "example": "synthetic_benchmark",
+        "world": hvd.size(),
+        "img_sec_per_worker": round(mean, 1),
+        "img_sec_per_worker_ci95": round(ci95, 1),
+        "total_img_sec": round(hvd.size() * per_worker, 1),
+    }
     log(json.dumps(summary))
     hvd.shutdown()
 

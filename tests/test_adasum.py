@@ -67,8 +67,9 @@ def _adasum_sgd(steps: int) -> list[float]:
     hvd.init()
     torch.manual_seed(0)
     model = torch.nn.Linear(3, 1, bias=False)
-    optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                         named_parameters=model.named_parameters(), op=hvd.Adasum)  # fmt: skip
+    optimizer = hvd.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters(), op=hvd.Adasum
+    )
     for step in range(steps):
         x = torch.arange(3.0) + hvd.rank() * (step + 1)
         optimizer.zero_grad()

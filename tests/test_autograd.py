@@ -152,9 +152,12 @@ def test_every_differentiable_collective_matches_horovods_gradient(size: int) ->
         for rank in range(size):
             for index, grad in enumerate(results[rank][op]):
                 torch.testing.assert_close(
-                    torch.tensor(grad), expected[rank][index].reshape(-1), rtol=1e-5, atol=1e-5,
+                    torch.tensor(grad),
+                    expected[rank][index].reshape(-1),
+                    rtol=1e-5,
+                    atol=1e-5,
                     msg=lambda m, op=op, rank=rank: f"{op} rank {rank}: {m}",
-                )  # fmt: skip
+                )
 
 
 def _process_set_gradients() -> list[float] | None:

@@ -25,8 +25,9 @@ def _model() -> torch.nn.Module:
 def _train(steps: int) -> dict[str, object]:
     hvd.init()
     model = _model()
-    optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05),
-                                         named_parameters=model.named_parameters(), bucket_bytes=0)  # fmt: skip
+    optimizer = hvd.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.05), named_parameters=model.named_parameters(), bucket_bytes=0
+    )
     for step in range(steps):
         x, y = _batch(step, hvd.rank())
         optimizer.zero_grad()
@@ -42,8 +43,13 @@ def _train(steps: int) -> dict[str, object]:
 
 def test_autotune_samples_logs_freezes_and_keeps_training_exact(tmp_path: Path) -> None:
     log = tmp_path / "autotune.csv"
-    env = {"SHOAL_AUTOTUNE": "1", "SHOAL_AUTOTUNE_LOG": str(log), "SHOAL_AUTOTUNE_WARMUP_SAMPLES": "1",
-           "SHOAL_AUTOTUNE_STEPS_PER_SAMPLE": "4", "SHOAL_AUTOTUNE_BAYES_OPT_MAX_SAMPLES": "6"}  # fmt: skip
+    env = {
+        "SHOAL_AUTOTUNE": "1",
+        "SHOAL_AUTOTUNE_LOG": str(log),
+        "SHOAL_AUTOTUNE_WARMUP_SAMPLES": "1",
+        "SHOAL_AUTOTUNE_STEPS_PER_SAMPLE": "4",
+        "SHOAL_AUTOTUNE_BAYES_OPT_MAX_SAMPLES": "6",
+    }
     steps = 60
     results = run_ranks(_train, 2, args=(steps,), env=env, timeout_s=150)
     rows = list(csv.DictReader(log.open()))

@@ -52,26 +52,42 @@ print(json.dumps({"rank": hvd.rank(), "size": hvd.size(), "weights": round(total
 # Command -> (the test that runs it, as file::function; words its source must contain).
 COVERED: dict[str, tuple[str, list[str]]] = {
     "shoalrun -np 8 -H a:4,b:4 python train.py": (
-        "test_launchers.py::test_two_host_run_over_ssh", ["-H", "127.0.0.2"]),  # a, b: placeholders for real hosts
+        "test_launchers.py::test_two_host_run_over_ssh",
+        ["-H", "127.0.0.2"],
+    ),  # a, b: placeholders for real hosts
     "shoalrun -np 2 python -m shoal.bench.allreduce": (
-        "test_examples.py::test_allreduce_benchmark_json_contract", ["-np", "shoal.bench.allreduce"]),
+        "test_examples.py::test_allreduce_benchmark_json_contract",
+        ["-np", "shoal.bench.allreduce"],
+    ),
     "shoalrun -np 2 python -m shoal.bench.train --model mlp --compare ddp": (
-        "test_examples.py::test_train_benchmark_json_contract", ["shoal.bench.train", "mlp", "ddp_ips"]),
+        "test_examples.py::test_train_benchmark_json_contract",
+        ["shoal.bench.train", "mlp", "ddp_ips"],
+    ),
     "shoalrun -np 2 python -m shoal.bench.train --model mlp --profile": (
-        "test_examples.py::test_train_benchmark_json_contract", ["shoal.bench.train", "mlp", "--profile"]),
+        "test_examples.py::test_train_benchmark_json_contract",
+        ["shoal.bench.train", "mlp", "--profile"],
+    ),
     "python -m shoal.bench.netns --hosts 2 --ranks-per-host 2 --rate 1gbit -- python -m shoal.bench.allreduce": (
         "test_launchers.py::test_two_emulated_hosts_in_network_namespaces",
-        ["shoal.bench.netns", "--ranks-per-host", "1gbit"]),
+        ["shoal.bench.netns", "--ranks-per-host", "1gbit"],
+    ),
     "python -m shoal.bench.rendezvous": (
-        "test_examples.py::test_rendezvous_benchmark_times_both_stores", ["shoal.bench.rendezvous"]),
+        "test_examples.py::test_rendezvous_benchmark_times_both_stores",
+        ["shoal.bench.rendezvous"],
+    ),
     "shoalrun -np 1 python -m shoal.bench.gpu_check": (
-        "test_examples.py::test_gpu_check_script_passes_its_checks_on_cpu", ["shoal.bench.gpu_check", "cpu"]),
+        "test_examples.py::test_gpu_check_script_passes_its_checks_on_cpu",
+        ["shoal.bench.gpu_check", "cpu"],
+    ),
     "shoalrun -np 3 --min-np 2 python examples/elastic_digits.py": (
-        "test_elastic.py::test_sigkill_one_of_three_workers_finishes_with_two", ['"-np", "3"', '"--min-np", "2"']),
+        "test_elastic.py::test_sigkill_one_of_three_workers_finishes_with_two",
+        ['"-np", "3"', '"--min-np", "2"'],
+    ),
     "shoalrun -np 2 --max-np 4 --host-discovery-script ./hosts.sh python train.py": (
         "test_elastic.py::test_discovery_adds_a_worker_that_receives_rank_0_state",
-        ["--max-np", "--host-discovery-script"]),
-}  # fmt: skip
+        ["--max-np", "--host-discovery-script"],
+    ),
+}
 CI_ITSELF = {
     "make test": ".ci/run runs it (this suite is its last step)",
 }
@@ -99,8 +115,7 @@ def run(command: str, cwd: Path, env: dict[str, str] | None = None, timeout: flo
     """Run a documented command line with bash in ``cwd``; ``python`` is this interpreter."""
     environment = clean_env() if env is None else env
     environment["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{environment.get('PATH', '')}"
-    result = subprocess.run(["bash", "-c", command], cwd=cwd, env=environment, capture_output=True, text=True,
-                            timeout=timeout)  # fmt: skip
+    result = subprocess.run(["bash", "-c", command], cwd=cwd, env=environment, capture_output=True, text=True, timeout=timeout)
     assert result.returncode == 0, (
         f"{command!r} failed ({result.returncode}):\n{result.stdout[-2000:]}\n{result.stderr[-3000:]}"
     )
@@ -132,15 +147,19 @@ def _run_install(command: str, scratch: Path) -> None:
         env = clean_env()
         env["PYTHONPATH"] = str(scratch / "site")
         site = str(scratch / "site")
-        check = (f"import pkgutil, shoal; assert shoal.__file__.startswith({site!r}), shoal.__file__; "
-                 "[__import__(m.name) for m in pkgutil.walk_packages(shoal.__path__, 'shoal.') if m.ispkg]; "
-                 "import shoal.torch, shoal.timeline, shoal.compat; print('ok')")  # fmt: skip
+        check = (
+            f"import pkgutil, shoal; assert shoal.__file__.startswith({site!r}), shoal.__file__; "
+            "[__import__(m.name) for m in pkgutil.walk_packages(shoal.__path__, 'shoal.') if m.ispkg]; "
+            "import shoal.torch, shoal.timeline, shoal.compat; print('ok')"
+        )
         assert run(f'python -c "{check}"', scratch, env).strip() == "ok"
     elif command == "pip install './shoal[autotune,config,plot]'":
         # make install's '.[dev]' holds these extras; check they are declared and their modules import.
         (scratch / "shoal").symlink_to(REPO)
-        out = run("python -m pip install --dry-run --no-deps --no-build-isolation --quiet --report - "
-                  "'./shoal[autotune,config,plot]'", scratch)  # fmt: skip
+        out = run(
+            "python -m pip install --dry-run --no-deps --no-build-isolation --quiet --report - './shoal[autotune,config,plot]'",
+            scratch,
+        )
         assert '"requested_extras"' in out and "autotune" in out, out[-1000:]
         run('python -c "import optuna, yaml, matplotlib"', scratch)
     else:
@@ -270,13 +289,15 @@ def test_readme_training_example_runs_and_ranks_agree() -> None:
 def test_readme_shoal_run_example(tmp_path: Path) -> None:
     block = _python_blocks(REPO / "README.md")[1]
     assert "shoal.run(train_fn" in block
-    (tmp_path / "train_module.py").write_text(textwrap.dedent("""
+    (tmp_path / "train_module.py").write_text(
+        textwrap.dedent("""
         def train_fn(config):
             import shoal.torch as hvd
 
             hvd.init()
             return [hvd.rank(), hvd.size(), config["value"]]
-        """))  # fmt: skip
+        """)
+    )
     script = tmp_path / "run_example.py"
     header = "from train_module import train_fn\nconfig = {'value': 7}\n"
     script.write_text(header + block + "\nprint(results)\n")

@@ -94,8 +94,10 @@ def test_calibration_file_round_trip_and_errors() -> None:
 
 def test_refit_recovers_a_line_from_layers_of_different_sizes() -> None:
     truth = (0.002, 0.5e-9)  # 2 ms latency, 2 GB/s
-    layer_plans = [LayerPlan(f"l{i}", "Linear", (1,), n, None, predicted_ms={"allreduce": 1.0}) for i, n in
-                   enumerate((64_000, 1_000_000, 25_000_000))]  # fmt: skip
+    layer_plans = [
+        LayerPlan(f"l{i}", "Linear", (1,), n, None, predicted_ms={"allreduce": 1.0})
+        for i, n in enumerate((64_000, 1_000_000, 25_000_000))
+    ]
     terms = {p.name: (1.0, float(p.nbytes)) for p in layer_plans}  # each layer alone in its collective
     for plan in layer_plans:
         plan.measured_ms = (truth[0] + truth[1] * plan.nbytes) * 1e3
@@ -120,8 +122,10 @@ def test_refit_scales_when_sizes_cannot_separate_latency_from_bandwidth() -> Non
 def test_a_refit_carries_latency_and_bandwidth_changes_separately_to_unmeasured_schemes() -> None:
     calibration = Calibration.uniform(0.001, 1e-9, 1e10)  # fp16 moves half the bytes at the same latency
     sizes = (64_000, 12_000_000, 25_000_000)
-    layer_plans = [LayerPlan(f"l{i}", "Linear", (1,), n, None, predicted_ms={"allreduce": calibration.seconds(
-                       "allreduce", n) * 1e3}) for i, n in enumerate(sizes)]  # fmt: skip
+    layer_plans = [
+        LayerPlan(f"l{i}", "Linear", (1,), n, None, predicted_ms={"allreduce": calibration.seconds("allreduce", n) * 1e3})
+        for i, n in enumerate(sizes)
+    ]
     for plan in layer_plans:  # training is slower than calibration: 3x the latency, 1.5x the time per byte
         plan.measured_ms = (0.003 + 1.5e-9 * plan.nbytes) * 1e3
     fitted = refit(calibration, layer_plans, {p.name: (1.0, float(p.nbytes)) for p in layer_plans})
@@ -129,7 +133,8 @@ def test_a_refit_carries_latency_and_bandwidth_changes_separately_to_unmeasured_
     assert fitted.lines["fp16"] == pytest.approx((0.003, 0.75e-9))
     for n in sizes:  # busier cores, not a slower link: fp16 gains nothing on allreduce
         assert fitted.seconds("fp16", n) / fitted.seconds("allreduce", n) >= calibration.seconds(
-            "fp16", n) / calibration.seconds("allreduce", n)  # fmt: skip
+            "fp16", n
+        ) / calibration.seconds("allreduce", n)
 
 
 def test_the_ranks_agreed_times_are_what_counts() -> None:
@@ -167,8 +172,7 @@ def test_a_layer_measured_on_a_mix_of_fused_and_lone_steps_is_compared_over_the_
 
 def test_refit_takes_the_matmul_rate_from_measured_sfb_rebuilds() -> None:
     calibration = Calibration.uniform(0.001, 1e-9, 1e10)
-    layer = LayerPlan("fc", "Linear", (2048, 3072), 25_174_016, 32, predicted_ms={}, choice="sfb",
-                      rebuild_flops=8e8)  # fmt: skip
+    layer = LayerPlan("fc", "Linear", (2048, 3072), 25_174_016, 32, predicted_ms={}, choice="sfb", rebuild_flops=8e8)
     allgathers_s = 0.004
     layer.predicted_ms["sfb"] = (allgathers_s + 8e8 / 1e10) * 1e3  # 4 ms of allgathers + 80 ms of rebuild
     layer.measured_ms = (2 * allgathers_s + 0.040) * 1e3  # the matmul ran at 2e10 flop/s, the allgathers took 8 ms

@@ -25,8 +25,14 @@ class RunningJob:
     """A shoalrun job whose merged output is collected line by line in the background."""
 
     def __init__(self, flags: list[str], example_args: list[str], command: list[str] = EXAMPLE) -> None:
-        self.process = subprocess.Popen([*SHOALRUN, *flags, *command, *example_args], env=clean_env(), cwd=REPO,
-                                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+        self.process = subprocess.Popen(
+            [*SHOALRUN, *flags, *command, *example_args],
+            env=clean_env(),
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         self.lines: list[str] = []
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
@@ -143,8 +149,10 @@ def test_sigkill_one_of_three_workers_finishes_with_two() -> None:
 @pytest.mark.timeout(180)
 def test_discovery_adds_a_worker_that_receives_rank_0_state(tmp_path: Path) -> None:
     hosts, script = discovery(tmp_path, "localhost:2")
-    job = RunningJob(["-np", "2", "--max-np", "3", "--host-discovery-script", str(script)],
-                     ["--epochs", "6", "--step-delay", "0.04", "--log-every", "5"])  # fmt: skip
+    job = RunningJob(
+        ["-np", "2", "--max-np", "3", "--host-discovery-script", str(script)],
+        ["--epochs", "6", "--step-delay", "0.04", "--log-every", "5"],
+    )
     job.worker_pids(2)
     job.wait_for(r"^\[0\]<stdout>:step 10 ", 60)
     hosts.write_text("localhost:3\n")
@@ -191,8 +199,10 @@ def test_reset_limit_is_respected() -> None:
 @pytest.mark.timeout(180)
 def test_discovery_offering_fewer_slots_removes_a_worker_cleanly(tmp_path: Path) -> None:
     hosts, script = discovery(tmp_path, "localhost:3")
-    job = RunningJob(["-np", "3", "--host-discovery-script", str(script), "--min-np", "2"],
-                     ["--epochs", "4", "--step-delay", "0.02", "--log-every", "5"])  # fmt: skip
+    job = RunningJob(
+        ["-np", "3", "--host-discovery-script", str(script), "--min-np", "2"],
+        ["--epochs", "4", "--step-delay", "0.02", "--log-every", "5"],
+    )
     pids = job.worker_pids(3)
     job.wait_for(r"^\[0\]<stdout>:step 15 ", 60)
     hosts.write_text("localhost:2\n")
@@ -207,8 +217,22 @@ def test_discovery_offering_fewer_slots_removes_a_worker_cleanly(tmp_path: Path)
 @pytest.mark.timeout(180)
 def test_a_remote_worker_killed_over_ssh_excludes_its_host(loopback_sshd: tuple[int, Path]) -> None:
     port, key = loopback_sshd
-    flags = ["-np", "3", "-H", "localhost:2,127.0.0.2:1", "-p", str(port), "-i", str(key), "--min-np", "2",
-             "--start-timeout", "60", "--ssh-strict-host-key-checking", "no"]  # fmt: skip
+    flags = [
+        "-np",
+        "3",
+        "-H",
+        "localhost:2,127.0.0.2:1",
+        "-p",
+        str(port),
+        "-i",
+        str(key),
+        "--min-np",
+        "2",
+        "--start-timeout",
+        "60",
+        "--ssh-strict-host-key-checking",
+        "no",
+    ]
     job = RunningJob(flags, ["--epochs", "4", "--step-delay", "0.02", "--log-every", "5"])
     pids = job.worker_pids(3)  # rank 2 runs on 127.0.0.2, through ssh (the same machine, so its pid is visible)
     job.wait_for(r"^\[0\]<stdout>:step 15 ", 60)

@@ -45,8 +45,23 @@ def test_synthetic_benchmark_reports_rates() -> None:
 
 
 def test_train_benchmark_json_contract() -> None:
-    command = [*SHOALRUN, "-np", "2", sys.executable, "-m", "shoal.bench.train", "--model", "mlp", "--steps", "3",
-               "--rounds", "1", "--warmup", "1", "--profile"]  # fmt: skip
+    command = [
+        *SHOALRUN,
+        "-np",
+        "2",
+        sys.executable,
+        "-m",
+        "shoal.bench.train",
+        "--model",
+        "mlp",
+        "--steps",
+        "3",
+        "--rounds",
+        "1",
+        "--warmup",
+        "1",
+        "--profile",
+    ]
     result = subprocess.run(command, env=clean_env(), capture_output=True, text=True, timeout=300, cwd=REPO)
     assert result.returncode == 0, result.stderr[-3000:]
     summary = json.loads(result.stdout.strip().splitlines()[-1].split(":", 1)[1])
@@ -68,8 +83,20 @@ def test_train_benchmark_json_contract() -> None:
 
 
 def test_allreduce_benchmark_json_contract(tmp_path: Path) -> None:
-    command = [*SHOALRUN, "-np", "2", sys.executable, "-m", "shoal.bench.allreduce", "--max-mib", "1", "--iterations", "3",
-               "--json", str(tmp_path / "allreduce.json")]  # fmt: skip
+    command = [
+        *SHOALRUN,
+        "-np",
+        "2",
+        sys.executable,
+        "-m",
+        "shoal.bench.allreduce",
+        "--max-mib",
+        "1",
+        "--iterations",
+        "3",
+        "--json",
+        str(tmp_path / "allreduce.json"),
+    ]
     summary = last_json(command)
     assert json.loads((tmp_path / "allreduce.json").read_text()) == summary  # --json writes the same object
     assert summary["bench"] == "allreduce" and summary["world"] == 2
@@ -81,8 +108,13 @@ def test_allreduce_benchmark_json_contract(tmp_path: Path) -> None:
     small = summary["small_tensors"]
     assert small["count"] == 256 and small["bytes_each"] == 16384 and small["speedup"] > 0  # type: ignore[index]
     # ... and bench.plot draws it.
-    plotted = subprocess.run([sys.executable, "-m", "shoal.bench.plot", str(tmp_path / "allreduce.json"), "-o",
-                              str(tmp_path / "img")], env=clean_env(), capture_output=True, text=True, timeout=120)  # fmt: skip
+    plotted = subprocess.run(
+        [sys.executable, "-m", "shoal.bench.plot", str(tmp_path / "allreduce.json"), "-o", str(tmp_path / "img")],
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert plotted.returncode == 0, plotted.stderr
     png = tmp_path / "img" / "allreduce.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
@@ -90,16 +122,28 @@ def test_allreduce_benchmark_json_contract(tmp_path: Path) -> None:
 
 def test_gpu_check_script_passes_its_checks_on_cpu() -> None:
     """The NCCL check script runs in CI over gloo, so it still works when a GPU machine is lent."""
-    summary = last_json([*SHOALRUN, "-np", "2", sys.executable, "-m", "shoal.bench.gpu_check", "--device", "cpu",
-                         "--mib", "4"])  # fmt: skip
+    summary = last_json([*SHOALRUN, "-np", "2", sys.executable, "-m", "shoal.bench.gpu_check", "--device", "cpu", "--mib", "4"])
     assert summary["bench"] == "gpu_check" and summary["world"] == 2 and summary["device"] == "cpu"
     assert summary["checks"] == {"collectives": True, "distributed_optimizer": True, "sync_batch_norm": True}
     assert float(summary["allreduce"]["ratio"]) > 0  # type: ignore[index]
 
 
 def test_rendezvous_benchmark_times_both_stores() -> None:
-    summary = last_json([sys.executable, "-m", "shoal.bench.rendezvous", "--worlds", "2", "--repeats", "1", "--reinits", "1",
-                          "--import-grace", "5"])  # fmt: skip
+    summary = last_json(
+        [
+            sys.executable,
+            "-m",
+            "shoal.bench.rendezvous",
+            "--worlds",
+            "2",
+            "--repeats",
+            "1",
+            "--reinits",
+            "1",
+            "--import-grace",
+            "5",
+        ]
+    )
     (row,) = summary["rows"]  # type: ignore[misc]
     assert summary["bench"] == "rendezvous" and row["world"] == 2
     assert row["open_ms"] > 0 and row["auth_ms"] > 0 and row["auth_reinit_ms"] > 0 and row["ratio"] > 0

@@ -21,15 +21,39 @@ from shoal.engine.executor import split_rows
 from shoal.testing import run_ranks
 
 DTYPES = [
-    "uint8", "int8", "int16", "int32", "int64", "float16", "bfloat16", "float32", "float64", "bool",
-    "complex64", "complex128", "uint16", "uint32", "uint64", "float8_e4m3fn",
-]  # fmt: skip
+    "uint8",
+    "int8",
+    "int16",
+    "int32",
+    "int64",
+    "float16",
+    "bfloat16",
+    "float32",
+    "float64",
+    "bool",
+    "complex64",
+    "complex128",
+    "uint16",
+    "uint32",
+    "uint64",
+    "float8_e4m3fn",
+]
 UNSUPPORTED = {"uint16", "uint32", "uint64", "float8_e4m3fn"}
 SHAPES = ["plain", "scalar", "empty", "noncontiguous", "expanded", "requires_grad"]
 OPS = [
-    "allreduce.Sum", "allreduce.Average", "allreduce.Min", "allreduce.Max", "allreduce.Product", "allreduce_.Sum",
-    "allgather", "broadcast", "alltoall", "reducescatter.Sum", "reducescatter.Average", "grouped_allreduce.Sum",
-]  # fmt: skip
+    "allreduce.Sum",
+    "allreduce.Average",
+    "allreduce.Min",
+    "allreduce.Max",
+    "allreduce.Product",
+    "allreduce_.Sum",
+    "allgather",
+    "broadcast",
+    "alltoall",
+    "reducescatter.Sum",
+    "reducescatter.Average",
+    "grouped_allreduce.Sum",
+]
 REDUCE_OPS = {"Sum": hvd.Sum, "Average": hvd.Average, "Min": hvd.Min, "Max": hvd.Max, "Product": hvd.Product}
 
 
@@ -93,8 +117,9 @@ def call(op: str, tensor: torch.Tensor, name: str, process_set: Any) -> torch.Te
     if kind == "allgather":
         return hvd.allgather(tensor, name=name, process_set=process_set)
     if kind == "broadcast":
-        return hvd.broadcast(tensor, root_rank=process_set.ranks[-1] if process_set.ranks else 1, name=name,
-                             process_set=process_set)  # fmt: skip
+        return hvd.broadcast(
+            tensor, root_rank=process_set.ranks[-1] if process_set.ranks else 1, name=name, process_set=process_set
+        )
     if kind == "alltoall":
         return hvd.alltoall(tensor, name=name, process_set=process_set)
     if kind == "reducescatter":
@@ -189,8 +214,9 @@ def check_outcomes(results: list[dict[str, Any]], dtypes: list[str], size: int, 
                 expected = reference(dtype, shape, op, size, set_rank)
                 got_shape, values = outcome[1]
                 assert got_shape == list(expected.shape), f"{key} rank {rank}: shape {got_shape} != {expected.shape}"
-                np.testing.assert_allclose(np.array(values), expected.reshape(-1), rtol=tolerance, atol=tolerance,
-                                           err_msg=f"{key} rank {rank}")  # fmt: skip
+                np.testing.assert_allclose(
+                    np.array(values), expected.reshape(-1), rtol=tolerance, atol=tolerance, err_msg=f"{key} rank {rank}"
+                )
             checked += 1
     return checked
 

@@ -70,8 +70,9 @@ def _fresh_optimizer_state() -> dict[str, object]:
     hvd.init()
     torch.manual_seed(hvd.rank())  # different initial weights on purpose
     model = torch.nn.Linear(3, 2)
-    optimizer = hvd.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.1),
-                                         named_parameters=model.named_parameters())  # fmt: skip
+    optimizer = hvd.DistributedOptimizer(
+        torch.optim.Adam(model.parameters(), lr=0.1), named_parameters=model.named_parameters()
+    )
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     hvd.broadcast_optimizer_state(optimizer, root_rank=0)
     grads = [p.grad for p in model.parameters()]
@@ -79,8 +80,11 @@ def _fresh_optimizer_state() -> dict[str, object]:
     for index, grad in enumerate(grads):
         hvd.broadcast_(grad, root_rank=0, name=f"grad.{index}")  # type: ignore[arg-type]
     state = optimizer.state_dict()["state"]
-    return {"grads_are_tensors": all(isinstance(g, torch.Tensor) for g in grads), "state_entries": len(state),
-            "step": [float(s["step"]) for s in state.values()]}  # fmt: skip
+    return {
+        "grads_are_tensors": all(isinstance(g, torch.Tensor) for g in grads),
+        "state_entries": len(state),
+        "step": [float(s["step"]) for s in state.values()],
+    }
 
 
 def test_broadcast_optimizer_state_materializes_a_fresh_optimizer() -> None:
@@ -93,8 +97,9 @@ def _optimizer_outside_its_set() -> list[float]:
     subset = hvd.add_process_set([0, 1])
     model = torch.nn.Linear(2, 1, bias=False)
     torch.nn.init.constant_(model.weight, 1.0)
-    optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1.0),
-                                         named_parameters=model.named_parameters(), process_set=subset)  # fmt: skip
+    optimizer = hvd.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=1.0), named_parameters=model.named_parameters(), process_set=subset
+    )
     x = torch.full((1, 2), float(hvd.rank() + 1))
     model(x).sum().backward()
     optimizer.step()  # rank 2 is outside the set: a local step, no exchange, no error
@@ -158,8 +163,13 @@ def test_an_unmodified_horovod_script_runs_under_horovod_compat(tmp_path: object
     script = f"{tmp_path}/train.py"
     with open(script, "w") as handle:
         handle.write(HOROVOD_SCRIPT)
-    result = subprocess.run([*SHOALRUN, "--horovod-compat", "-np", "2", sys.executable, script], env=clean_env(),
-                            capture_output=True, text=True, timeout=120)  # fmt: skip
+    result = subprocess.run(
+        [*SHOALRUN, "--horovod-compat", "-np", "2", sys.executable, script],
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     assert sorted(result.stdout.splitlines()) == ["[0]<stdout>:0 2.0 True", "[1]<stdout>:1 2.0 True"]
     # Without the option the same script finds no horovod at all (nothing named horovod was installed).
@@ -192,8 +202,9 @@ def _sparse_adam() -> list[list[float]]:
     hvd.init()
     torch.manual_seed(0)
     embedding = torch.nn.Embedding(10, 3, sparse=True)
-    optimizer = hvd.DistributedOptimizer(torch.optim.SparseAdam(embedding.parameters(), lr=0.1),
-                                         named_parameters=embedding.named_parameters())  # fmt: skip
+    optimizer = hvd.DistributedOptimizer(
+        torch.optim.SparseAdam(embedding.parameters(), lr=0.1), named_parameters=embedding.named_parameters()
+    )
     for step in range(3):
         optimizer.zero_grad()
         embedding(_embedding_rows(hvd.rank(), step)).pow(2).sum().backward()

@@ -162,8 +162,21 @@ def test_two_host_run_over_ssh(loopback_sshd: tuple[int, Path]) -> None:
 )
 def test_two_emulated_hosts_in_network_namespaces() -> None:
     code = PRINT_TOPOLOGY + "; import torch; print('sum', hvd.allreduce(torch.ones(3), op=hvd.Sum).tolist(), flush=True)"
-    command = [sys.executable, "-m", "shoal.bench.netns", "--hosts", "2", "--ranks-per-host", "2", "--rate", "1gbit",
-               "--", sys.executable, "-c", code]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "shoal.bench.netns",
+        "--hosts",
+        "2",
+        "--ranks-per-host",
+        "2",
+        "--rate",
+        "1gbit",
+        "--",
+        sys.executable,
+        "-c",
+        code,
+    ]
     result = subprocess.run(command, env=clean_env(), capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]
     lines = [line.split(":", 1)[1] for line in result.stdout.splitlines() if line.startswith("[")]
@@ -180,8 +193,23 @@ def test_two_emulated_hosts_in_network_namespaces() -> None:
     reason="network namespaces need root and iproute2",
 )
 def test_calibration_measures_each_link_class_when_hosts_hold_several_ranks() -> None:
-    command = [sys.executable, "-m", "shoal.bench.netns", "--hosts", "2", "--ranks-per-host", "2", "--rate", "1gbit",
-               "--", sys.executable, "-m", "shoal.bench.plan", "--model", "mlp"]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "shoal.bench.netns",
+        "--hosts",
+        "2",
+        "--ranks-per-host",
+        "2",
+        "--rate",
+        "1gbit",
+        "--",
+        sys.executable,
+        "-m",
+        "shoal.bench.plan",
+        "--model",
+        "mlp",
+    ]
     result = subprocess.run(command, env=clean_env(), capture_output=True, text=True, timeout=180)
     assert result.returncode == 0, result.stderr[-3000:]
     rates = dict(
@@ -194,8 +222,17 @@ def test_calibration_measures_each_link_class_when_hosts_hold_several_ranks() ->
 
 def test_check_build_reports_each_host_over_ssh(loopback_sshd: tuple[int, Path]) -> None:
     port, key = loopback_sshd
-    args = ["--check-build", "-H", "localhost,127.0.0.2", "-p", str(port), "-i", str(key),
-            "--ssh-strict-host-key-checking", "no"]  # fmt: skip
+    args = [
+        "--check-build",
+        "-H",
+        "localhost,127.0.0.2",
+        "-p",
+        str(port),
+        "-i",
+        str(key),
+        "--ssh-strict-host-key-checking",
+        "no",
+    ]
     result = subprocess.run([*SHOALRUN, *args], env=clean_env(), capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     assert "host localhost: this machine" in result.stdout

@@ -27,8 +27,12 @@ def modules() -> dict[str, Path]:
 def imports_of(path: Path, known: dict[str, Path]) -> set[str]:
     """The Shoal modules ``path`` imports, at module level or inside functions, outside ``if TYPE_CHECKING``."""
     tree = ast.parse(path.read_text())
-    typing_only = {id(node) for branch in ast.walk(tree) if isinstance(branch, ast.If)
-                   and "TYPE_CHECKING" in ast.unparse(branch.test) for node in ast.walk(branch)}  # fmt: skip
+    typing_only = {
+        id(node)
+        for branch in ast.walk(tree)
+        if isinstance(branch, ast.If) and "TYPE_CHECKING" in ast.unparse(branch.test)
+        for node in ast.walk(branch)
+    }
 
     def owner(name: str) -> str:
         while name not in known:
@@ -52,8 +56,9 @@ def imports_of(path: Path, known: dict[str, Path]) -> set[str]:
 def graph() -> dict[str, set[str]]:
     """Module -> the modules it imports, leaving out its own ancestor packages (always initialised first)."""
     known = modules()
-    return {name: {t for t in imports_of(path, known) if t != name and not name.startswith(t + ".")}
-            for name, path in known.items()}  # fmt: skip
+    return {
+        name: {t for t in imports_of(path, known) if t != name and not name.startswith(t + ".")} for name, path in known.items()
+    }
 
 
 def package(module: str) -> str:
@@ -77,9 +82,15 @@ def test_every_package_imports_only_what_its_layer_allows() -> None:
     edges = graph()
     packages = {package(m) for m in edges} - {""}
     assert packages == set(table), f"docs/architecture.md's table must list every package: {packages ^ set(table)}"
-    breaches = sorted(f"{source} imports {target}" for source, targets in edges.items() for target in targets
-                      if package(source) and package(target) and package(target) != package(source)
-                      and package(target) not in table[package(source)])  # fmt: skip
+    breaches = sorted(
+        f"{source} imports {target}"
+        for source, targets in edges.items()
+        for target in targets
+        if package(source)
+        and package(target)
+        and package(target) != package(source)
+        and package(target) not in table[package(source)]
+    )
     assert not breaches, "imports the layer table does not allow:\n" + "\n".join(breaches)
 
 
@@ -138,7 +149,8 @@ print("\\n".join(failed) if failed else "all imported")
 
 def test_every_module_imports_on_its_own() -> None:
     names = sorted(m for m in modules() if not m.endswith(".__main__"))  # entry points run when imported
-    result = subprocess.run([sys.executable, "-c", IMPORT_EACH, *names], env=clean_env(), capture_output=True,
-                            text=True, timeout=170)  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "-c", IMPORT_EACH, *names], env=clean_env(), capture_output=True, text=True, timeout=170
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.strip() == "all imported", result.stdout[-5000:]

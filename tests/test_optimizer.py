@@ -155,8 +155,14 @@ def _sync_batch_norm(x_all: torch.Tensor) -> dict[str, np.ndarray]:
     (out * torch.arange(out.numel(), dtype=out.dtype).view_as(out).add(rank * out.numel())).sum().backward()
     grad_w = hvd.allreduce(layer.weight.grad, op=hvd.Sum)
     grad_b = hvd.allreduce(layer.bias.grad, op=hvd.Sum)
-    return {"out": out.detach().numpy(), "grad_x": x.grad.numpy(), "grad_w": grad_w.numpy(), "grad_b": grad_b.numpy(),
-            "running_mean": layer.running_mean.numpy(), "running_var": layer.running_var.numpy()}  # fmt: skip
+    return {
+        "out": out.detach().numpy(),
+        "grad_x": x.grad.numpy(),
+        "grad_w": grad_w.numpy(),
+        "grad_b": grad_b.numpy(),
+        "running_mean": layer.running_mean.numpy(),
+        "running_var": layer.running_var.numpy(),
+    }
 
 
 @pytest.mark.parametrize("size", [2, 3])
@@ -185,8 +191,7 @@ def _uneven_with_join() -> tuple[int, int, bool]:
     hvd.init()
     torch.manual_seed(0)
     model = Net()
-    optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                         named_parameters=model.named_parameters())  # fmt: skip
+    optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters())
     batches = 5 if hvd.rank() == 0 else 2
     for _ in range(batches):
         optimizer.zero_grad()
@@ -206,8 +211,7 @@ def _rank_dependent_unused_branch() -> list[float]:
     hvd.init()
     torch.manual_seed(0)
     model = Net(unused_branch=True)
-    optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1.0),
-                                         named_parameters=model.named_parameters())  # fmt: skip
+    optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1.0), named_parameters=model.named_parameters())
     with torch.no_grad():
         before = model.unused.weight.clone()  # type: ignore[union-attr]
     hidden = torch.relu(model.fc1(torch.ones(2, 8)))
@@ -228,8 +232,7 @@ def test_a_parameter_without_gradient_on_some_ranks_does_not_deadlock() -> None:
 def _guards() -> list[str]:
     hvd.init()
     model = Net()
-    optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                         named_parameters=model.named_parameters())  # fmt: skip
+    optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters())
     messages = []
     nn.functional.mse_loss(model(torch.ones(2, 8)), torch.zeros(2, 4)).backward()
     try:

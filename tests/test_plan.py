@@ -54,16 +54,24 @@ def _distributed(comm: str, reuse: bool, rows: int) -> dict[str, object]:
     hvd.init()
     torch.manual_seed(0)
     model = Mlp()
-    optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
-                                         named_parameters=model.named_parameters(), model=model, comm=comm)  # fmt: skip
+    optimizer = hvd.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+        named_parameters=model.named_parameters(),
+        model=model,
+        comm=comm,
+    )
     x, y = data(hvd.size(), rows)
     part = slice(hvd.rank() * rows, (hvd.rank() + 1) * rows)
     train(model, optimizer, x[:, part], y[:, part], reuse)
     router = optimizer._shoal_router  # type: ignore[attr-defined]
     layers = sorted(layer.name for layer in router.layers() if layer.scheme == Scheme.SFB)
     choices = [plan.choice.value for plan in router.plans or []]
-    return {"weights": {k: v.numpy() for k, v in model.state_dict().items()}, "sfb_layers": layers,
-            "report": hvd.plan_report(print_table=False), "choices": choices}  # fmt: skip
+    return {
+        "weights": {k: v.numpy() for k, v in model.state_dict().items()},
+        "sfb_layers": layers,
+        "report": hvd.plan_report(print_table=False),
+        "choices": choices,
+    }
 
 
 @pytest.mark.parametrize("size", [2, 3])
@@ -117,12 +125,14 @@ def test_forced_schemes_are_obeyed_by_name_and_type() -> None:
 def _forced_in_optimizer() -> list[str]:
     hvd.init()
     model = Mlp()
-    optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model=model,
-                                         named_parameters=model.named_parameters(),
-                                         comm_overrides={"fc1": "sfb", nn.Linear: "fp16"})  # fmt: skip
+    optimizer = hvd.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        model=model,
+        named_parameters=model.named_parameters(),
+        comm_overrides={"fc1": "sfb", nn.Linear: "fp16"},
+    )
     layers = sorted(layer.name for layer in optimizer._shoal_router.layers() if layer.scheme == Scheme.SFB)  # type: ignore[attr-defined]
-    compressed = sorted(n for n, p in model.named_parameters()
-                        if optimizer._shoal_compressor(p) is hvd.Compression.fp16)  # type: ignore[attr-defined]  # fmt: skip
+    compressed = sorted(n for n, p in model.named_parameters() if optimizer._shoal_compressor(p) is hvd.Compression.fp16)  # type: ignore[attr-defined]
     return [*layers, "|", *compressed]
 
 
@@ -152,8 +162,9 @@ def _drifting(path: str) -> dict[str, object]:
     hvd.init()
     torch.manual_seed(0)
     model = Mlp()
-    optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
-                                         named_parameters=model.named_parameters(), model=model, comm="auto")  # fmt: skip
+    optimizer = hvd.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.01), named_parameters=model.named_parameters(), model=model, comm="auto"
+    )
     x, y = data(hvd.size(), 4)
     for step in range(24):  # plan, 5 warm-up steps, 5 drifting ones, re-plan, 5 warm-up steps, 5 measured
         optimizer.zero_grad()

@@ -10,11 +10,21 @@ import pytest
 from shoal.bench.plot import plot_file
 
 RESULTS = {
-    "train": {"bench": "train", "model": "mlp", "world": 2, "comm": "allreduce", "shoal_ips": 1062.7, "ddp_ips": 663.0,
-              "autotuned_ips": 1016.9, "solo_ips": 811.7},
-    "rendezvous": {"bench": "rendezvous", "rows": [{"world": 2, "open_ms": 23.5, "auth_ms": 26.1},
-                                                   {"world": 4, "open_ms": 64.5, "auth_ms": 58.7}]},
-}  # fmt: skip
+    "train": {
+        "bench": "train",
+        "model": "mlp",
+        "world": 2,
+        "comm": "allreduce",
+        "shoal_ips": 1062.7,
+        "ddp_ips": 663.0,
+        "autotuned_ips": 1016.9,
+        "solo_ips": 811.7,
+    },
+    "rendezvous": {
+        "bench": "rendezvous",
+        "rows": [{"world": 2, "open_ms": 23.5, "auth_ms": 26.1}, {"world": 4, "open_ms": 64.5, "auth_ms": 58.7}],
+    },
+}
 
 
 @pytest.mark.parametrize("bench", sorted(RESULTS))

@@ -65,8 +65,7 @@ def reference(size: int, optimizer: str) -> dict[str, np.ndarray]:
     return {k: v.numpy() for k, v in model.state_dict().items()}
 
 
-def _train(optimizer: str, comm: str, options: dict[str, object], steps: int = STEPS,
-           slow_rank: int = -1) -> dict[str, object]:  # fmt: skip
+def _train(optimizer: str, comm: str, options: dict[str, object], steps: int = STEPS, slow_rank: int = -1) -> dict[str, object]:
     """One worker: train ``steps`` steps on its slice of the data; returns weights, losses and its server's record."""
     from shoal.ps.connect import local_server
 
@@ -78,8 +77,9 @@ def _train(optimizer: str, comm: str, options: dict[str, object], steps: int = S
         x, y = x.expand(steps, -1, -1), y.expand(steps, -1, -1)
     else:
         x, y = data(hvd.size(), steps)
-    wrapped = hvd.DistributedOptimizer(OPTIMIZERS[optimizer](model.parameters()), named_parameters=model.named_parameters(),
-                                       model=model, comm=comm, **options)  # type: ignore[arg-type]  # fmt: skip
+    wrapped = hvd.DistributedOptimizer(
+        OPTIMIZERS[optimizer](model.parameters()), named_parameters=model.named_parameters(), model=model, comm=comm, **options
+    )  # type: ignore[arg-type]
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     rows = slice(hvd.rank() * BATCH, (hvd.rank() + 1) * BATCH)
     losses = []
@@ -121,8 +121,9 @@ def dedicated(workers: int, servers: int) -> dict[str, object]:
     rendezvous = {"SHOAL_RENDEZVOUS_ADDR": "-", "SHOAL_RENDEZVOUS_PORT": "-", "SHOAL_SECRET": "-"}
     overrides: dict[int, dict[str, str]] = {}
     for rank in range(workers):
-        overrides[rank] = {f"{prefix}_{name}": str(workers) for prefix in ("SHOAL", "HOROVOD")
-                           for name in ("SIZE", "LOCAL_SIZE")}  # fmt: skip
+        overrides[rank] = {
+            f"{prefix}_{name}": str(workers) for prefix in ("SHOAL", "HOROVOD") for name in ("SIZE", "LOCAL_SIZE")
+        }
         overrides[rank].update(worker_env(servers))
     for index, (argv, env) in enumerate(server_processes(servers, workers, rendezvous)):
         assert argv[1:] == ["-m", "shoal.ps.server"]
@@ -241,8 +242,9 @@ def _dying_party(victim: str, after_pulls: int) -> dict[str, object] | None:
         from shoal.comm.p2p import connect_job_store
         from shoal.ps.server import build_dedicated_server
 
-        store = connect_job_store(os.environ["SHOAL_RENDEZVOUS_ADDR"], int(os.environ["SHOAL_RENDEZVOUS_PORT"]),
-                                  os.environ["SHOAL_SECRET"], 30)  # fmt: skip
+        store = connect_job_store(
+            os.environ["SHOAL_RENDEZVOUS_ADDR"], int(os.environ["SHOAL_RENDEZVOUS_PORT"]), os.environ["SHOAL_SECRET"], 30
+        )
         recorder = PullRecorder()
         server = build_dedicated_server(store, 2, 1, 0, recorder)
 

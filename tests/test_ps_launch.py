@@ -60,11 +60,17 @@ def test_dedicated_servers_train_and_leave_with_the_workers(tmp_path: Path, serv
 
 
 def test_bad_num_servers_is_a_one_line_error() -> None:
-    result = subprocess.run([*SHOALRUN, "-np", "2", "--num-servers", "-1", "true"], env=clean_env(), capture_output=True,
-                            text=True, timeout=60)  # fmt: skip
+    result = subprocess.run(
+        [*SHOALRUN, "-np", "2", "--num-servers", "-1", "true"], env=clean_env(), capture_output=True, text=True, timeout=60
+    )
     assert result.returncode == 2 and "--num-servers must be >= 0" in result.stderr
-    result = subprocess.run([*SHOALRUN, "-np", "2", "--min-np", "1", "--num-servers", "1", "true"], env=clean_env(),
-                            capture_output=True, text=True, timeout=60)  # fmt: skip
+    result = subprocess.run(
+        [*SHOALRUN, "-np", "2", "--min-np", "1", "--num-servers", "1", "true"],
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 2 and "cannot be combined with elastic" in result.stderr
 
 
@@ -93,6 +99,7 @@ def test_optimizer_settings_the_servers_cannot_honour_are_refused() -> None:
     params = torch.nn.Linear(2, 2).parameters()
     with pytest.raises(ValueError, match="decoupled_weight_decay=True"):
         describe_optimizer(torch.optim.Adam, torch.optim.Adam(params, decoupled_weight_decay=True).param_groups)
-    name, groups = describe_optimizer(torch.optim.SGD, torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1,
-                                                                        momentum=0.9, foreach=False).param_groups)  # fmt: skip
+    name, groups = describe_optimizer(
+        torch.optim.SGD, torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1, momentum=0.9, foreach=False).param_groups
+    )
     assert name == "SGD" and groups[0]["momentum"] == 0.9  # how torch runs the update (foreach) is not refused

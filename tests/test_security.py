@@ -36,8 +36,12 @@ def _stranger_attacks() -> dict[str, object]:
         attempts = []
         try:
             client = dist.TCPStore(addr, port, is_master=False, timeout=timedelta(seconds=3), wait_for_workers=False)
-            for name, action in (("set", lambda: client.set("stranger", "was here")), ("get", lambda: client.get("x")),
-                                 ("list_keys", client.list_keys), ("num_keys", client.num_keys)):  # fmt: skip
+            for name, action in (
+                ("set", lambda: client.set("stranger", "was here")),
+                ("get", lambda: client.get("x")),
+                ("list_keys", client.list_keys),
+                ("num_keys", client.num_keys),
+            ):
                 try:
                     attempts.append((name, repr(action())))
                 except Exception as error:  # what a stranger gets: an error, never data
@@ -134,8 +138,14 @@ def _secret_in_command_lines(secret: str) -> list[str]:
 
 
 def _run_and_scan(args: list[str]) -> tuple[int, list[str], set[str]]:
-    process = subprocess.Popen([*SHOALRUN, *args, sys.executable, "-c", _PRINT_SECRET], env=clean_env(), cwd=REPO,
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    process = subprocess.Popen(
+        [*SHOALRUN, *args, sys.executable, "-c", _PRINT_SECRET],
+        env=clean_env(),
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     assert process.stdout is not None
     secrets_seen: set[str] = set()
     exposed: list[str] = []
@@ -158,8 +168,20 @@ def test_no_command_line_of_a_local_job_holds_the_secret() -> None:
 
 def test_no_command_line_of_an_ssh_job_holds_the_secret(loopback_sshd: tuple[int, Path]) -> None:
     port, key = loopback_sshd
-    args = ["-np", "2", "-H", "localhost:1,127.0.0.2:1", "-p", str(port), "-i", str(key),
-            "--ssh-strict-host-key-checking", "no", "--start-timeout", "60"]  # fmt: skip
+    args = [
+        "-np",
+        "2",
+        "-H",
+        "localhost:1,127.0.0.2:1",
+        "-p",
+        str(port),
+        "-i",
+        str(key),
+        "--ssh-strict-host-key-checking",
+        "no",
+        "--start-timeout",
+        "60",
+    ]
     _, exposed, secrets_seen = _run_and_scan(args)
     assert len(secrets_seen) == 1 and exposed == []  # the remote worker got the secret, through stdin
 
@@ -183,8 +205,9 @@ def test_a_host_named_like_an_ssh_option_is_refused_before_anything_runs(tmp_pat
         script.write_text(f"#!/bin/sh\necho '{hostile}:1'\n")
         script.chmod(0o755)
         args = ["-np", "1", "--host-discovery-script", str(script), "--elastic-timeout", "3"]
-    result = subprocess.run([*SHOALRUN, *args, sys.executable, "-c", "print('ran')"], env=clean_env(),
-                            capture_output=True, text=True, timeout=60)  # fmt: skip
+    result = subprocess.run(
+        [*SHOALRUN, *args, sys.executable, "-c", "print('ran')"], env=clean_env(), capture_output=True, text=True, timeout=60
+    )
     assert result.returncode != 0
     assert "invalid host name '-oProxyCommand=" in result.stderr, result.stderr[-2000:]
     assert "ran" not in result.stdout and not marker.exists()
@@ -203,8 +226,12 @@ def test_a_tampered_shared_memory_path_in_the_store_is_refused(tmp_path: Path) -
     os.symlink(target, link)
     Path(wrong_size).write_bytes(b"\0" * 4096)
     try:
-        for planted, reason in ((str(target), "not this job's segment"), ("/dev/shm/../etc/passwd", "not this job's"),
-                                (link, "Too many levels of symbolic links"), (wrong_size, "holds 4096 bytes")):  # fmt: skip
+        for planted, reason in (
+            (str(target), "not this job's segment"),
+            ("/dev/shm/../etc/passwd", "not this job's"),
+            (link, "Too many levels of symbolic links"),
+            (wrong_size, "holds 4096 bytes"),
+        ):
             store = dist.HashStore()
             store.set(f"shm/engine/{host}", planted)
             with pytest.raises(shm.SharedMemoryError, match=reason):
@@ -220,13 +247,20 @@ def test_a_tampered_shared_memory_path_in_the_store_is_refused(tmp_path: Path) -
 
 
 def test_negotiation_messages_round_trip_and_garbage_is_refused() -> None:
-    metas = [RequestMeta("grad.0", Kind.ALLREDUCE, 0, "float32", (3, 4), 0, None, 1.0, 0.5, None, "cuda", None),
-             RequestMeta("set", Kind.ADD_PROCESS_SET, 0, payload=(0, 2))]  # fmt: skip
+    metas = [
+        RequestMeta("grad.0", Kind.ALLREDUCE, 0, "float32", (3, 4), 0, None, 1.0, 0.5, None, "cuda", None),
+        RequestMeta("set", Kind.ADD_PROCESS_SET, 0, payload=(0, 2)),
+    ]
     assert decode_requests(encode_requests(metas), 1) == metas
     import pickle
 
-    for garbage in (pickle.dumps(metas), b"[1, 2]", b'[["x", "nope", 0, "", [], null, null, 1, 1, null, "cpu", null]]',
-                    b'[["x", "allreduce", 0, "f", [-1], null, null, 1, 1, null, "cpu", null]]', b"{" * 100000):  # fmt: skip
+    for garbage in (
+        pickle.dumps(metas),
+        b"[1, 2]",
+        b'[["x", "nope", 0, "", [], null, null, 1, 1, null, "cpu", null]]',
+        b'[["x", "allreduce", 0, "f", [-1], null, null, 1, 1, null, "cpu", null]]',
+        b"{" * 100000,
+    ):
         with pytest.raises(ValueError, match="malformed negotiation message from rank 3"):
             decode_requests(garbage, 3)
     with pytest.raises(ValueError, match="malformed stall report from rank 2"):

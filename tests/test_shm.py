@@ -30,8 +30,15 @@ REDUCTIONS = ["sum", "product", "min", "max"]
 def _test_group(slot_bytes: int = 4096) -> object:
     ctx = context.current()
     topology = ctx.topology
-    group = create_local_group(ctx.store, topology.local_rank, topology.local_size, topology.host_of_rank[topology.rank],
-                               job_token(ctx.launch.secret), slot_bytes=slot_bytes, purpose=f"test{slot_bytes}")  # fmt: skip
+    group = create_local_group(
+        ctx.store,
+        topology.local_rank,
+        topology.local_size,
+        topology.host_of_rank[topology.rank],
+        job_token(ctx.launch.secret),
+        slot_bytes=slot_bytes,
+        purpose=f"test{slot_bytes}",
+    )
     assert group is not None
     return group
 
@@ -160,8 +167,13 @@ def test_shoalrun_leaves_no_segment_after_a_sigkill() -> None:
         """
     )
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SHOAL_", "HOROVOD_"))}
-    result = subprocess.run([sys.executable, "-m", "shoal.runner", "-np", "3", sys.executable, "-c", code], env=env,
-                            capture_output=True, text=True, timeout=120)  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "-m", "shoal.runner", "-np", "3", sys.executable, "-c", code],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 128 + signal.SIGKILL, result.stderr[-2000:]
     assert "rank 1 on host localhost was killed by signal SIGKILL" in result.stderr
     assert _shm_files() <= before

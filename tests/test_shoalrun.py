@@ -199,9 +199,25 @@ def test_horovodrun_flag_meanings(tmp_path: Path) -> None:
     from shoal.runner.cli import parse_args
     from shoal.runner.launcher import build_slots, knob_env
 
-    args = parse_args(["--slots-per-host", "2", "-H", "localhost", "--log-level", "debug", "--disable-cache",
-                       "--no-hierarchical-allreduce", "--gloo-timeout-seconds", "900", "--min-num-proc", "2",
-                       "--network-interfaces", "lo", "true"])  # fmt: skip
+    args = parse_args(
+        [
+            "--slots-per-host",
+            "2",
+            "-H",
+            "localhost",
+            "--log-level",
+            "debug",
+            "--disable-cache",
+            "--no-hierarchical-allreduce",
+            "--gloo-timeout-seconds",
+            "900",
+            "--min-num-proc",
+            "2",
+            "--network-interfaces",
+            "lo",
+            "true",
+        ]
+    )
     assert len(build_slots(args)) == 2 and args.min_np == 2 and args.network_interface == "lo"
     env = knob_env(args)
     assert env["SHOAL_LOG_LEVEL"] == "debug" and env["SHOAL_HIERARCHICAL_ALLREDUCE"] == "0"
@@ -268,8 +284,12 @@ print("threads", os.environ.get("OMP_NUM_THREADS"), flush=True)
 def test_a_progress_bar_moves_before_the_worker_exits(worker_env: dict[str, str]) -> None:
     """tqdm redraws with \\r: each redraw must reach shoalrun's output while the worker still runs."""
     worker_env.pop("OMP_NUM_THREADS", None)
-    process = subprocess.Popen([*SHOALRUN, "-np", "2", sys.executable, "-c", TQDM_WORKER], env=worker_env,
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+    process = subprocess.Popen(
+        [*SHOALRUN, "-np", "2", sys.executable, "-c", TQDM_WORKER],
+        env=worker_env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     assert process.stderr is not None
     seen = b""
     deadline = time.monotonic() + 60
@@ -287,8 +307,11 @@ def test_a_progress_bar_moves_before_the_worker_exits(worker_env: dict[str, str]
 def test_ranks_filter_and_zero_padded_logs(worker_env: dict[str, str], tmp_path: Path) -> None:
     code = "import os; print('hello from', os.environ['SHOAL_RANK'])"
     logs = tmp_path / "logs"
-    result = shoalrun(["-np", "11", "--ranks-filter", "0,9-10", "--output-filename", str(logs), sys.executable, "-c",
-                       code], worker_env, timeout=120)  # fmt: skip
+    result = shoalrun(
+        ["-np", "11", "--ranks-filter", "0,9-10", "--output-filename", str(logs), sys.executable, "-c", code],
+        worker_env,
+        timeout=120,
+    )
     assert result.returncode == 0, result.stderr
     assert sorted(result.stdout.splitlines()) == [f"[{r}]<stdout>:hello from {r}" for r in (0, 10, 9)]
     assert sorted(p.name for p in logs.iterdir()) == [f"rank.{r:02d}" for r in range(11)]  # horovodrun's padding

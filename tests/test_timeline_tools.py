@@ -24,8 +24,9 @@ def _train_a_few_steps(late_rank: int = -1) -> None:
     hvd.init()
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
-    optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                         named_parameters=model.named_parameters(), bucket_bytes=0)  # fmt: skip
+    optimizer = hvd.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters(), bucket_bytes=0
+    )
     for _ in range(STEPS):
         optimizer.zero_grad()
         if hvd.rank() == late_rank:
@@ -36,8 +37,9 @@ def _train_a_few_steps(late_rank: int = -1) -> None:
 
 
 def _timeline(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "shoal.timeline", *args], env=clean_env(), capture_output=True,
-                          text=True, timeout=60)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "shoal.timeline", *args], env=clean_env(), capture_output=True, text=True, timeout=60
+    )
 
 
 def test_timeline_summary_and_plot(tmp_path: Path) -> None:
@@ -49,8 +51,11 @@ def test_timeline_summary_and_plot(tmp_path: Path) -> None:
     assert lines[1].split() == ["tensor", "exch", "negotiate", "transfer", "wire", "memcpy", "spread", "last"]
     rows = {line.split()[0]: line.split() for line in lines[2:] if line.startswith(("Distributed", "barrier"))}
     assert int(rows["DistributedOptimizer.0.weight"][1]) == STEPS  # five steps, five exchanges of that gradient
-    assert re.search(rf"compute on rank 0, {STEPS} steps, median ms: forward [\d.]+, backward [\d.]+, "
-                     r"synchronize [\d.]+, update [\d.]+", summary.stdout), summary.stdout  # fmt: skip
+    assert re.search(
+        rf"compute on rank 0, {STEPS} steps, median ms: forward [\d.]+, backward [\d.]+, "
+        r"synchronize [\d.]+, update [\d.]+",
+        summary.stdout,
+    ), summary.stdout
     assert re.search(r"communication hidden under backward: \d+% of [\d.]+ ms on rank 0", summary.stdout)
     assert lines[-1].startswith("total: negotiation")
     out = tmp_path / "timeline.png"
@@ -72,9 +77,10 @@ def test_rank_zero_timeline_marks_readiness_and_compute_spans_in_order(tmp_path:
     for name in ("FORWARD", "BACKWARD", "SYNCHRONIZE", "UPDATE"):
         assert names.count(name) == STEPS, names
     for step in range(STEPS):  # each step's spans follow each other on the compute row
-        forward, backward, sync, update = (next(p for i, p in enumerate(compute) if p.name == n and
-                                                sum(q.name == n for q in compute[:i]) == step)
-                                           for n in ("FORWARD", "BACKWARD", "SYNCHRONIZE", "UPDATE"))  # fmt: skip
+        forward, backward, sync, update = (
+            next(p for i, p in enumerate(compute) if p.name == n and sum(q.name == n for q in compute[:i]) == step)
+            for n in ("FORWARD", "BACKWARD", "SYNCHRONIZE", "UPDATE")
+        )
         assert forward.end_us <= backward.start_us + 1 and backward.end_us <= sync.start_us + 1
         assert sync.end_us <= update.start_us + 1
         # every reduction of this step ran between the first gradient and the end of synchronize
@@ -93,8 +99,14 @@ def test_per_rank_files_merge_onto_one_clock_and_name_the_late_rank(tmp_path: Pa
     trace = load_trace(str(merged))
     assert trace.ranks == [0, 1]
     # On one clock, a gradient's reduction starts on both ranks within a few ms of each other.
-    starts = {r: [p.start_us for p in trace.phases if p.rank == r and p.kind == "transfer"
-                  and p.tensor == "DistributedOptimizer.0.weight"] for r in (0, 1)}  # fmt: skip
+    starts = {
+        r: [
+            p.start_us
+            for p in trace.phases
+            if p.rank == r and p.kind == "transfer" and p.tensor == "DistributedOptimizer.0.weight"
+        ]
+        for r in (0, 1)
+    }
     assert len(starts[0]) == len(starts[1]) == STEPS
     assert max(abs(a - b) for a, b in zip(starts[0], starts[1], strict=True)) < 20_000
     summary = _timeline("summary", *files)  # per-rank files directly, merged on the fly
@@ -107,9 +119,12 @@ def test_per_rank_files_merge_onto_one_clock_and_name_the_late_rank(tmp_path: Pa
 
 
 def test_hidden_share_counts_collective_time_inside_backward() -> None:
-    phases = [Phase(0, "compute", "BACKWARD", 0, 10_000, compute=True),
-              Phase(0, "g", "ALLREDUCE", 5_000, 15_000), Phase(0, "g", "SHM_ALLREDUCE", 5_000, 15_000),
-              Phase(0, "compute", "BACKWARD", 20_000, 30_000, compute=True),
-              Phase(0, "h", "ALLREDUCE", 20_000, 30_000)]  # fmt: skip
+    phases = [
+        Phase(0, "compute", "BACKWARD", 0, 10_000, compute=True),
+        Phase(0, "g", "ALLREDUCE", 5_000, 15_000),
+        Phase(0, "g", "SHM_ALLREDUCE", 5_000, 15_000),
+        Phase(0, "compute", "BACKWARD", 20_000, 30_000, compute=True),
+        Phase(0, "h", "ALLREDUCE", 20_000, 30_000),
+    ]
     total, share = hidden_share(Trace(phases, []))[0]
     assert total == 20.0 and abs(share - 0.75) < 1e-9  # 5 of 10 ms, then 10 of 10 ms; the wire phase not twice

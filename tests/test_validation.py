@@ -21,8 +21,9 @@ from shoal.torch.process_sets import global_process_set
 
 
 def meta(dtype: str = "float32", kind: Kind = Kind.ALLREDUCE, op: ReduceOp | None = ReduceOp.Sum, **fields: Any) -> RequestMeta:
-    return RequestMeta(name="t", kind=kind, process_set=0, dtype=dtype, shape=(2,), op=None if op is None else int(op),
-                       **fields)  # fmt: skip
+    return RequestMeta(
+        name="t", kind=kind, process_set=0, dtype=dtype, shape=(2,), op=None if op is None else int(op), **fields
+    )
 
 
 @pytest.mark.parametrize("dtype", SUPPORTED_DTYPES)
@@ -97,8 +98,7 @@ def test_the_collective_timeout_must_exceed_the_stall_check_time() -> None:
 
 def test_the_watch_warns_while_a_collective_blocks_and_shuts_down_once() -> None:
     verdicts: list[str] = []
-    watch = CollectiveWatch(3, check_time_s=0.2, shutdown_time_s=0.5, transport_timeout_s=9.0,
-                            on_shutdown=verdicts.append)  # fmt: skip
+    watch = CollectiveWatch(3, check_time_s=0.2, shutdown_time_s=0.5, transport_timeout_s=9.0, on_shutdown=verdicts.append)
     try:
         with watch.watching("allreduce 'x'"):
             time.sleep(0.9)

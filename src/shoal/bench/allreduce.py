@@ -61,9 +61,15 @@ def build_hierarchical() -> HierarchicalAllreduce | None:
     topology = ctx.topology
     if topology.local_size == 1 or topology.cross_size > 1:
         return None  # one rank per host: nothing to share; several hosts: the engine's path is what to measure
-    local = create_local_group(ctx.store, topology.local_rank, topology.local_size,
-                               topology.host_of_rank[topology.rank], job_token(ctx.launch.secret),
-                               slot_bytes=handles.engine().config.shm_slot_bytes, purpose="bench")  # fmt: skip
+    local = create_local_group(
+        ctx.store,
+        topology.local_rank,
+        topology.local_size,
+        topology.host_of_rank[topology.rank],
+        job_token(ctx.launch.secret),
+        slot_bytes=handles.engine().config.shm_slot_bytes,
+        purpose="bench",
+    )
     return HierarchicalAllreduce(local, None, 1) if local is not None else None
 
 
@@ -71,8 +77,11 @@ _HEADER = f"{'bytes':>12} {'shoal ms':>10} {'raw ms':>10} {'ratio':>7} {'busbw G
 
 
 def _print_row(row: dict[str, float]) -> None:
-    print(f"{row['bytes']:>12} {row['shoal_ms']:>10.3f} {row['raw_ms']:>10.3f} {row['ratio']:>7.2f} "
-          f"{row['busbw_GBps']:>11.3f} {row.get('hier_ms', float('nan')):>9.3f}", flush=True)  # fmt: skip
+    print(
+        f"{row['bytes']:>12} {row['shoal_ms']:>10.3f} {row['raw_ms']:>10.3f} {row['ratio']:>7.2f} "
+        f"{row['busbw_GBps']:>11.3f} {row.get('hier_ms', float('nan')):>9.3f}",
+        flush=True,
+    )
 
 
 def bench_sizes(max_bytes: int, iterations: int, hierarchical: HierarchicalAllreduce | None) -> list[dict[str, float]]:
@@ -89,8 +98,13 @@ def bench_sizes(max_bytes: int, iterations: int, hierarchical: HierarchicalAllre
         count = max(3, iterations if nbytes <= 16 * 1024 * 1024 else iterations // 3)
         raw_ms = _max_ms(_timed_ms(functools.partial(collectives.allreduce_, tensor, "sum", None), count))
         shoal_ms = _max_ms(_timed_ms(functools.partial(hvd.allreduce_, tensor, op=hvd.Sum, name="bench"), count))
-        row = {"bytes": nbytes, "shoal_ms": round(shoal_ms, 4), "raw_ms": round(raw_ms, 4),
-               "ratio": round(raw_ms / shoal_ms, 3), "busbw_GBps": round(_busbw(nbytes, shoal_ms), 3)}  # fmt: skip
+        row = {
+            "bytes": nbytes,
+            "shoal_ms": round(shoal_ms, 4),
+            "raw_ms": round(raw_ms, 4),
+            "ratio": round(raw_ms / shoal_ms, 3),
+            "busbw_GBps": round(_busbw(nbytes, shoal_ms), 3),
+        }
         if hierarchical is not None:
             hier_ms = _max_ms(_timed_ms(functools.partial(hierarchical.allreduce_, tensor, "sum"), count))
             row["hier_ms"] = round(hier_ms, 4)
@@ -117,8 +131,13 @@ def bench_small_tensors(count: int = 256, bytes_each: int = 16384, repeats: int 
 
     shoal_ms = _max_ms(_timed_ms(shoal_step, repeats))
     raw_ms = _max_ms(_timed_ms(raw_step, repeats))
-    return {"count": count, "bytes_each": bytes_each, "shoal_ms": round(shoal_ms, 3),
-            "raw_per_tensor_ms": round(raw_ms / count, 4), "speedup": round(raw_ms / shoal_ms, 2)}  # fmt: skip
+    return {
+        "count": count,
+        "bytes_each": bytes_each,
+        "shoal_ms": round(shoal_ms, 3),
+        "raw_per_tensor_ms": round(raw_ms / count, 4),
+        "speedup": round(raw_ms / shoal_ms, 2),
+    }
 
 
 def bench_empty_cycle(hierarchical: HierarchicalAllreduce | None, iterations: int = 500) -> float:
@@ -151,11 +170,19 @@ def main(argv: list[str] | None = None) -> None:
     empty_cycle_ms = bench_empty_cycle(hierarchical)
     if hvd.rank() == 0:
         print(f"memcpy limit: {limit:.2f} GB/s; empty negotiation cycle: {empty_cycle_ms:.4f} ms")
-        print(f"{small['count']} x {small['bytes_each']} B: shoal {small['shoal_ms']:.2f} ms, "
-              f"raw {small['raw_per_tensor_ms']:.3f} ms per tensor, speedup {small['speedup']:.1f}x")  # fmt: skip
-        result = {"bench": "allreduce", "world": hvd.size(), "rows": rows, "memcpy_GBps": round(limit, 3),
-                  "small_tensors": small, "empty_cycle_ms": round(empty_cycle_ms, 4),
-                  "empty_cycle_path": "shm" if hierarchical is not None else "gloo"}  # fmt: skip
+        print(
+            f"{small['count']} x {small['bytes_each']} B: shoal {small['shoal_ms']:.2f} ms, "
+            f"raw {small['raw_per_tensor_ms']:.3f} ms per tensor, speedup {small['speedup']:.1f}x"
+        )
+        result = {
+            "bench": "allreduce",
+            "world": hvd.size(),
+            "rows": rows,
+            "memcpy_GBps": round(limit, 3),
+            "small_tensors": small,
+            "empty_cycle_ms": round(empty_cycle_ms, 4),
+            "empty_cycle_path": "shm" if hierarchical is not None else "gloo",
+        }
         emit(result, args.json)
     if hierarchical is not None:
         hierarchical.close()

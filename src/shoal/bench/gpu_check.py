@@ -57,8 +57,7 @@ def check_optimizer(device: torch.device, steps: int = 5, per_rank: int = 8) -> 
     """N ranks x batch B give the weights of one process with batch N*B."""
     rank, size = hvd.rank(), hvd.size()
     model, reference = _model(device), _model(device)
-    optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                         named_parameters=model.named_parameters())  # fmt: skip
+    optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters())
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     solo = torch.optim.SGD(reference.parameters(), lr=0.1)
     for step in range(steps):
@@ -70,8 +69,10 @@ def check_optimizer(device: torch.device, steps: int = 5, per_rank: int = 8) -> 
         solo.zero_grad()
         F.cross_entropy(reference(x), y).backward()
         solo.step()
-    return all(torch.allclose(p, q, rtol=_TOLERANCE, atol=_TOLERANCE)
-               for p, q in zip(model.parameters(), reference.parameters(), strict=True))  # fmt: skip
+    return all(
+        torch.allclose(p, q, rtol=_TOLERANCE, atol=_TOLERANCE)
+        for p, q in zip(model.parameters(), reference.parameters(), strict=True)
+    )
 
 
 def check_sync_batch_norm(device: torch.device) -> bool:
@@ -128,8 +129,7 @@ def main() -> None:
         for name, passed in checks.items():
             print(f"{name}: {'ok' if passed else 'FAILED'}")
         print(f"allreduce {args.mib} MiB: shoal {timing['shoal_ms']} ms, raw {timing['raw_ms']} ms")
-        result = {"bench": "gpu_check", "world": hvd.size(), "device": args.device, "checks": checks,
-                  "allreduce": timing}  # fmt: skip
+        result = {"bench": "gpu_check", "world": hvd.size(), "device": args.device, "checks": checks, "allreduce": timing}
         emit(result, args.json)
     hvd.shutdown()
     if not all(checks.values()):

@@ -19,8 +19,9 @@ class _Block(nn.Module):
         self.bn2 = nn.BatchNorm2d(channels_out)
         self.shortcut: nn.Module = nn.Identity()
         if stride != 1 or channels_in != channels_out:
-            self.shortcut = nn.Sequential(nn.Conv2d(channels_in, channels_out, 1, stride, bias=False),
-                                          nn.BatchNorm2d(channels_out))  # fmt: skip
+            self.shortcut = nn.Sequential(
+                nn.Conv2d(channels_in, channels_out, 1, stride, bias=False), nn.BatchNorm2d(channels_out)
+            )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = torch.relu(self.bn1(self.conv1(x)))
@@ -33,8 +34,14 @@ class ResNetSmall(nn.Module):
     def __init__(self, classes: int = 10) -> None:
         super().__init__()
         self.stem = nn.Sequential(nn.Conv2d(3, 32, 3, 1, 1, bias=False), nn.BatchNorm2d(32), nn.ReLU())
-        self.layers = nn.Sequential(_Block(32, 64, 2), _Block(64, 64, 1), _Block(64, 128, 2), _Block(128, 128, 1),
-                                    _Block(128, 256, 2), _Block(256, 256, 1))  # fmt: skip
+        self.layers = nn.Sequential(
+            _Block(32, 64, 2),
+            _Block(64, 64, 1),
+            _Block(64, 128, 2),
+            _Block(128, 128, 1),
+            _Block(128, 256, 2),
+            _Block(256, 256, 1),
+        )
         self.head = nn.Linear(256, classes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -43,8 +50,7 @@ class ResNetSmall(nn.Module):
 
 def build_mlp() -> nn.Module:
     """An MLP of about 10M parameters on flattened 32x32x3 inputs (fully connected heavy, Poseidon's case)."""
-    return nn.Sequential(nn.Flatten(), nn.Linear(3072, 2048), nn.ReLU(), nn.Linear(2048, 1536), nn.ReLU(),
-                         nn.Linear(1536, 10))  # fmt: skip
+    return nn.Sequential(nn.Flatten(), nn.Linear(3072, 2048), nn.ReLU(), nn.Linear(2048, 1536), nn.ReLU(), nn.Linear(1536, 10))
 
 
 class TinyTransformer(nn.Module):

@@ -54,8 +54,9 @@ class EmulatedHosts:
         return f"{_SUBNET}.0.254"
 
     def _shape(self, prefix: list[str], device: str) -> None:
-        _run(*prefix, "tc", "qdisc", "add", "dev", device, "root", "tbf", "rate", self.rate, "burst", "256kb",
-             "latency", "100ms")  # fmt: skip
+        _run(
+            *prefix, "tc", "qdisc", "add", "dev", device, "root", "tbf", "rate", self.rate, "burst", "256kb", "latency", "100ms"
+        )
 
     def create(self) -> None:
         """Build the bridge, the namespaces and their shaped links."""

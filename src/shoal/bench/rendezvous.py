@@ -60,8 +60,15 @@ def measure(world: int, authenticated: bool, reinits: int, import_grace_s: float
     processes = []
     for rank in range(world):
         env = {k: v for k, v in os.environ.items() if not k.startswith(("SHOAL_", "HOROVOD_", "OMPI_", "PMI_", "SLURM_"))}
-        env.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=port, SHOAL_LOG_LEVEL="error")  # fmt: skip
+        env.update(
+            RANK=str(rank),
+            WORLD_SIZE=str(world),
+            LOCAL_RANK=str(rank),
+            LOCAL_WORLD_SIZE=str(world),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=port,
+            SHOAL_LOG_LEVEL="error",
+        )
         if authenticated:
             env["SHOAL_SECRET"] = secret
         command = [sys.executable, "-m", "shoal.bench.rendezvous", "--worker", str(start_at), "--reinits", str(reinits)]
@@ -98,8 +105,11 @@ def main() -> None:
             reinits = [s[1] for s in samples if s[1] is not None]
             row[f"{label}_reinit_ms"] = round(statistics.median(reinits), 1) if reinits else None
         row["ratio"] = round(first["auth"] / first["open"], 3)
-        print(f"world {world}: open store {row['open_ms']} ms (re-init {row['open_reinit_ms']} ms), "
-              f"authenticated {row['auth_ms']} ms (re-init {row['auth_reinit_ms']} ms)", flush=True)  # fmt: skip
+        print(
+            f"world {world}: open store {row['open_ms']} ms (re-init {row['open_reinit_ms']} ms), "
+            f"authenticated {row['auth_ms']} ms (re-init {row['auth_reinit_ms']} ms)",
+            flush=True,
+        )
         rows.append(row)
     emit({"bench": "rendezvous", "rows": rows}, args.json)
 

@@ -34,12 +34,17 @@ from shoal.torch.layer_comm.schemes import SufficientFactors
 def _batches(model_name: str, batch_size: int, count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     generator = torch.Generator().manual_seed(1234 + hvd.rank())
     _, make_input = build(model_name)
-    return [(make_input(batch_size, generator), torch.randint(0, 10, (batch_size,), generator=generator))
-            for _ in range(count)]  # fmt: skip
+    return [(make_input(batch_size, generator), torch.randint(0, 10, (batch_size,), generator=generator)) for _ in range(count)]
 
 
-def _timed_steps(model: nn.Module, optimizer: torch.optim.Optimizer, batches: list[tuple[torch.Tensor, torch.Tensor]],
-                 warmup: int, steps: int, sync: Callable[[], None]) -> float:  # fmt: skip
+def _timed_steps(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batches: list[tuple[torch.Tensor, torch.Tensor]],
+    warmup: int,
+    steps: int,
+    sync: Callable[[], None],
+) -> float:
     """Seconds for ``steps`` training steps after ``warmup`` ones (the slowest rank's time when ``sync`` syncs)."""
     loss_fn = nn.CrossEntropyLoss()
 
@@ -67,9 +72,12 @@ def run_shoal(args: argparse.Namespace, batches: list[tuple[torch.Tensor, torch.
     """Images per second over all workers with Shoal's DistributedOptimizer."""
     torch.manual_seed(0)
     model, _ = build(args.model)
-    optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9),
-                                         named_parameters=model.named_parameters(), model=model,
-                                         comm=args.comm)  # fmt: skip
+    optimizer = hvd.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9),
+        named_parameters=model.named_parameters(),
+        model=model,
+        comm=args.comm,
+    )
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     elapsed = _slowest(_timed_steps(model, optimizer, batches, args.warmup, args.steps, hvd.barrier))
     if args.comm == "auto":
@@ -93,9 +101,12 @@ def run_profiled(args: argparse.Namespace, batches: list[tuple[torch.Tensor, tor
 
     torch.manual_seed(0)
     model, _ = build(args.model)
-    optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9),
-                                         named_parameters=model.named_parameters(), model=model,
-                                         comm=args.comm)  # fmt: skip
+    optimizer = hvd.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9),
+        named_parameters=model.named_parameters(),
+        model=model,
+        comm=args.comm,
+    )
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     _timed_steps(model, optimizer, batches, args.warmup, 0, hvd.barrier)  # warm up outside the timeline
     with tempfile.TemporaryDirectory(prefix="shoal-profile-") as directory:
@@ -153,8 +164,9 @@ def run_autotuned(args: argparse.Namespace, batches: list[tuple[torch.Tensor, to
 
     torch.manual_seed(0)
     model, _ = build(args.model)
-    optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9),
-                                         named_parameters=model.named_parameters())  # fmt: skip
+    optimizer = hvd.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9), named_parameters=model.named_parameters()
+    )
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     loss_fn = nn.CrossEntropyLoss()
     tuning_steps = 0
@@ -181,10 +193,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=20, help="timed steps per phase (default 20)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps before each phase (default 3)")
     parser.add_argument("--rounds", type=int, default=2, help="alternating Shoal/DDP rounds; the best of each is kept")
-    parser.add_argument("--autotune", action="store_true",
-                        help="then autotune (needs optuna) and time the frozen setting against the defaults")  # fmt: skip
-    parser.add_argument("--profile", action="store_true",
-                        help="then time one more Shoal phase with a timeline and print where a step's time goes")  # fmt: skip
+    parser.add_argument(
+        "--autotune", action="store_true", help="then autotune (needs optuna) and time the frozen setting against the defaults"
+    )
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="then time one more Shoal phase with a timeline and print where a step's time goes",
+    )
     parser.add_argument("--autotune-samples", type=int, default=12, help="scored autotune samples (default 12)")
     add_json_flag(parser)
     args = parser.parse_args(argv)
@@ -199,8 +215,11 @@ def main(argv: list[str] | None = None) -> None:
         bound_runs.append(run_bound(args, batches))
         if hvd.rank() == 0:  # progress: each round as it ends
             ddp = f", ddp {ddp_runs[-1]:.1f}" if ddp_runs else ""
-            print(f"round {round_number + 1}/{args.rounds}: shoal {shoal_runs[-1]:.1f}{ddp}, no-communication bound "
-                  f"{bound_runs[-1]:.1f} img/s", flush=True)  # fmt: skip
+            print(
+                f"round {round_number + 1}/{args.rounds}: shoal {shoal_runs[-1]:.1f}{ddp}, no-communication bound "
+                f"{bound_runs[-1]:.1f} img/s",
+                flush=True,
+            )
     solo_ips = run_solo(args, batches)
     profile = run_profiled(args, batches) if args.profile else []
     tuned: tuple[float, int] | None = None
@@ -218,11 +237,18 @@ def main(argv: list[str] | None = None) -> None:
     if hvd.rank() == 0:
         model, _ = build(args.model)
         shoal_ips = max(shoal_runs)
-        print(f"model {args.model} ({parameter_count(model) / 1e6:.1f}M parameters), {hvd.size()} workers, "
-              f"batch {args.batch_size} per worker, comm {args.comm}")  # fmt: skip
+        print(
+            f"model {args.model} ({parameter_count(model) / 1e6:.1f}M parameters), {hvd.size()} workers, "
+            f"batch {args.batch_size} per worker, comm {args.comm}"
+        )
         print(f"shoal: {', '.join(f'{v:.1f}' for v in shoal_runs)} img/s")
-        result: dict[str, object] = {"bench": "train", "model": args.model, "world": hvd.size(), "comm": args.comm,
-                                     "shoal_ips": round(shoal_ips, 1)}  # fmt: skip
+        result: dict[str, object] = {
+            "bench": "train",
+            "model": args.model,
+            "world": hvd.size(),
+            "comm": args.comm,
+            "shoal_ips": round(shoal_ips, 1),
+        }
         if args.comm == "ps":  # co-located (a server thread in every worker) unless shoalrun started servers
             config = resolve_config()
             result["ps_mode"] = config.mode
@@ -244,8 +270,10 @@ def main(argv: list[str] | None = None) -> None:
             result["autotune_ratio"] = round(tuned[0] / shoal_ips, 3)
             result["autotune_settings"] = settings
         bound_ips = max(bound_runs)
-        print(f"bound (all ranks, no communication): {', '.join(f'{v:.1f}' for v in bound_runs)} img/s; Shoal "
-              f"reaches {shoal_ips / bound_ips:.1%} of it")  # fmt: skip
+        print(
+            f"bound (all ranks, no communication): {', '.join(f'{v:.1f}' for v in bound_runs)} img/s; Shoal "
+            f"reaches {shoal_ips / bound_ips:.1%} of it"
+        )
         result["bound_ips"] = round(bound_ips, 1)
         result["of_bound"] = round(shoal_ips / bound_ips, 3)
         print(f"solo (1 process, no communication): {solo_ips:.1f} img/s")

@@ -398,8 +398,13 @@ class StoreView(dist.Store):
     ``shoal.comm.store.prefix_store`` asks for a prefixed view instead of wrapping in torch's PrefixStore.
     """
 
-    def __init__(self, backend: _LocalBackend | _RemoteBackend, timeout_s: float, prefix: bytes = b"",
-                 server: AuthStoreServer | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        backend: _LocalBackend | _RemoteBackend,
+        timeout_s: float,
+        prefix: bytes = b"",
+        server: AuthStoreServer | None = None,
+    ) -> None:
         super().__init__()
         self._backend = backend
         self._timeout_s = timeout_s

@@ -124,8 +124,7 @@ def supported() -> bool:
 class SharedMemoryGroup:
     """The local ranks of one host, joined by a shared-memory segment. Every member calls every collective."""
 
-    def __init__(self, path: str, local_rank: int, local_size: int, slot_bytes: int, create: bool,
-                 timeout_s: float) -> None:  # fmt: skip
+    def __init__(self, path: str, local_rank: int, local_size: int, slot_bytes: int, create: bool, timeout_s: float) -> None:
         self.local_rank = local_rank
         self.local_size = local_size
         self.slot_bytes = slot_bytes
@@ -203,10 +202,12 @@ class SharedMemoryGroup:
             count = self.chunk_elements(dtype)
             itemsize = dtype.itemsize
             views = [
-                [self._data[(half * self.local_size + rank) * self.slot_bytes :][: count * itemsize].view(dtype)
-                 for rank in range(self.local_size)]
+                [
+                    self._data[(half * self.local_size + rank) * self.slot_bytes :][: count * itemsize].view(dtype)
+                    for rank in range(self.local_size)
+                ]
                 for half in (0, 1)
-            ]  # fmt: skip
+            ]
             self._views[dtype] = views
         self._steps += 1
         return views[self._steps % 2]
@@ -231,8 +232,9 @@ class SharedMemoryGroup:
 
     # ----- collectives -----
 
-    def allreduce_(self, tensor: torch.Tensor, reduction: str,
-                   between_hosts: Callable[[torch.Tensor], None] | None = None) -> None:  # fmt: skip
+    def allreduce_(
+        self, tensor: torch.Tensor, reduction: str, between_hosts: Callable[[torch.Tensor], None] | None = None
+    ) -> None:
         """Reduce a contiguous CPU tensor in place across the local ranks.
 
         Args:
@@ -266,8 +268,13 @@ class SharedMemoryGroup:
             self.barrier()
             chunk.copy_(slots[0][:count])
 
-    def _allreduce_large_chunk(self, chunk: torch.Tensor, slots: list[torch.Tensor], reduction: str,
-                               between_hosts: Callable[[torch.Tensor], None] | None) -> None:  # fmt: skip
+    def _allreduce_large_chunk(
+        self,
+        chunk: torch.Tensor,
+        slots: list[torch.Tensor],
+        reduction: str,
+        between_hosts: Callable[[torch.Tensor], None] | None,
+    ) -> None:
         """The bandwidth-bound variant: about 4 bytes of memory traffic per byte instead of 5.5 (two ranks).
 
         A rank's own slice never needs to reach shared memory: only the peers' slices are copied in, the reduction
@@ -364,9 +371,16 @@ class SharedMemoryGroup:
             pass
 
 
-def create_local_group(store: Any, local_rank: int, local_size: int, host_key: str, token: str,
-                       slot_bytes: int = DEFAULT_SLOT_BYTES, timeout_s: float = 300.0,
-                       purpose: str = "engine") -> SharedMemoryGroup | None:  # fmt: skip
+def create_local_group(
+    store: Any,
+    local_rank: int,
+    local_size: int,
+    host_key: str,
+    token: str,
+    slot_bytes: int = DEFAULT_SLOT_BYTES,
+    timeout_s: float = 300.0,
+    purpose: str = "engine",
+) -> SharedMemoryGroup | None:
     """Set up the host's segment (local rank 0 creates it, the others map it); None when it is unavailable.
 
     Every local rank must call this. Unavailability (no /dev/shm, too little space, not x86-64) is agreed through
@@ -398,8 +412,9 @@ def create_local_group(store: Any, local_rank: int, local_size: int, host_key: s
         return None
     if local_rank != 0:
         try:
-            group = SharedMemoryGroup(check_segment_path(verdict, token, host), local_rank, local_size, slot_bytes,
-                                      create=False, timeout_s=timeout_s)  # fmt: skip
+            group = SharedMemoryGroup(
+                check_segment_path(verdict, token, host), local_rank, local_size, slot_bytes, create=False, timeout_s=timeout_s
+            )
         except (SharedMemoryError, OSError) as error:  # tell the others, so that nobody waits for this rank
             store.set(f"{key}/refused/{local_rank}", str(error))
             raise SharedMemoryError(f"local rank {local_rank} refused the shared-memory segment: {error}") from error

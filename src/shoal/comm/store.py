@@ -84,9 +84,14 @@ def _connect_store(info: Any, timeout_s: float) -> dist.Store:
         if info.secret:  # torchrun's agent hosts an open store: it only tells the ranks where rank 0 serves ours
             return _behind_torchrun_store(info, timeout_s)
         _warn_unauthenticated(info)
-        return dist.TCPStore(info.store_addr, info.store_port, world_size=None if info.store_hosted_by_launcher else info.size,
-                             is_master=info.rank == 0 and not info.store_hosted_by_launcher,
-                             timeout=timedelta(seconds=timeout_s), wait_for_workers=False)  # fmt: skip
+        return dist.TCPStore(
+            info.store_addr,
+            info.store_port,
+            world_size=None if info.store_hosted_by_launcher else info.size,
+            is_master=info.rank == 0 and not info.store_hosted_by_launcher,
+            timeout=timedelta(seconds=timeout_s),
+            wait_for_workers=False,
+        )
     except (RuntimeError, OSError) as error:  # OSError: rank 0 cannot bind the port (another process holds it)
         if str(error).startswith("shoal:"):
             raise
@@ -104,8 +109,9 @@ def _secret_store(info: Any, timeout_s: float) -> dist.Store:
 
 
 def _behind_torchrun_store(info: Any, timeout_s: float) -> dist.Store:
-    agent = dist.TCPStore(info.store_addr, info.store_port, is_master=False, timeout=timedelta(seconds=timeout_s),
-                          wait_for_workers=False)  # fmt: skip
+    agent = dist.TCPStore(
+        info.store_addr, info.store_port, is_master=False, timeout=timedelta(seconds=timeout_s), wait_for_workers=False
+    )
     if info.rank == 0:
         local = host_store(info.store_addr, 0, info.secret, timeout_s)
         assert local.server is not None
@@ -124,8 +130,10 @@ def _warn_unauthenticated(info: Any) -> None:
             "the rendezvous store at %s:%s is unauthenticated (%s without SHOAL_SECRET): anyone who reaches that port "
             "can read and steer this job. Set the same random SHOAL_SECRET in every rank's environment to "
             "authenticate it (see docs/security.md).",
-            info.store_addr, info.store_port, info.launcher,
-        )  # fmt: skip
+            info.store_addr,
+            info.store_port,
+            info.launcher,
+        )
 
 
 def generation_store(store: dist.Store, secret: str | None, rank: int) -> tuple[dist.Store, int]:

@@ -42,8 +42,13 @@ class TunedSettings:
 
     def to_tensor(self) -> torch.Tensor:
         bucket = -1.0 if self.bucket_bytes is None else float(self.bucket_bytes)
-        values = [float(self.fusion_threshold_bytes), self.cycle_time_ms, bucket,
-                  float(self.cache_enabled), float(self.hierarchical)]  # fmt: skip
+        values = [
+            float(self.fusion_threshold_bytes),
+            self.cycle_time_ms,
+            bucket,
+            float(self.cache_enabled),
+            float(self.hierarchical),
+        ]
         return torch.tensor(values, dtype=torch.float64)
 
     @classmethod
@@ -93,8 +98,11 @@ class Autotuner:
             return
         optuna = import_optuna()
         optuna.logging.set_verbosity(optuna.logging.ERROR)  # else: "greenlet missing" each time
-        sampler = optuna.samplers.GPSampler(seed=0, n_startup_trials=min(5, self.config.max_samples),
-                                            deterministic_objective=self.config.gaussian_process_noise == 0.0)  # fmt: skip
+        sampler = optuna.samplers.GPSampler(
+            seed=0,
+            n_startup_trials=min(5, self.config.max_samples),
+            deterministic_objective=self.config.gaussian_process_noise == 0.0,
+        )
         self._study = optuna.create_study(direction="maximize", sampler=sampler)
         if self.config.log_file:
             self._log = open(self.config.log_file, "w", newline="")
@@ -135,7 +143,7 @@ class Autotuner:
             bucket_bytes=int(trial.suggest_categorical("bucket_mb", _BUCKET_MIB)) * _MIB,
             cache_enabled=trial.suggest_categorical("cache", [True, False]),
             hierarchical=trial.suggest_categorical("hierarchical", [True, False]) if self.tune_hierarchical else True,
-        )  # fmt: skip
+        )
         return torch.cat([proposal.to_tensor(), torch.tensor([0.0], dtype=torch.float64)])
 
     def apply(self, decided: torch.Tensor) -> TunedSettings:
@@ -150,8 +158,13 @@ class Autotuner:
 
     def _write(self, phase: str, settings: TunedSettings, score: float) -> None:
         if self._log is not None:
-            values = [settings.fusion_threshold_bytes, round(settings.cycle_time_ms, 3), settings.bucket_bytes,
-                      settings.cache_enabled, settings.hierarchical]  # fmt: skip
+            values = [
+                settings.fusion_threshold_bytes,
+                round(settings.cycle_time_ms, 3),
+                settings.bucket_bytes,
+                settings.cache_enabled,
+                settings.hierarchical,
+            ]
             csv.writer(self._log).writerow([self.samples, phase, *values, round(score, 1)])
             self._log.flush()
 

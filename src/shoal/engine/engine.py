@@ -65,11 +65,17 @@ class Engine:
         self.timeline: Timeline | None = None
         if config.timeline_path:
             self.timeline = self._open_timeline(config.timeline_path, config.timeline_mark_cycles)
-        self._watch = CollectiveWatch(rank, config.stall_check_time_s, config.stall_shutdown_time_s,
-                                      config.transport_timeout_s, self._stall_shutdown,
-                                      config.stall_check_disabled)  # fmt: skip
-        self._executor = Executor(rank, self.process_sets, lambda: self.timeline, self.hierarchical, self._watch,
-                                  config.transport_timeout_s)  # fmt: skip
+        self._watch = CollectiveWatch(
+            rank,
+            config.stall_check_time_s,
+            config.stall_shutdown_time_s,
+            config.transport_timeout_s,
+            self._stall_shutdown,
+            config.stall_check_disabled,
+        )
+        self._executor = Executor(
+            rank, self.process_sets, lambda: self.timeline, self.hierarchical, self._watch, config.transport_timeout_s
+        )
         self._cache_enabled = config.cache_capacity > 0
         """False with no cache, or while autotune has it off; implies a capacity > 0 when True."""
         self.tuned_bucket_bytes: int | None = None
@@ -78,9 +84,13 @@ class Engine:
         if config.autotune:
             import_optuna()  # every rank, so that a missing optuna fails init everywhere alike
             settings = TunedSettings(config.fusion_threshold_bytes, config.cycle_time_ms, None, self._cache_enabled)
-            tuning = AutotuneConfig(config.autotune_log_file, config.autotune_warmup_samples,
-                                    config.autotune_steps_per_sample, config.autotune_max_samples,
-                                    config.autotune_gaussian_process_noise)  # fmt: skip
+            tuning = AutotuneConfig(
+                config.autotune_log_file,
+                config.autotune_warmup_samples,
+                config.autotune_steps_per_sample,
+                config.autotune_max_samples,
+                config.autotune_gaussian_process_noise,
+            )
             self._autotune = Autotuner(tuning, rank, self.hierarchical is not None, settings)
         self._cache = ResponseCache(config.cache_capacity, rank)
         self._bit_words = (config.cache_capacity + 62) // 63
@@ -186,8 +196,15 @@ class Engine:
             if self.rank == 0:
                 get_logger().warning("hierarchical allreduce needs the same number of ranks on every host; using gloo")
             return None
-        local = create_local_group(store, topology.local_rank, topology.local_size, topology.host_of_rank[self.rank],
-                                   job, self.config.shm_slot_bytes, self.config.transport_timeout_s)  # fmt: skip
+        local = create_local_group(
+            store,
+            topology.local_rank,
+            topology.local_size,
+            topology.host_of_rank[self.rank],
+            job,
+            self.config.shm_slot_bytes,
+            self.config.transport_timeout_s,
+        )
         # Every host must take the same path, or the collectives would not pair up.
         available = torch.tensor([1 if local is not None else 0], dtype=torch.int64)
         collectives.allreduce_(available, "min", self._world)
@@ -198,8 +215,9 @@ class Engine:
             return None
         cross_group = None
         if topology.cross_size > 1:
-            cross_group = build_cross_groups(topology.local_rank_of_rank, topology.local_size,
-                                             self.config.transport_timeout_s)[topology.local_rank]  # fmt: skip
+            cross_group = build_cross_groups(topology.local_rank_of_rank, topology.local_size, self.config.transport_timeout_s)[
+                topology.local_rank
+            ]
         assert local is not None
         return HierarchicalAllreduce(local, cross_group, topology.cross_size)
 

@@ -76,9 +76,15 @@ def split_rows(rows: int, parts: int) -> list[int]:
 class Executor:
     """Executes batches of responses on this rank."""
 
-    def __init__(self, rank: int, process_sets: dict[int, ProcessSetState], timeline: Callable[[], Timeline | None],
-                 hierarchical: HierarchicalAllreduce | None, watch: CollectiveWatch,
-                 group_timeout_s: float | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        rank: int,
+        process_sets: dict[int, ProcessSetState],
+        timeline: Callable[[], Timeline | None],
+        hierarchical: HierarchicalAllreduce | None,
+        watch: CollectiveWatch,
+        group_timeout_s: float | None = None,
+    ) -> None:
         self.rank = rank
         self.hierarchical = hierarchical
         self._watch = watch
@@ -270,8 +276,7 @@ class Executor:
             return "SHM_ALLREDUCE" if self.hierarchical.cross_size == 1 else "HIERARCHICAL_ALLREDUCE"
         return "NCCL_ALLREDUCE" if buffer.is_cuda else "GLOO_ALLREDUCE"
 
-    def _reduce_(self, buffer: torch.Tensor, reduction: str, process_set: int, state: ProcessSetState,
-                 name: str) -> None:  # fmt: skip
+    def _reduce_(self, buffer: torch.Tensor, reduction: str, process_set: int, state: ProcessSetState, name: str) -> None:
         """Allreduce ``buffer`` in place: shared memory (hierarchical) for CPU tensors of the world, else gloo/NCCL."""
         wire = _real_view(buffer)
         with self._wire(f"allreduce '{name}'"):

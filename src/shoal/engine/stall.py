@@ -66,8 +66,15 @@ class CollectiveWatch:
     with the message, so that the pending requests fail instead of waiting for the transport's timeout.
     """
 
-    def __init__(self, rank: int, check_time_s: float, shutdown_time_s: float, transport_timeout_s: float,
-                 on_shutdown: Callable[[str], None], disabled: bool = False) -> None:  # fmt: skip
+    def __init__(
+        self,
+        rank: int,
+        check_time_s: float,
+        shutdown_time_s: float,
+        transport_timeout_s: float,
+        on_shutdown: Callable[[str], None],
+        disabled: bool = False,
+    ) -> None:
         self.rank = rank
         self.check_time_s = check_time_s
         self.shutdown_time_s = shutdown_time_s
@@ -117,8 +124,11 @@ class CollectiveWatch:
                     "Stall inspector: rank %d has been blocked for %.0f s in %s: another rank's engine is not taking "
                     "part (it may be inside a call that holds the GIL, stopped, or still running a long transfer). "
                     "The transport gives up after %.0f s (SHOAL_COLLECTIVE_TIMEOUT_SECONDS).",
-                    self.rank, waited, what, self.transport_timeout_s,
-                )  # fmt: skip
+                    self.rank,
+                    waited,
+                    what,
+                    self.transport_timeout_s,
+                )
             if self.shutdown_time_s > 0 and waited >= self.shutdown_time_s and not shut:
                 shut = True
                 self._on_shutdown(

@@ -75,21 +75,48 @@ class Timeline:
         with self._lock:
             ts, tid = self.now_us(), self._tid(tensor_name)
             for rank in ranks:
-                self._emit({"name": f"READY {rank}", "cat": "ready", "ph": "i", "s": "t", "ts": ts, "pid": self._rank,
-                            "tid": tid, "args": {"rank": rank}})  # fmt: skip
+                self._emit(
+                    {
+                        "name": f"READY {rank}",
+                        "cat": "ready",
+                        "ph": "i",
+                        "s": "t",
+                        "ts": ts,
+                        "pid": self._rank,
+                        "tid": tid,
+                        "args": {"rank": rank},
+                    }
+                )
 
     def compute(self, name: str, start_us: float, end_us: float) -> None:
         """A finished span on the compute row (FORWARD, BACKWARD, SYNCHRONIZE, UPDATE), times from ``now_us()``."""
         with self._lock:
-            self._emit({"name": name, "cat": "compute", "ph": "X", "ts": start_us, "dur": max(0.0, end_us - start_us),
-                        "pid": self._rank, "tid": 0})  # fmt: skip
+            self._emit(
+                {
+                    "name": name,
+                    "cat": "compute",
+                    "ph": "X",
+                    "ts": start_us,
+                    "dur": max(0.0, end_us - start_us),
+                    "pid": self._rank,
+                    "tid": 0,
+                }
+            )
 
     def mark_cycle(self, cycle: int) -> None:
         """An instant event at the start of an engine cycle (only with cycle marking on)."""
         if self.mark_cycles:
             with self._lock:
-                self._emit({"name": "CYCLE_START", "ph": "i", "s": "p", "ts": self.now_us(), "pid": self._rank,
-                            "args": {"cycle": cycle}})  # fmt: skip
+                self._emit(
+                    {
+                        "name": "CYCLE_START",
+                        "ph": "i",
+                        "s": "p",
+                        "ts": self.now_us(),
+                        "pid": self._rank,
+                        "args": {"cycle": cycle},
+                    }
+                )
 
     def flush(self) -> None:
         """Push buffered events to the file (called once per cycle)."""

@@ -19,10 +19,22 @@ _MAX_DIMS = 64
 def encode_requests(metas: list[RequestMeta]) -> bytes:
     """One rank's new requests, for the negotiation allgather."""
     rows = [
-        [m.name, m.kind.value, m.process_set, m.dtype, list(m.shape), m.op, m.root, m.prescale, m.postscale,
-         None if m.splits is None else list(m.splits), m.device, None if m.payload is None else list(m.payload)]
+        [
+            m.name,
+            m.kind.value,
+            m.process_set,
+            m.dtype,
+            list(m.shape),
+            m.op,
+            m.root,
+            m.prescale,
+            m.postscale,
+            None if m.splits is None else list(m.splits),
+            m.device,
+            None if m.payload is None else list(m.payload),
+        ]
         for m in metas
-    ]  # fmt: skip
+    ]
     return json.dumps(rows, separators=(",", ":")).encode()
 
 

@@ -36,8 +36,10 @@ class Calibration:
     def uniform(cls, latency_s: float, s_per_byte: float, flops_per_s: float) -> Calibration:
         """The same line for every exchange, with half-precision ones moving half the bytes (for tests, what-ifs)."""
         half = (latency_s, s_per_byte / 2)
-        return cls({"allreduce": (latency_s, s_per_byte), "fp16": half, "bf16": half,
-                    "allgather": (latency_s, s_per_byte)}, flops_per_s)  # fmt: skip
+        return cls(
+            {"allreduce": (latency_s, s_per_byte), "fp16": half, "bf16": half, "allgather": (latency_s, s_per_byte)},
+            flops_per_s,
+        )
 
 
 def fit_line(sizes: list[float], seconds: list[float]) -> tuple[float, float]:

@@ -49,11 +49,30 @@ Execution = tuple[float, int, int]
 class DriftMonitor:
     """Tracks measured against expected exchange time per layer, for one plan and calibration."""
 
-    __slots__ = ("_backoff", "_history", "_names", "_next_allowed", "_over", "_pending", "_plan_step", "_step",
-                 "calibration", "config", "plans", "rebuilds", "recalibrations", "terms")  # fmt: skip
+    __slots__ = (
+        "_backoff",
+        "_history",
+        "_names",
+        "_next_allowed",
+        "_over",
+        "_pending",
+        "_plan_step",
+        "_step",
+        "calibration",
+        "config",
+        "plans",
+        "rebuilds",
+        "recalibrations",
+        "terms",
+    )
 
-    def __init__(self, plans: list[LayerPlan], names_by_layer: dict[str, list[str]], calibration: Calibration,
-                 config: DriftConfig | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        plans: list[LayerPlan],
+        names_by_layer: dict[str, list[str]],
+        calibration: Calibration,
+        config: DriftConfig | None = None,
+    ) -> None:
         """Monitor ``plans``; ``names_by_layer`` lists, per layer, the engine request names of its exchange."""
         self.config = config or DriftConfig()
         self._step = 0
@@ -98,12 +117,12 @@ class DriftMonitor:
         # Fused with other layers, the collective's latency is shared: predict the batch, keep this layer's part.
         itemsize = plan.nbytes / max(sum(own for _, own, _ in parts), 1)
         share = sum(own / batch for _, own, batch in parts if batch)
-        expected = sum(self.calibration.seconds(exchange, batch * itemsize) * own / batch
-                       for _, own, batch in parts if batch)  # fmt: skip
+        expected = sum(self.calibration.seconds(exchange, batch * itemsize) * own / batch for _, own, batch in parts if batch)
         return expected, share
 
-    def record_step(self, execution_of: Callable[[str], Execution | None],
-                    extra_seconds: dict[str, float] | None = None) -> None:  # fmt: skip
+    def record_step(
+        self, execution_of: Callable[[str], Execution | None], extra_seconds: dict[str, float] | None = None
+    ) -> None:
         """Take this rank's measurements of a step; they count once ``agree`` has the ranks' agreed values.
 
         Args:
@@ -181,8 +200,12 @@ class DriftMonitor:
         return self._over >= self.config.steps and self._step >= self._next_allowed
 
 
-def refit(calibration: Calibration, plans: list[LayerPlan], terms: dict[str, tuple[float, float]],
-          rebuilds: dict[str, float] | None = None) -> Calibration:  # fmt: skip
+def refit(
+    calibration: Calibration,
+    plans: list[LayerPlan],
+    terms: dict[str, tuple[float, float]],
+    rebuilds: dict[str, float] | None = None,
+) -> Calibration:
     """Fit each exchange's α–β line, and the matmul rate, to what training measured, layer by layer.
 
     With two or more layers of different sizes on an exchange, α and β are refitted by least squares on relative
@@ -195,8 +218,11 @@ def refit(calibration: Calibration, plans: list[LayerPlan], terms: dict[str, tup
     ratios: dict[str, list[float]] = {}
     points: dict[str, list[tuple[float, float, float]]] = {}
     rebuilds = rebuilds or {}
-    rates = [plan.rebuild_flops / rebuilds[plan.name] for plan in plans
-             if plan.choice == Scheme.SFB and plan.rebuild_flops and rebuilds.get(plan.name, 0.0) > 0]  # fmt: skip
+    rates = [
+        plan.rebuild_flops / rebuilds[plan.name]
+        for plan in plans
+        if plan.choice == Scheme.SFB and plan.rebuild_flops and rebuilds.get(plan.name, 0.0) > 0
+    ]
     flops_per_s = statistics.median(rates) if rates else calibration.flops_per_s
     for plan in plans:
         exchange = plan.choice.exchange

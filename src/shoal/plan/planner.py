@@ -43,8 +43,14 @@ class LayerPlan:
         self.choice = Scheme.parse(self.choice, f"the plan of '{self.name}'")
 
 
-def predict(calibration: Calibration, workers: int, nbytes: int, linear: tuple[int, int, int] | None,
-            itemsize: int = 4, servers: int | None = None) -> dict[Scheme, float]:  # fmt: skip
+def predict(
+    calibration: Calibration,
+    workers: int,
+    nbytes: int,
+    linear: tuple[int, int, int] | None,
+    itemsize: int = 4,
+    servers: int | None = None,
+) -> dict[Scheme, float]:
     """Predicted seconds for each eligible scheme for one layer's gradient of ``nbytes``.
 
     Args:
@@ -56,8 +62,11 @@ def predict(calibration: Calibration, workers: int, nbytes: int, linear: tuple[i
         servers: S, the parameter servers to predict ``ps`` for (None: no ``ps`` prediction).
     """
     if workers == 1:
-        return {scheme: 0.0 for scheme in SCHEMES
-                if (scheme != Scheme.SFB or linear is not None) and (scheme != Scheme.PS or servers)}  # fmt: skip
+        return {
+            scheme: 0.0
+            for scheme in SCHEMES
+            if (scheme != Scheme.SFB or linear is not None) and (scheme != Scheme.PS or servers)
+        }
     predictions = {s: calibration.seconds(s.value, nbytes) for s in (Scheme.ALLREDUCE, Scheme.FP16, Scheme.BF16)}
     if linear is not None:
         rows, outputs, inputs = linear
@@ -65,8 +74,9 @@ def predict(calibration: Calibration, workers: int, nbytes: int, linear: tuple[i
         gathered_grad = workers * rows * outputs * itemsize
         rebuild = sfb_rebuild_flops(workers, linear) / calibration.flops_per_s
         # Two allgathers (inputs and output gradients), then one matmul rebuilds the summed gradient.
-        predictions[Scheme.SFB] = (calibration.seconds("allgather", gathered_input)
-                              + calibration.seconds("allgather", gathered_grad) + rebuild)  # fmt: skip
+        predictions[Scheme.SFB] = (
+            calibration.seconds("allgather", gathered_input) + calibration.seconds("allgather", gathered_grad) + rebuild
+        )
     if servers:
         predictions[Scheme.PS] = predict_ps(calibration, workers, servers, nbytes)
     return predictions
@@ -141,8 +151,14 @@ def build_plan(
         if isinstance(module, nn.Linear) and name in rows:
             linear = (rows[name], module.out_features, module.in_features)
         predictions = predict(calibration, workers, nbytes, linear, params[0].element_size(), servers)
-        plan = LayerPlan(name, type(module).__name__, tuple(module.weight.shape) if hasattr(module, "weight") else (),
-                         nbytes, rows.get(name), {k: v * 1e3 for k, v in predictions.items()})  # fmt: skip
+        plan = LayerPlan(
+            name,
+            type(module).__name__,
+            tuple(module.weight.shape) if hasattr(module, "weight") else (),
+            nbytes,
+            rows.get(name),
+            {k: v * 1e3 for k, v in predictions.items()},
+        )
         if linear is not None:
             plan.rebuild_flops = sfb_rebuild_flops(workers, linear)
         forced = forced_scheme(name, module, overrides)
@@ -164,8 +180,9 @@ def expected_ms(plan: LayerPlan) -> float:
 
 def median_error(plans: list[LayerPlan]) -> float | None:
     """Median over layers of |expected - measured| / measured for the chosen scheme (None before measurements)."""
-    errors = sorted(abs(expected_ms(p) - p.measured_ms) / p.measured_ms
-                    for p in plans if p.measured_ms and p.choice in p.predicted_ms)  # fmt: skip
+    errors = sorted(
+        abs(expected_ms(p) - p.measured_ms) / p.measured_ms for p in plans if p.measured_ms and p.choice in p.predicted_ms
+    )
     return errors[len(errors) // 2] if errors else None
 
 
@@ -178,8 +195,10 @@ def format_plan(plans: list[LayerPlan], workers: int, calibration: Calibration |
         measured = f"{plan.measured_ms:>9.3f}" if plan.measured_ms is not None else f"{'-':>9}"
         measured = (f"{plan.expected_ms:>9.3f} " if plan.expected_ms is not None else f"{'-':>9} ") + measured
         choice = plan.choice.value + ("*" if plan.forced else "")
-        lines.append(f"{plan.name or '(model)':<24} {'x'.join(map(str, plan.shape)):<16} {plan.nbytes:>11} "
-                     f"{plan.rows if plan.rows is not None else '-':>6} {cells} {choice:>10} {measured}")  # fmt: skip
+        lines.append(
+            f"{plan.name or '(model)':<24} {'x'.join(map(str, plan.shape)):<16} {plan.nbytes:>11} "
+            f"{plan.rows if plan.rows is not None else '-':>6} {cells} {choice:>10} {measured}"
+        )
     error = median_error(plans)
     if error is not None:
         count = sum(1 for p in plans if p.measured_ms and p.choice in p.predicted_ms)
@@ -187,7 +206,9 @@ def format_plan(plans: list[LayerPlan], workers: int, calibration: Calibration |
     for link, (latency, per_byte) in (calibration.links if calibration is not None else {}).items():
         rate = f"{1e-9 / per_byte:.2f} GB/s" if per_byte > 0 else "unbounded"
         lines.append(f"{link} link (gloo allreduce): latency {latency * 1e3:.3f} ms, {rate}")
-    lines.append("* forced by comm_overrides. expected: the choice's prediction as executed (fused layers share one "
-                 "latency); measured: the fastest rank's time in training (not ps); both running medians; auto "
-                 "chooses ps only with dedicated servers (shoalrun --num-servers)")  # fmt: skip
+    lines.append(
+        "* forced by comm_overrides. expected: the choice's prediction as executed (fused layers share one "
+        "latency); measured: the fastest rank's time in training (not ps); both running medians; auto "
+        "chooses ps only with dedicated servers (shoalrun --num-servers)"
+    )
     return "\n".join(lines)

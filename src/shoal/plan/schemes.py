@@ -44,8 +44,7 @@ class Scheme(str, enum.Enum):
             raise ValueError(f"unknown scheme {value!r} in {where}; choose from {[s.value for s in cls]}") from None
 
 
-_EXCHANGE = {Scheme.ALLREDUCE: "allreduce", Scheme.FP16: "fp16", Scheme.BF16: "bf16", Scheme.SFB: "allgather",
-             Scheme.PS: None}  # fmt: skip
+_EXCHANGE = {Scheme.ALLREDUCE: "allreduce", Scheme.FP16: "fp16", Scheme.BF16: "bf16", Scheme.SFB: "allgather", Scheme.PS: None}
 
 SCHEMES = tuple(Scheme)
 """Every scheme, in the planner's order of preference on a tie."""

@@ -67,8 +67,9 @@ class PSClient:
         self._next_session = 0
         self._send_locks = [threading.Lock() for _ in range(servers)]
         self._closed = False
-        self._receivers = [threading.Thread(target=self._receive, args=(s,), name=f"shoal-ps-recv{s}", daemon=True)
-                           for s in range(servers)]  # fmt: skip
+        self._receivers = [
+            threading.Thread(target=self._receive, args=(s,), name=f"shoal-ps-recv{s}", daemon=True) for s in range(servers)
+        ]
         for thread in self._receivers:
             thread.start()
 
@@ -84,8 +85,12 @@ class PSClient:
         session_id = self._next_session
         self._next_session += 1
         pieces = build_shard_plan([(p.numel(), p.element_size()) for p in params], self.servers)
-        spec = replace(spec, pieces=[[q.param, q.start, q.numel, q.itemsize, q.server] for q in pieces], names=names,
-                       dtypes=[str(p.dtype).removeprefix("torch.") for p in params])  # fmt: skip
+        spec = replace(
+            spec,
+            pieces=[[q.param, q.start, q.numel, q.itemsize, q.server] for q in pieces],
+            names=names,
+            dtypes=[str(p.dtype).removeprefix("torch.") for p in params],
+        )
         key = f"session/{session_id}"
         if self.worker == 0:
             store.set(key, spec.to_json())
@@ -160,8 +165,10 @@ class PSClient:
             while not self.cond.wait_for(lambda: self.error is not None or done(), timeout=period_s):
                 get_logger().warning(
                     "shoal.ps: worker %d has waited %.0f s for the servers' replies to pieces %s",
-                    self.worker, time.monotonic() - started, missing()[:8],
-                )  # fmt: skip
+                    self.worker,
+                    time.monotonic() - started,
+                    missing()[:8],
+                )
 
     def fail(self, message: str) -> None:
         """Record the first failure and wake everything that waits."""

@@ -31,8 +31,9 @@ _CLOSE_TIMEOUT_S = 600.0
 class _Connection:
     """What this process holds of the group: its client, and in co-located mode its server and that thread."""
 
-    def __init__(self, client: PSClient, store: Any, server: ShardServer | None, thread: threading.Thread | None,
-                 generation: int) -> None:  # fmt: skip
+    def __init__(
+        self, client: PSClient, store: Any, server: ShardServer | None, thread: threading.Thread | None, generation: int
+    ) -> None:
         self.client = client
         self.store = store
         self.server = server
@@ -74,8 +75,12 @@ def _join(config: PSConfig, current: Any) -> _Connection:
             )
         _served_generations.add(current.generation)
         servers = config.num_servers
-        store = connect_job_store(os.environ["SHOAL_RENDEZVOUS_ADDR"], int(os.environ["SHOAL_RENDEZVOUS_PORT"]),
-                                  os.environ.get("SHOAL_SECRET"), timeout_s)  # fmt: skip
+        store = connect_job_store(
+            os.environ["SHOAL_RENDEZVOUS_ADDR"],
+            int(os.environ["SHOAL_RENDEZVOUS_PORT"]),
+            os.environ.get("SHOAL_SECRET"),
+            timeout_s,
+        )
         group = PeerGroup(store, worker, workers + servers)
         arrive_and_wait(store, "arrived", workers + servers, timeout_s, f"worker {worker}")
         client = PSClient(group, worker, workers, servers, dedicated=True)

@@ -25,8 +25,9 @@ from collections.abc import Mapping
 SERVER_MODULE = "shoal.ps.server"
 
 
-def server_processes(num_servers: int, num_workers: int, rendezvous_env: Mapping[str, str],
-                     python: str = sys.executable) -> list[tuple[list[str], dict[str, str]]]:  # fmt: skip
+def server_processes(
+    num_servers: int, num_workers: int, rendezvous_env: Mapping[str, str], python: str = sys.executable
+) -> list[tuple[list[str], dict[str, str]]]:
     """The command line and the environment additions of each dedicated server, in server-index order.
 
     Args:

@@ -41,8 +41,11 @@ def describe_optimizer(optimizer_class: type, param_groups: list[dict[str, Any]]
     groups = []
     for group in param_groups:
         defaults = optimizer_class([torch.zeros(1, requires_grad=True)]).defaults
-        ignored = sorted(k for k, v in group.items() if k in defaults and k not in _HYPERPARAMETERS[name]
-                         and k not in _RUNTIME_ONLY and v != defaults[k])  # fmt: skip
+        ignored = sorted(
+            k
+            for k, v in group.items()
+            if k in defaults and k not in _HYPERPARAMETERS[name] and k not in _RUNTIME_ONLY and v != defaults[k]
+        )
         if ignored:
             raise ValueError(
                 f"comm='ps' cannot run {name} with {', '.join(f'{k}={group[k]!r}' for k in ignored)} on the servers "

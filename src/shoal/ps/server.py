@@ -47,8 +47,9 @@ class _PieceState:
 
     __slots__ = ("arrived", "clocks", "cond", "grads", "index", "initialized", "optimizer", "sum", "value", "version")
 
-    def __init__(self, index: int, numel: int, dtype: torch.dtype, optimizer_name: str, hyper: dict[str, Any],
-                 workers: int) -> None:  # fmt: skip
+    def __init__(
+        self, index: int, numel: int, dtype: torch.dtype, optimizer_name: str, hyper: dict[str, Any], workers: int
+    ) -> None:
         self.index = index
         self.value = torch.zeros(numel, dtype=dtype)
         self.optimizer = build_server_optimizer(optimizer_name, hyper, self.value)
@@ -79,8 +80,9 @@ class _Session:
 class ShardServer:
     """Serves this shard to every worker until all of them said goodbye (or one vanished)."""
 
-    def __init__(self, group: PeerGroup, workers: int, server_index: int, store: Any,
-                 recorder: PullRecorder | None = None) -> None:  # fmt: skip
+    def __init__(
+        self, group: PeerGroup, workers: int, server_index: int, store: Any, recorder: PullRecorder | None = None
+    ) -> None:
         """Args:
         group: the point-to-point group; workers are ranks 0..P-1, this server is ``group.rank``.
         workers: P.
@@ -114,8 +116,9 @@ class ShardServer:
             WorkerLostError: a worker vanished; every other worker was told which one.
         """
         for worker in range(self.workers):
-            threading.Thread(target=self._handle, args=(worker,), name=f"shoal-ps{self.server_index}-w{worker}",
-                             daemon=True).start()  # fmt: skip
+            threading.Thread(
+                target=self._handle, args=(worker,), name=f"shoal-ps{self.server_index}-w{worker}", daemon=True
+            ).start()
         self._finished.wait()
         if self._failure is not None:
             raise WorkerLostError(self._failure)
@@ -168,8 +171,9 @@ class ShardServer:
 
     # ----- applying -----
 
-    def _apply(self, session: _Session, session_id: int, state: _PieceState, worker: int, clock: int, lr: float,
-               grad: torch.Tensor) -> None:  # fmt: skip
+    def _apply(
+        self, session: _Session, session_id: int, state: _PieceState, worker: int, clock: int, lr: float, grad: torch.Tensor
+    ) -> None:
         with state.cond:
             state.cond.wait_for(lambda: state.initialized or self._failure is not None)
             if self._failure is not None:
@@ -271,13 +275,16 @@ def main() -> None:
     servers = env_int("NUM_SERVERS", 0)
     workers = env_int("PS_NUM_WORKERS", 0)
     if not 0 <= index < servers or workers < 1:
-        sys.exit(f"shoal.ps.server: bad environment: SHOAL_PS_SERVER_INDEX={index} SHOAL_NUM_SERVERS={servers} "
-                 f"SHOAL_PS_NUM_WORKERS={workers}")  # fmt: skip
+        sys.exit(
+            f"shoal.ps.server: bad environment: SHOAL_PS_SERVER_INDEX={index} SHOAL_NUM_SERVERS={servers} "
+            f"SHOAL_PS_NUM_WORKERS={workers}"
+        )
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))  # the launcher ends an idle server when the job ends
     torch.set_num_threads(1)
     timeout_s = env_float("START_TIMEOUT", 30.0)
-    store = connect_job_store(os.environ["SHOAL_RENDEZVOUS_ADDR"], int(os.environ["SHOAL_RENDEZVOUS_PORT"]),
-                              os.environ.get("SHOAL_SECRET"), timeout_s)  # fmt: skip
+    store = connect_job_store(
+        os.environ["SHOAL_RENDEZVOUS_ADDR"], int(os.environ["SHOAL_RENDEZVOUS_PORT"]), os.environ.get("SHOAL_SECRET"), timeout_s
+    )
     server = build_dedicated_server(store, workers, servers, index)
     try:
         server.serve()
@@ -288,8 +295,9 @@ def main() -> None:
     os._exit(0)
 
 
-def build_dedicated_server(store: Any, workers: int, servers: int, index: int,
-                           recorder: PullRecorder | None = None) -> ShardServer:  # fmt: skip
+def build_dedicated_server(
+    store: Any, workers: int, servers: int, index: int, recorder: PullRecorder | None = None
+) -> ShardServer:
     """Join the job's parameter-server group as server ``index`` (waits, unbounded, for the workers to come)."""
     group = PeerGroup(store, workers + index, workers + servers)
     arrive_and_wait(store, "arrived", workers + servers, None, f"parameter server {index}")

@@ -80,8 +80,14 @@ def run(
     flags: list[str] = []
     if count is not None:
         flags += ["-np", str(count)]
-    for flag, value in (("-H", hosts), ("--hostfile", hostfile), ("-p", ssh_port), ("-i", ssh_identity_file),
-                        ("--start-timeout", start_timeout), ("--output-filename", output_filename)):  # fmt: skip
+    for flag, value in (
+        ("-H", hosts),
+        ("--hostfile", hostfile),
+        ("-p", ssh_port),
+        ("-i", ssh_identity_file),
+        ("--start-timeout", start_timeout),
+        ("--output-filename", output_filename),
+    ):
         if value is not None:
             flags += [flag, str(value)]
     interfaces = list(network_interfaces or []) + ([network_interface] if network_interface else [])

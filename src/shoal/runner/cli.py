@@ -140,10 +140,16 @@ def build_parser() -> argparse.ArgumentParser:
     elastic = parser.add_argument_group(
         "elastic training (any of these flags makes the job elastic: it survives workers that die or join)"
     )
-    elastic.add_argument("--min-np", "--min-num-proc", dest="min_np", type=int,
-                         help="fewest workers the job may run with (default: -np)")  # fmt: skip
-    elastic.add_argument("--max-np", "--max-num-proc", dest="max_np", type=int,
-                         help="most workers the job may grow to (default: every slot offered)")  # fmt: skip
+    elastic.add_argument(
+        "--min-np", "--min-num-proc", dest="min_np", type=int, help="fewest workers the job may run with (default: -np)"
+    )
+    elastic.add_argument(
+        "--max-np",
+        "--max-num-proc",
+        dest="max_np",
+        type=int,
+        help="most workers the job may grow to (default: every slot offered)",
+    )
     elastic.add_argument(
         "--host-discovery-script",
         help="executable polled every second; prints the available hosts, one 'host:slots' per line",
@@ -200,8 +206,7 @@ def build_parser() -> argparse.ArgumentParser:
     tuning = parser.add_argument_group("engine tuning (passed to the workers as environment variables)")
     tuning.add_argument("--timeline-filename", help="write a Chrome-trace timeline of the engine to this file (SHOAL_TIMELINE)")
     tuning.add_argument("--timeline-mark-cycles", action="store_true", help="mark engine cycles in the timeline")
-    tuning.add_argument("--no-timeline-mark-cycles", dest="timeline_mark_cycles", action="store_false",
-                        help=argparse.SUPPRESS)  # fmt: skip
+    tuning.add_argument("--no-timeline-mark-cycles", dest="timeline_mark_cycles", action="store_false", help=argparse.SUPPRESS)
     tuning.add_argument("--fusion-threshold-mb", type=float, help="tensor fusion buffer size in MiB (SHOAL_FUSION_THRESHOLD)")
     tuning.add_argument("--cycle-time-ms", type=float, help="engine cycle time in ms (SHOAL_CYCLE_TIME)")
     tuning.add_argument(
@@ -296,8 +301,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.config_file:
         tokens = list(sys.argv[1:] if argv is None else argv)
         flags = tokens[: len(tokens) - len(args.command)]
-        given = {action.dest for action in parser._actions
-                 if any(t == o or t.startswith(o + "=") for t in flags for o in action.option_strings)}  # fmt: skip
+        given = {
+            action.dest
+            for action in parser._actions
+            if any(t == o or t.startswith(o + "=") for t in flags for o in action.option_strings)
+        }
         try:
             apply_config(args, load_config(args.config_file), given)
         except ValueError as error:

@@ -47,8 +47,9 @@ def progress_period(timeout_s: float) -> float:
 class HostDiscovery:
     """Keeps the current host list: static (``-H``/``--hostfile``/``-np``), or polled from a script in a thread."""
 
-    def __init__(self, static_hosts: list[HostSlots], script: str | None, interval_s: float = 1.0,
-                 default_slots: int = 1) -> None:  # fmt: skip
+    def __init__(
+        self, static_hosts: list[HostSlots], script: str | None, interval_s: float = 1.0, default_slots: int = 1
+    ) -> None:
         self._hosts = list(static_hosts)
         self._script = script
         self._interval_s = interval_s
@@ -105,6 +106,10 @@ class HostDiscovery:
                 return False
             if now - said >= progress_period(timeout_s):
                 said = now
-                print(f"shoalrun: host discovery offers {offered} of the {needed} slots needed; waiting "
-                      f"{deadline - now:.0f} s more", file=sys.stderr, flush=True)  # fmt: skip
+                print(
+                    f"shoalrun: host discovery offers {offered} of the {needed} slots needed; waiting "
+                    f"{deadline - now:.0f} s more",
+                    file=sys.stderr,
+                    flush=True,
+                )
             time.sleep(0.1)

@@ -179,13 +179,19 @@ class ElasticJob(Job):
             if not was_member or (finished and not worker.joined):
                 continue  # a removed worker, or a newcomer that never took part: nothing to recover from
             if finished:
-                print(f"shoalrun: worker {worker.worker_id} (rank {worker.rank}) on host {worker.hostname} "
-                      f"{_describe_status(code)} after other workers had finished; ending the job",
-                      file=sys.stderr, flush=True)  # fmt: skip
+                print(
+                    f"shoalrun: worker {worker.worker_id} (rank {worker.rank}) on host {worker.hostname} "
+                    f"{_describe_status(code)} after other workers had finished; ending the job",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 return 128 - code if code < 0 else code
-            print(f"shoalrun: worker {worker.worker_id} (rank {worker.rank}) on host {worker.hostname} "
-                  f"{_describe_status(code)}; host {worker.hostname} gets no new workers; re-forming the job",
-                  file=sys.stderr, flush=True)  # fmt: skip
+            print(
+                f"shoalrun: worker {worker.worker_id} (rank {worker.rank}) on host {worker.hostname} "
+                f"{_describe_status(code)}; host {worker.hostname} gets no new workers; re-forming the job",
+                file=sys.stderr,
+                flush=True,
+            )
             self._reset_reason = f"worker {worker.worker_id} failed"
         if any(w.state == "finished" for w in self.elastic) and not any(w.joined for w in self._alive("member")):
             # Training is over; newcomers still waiting to join (or removed workers still leaving) are not needed.
@@ -209,8 +215,9 @@ class ElasticJob(Job):
 
         args = self.args
         if not self.discovery.wait_for_slots(args.min_np, args.elastic_timeout, self.excluded_hosts):
-            return self._fail(f"fewer than --min-np {args.min_np} slots were available within --elastic-timeout "
-                              f"{args.elastic_timeout:.0f} s")  # fmt: skip
+            return self._fail(
+                f"fewer than --min-np {args.min_np} slots were available within --elastic-timeout {args.elastic_timeout:.0f} s"
+            )
         self._store_thread.join()  # the driver writes rounds into the store from the start
         if self._store_error is None:
             self._keys = ElasticKeys(secret_namespace(self.secret))
@@ -252,17 +259,28 @@ class ElasticJob(Job):
         due = waited >= bound or (waited >= period and now - self._progress_said >= period)
         if not due:
             return
-        missing = [m for m in self._round_members if m.process.returncode is None
-                   and not self._store.check([self._keys.arrival(self.round, m.worker_id)])]  # fmt: skip
+        missing = [
+            m
+            for m in self._round_members
+            if m.process.returncode is None and not self._store.check([self._keys.arrival(self.round, m.worker_id)])
+        ]
         if waited < bound:
             self._progress_said = now
             if missing:
-                print(f"shoalrun: round {self.round} waits for worker(s) {', '.join(m.worker_id for m in missing)} "
-                      f"to join; {bound - waited:.0f} s left before they are ended", file=sys.stderr, flush=True)  # fmt: skip
+                print(
+                    f"shoalrun: round {self.round} waits for worker(s) {', '.join(m.worker_id for m in missing)} "
+                    f"to join; {bound - waited:.0f} s left before they are ended",
+                    file=sys.stderr,
+                    flush=True,
+                )
             return
         for member in missing:
-            print(f"shoalrun: worker {member.worker_id} did not join round {self.round} within {bound:.0f} s "
-                  "(--elastic-timeout + --start-timeout); ending it", file=sys.stderr, flush=True)  # fmt: skip
+            print(
+                f"shoalrun: worker {member.worker_id} did not join round {self.round} within {bound:.0f} s "
+                "(--elastic-timeout + --start-timeout); ending it",
+                file=sys.stderr,
+                flush=True,
+            )
             member.process.signal_tree(signal.SIGKILL)
         self._round_published_at = time.monotonic()  # its exit is a failure like any other, handled by _reap
 
@@ -281,25 +299,37 @@ class ElasticJob(Job):
             now = time.monotonic()
             if self._below_min_since is None:
                 self._below_min_since = now
-                print(f"shoalrun: {len(members)} worker(s) left, fewer than --min-np {args.min_np}; waiting up "
-                      f"to --elastic-timeout {args.elastic_timeout:.0f} s for more hosts",
-                      file=sys.stderr, flush=True)  # fmt: skip
+                print(
+                    f"shoalrun: {len(members)} worker(s) left, fewer than --min-np {args.min_np}; waiting up "
+                    f"to --elastic-timeout {args.elastic_timeout:.0f} s for more hosts",
+                    file=sys.stderr,
+                    flush=True,
+                )
             if now - self._below_min_since >= args.elastic_timeout:
-                return self._fail(f"only {len(members)} worker(s) remain, fewer than --min-np {args.min_np}, and no "
-                                  f"host offered more slots within --elastic-timeout {args.elastic_timeout:.0f} s")  # fmt: skip
+                return self._fail(
+                    f"only {len(members)} worker(s) remain, fewer than --min-np {args.min_np}, and no "
+                    f"host offered more slots within --elastic-timeout {args.elastic_timeout:.0f} s"
+                )
             if now - max(self._below_min_since, self._progress_said) >= progress_period(args.elastic_timeout):
                 self._progress_said = now
                 left = args.elastic_timeout - (now - self._below_min_since)
-                print(f"shoalrun: still {len(members)} worker(s), fewer than --min-np {args.min_np}; {left:.0f} s "
-                      "left for hosts to offer more", file=sys.stderr, flush=True)  # fmt: skip
+                print(
+                    f"shoalrun: still {len(members)} worker(s), fewer than --min-np {args.min_np}; {left:.0f} s "
+                    "left for hosts to offer more",
+                    file=sys.stderr,
+                    flush=True,
+                )
             return None
         if args.reset_limit is not None and self.resets >= args.reset_limit:
             return self._fail(f"the job needs to re-form ({reason}) but --reset-limit {args.reset_limit} is reached")
         self._below_min_since = None
         self._reset_reason = None
         self._ready_seen_at = None
-        print(f"shoalrun: re-forming the job with {len(members)} workers ({reason}); reset {self.resets + 1}",
-              file=sys.stderr, flush=True)  # fmt: skip
+        print(
+            f"shoalrun: re-forming the job with {len(members)} workers ({reason}); reset {self.resets + 1}",
+            file=sys.stderr,
+            flush=True,
+        )
         self._publish_round(members)
         return None
 

@@ -154,9 +154,17 @@ def place_ranks(hostnames: list[str]) -> list[SlotInfo]:
         local_rank = next_local.get(hostname, 0)
         next_local[hostname] = local_rank + 1
         cross_hosts = [h for h in hosts_in_order if counts[h] > local_rank]
-        slots.append(SlotInfo(hostname=hostname, rank=rank, size=len(hostnames), local_rank=local_rank,
-                              local_size=counts[hostname], cross_rank=cross_hosts.index(hostname),
-                              cross_size=len(cross_hosts)))  # fmt: skip
+        slots.append(
+            SlotInfo(
+                hostname=hostname,
+                rank=rank,
+                size=len(hostnames),
+                local_rank=local_rank,
+                local_size=counts[hostname],
+                cross_rank=cross_hosts.index(hostname),
+                cross_size=len(cross_hosts),
+            )
+        )
     return slots
 
 

@@ -53,8 +53,19 @@ def forwarded_env(environ: Mapping[str, str], requested: list[str]) -> dict[str,
 def ssh_argv(args: argparse.Namespace, hostname: str, remote_cmd: str) -> list[str]:
     """The ssh command that runs ``remote_cmd`` on ``hostname`` with shoalrun's ssh flags."""
     # Keep-alives make a vanished host end its ssh client (so shoalrun sees the worker fail) within ~15 s.
-    argv = ["ssh", "-o", "BatchMode=yes", "-o", f"StrictHostKeyChecking={args.ssh_strict_host_key_checking}",
-            "-o", "LogLevel=ERROR", "-o", "ServerAliveInterval=5", "-o", "ServerAliveCountMax=3"]  # fmt: skip
+    argv = [
+        "ssh",
+        "-o",
+        "BatchMode=yes",
+        "-o",
+        f"StrictHostKeyChecking={args.ssh_strict_host_key_checking}",
+        "-o",
+        "LogLevel=ERROR",
+        "-o",
+        "ServerAliveInterval=5",
+        "-o",
+        "ServerAliveCountMax=3",
+    ]
     if args.ssh_port:
         argv += ["-p", str(args.ssh_port)]
     if args.ssh_identity_file:
@@ -81,10 +92,13 @@ def knob_env(args: argparse.Namespace) -> dict[str, str]:
         env["SHOAL_HIERARCHICAL_ALLREDUCE"] = "0"
     if args.autotune:
         env["SHOAL_AUTOTUNE"] = "1"
-    for flag, name in (("autotune_log_file", "AUTOTUNE_LOG"), ("autotune_warmup_samples", "AUTOTUNE_WARMUP_SAMPLES"),
-                       ("autotune_steps_per_sample", "AUTOTUNE_STEPS_PER_SAMPLE"),
-                       ("autotune_bayes_opt_max_samples", "AUTOTUNE_BAYES_OPT_MAX_SAMPLES"),
-                       ("autotune_gaussian_process_noise", "AUTOTUNE_GAUSSIAN_PROCESS_NOISE")):  # fmt: skip
+    for flag, name in (
+        ("autotune_log_file", "AUTOTUNE_LOG"),
+        ("autotune_warmup_samples", "AUTOTUNE_WARMUP_SAMPLES"),
+        ("autotune_steps_per_sample", "AUTOTUNE_STEPS_PER_SAMPLE"),
+        ("autotune_bayes_opt_max_samples", "AUTOTUNE_BAYES_OPT_MAX_SAMPLES"),
+        ("autotune_gaussian_process_noise", "AUTOTUNE_GAUSSIAN_PROCESS_NOISE"),
+    ):
         value = getattr(args, flag)
         if value is not None:
             env[f"SHOAL_{name}"] = os.path.abspath(value) if flag == "autotune_log_file" else str(value)
@@ -229,8 +243,12 @@ class Job:
         threads = max(1, (os.cpu_count() or 1) // local_workers)
         if not self._said_threads:
             self._said_threads = True
-            print(f"shoalrun: OMP_NUM_THREADS={threads} for each local worker ({os.cpu_count()} cores / {local_workers} "
-                  "workers); set OMP_NUM_THREADS to choose another", file=sys.stderr, flush=True)  # fmt: skip
+            print(
+                f"shoalrun: OMP_NUM_THREADS={threads} for each local worker ({os.cpu_count()} cores / {local_workers} "
+                "workers); set OMP_NUM_THREADS to choose another",
+                file=sys.stderr,
+                flush=True,
+            )
         return threads
 
     def _verbose(self, message: str) -> None:
@@ -267,8 +285,13 @@ class Job:
             env["PYTHONPATH"] = os.pathsep.join(p for p in (HOROVOD_SHIM_PATH, os.environ.get("PYTHONPATH")) if p)
         return env
 
-    def _spawn(self, slot: SlotInfo, worker_env: dict[str, str] | None = None, server_index: int | None = None,
-               command: list[str] | None = None) -> Worker:  # fmt: skip
+    def _spawn(
+        self,
+        slot: SlotInfo,
+        worker_env: dict[str, str] | None = None,
+        server_index: int | None = None,
+        command: list[str] | None = None,
+    ) -> Worker:
         extra = self._job_env()
         if server_index is None:
             extra.update(slot_env(slot))
@@ -325,8 +348,7 @@ class Job:
                 rank_dir.mkdir(parents=True, exist_ok=True)
                 log_path = rank_dir / stream_name
             visible = server_index is not None or self.shown_ranks is None or slot.rank in self.shown_ranks
-            pump = OutputPump(stream, sink, self._sink_lock, tag, stream_name, log_path, self.args.prefix_timestamp,
-                              visible)  # fmt: skip
+            pump = OutputPump(stream, sink, self._sink_lock, tag, stream_name, log_path, self.args.prefix_timestamp, visible)
             pump.start()
             worker.pumps.append(pump)
         return worker

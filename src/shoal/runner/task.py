@@ -31,8 +31,13 @@ def task_prefix(secret: str | None) -> str:
 def main() -> int:
     """Run the job's function on this rank; exit 0 when it returned, 1 when it raised."""
     secret = os.environ.get("SHOAL_SECRET")
-    store = connect_job_store(os.environ["SHOAL_RENDEZVOUS_ADDR"], int(os.environ["SHOAL_RENDEZVOUS_PORT"]), secret,
-                              env_float("START_TIMEOUT", 30.0), prefix=task_prefix(secret))  # fmt: skip
+    store = connect_job_store(
+        os.environ["SHOAL_RENDEZVOUS_ADDR"],
+        int(os.environ["SHOAL_RENDEZVOUS_PORT"]),
+        secret,
+        env_float("START_TIMEOUT", 30.0),
+        prefix=task_prefix(secret),
+    )
     rank = int(os.environ["SHOAL_RANK"])
     try:
         func, args, kwargs = pickle.loads(store.get(PAYLOAD_KEY))

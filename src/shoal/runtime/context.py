@@ -103,10 +103,22 @@ def init() -> Context:
             if not all(isinstance(g, list) and len(g) == 2 and isinstance(g[0], str) and type(g[1]) is int for g in gathered):
                 raise RuntimeError(f"shoal: malformed topology exchange at init: {gathered!r}")
             topology = build_topology(launch.rank, [g[0] for g in gathered], [g[1] for g in gathered])
-            _context = Context(launch=launch, topology=topology, backend=backend, generation=generation,
-                               store=scoped_store, job_store=job_store)  # fmt: skip
-            get_logger().debug("rank %d/%d initialized by %s (generation %d, backend %s)", topology.rank,
-                               topology.size, launch.launcher, generation, backend)  # fmt: skip
+            _context = Context(
+                launch=launch,
+                topology=topology,
+                backend=backend,
+                generation=generation,
+                store=scoped_store,
+                job_store=job_store,
+            )
+            get_logger().debug(
+                "rank %d/%d initialized by %s (generation %d, backend %s)",
+                topology.rank,
+                topology.size,
+                launch.launcher,
+                generation,
+                backend,
+            )
             for hook in _init_hooks:
                 hook(_context)
         except Exception as error:
@@ -145,12 +157,18 @@ def _join_elastic_round(launch: LaunchInfo, job_store: Any) -> tuple[LaunchInfo,
     worker_id = os.environ[elastic_rendezvous.ELASTIC_ID_ENV]
     assignment, round_number = elastic_rendezvous.join_round(job_store, keys, worker_id, _elastic_round, timeout_s)
     _elastic_round = round_number
-    for name, value in (("RANK", assignment.rank), ("SIZE", assignment.size), ("LOCAL_RANK", assignment.local_rank),
-                        ("LOCAL_SIZE", assignment.local_size), ("CROSS_RANK", assignment.cross_rank),
-                        ("CROSS_SIZE", assignment.cross_size)):  # fmt: skip
+    for name, value in (
+        ("RANK", assignment.rank),
+        ("SIZE", assignment.size),
+        ("LOCAL_RANK", assignment.local_rank),
+        ("LOCAL_SIZE", assignment.local_size),
+        ("CROSS_RANK", assignment.cross_rank),
+        ("CROSS_SIZE", assignment.cross_size),
+    ):
         os.environ[f"SHOAL_{name}"] = os.environ[f"HOROVOD_{name}"] = str(value)
-    launch = dataclasses.replace(launch, rank=assignment.rank, size=assignment.size,
-                                 local_rank=assignment.local_rank, host_key=assignment.hostname)  # fmt: skip
+    launch = dataclasses.replace(
+        launch, rank=assignment.rank, size=assignment.size, local_rank=assignment.local_rank, host_key=assignment.hostname
+    )
     scoped = store.prefix_store(keys.group_prefix(round_number), job_store)
     return launch, scoped, round_number
 

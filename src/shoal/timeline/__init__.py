@@ -74,8 +74,7 @@ class Trace:
 
 def _clock_zero(events: list[dict[str, Any]]) -> dict[int, float]:
     """Each rank's ``shoal_clock``: the Unix time (µs) at which its timestamps are zero."""
-    return {e["pid"]: e["args"]["unix_us_at_zero"] for e in events
-            if e.get("ph") == "M" and e.get("name") == "shoal_clock"}  # fmt: skip
+    return {e["pid"]: e["args"]["unix_us_at_zero"] for e in events if e.get("ph") == "M" and e.get("name") == "shoal_clock"}
 
 
 def merge_events(paths: list[str]) -> list[dict[str, Any]]:
@@ -142,8 +141,7 @@ def load_trace(paths: str | list[str]) -> Trace:
             phases.append(Phase(pid, row, name, open_phases[(pid, tid, name)].pop(), event["ts"]))
         elif phase_type == "X":
             compute = event.get("cat") == "compute"
-            phases.append(Phase(pid, COMPUTE_ROW if compute else row, name, event["ts"], event["ts"] + event["dur"],
-                                compute))  # fmt: skip
+            phases.append(Phase(pid, COMPUTE_ROW if compute else row, name, event["ts"], event["ts"] + event["dur"], compute))
         elif phase_type == "i" and event.get("cat") == "ready":
             ready.append(Ready(row, event["args"]["rank"], event["ts"]))
     return Trace(sorted(phases, key=lambda p: p.start_us), ready)
@@ -229,8 +227,13 @@ def _last(exchange: dict[int, float]) -> list[int]:
 
 
 COMPUTE_SPANS = ("FORWARD", "BACKWARD", "SYNCHRONIZE", "UPDATE")
-ENGINE_PARTS = (("negotiation", "negotiate"), ("collectives", "transfer"), ("copies in", "MEMCPY_IN_FUSION_BUFFER"),
-                ("reduction", "wire"), ("copies out", "MEMCPY_OUT_FUSION_BUFFER"))  # fmt: skip
+ENGINE_PARTS = (
+    ("negotiation", "negotiate"),
+    ("collectives", "transfer"),
+    ("copies in", "MEMCPY_IN_FUSION_BUFFER"),
+    ("reduction", "wire"),
+    ("copies out", "MEMCPY_OUT_FUSION_BUFFER"),
+)
 
 
 @dataclass
@@ -246,12 +249,13 @@ class StepProfile:
     """Per step, the union of the engine's spans of each part (they overlap compute and each other)."""
 
     def lines(self, rank: int) -> list[str]:
-        compute = ", ".join(f"{name.lower()} {self.compute_ms[name]:.2f}" for name in COMPUTE_SPANS
-                            if name in self.compute_ms)  # fmt: skip
+        compute = ", ".join(f"{name.lower()} {self.compute_ms[name]:.2f}" for name in COMPUTE_SPANS if name in self.compute_ms)
         casts = f", casts {self.compute_ms['CAST']:.2f}" if "CAST" in self.compute_ms else ""
         engine = ", ".join(f"{label} {self.engine_ms[label]:.2f}" for label, _ in ENGINE_PARTS)
-        return [f"compute on rank {rank}, {self.steps} steps, median ms: {compute}{casts} (step {self.step_ms:.2f})",
-                f"engine on rank {rank}, ms per step (unions of spans; they overlap compute): {engine}"]  # fmt: skip
+        return [
+            f"compute on rank {rank}, {self.steps} steps, median ms: {compute}{casts} (step {self.step_ms:.2f})",
+            f"engine on rank {rank}, ms per step (unions of spans; they overlap compute): {engine}",
+        ]
 
 
 def step_profile(trace: Trace, rank: int) -> StepProfile | None:
@@ -265,16 +269,19 @@ def step_profile(trace: Trace, rank: int) -> StepProfile | None:
     forwards, updates = forwards[-steps:], updates[-steps:]
     step_ms = median((u.end_us - f.start_us) / 1e3 for f, u in zip(forwards, updates, strict=True))
     start, end = forwards[0].start_us, updates[-1].end_us
-    compute_ms = {name: median(p.ms for p in compute if p.name == name) for name in COMPUTE_SPANS
-                  if any(p.name == name for p in compute)}  # fmt: skip
+    compute_ms = {
+        name: median(p.ms for p in compute if p.name == name) for name in COMPUTE_SPANS if any(p.name == name for p in compute)
+    }
     casts = [p.ms for p in compute if p.name == "CAST" and start <= p.start_us <= end]
     if casts:
         compute_ms["CAST"] = sum(casts) / steps
     engine_ms = {}
     for label, key in ENGINE_PARTS:
-        spans = [(max(p.start_us, start), min(p.end_us, end)) for p in trace.phases
-                 if p.rank == rank and not p.compute and key in (p.kind, p.name) and p.end_us > start
-                 and p.start_us < end]  # fmt: skip
+        spans = [
+            (max(p.start_us, start), min(p.end_us, end))
+            for p in trace.phases
+            if p.rank == rank and not p.compute and key in (p.kind, p.name) and p.end_us > start and p.start_us < end
+        ]
         engine_ms[label] = sum(b - a for a, b in _union(spans)) / 1e3 / steps
     return StepProfile(steps, step_ms, compute_ms, engine_ms)
 
@@ -303,17 +310,21 @@ def summarize(trace: Trace | list[Phase], top: int = 15) -> str:
         return f"{median(values):9.3f}" if values else "        -"
 
     ranks_note = f"rank {first_rank}" if len(trace.ranks) <= 1 else f"rank {first_rank} of ranks {trace.ranks}"
-    lines = [f"{len(by_tensor)} tensors, {len(phases)} phases ({ranks_note}); median ms per exchange, the "
-             f"{min(top, len(rows))} with the most time first; spread: how far apart the ranks' requests arrived",
-             f"{'tensor':40s} {'exch':>5s} {'negotiate':>9s} {'transfer':>9s} {'wire':>9s} {'memcpy':>9s} "
-             f"{'spread':>9s} {'last':>10s}"]  # fmt: skip
+    lines = [
+        f"{len(by_tensor)} tensors, {len(phases)} phases ({ranks_note}); median ms per exchange, the "
+        f"{min(top, len(rows))} with the most time first; spread: how far apart the ranks' requests arrived",
+        f"{'tensor':40s} {'exch':>5s} {'negotiate':>9s} {'transfer':>9s} {'wire':>9s} {'memcpy':>9s} "
+        f"{'spread':>9s} {'last':>10s}",
+    ]
     for _, tensor, exchanges, kinds in rows[:top]:
         seen = arrived.get(tensor, [])
         spread = [(max(e.values()) - min(e.values())) / 1e3 for e in seen]
         counts = Counter(rank for e in seen for rank in _last(e))
         last = f"{counts.most_common(1)[0][0]} ({counts.most_common(1)[0][1] / len(seen):.0%})" if counts else "-"
-        lines.append(f"{tensor[:40]:40s} {exchanges:5d} {avg(kinds.get('negotiate'))} {avg(kinds.get('transfer'))} "
-                     f"{avg(kinds.get('wire'))} {avg(kinds.get('memcpy'))} {avg(spread)} {last:>10s}")  # fmt: skip
+        lines.append(
+            f"{tensor[:40]:40s} {exchanges:5d} {avg(kinds.get('negotiate'))} {avg(kinds.get('transfer'))} "
+            f"{avg(kinds.get('wire'))} {avg(kinds.get('memcpy'))} {avg(spread)} {last:>10s}"
+        )
     every = [e for seen in arrived.values() for e in seen]
     if every:
         counts = Counter(rank for e in every for rank in _last(e))
@@ -325,8 +336,10 @@ def summarize(trace: Trace | list[Phase], top: int = 15) -> str:
         lines.extend(profile.lines(first_rank))
     shares = hidden_share(trace)
     if shares:
-        lines.append("communication hidden under backward: " + ", ".join(
-            f"{share:.0%} of {total:.1f} ms on rank {rank}" for rank, (total, share) in sorted(shares.items())))  # fmt: skip
+        lines.append(
+            "communication hidden under backward: "
+            + ", ".join(f"{share:.0%} of {total:.1f} ms on rank {rank}" for rank, (total, share) in sorted(shares.items()))
+        )
     else:
         lines.append("communication hidden under backward: - (no DistributedOptimizer compute marks in this trace)")
     negotiate = sum(p.ms for p in phases if p.kind == "negotiate" and p.rank == first_rank)
@@ -335,8 +348,9 @@ def summarize(trace: Trace | list[Phase], top: int = 15) -> str:
     return "\n".join(lines)
 
 
-def plot(trace: Trace | list[Phase], out_path: str, tensors: int = 20, rank: int | None = None,
-         steps: int | None = None) -> str:  # fmt: skip
+def plot(
+    trace: Trace | list[Phase], out_path: str, tensors: int = 20, rank: int | None = None, steps: int | None = None
+) -> str:
     """A PNG of one rank's compute row and first ``tensors`` tensor rows over time; needs matplotlib.
 
     ``steps`` draws only the last that many optimizer steps (from the FORWARD before them to the last UPDATE).

@@ -60,8 +60,7 @@ class _AdasumOptimizer(torch.optim.Optimizer):
             for group, params in zip(self.param_groups, stashed, strict=True):
                 group["params"] = params
         compressed, ctx = self._shoal_compression.compress(param.detach())
-        handle = functions.allreduce_async_(compressed, name=gradient_request_name(self._shoal_names[key]),
-                                            op=ReduceOp.Adasum)  # fmt: skip
+        handle = functions.allreduce_async_(compressed, name=gradient_request_name(self._shoal_names[key]), op=ReduceOp.Adasum)
         self._shoal_handles[key] = (param, handle, ctx, compressed)
 
     def synchronize(self) -> None:
@@ -98,8 +97,9 @@ class _AdasumOptimizer(torch.optim.Optimizer):
         self._shoal_base.zero_grad(self, set_to_none)
 
 
-def wrap(optimizer: torch.optim.Optimizer, names: dict[int, str], compression: type[Compressor],
-         backward_passes_per_step: int) -> torch.optim.Optimizer:  # fmt: skip
+def wrap(
+    optimizer: torch.optim.Optimizer, names: dict[int, str], compression: type[Compressor], backward_passes_per_step: int
+) -> torch.optim.Optimizer:
     """The Adasum form of ``DistributedOptimizer``: a subclass of ``optimizer``'s class sharing its state."""
     wrapped = mix_into(optimizer, _AdasumOptimizer)
     wrapped._shoal_adasum_setup(names, compression, backward_passes_per_step)

@@ -18,8 +18,14 @@ from shoal.torch import basics, handles
 from shoal.torch.compression import Compression, Compressor
 from shoal.torch.process_sets import ProcessSet, global_process_set, set_id_of
 
-Average, Sum, Adasum, Min, Max, Product = (ReduceOp.Average, ReduceOp.Sum, ReduceOp.Adasum, ReduceOp.Min,
-                                           ReduceOp.Max, ReduceOp.Product)  # fmt: skip
+Average, Sum, Adasum, Min, Max, Product = (
+    ReduceOp.Average,
+    ReduceOp.Sum,
+    ReduceOp.Adasum,
+    ReduceOp.Min,
+    ReduceOp.Max,
+    ReduceOp.Product,
+)
 
 
 def _auto_name(kind: Kind, name: str | None, process_set: ProcessSet = global_process_set) -> str:
@@ -86,8 +92,15 @@ def _allreduce_request(
     in_place: bool,
 ) -> Request:
     _check_tensor(tensor, "allreduce")
-    meta = _meta(tensor, Kind.ALLREDUCE, _auto_name(Kind.ALLREDUCE, name, process_set), process_set, op=int(op),
-                 prescale=float(prescale_factor), postscale=float(postscale_factor))  # fmt: skip
+    meta = _meta(
+        tensor,
+        Kind.ALLREDUCE,
+        _auto_name(Kind.ALLREDUCE, name, process_set),
+        process_set,
+        op=int(op),
+        prescale=float(prescale_factor),
+        postscale=float(postscale_factor),
+    )
     detached = tensor.detach()
     contiguous = detached.contiguous()
     if in_place:
@@ -110,94 +123,163 @@ def _as_list(results: list[Any]) -> list[Any]:
 # ----- allreduce -----
 
 
-def allreduce_async(tensor: torch.Tensor, average: bool | None = None, name: str | None = None, op: int | None = None,
-                    prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-                    process_set: ProcessSet = global_process_set) -> int:  # fmt: skip
+def allreduce_async(
+    tensor: torch.Tensor,
+    average: bool | None = None,
+    name: str | None = None,
+    op: int | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: ProcessSet = global_process_set,
+) -> int:
     """Start averaging (or summing, ...) ``tensor`` over all ranks; returns a handle. The input is not modified."""
-    request = _allreduce_request(tensor, name, _resolve_op(op, average), prescale_factor, postscale_factor,
-                                 process_set, in_place=False)  # fmt: skip
+    request = _allreduce_request(
+        tensor, name, _resolve_op(op, average), prescale_factor, postscale_factor, process_set, in_place=False
+    )
     return handles.submit([request], _single)
 
 
-def allreduce_async_(tensor: torch.Tensor, average: bool | None = None, name: str | None = None, op: int | None = None,
-                     prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-                     process_set: ProcessSet = global_process_set) -> int:  # fmt: skip
+def allreduce_async_(
+    tensor: torch.Tensor,
+    average: bool | None = None,
+    name: str | None = None,
+    op: int | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: ProcessSet = global_process_set,
+) -> int:
     """In-place form of ``allreduce_async``: the result is written into ``tensor``."""
-    request = _allreduce_request(tensor, name, _resolve_op(op, average), prescale_factor, postscale_factor,
-                                 process_set, in_place=True)  # fmt: skip
+    request = _allreduce_request(
+        tensor, name, _resolve_op(op, average), prescale_factor, postscale_factor, process_set, in_place=True
+    )
     return handles.submit([request], _single)
 
 
-def allreduce_(tensor: torch.Tensor, average: bool | None = None, name: str | None = None, op: int | None = None,
-               prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-               process_set: ProcessSet = global_process_set) -> torch.Tensor:  # fmt: skip
+def allreduce_(
+    tensor: torch.Tensor,
+    average: bool | None = None,
+    name: str | None = None,
+    op: int | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: ProcessSet = global_process_set,
+) -> torch.Tensor:
     """Reduce ``tensor`` in place over all ranks and return it."""
     handle = allreduce_async_(tensor, average, name, op, prescale_factor, postscale_factor, process_set)
     return handles.synchronize(handle)
 
 
-def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
-              compression: type[Compressor] = Compression.none, op: int | None = None,
-              prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-              process_set: ProcessSet = global_process_set) -> torch.Tensor:  # fmt: skip
+def allreduce(
+    tensor: torch.Tensor,
+    average: bool | None = None,
+    name: str | None = None,
+    compression: type[Compressor] = Compression.none,
+    op: int | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: ProcessSet = global_process_set,
+) -> torch.Tensor:
     """Return ``tensor`` averaged (or summed, ...) over all ranks. Differentiable: the gradient is allreduced too."""
 
     compressed, ctx = compression.compress(tensor)
-    reduced = AllreduceFunction.apply(compressed, name, int(_resolve_op(op, average)), prescale_factor,
-                                      postscale_factor, process_set)  # fmt: skip
+    reduced = AllreduceFunction.apply(
+        compressed, name, int(_resolve_op(op, average)), prescale_factor, postscale_factor, process_set
+    )
     return compression.decompress(reduced, ctx)
 
 
-def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average: bool | None = None, name: str | None = None,
-                            op: int | None = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-                            process_set: ProcessSet = global_process_set) -> int:  # fmt: skip
+def grouped_allreduce_async(
+    tensors: Sequence[torch.Tensor],
+    average: bool | None = None,
+    name: str | None = None,
+    op: int | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: ProcessSet = global_process_set,
+) -> int:
     """Start reducing several tensors as one handle (they are fused together when they fit)."""
     resolved = _resolve_op(op, average)
     base = _auto_name(Kind.ALLREDUCE, name, process_set)
-    requests = [_allreduce_request(t, f"{base}.{i}", resolved, prescale_factor, postscale_factor, process_set, False)
-                for i, t in enumerate(tensors)]  # fmt: skip
+    requests = [
+        _allreduce_request(t, f"{base}.{i}", resolved, prescale_factor, postscale_factor, process_set, False)
+        for i, t in enumerate(tensors)
+    ]
     return handles.submit(requests, _as_list)
 
 
-def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: bool | None = None, name: str | None = None,
-                             op: int | None = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-                             process_set: ProcessSet = global_process_set) -> int:  # fmt: skip
+def grouped_allreduce_async_(
+    tensors: Sequence[torch.Tensor],
+    average: bool | None = None,
+    name: str | None = None,
+    op: int | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: ProcessSet = global_process_set,
+) -> int:
     """In-place form of ``grouped_allreduce_async``."""
     base = _auto_name(Kind.ALLREDUCE, name, process_set)
-    return allreduce_named_async_(tensors, [f"{base}.{i}" for i in range(len(tensors))], _resolve_op(op, average),
-                                  prescale_factor, postscale_factor, process_set)  # fmt: skip
+    return allreduce_named_async_(
+        tensors,
+        [f"{base}.{i}" for i in range(len(tensors))],
+        _resolve_op(op, average),
+        prescale_factor,
+        postscale_factor,
+        process_set,
+    )
 
 
-def allreduce_named_async_(tensors: Sequence[torch.Tensor], names: Sequence[str], op: ReduceOp,
-                           prescale_factor: float, postscale_factor: float, process_set: ProcessSet) -> int:  # fmt: skip
+def allreduce_named_async_(
+    tensors: Sequence[torch.Tensor],
+    names: Sequence[str],
+    op: ReduceOp,
+    prescale_factor: float,
+    postscale_factor: float,
+    process_set: ProcessSet,
+) -> int:
     """Reduce several tensors in place under their own names, submitted together (one cycle, one fused buffer)."""
-    requests = [_allreduce_request(t, n, op, prescale_factor, postscale_factor, process_set, True)
-                for t, n in zip(tensors, names, strict=True)]  # fmt: skip
+    requests = [
+        _allreduce_request(t, n, op, prescale_factor, postscale_factor, process_set, True)
+        for t, n in zip(tensors, names, strict=True)
+    ]
     return handles.submit(requests, _as_list)
 
 
-def grouped_allreduce(tensors: Sequence[torch.Tensor], average: bool | None = None, name: str | None = None,
-                      compression: type[Compressor] = Compression.none, op: int | None = None,
-                      prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-                      process_set: ProcessSet = global_process_set) -> list[torch.Tensor]:  # fmt: skip
+def grouped_allreduce(
+    tensors: Sequence[torch.Tensor],
+    average: bool | None = None,
+    name: str | None = None,
+    compression: type[Compressor] = Compression.none,
+    op: int | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: ProcessSet = global_process_set,
+) -> list[torch.Tensor]:
     """Reduce several tensors at once; returns the reduced tensors in order. Differentiable."""
 
     compressed = [compression.compress(t) for t in tensors]
-    results = GroupedAllreduceFunction.apply(name, int(_resolve_op(op, average)), prescale_factor, postscale_factor,
-                                             process_set, *[c[0] for c in compressed])  # fmt: skip
+    results = GroupedAllreduceFunction.apply(
+        name, int(_resolve_op(op, average)), prescale_factor, postscale_factor, process_set, *[c[0] for c in compressed]
+    )
     return [compression.decompress(r, c[1]) for r, c in zip(results, compressed, strict=True)]
 
 
-def grouped_allreduce_(tensors: Sequence[torch.Tensor], average: bool | None = None, name: str | None = None,
-                       op: int | None = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-                       process_set: ProcessSet = global_process_set) -> list[torch.Tensor]:  # fmt: skip
+def grouped_allreduce_(
+    tensors: Sequence[torch.Tensor],
+    average: bool | None = None,
+    name: str | None = None,
+    op: int | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: ProcessSet = global_process_set,
+) -> list[torch.Tensor]:
     """Reduce several tensors in place at once."""
     handle = grouped_allreduce_async_(tensors, average, name, op, prescale_factor, postscale_factor, process_set)
     return handles.synchronize(handle)
 
 
-def sparse_allreduce_async(tensor: torch.Tensor, name: str, op: int = Average,
-                           process_set: ProcessSet = global_process_set) -> Callable[[], torch.Tensor]:  # fmt: skip
+def sparse_allreduce_async(
+    tensor: torch.Tensor, name: str, op: int = Average, process_set: ProcessSet = global_process_set
+) -> Callable[[], torch.Tensor]:
     """Reduce a sparse COO tensor as Horovod does: allgather its indices and values (summing duplicates is left to
     the sparse tensor); returns a callable that waits and gives the result (``synchronize`` accepts it too)."""
     if not isinstance(tensor, torch.Tensor) or not tensor.is_sparse:
@@ -238,15 +320,17 @@ def allgather(tensor: torch.Tensor, name: str | None = None, process_set: Proces
     return AllgatherFunction.apply(tensor, name, process_set)
 
 
-def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: str | None = None,
-                            process_set: ProcessSet = global_process_set) -> int:  # fmt: skip
+def grouped_allgather_async(
+    tensors: Sequence[torch.Tensor], name: str | None = None, process_set: ProcessSet = global_process_set
+) -> int:
     """Start allgathering several tensors as one handle."""
     base = _auto_name(Kind.ALLGATHER, name, process_set)
     return handles.submit([_allgather_request(t, f"{base}.{i}", process_set) for i, t in enumerate(tensors)], _as_list)
 
 
-def grouped_allgather(tensors: Sequence[torch.Tensor], name: str | None = None,
-                      process_set: ProcessSet = global_process_set) -> list[torch.Tensor]:  # fmt: skip
+def grouped_allgather(
+    tensors: Sequence[torch.Tensor], name: str | None = None, process_set: ProcessSet = global_process_set
+) -> list[torch.Tensor]:
     """Allgather several tensors at once. Differentiable."""
 
     return list(GroupedAllgatherFunction.apply(name, process_set, *tensors))
@@ -255,8 +339,9 @@ def grouped_allgather(tensors: Sequence[torch.Tensor], name: str | None = None,
 # ----- broadcast -----
 
 
-def _broadcast_request(tensor: torch.Tensor, root_rank: int, name: str | None, process_set: ProcessSet,
-                       in_place: bool) -> Request:  # fmt: skip
+def _broadcast_request(
+    tensor: torch.Tensor, root_rank: int, name: str | None, process_set: ProcessSet, in_place: bool
+) -> Request:
     _check_tensor(tensor, "broadcast")
     meta = _meta(tensor, Kind.BROADCAST, _auto_name(Kind.BROADCAST, name, process_set), process_set, root=int(root_rank))
     detached = tensor.detach()
@@ -270,26 +355,30 @@ def _broadcast_request(tensor: torch.Tensor, root_rank: int, name: str | None, p
     return Request(meta, contiguous, torch.empty_like(contiguous, memory_format=torch.contiguous_format))
 
 
-def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = None,
-                    process_set: ProcessSet = global_process_set) -> int:  # fmt: skip
+def broadcast_async(
+    tensor: torch.Tensor, root_rank: int, name: str | None = None, process_set: ProcessSet = global_process_set
+) -> int:
     """Start broadcasting ``tensor`` from ``root_rank`` (a global rank); the input is not modified."""
     return handles.submit([_broadcast_request(tensor, root_rank, name, process_set, False)], _single)
 
 
-def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
-                     process_set: ProcessSet = global_process_set) -> int:  # fmt: skip
+def broadcast_async_(
+    tensor: torch.Tensor, root_rank: int, name: str | None = None, process_set: ProcessSet = global_process_set
+) -> int:
     """In-place form of ``broadcast_async``."""
     return handles.submit([_broadcast_request(tensor, root_rank, name, process_set, True)], _single)
 
 
-def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
-               process_set: ProcessSet = global_process_set) -> torch.Tensor:  # fmt: skip
+def broadcast_(
+    tensor: torch.Tensor, root_rank: int, name: str | None = None, process_set: ProcessSet = global_process_set
+) -> torch.Tensor:
     """Broadcast in place from ``root_rank`` and return ``tensor``."""
     return handles.synchronize(broadcast_async_(tensor, root_rank, name, process_set))
 
 
-def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None,
-              process_set: ProcessSet = global_process_set) -> torch.Tensor:  # fmt: skip
+def broadcast(
+    tensor: torch.Tensor, root_rank: int, name: str | None = None, process_set: ProcessSet = global_process_set
+) -> torch.Tensor:
     """Return ``root_rank``'s ``tensor`` on every rank. Differentiable."""
 
     return BroadcastFunction.apply(tensor, root_rank, name, process_set)
@@ -298,8 +387,12 @@ def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None,
 # ----- alltoall -----
 
 
-def alltoall_async(tensor: torch.Tensor, splits: torch.Tensor | Sequence[int] | None = None, name: str | None = None,
-                   process_set: ProcessSet = global_process_set) -> int:  # fmt: skip
+def alltoall_async(
+    tensor: torch.Tensor,
+    splits: torch.Tensor | Sequence[int] | None = None,
+    name: str | None = None,
+    process_set: ProcessSet = global_process_set,
+) -> int:
     """Start an alltoall: rows ``splits[i]`` of ``tensor`` go to member i (default: an even split)."""
     _check_tensor(tensor, "alltoall")
     if tensor.dim() == 0:
@@ -309,17 +402,25 @@ def alltoall_async(tensor: torch.Tensor, splits: torch.Tensor | Sequence[int] | 
     if splits is not None:
         split_list = tuple(int(s) for s in (splits.tolist() if isinstance(splits, torch.Tensor) else splits))
         if len(split_list) != members or any(s < 0 for s in split_list) or sum(split_list) != tensor.shape[0]:
-            raise ValueError(f"alltoall splits {list(split_list)} must be {members} non-negative counts summing to "
-                             f"the first dimension {tensor.shape[0]}")  # fmt: skip
+            raise ValueError(
+                f"alltoall splits {list(split_list)} must be {members} non-negative counts summing to "
+                f"the first dimension {tensor.shape[0]}"
+            )
     elif tensor.shape[0] % members != 0:
-        raise ValueError(f"alltoall without splits needs the first dimension ({tensor.shape[0]}) divisible by "
-                         f"the number of ranks ({members})")  # fmt: skip
+        raise ValueError(
+            f"alltoall without splits needs the first dimension ({tensor.shape[0]}) divisible by "
+            f"the number of ranks ({members})"
+        )
     meta = _meta(tensor, Kind.ALLTOALL, _auto_name(Kind.ALLTOALL, name, process_set), process_set, splits=split_list)
     return handles.submit([Request(meta, tensor.detach().contiguous(), None)], _single)
 
 
-def alltoall(tensor: torch.Tensor, splits: torch.Tensor | Sequence[int] | None = None, name: str | None = None,
-             process_set: ProcessSet = global_process_set) -> Any:  # fmt: skip
+def alltoall(
+    tensor: torch.Tensor,
+    splits: torch.Tensor | Sequence[int] | None = None,
+    name: str | None = None,
+    process_set: ProcessSet = global_process_set,
+) -> Any:
     """Scatter rows of ``tensor`` to every rank and gather theirs. Differentiable.
 
     Returns, as Horovod does: the received tensor when ``splits`` is None (an even split); (received tensor,
@@ -332,29 +433,53 @@ def alltoall(tensor: torch.Tensor, splits: torch.Tensor | Sequence[int] | None =
 # ----- reducescatter -----
 
 
-def _reducescatter_request(tensor: torch.Tensor, name: str | None, op: ReduceOp, process_set: ProcessSet,
-                           prescale_factor: float, postscale_factor: float) -> Request:  # fmt: skip
+def _reducescatter_request(
+    tensor: torch.Tensor,
+    name: str | None,
+    op: ReduceOp,
+    process_set: ProcessSet,
+    prescale_factor: float,
+    postscale_factor: float,
+) -> Request:
     _check_tensor(tensor, "reducescatter")
     if op not in (ReduceOp.Average, ReduceOp.Sum):
         raise ValueError(f"reducescatter supports Average and Sum, not {op.name}")
     if tensor.dim() == 0:
         raise ValueError("reducescatter needs a tensor with at least one dimension")
-    meta = _meta(tensor, Kind.REDUCESCATTER, _auto_name(Kind.REDUCESCATTER, name, process_set), process_set, op=int(op),
-                 prescale=float(prescale_factor), postscale=float(postscale_factor))  # fmt: skip
+    meta = _meta(
+        tensor,
+        Kind.REDUCESCATTER,
+        _auto_name(Kind.REDUCESCATTER, name, process_set),
+        process_set,
+        op=int(op),
+        prescale=float(prescale_factor),
+        postscale=float(postscale_factor),
+    )
     return Request(meta, tensor.detach().contiguous(), None)
 
 
-def reducescatter_async(tensor: torch.Tensor, name: str | None = None, op: int = Average,
-                        process_set: ProcessSet = global_process_set, prescale_factor: float = 1.0,
-                        postscale_factor: float = 1.0) -> int:  # fmt: skip
+def reducescatter_async(
+    tensor: torch.Tensor,
+    name: str | None = None,
+    op: int = Average,
+    process_set: ProcessSet = global_process_set,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+) -> int:
     """Start reducing ``tensor`` and scattering dimension 0: rank i keeps its block of rows (lower ranks get extras)."""
     request = _reducescatter_request(tensor, name, ReduceOp(op), process_set, prescale_factor, postscale_factor)
     return handles.submit([request], _single)
 
 
-def reducescatter(tensor: torch.Tensor, name: str | None = None, compression: type[Compressor] = Compression.none,
-                  op: int = Average, process_set: ProcessSet = global_process_set, prescale_factor: float = 1.0,
-                  postscale_factor: float = 1.0) -> torch.Tensor:  # fmt: skip
+def reducescatter(
+    tensor: torch.Tensor,
+    name: str | None = None,
+    compression: type[Compressor] = Compression.none,
+    op: int = Average,
+    process_set: ProcessSet = global_process_set,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+) -> torch.Tensor:
     """Reduce ``tensor`` over all ranks and return this rank's block of rows. Differentiable."""
 
     compressed, ctx = compression.compress(tensor)
@@ -362,25 +487,38 @@ def reducescatter(tensor: torch.Tensor, name: str | None = None, compression: ty
     return compression.decompress(result, ctx)
 
 
-def grouped_reducescatter_async(tensors: Sequence[torch.Tensor], name: str | None = None, op: int = Average,
-                                process_set: ProcessSet = global_process_set, prescale_factor: float = 1.0,
-                                postscale_factor: float = 1.0) -> int:  # fmt: skip
+def grouped_reducescatter_async(
+    tensors: Sequence[torch.Tensor],
+    name: str | None = None,
+    op: int = Average,
+    process_set: ProcessSet = global_process_set,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+) -> int:
     """Start reduce-scattering several tensors as one handle."""
     base = _auto_name(Kind.REDUCESCATTER, name, process_set)
-    requests = [_reducescatter_request(t, f"{base}.{i}", ReduceOp(op), process_set, prescale_factor, postscale_factor)
-                for i, t in enumerate(tensors)]  # fmt: skip
+    requests = [
+        _reducescatter_request(t, f"{base}.{i}", ReduceOp(op), process_set, prescale_factor, postscale_factor)
+        for i, t in enumerate(tensors)
+    ]
     return handles.submit(requests, _as_list)
 
 
-def grouped_reducescatter(tensors: Sequence[torch.Tensor], name: str | None = None,
-                          compression: type[Compressor] = Compression.none, op: int = Average,
-                          process_set: ProcessSet = global_process_set, prescale_factor: float = 1.0,
-                          postscale_factor: float = 1.0) -> list[torch.Tensor]:  # fmt: skip
+def grouped_reducescatter(
+    tensors: Sequence[torch.Tensor],
+    name: str | None = None,
+    compression: type[Compressor] = Compression.none,
+    op: int = Average,
+    process_set: ProcessSet = global_process_set,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+) -> list[torch.Tensor]:
     """Reduce-scatter several tensors at once. Differentiable."""
 
     compressed = [compression.compress(t) for t in tensors]
-    results = GroupedReducescatterFunction.apply(name, int(op), process_set, prescale_factor, postscale_factor,
-                                                 *[c[0] for c in compressed])  # fmt: skip
+    results = GroupedReducescatterFunction.apply(
+        name, int(op), process_set, prescale_factor, postscale_factor, *[c[0] for c in compressed]
+    )
     return [compression.decompress(r, c[1]) for r, c in zip(results, compressed, strict=True)]
 
 
@@ -426,17 +564,20 @@ class AllreduceFunction(torch.autograd.Function):
     """allreduce with gradient."""
 
     @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor, name: str | None, op: int, prescale: float, postscale: float,
-                process_set: ProcessSet) -> torch.Tensor:  # fmt: skip
+    def forward(
+        ctx: Any, tensor: torch.Tensor, name: str | None, op: int, prescale: float, postscale: float, process_set: ProcessSet
+    ) -> torch.Tensor:
         ctx.op, ctx.prescale, ctx.postscale, ctx.process_set = op, prescale, postscale, process_set
-        handle = allreduce_async(tensor, name=name, op=op, prescale_factor=prescale,
-                                           postscale_factor=postscale, process_set=process_set)  # fmt: skip
+        handle = allreduce_async(
+            tensor, name=name, op=op, prescale_factor=prescale, postscale_factor=postscale, process_set=process_set
+        )
         return handles.synchronize(handle)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        reduced = allreduce(grad, op=ctx.op, prescale_factor=ctx.prescale, postscale_factor=ctx.postscale,
-                                      process_set=ctx.process_set)  # fmt: skip
+        reduced = allreduce(
+            grad, op=ctx.op, prescale_factor=ctx.prescale, postscale_factor=ctx.postscale, process_set=ctx.process_set
+        )
         return reduced, None, None, None, None, None
 
 
@@ -444,18 +585,24 @@ class GroupedAllreduceFunction(torch.autograd.Function):
     """grouped allreduce with gradient: the gradients are reduced as one group, with the same op and factors."""
 
     @staticmethod
-    def forward(ctx: Any, name: str | None, op: int, prescale: float, postscale: float, process_set: ProcessSet,
-                *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:  # fmt: skip
+    def forward(
+        ctx: Any, name: str | None, op: int, prescale: float, postscale: float, process_set: ProcessSet, *tensors: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
         ctx.op, ctx.prescale, ctx.postscale, ctx.process_set = op, prescale, postscale, process_set
-        handle = grouped_allreduce_async(list(tensors), name=name, op=op, prescale_factor=prescale,
-                                                   postscale_factor=postscale, process_set=process_set)  # fmt: skip
+        handle = grouped_allreduce_async(
+            list(tensors), name=name, op=op, prescale_factor=prescale, postscale_factor=postscale, process_set=process_set
+        )
         return tuple(handles.synchronize(handle))
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
-        handle = grouped_allreduce_async([g.contiguous() for g in grads], op=ctx.op,
-                                                   prescale_factor=ctx.prescale, postscale_factor=ctx.postscale,
-                                                   process_set=ctx.process_set)  # fmt: skip
+        handle = grouped_allreduce_async(
+            [g.contiguous() for g in grads],
+            op=ctx.op,
+            prescale_factor=ctx.prescale,
+            postscale_factor=ctx.postscale,
+            process_set=ctx.process_set,
+        )
         return (None, None, None, None, None, *handles.synchronize(handle))
 
 
@@ -494,9 +641,9 @@ class GroupedAllgatherFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
-        reduced = handles.synchronize(grouped_allreduce_async([g.contiguous() for g in grads],
-                                                                        op=ReduceOp.Average,
-                                                                        process_set=ctx.process_set))  # fmt: skip
+        reduced = handles.synchronize(
+            grouped_allreduce_async([g.contiguous() for g in grads], op=ReduceOp.Average, process_set=ctx.process_set)
+        )
         rows = allgather(torch.tensor([ctx.rows]), process_set=ctx.process_set)
         mine = []
         for index, (tensor, count, scalar) in enumerate(zip(reduced, ctx.rows, ctx.scalars, strict=True)):
@@ -549,8 +696,9 @@ class ReducescatterFunction(torch.autograd.Function):
     """reducescatter with gradient."""
 
     @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor, name: str | None, op: int, process_set: ProcessSet,
-                prescale: float, postscale: float) -> Any:  # fmt: skip
+    def forward(
+        ctx: Any, tensor: torch.Tensor, name: str | None, op: int, process_set: ProcessSet, prescale: float, postscale: float
+    ) -> Any:
         ctx.process_set = process_set
         ctx.scale = _reducescatter_grad_scale(op, process_set, prescale, postscale)
         handle = reducescatter_async(tensor, name, op, process_set, prescale, postscale)
@@ -566,8 +714,9 @@ class GroupedReducescatterFunction(torch.autograd.Function):
     """grouped reducescatter with gradient."""
 
     @staticmethod
-    def forward(ctx: Any, name: str | None, op: int, process_set: ProcessSet, prescale: float, postscale: float,
-                *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:  # fmt: skip
+    def forward(
+        ctx: Any, name: str | None, op: int, process_set: ProcessSet, prescale: float, postscale: float, *tensors: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
         ctx.process_set = process_set
         ctx.scale = _reducescatter_grad_scale(op, process_set, prescale, postscale)
         handle = grouped_reducescatter_async(list(tensors), name, op, process_set, prescale, postscale)

@@ -22,15 +22,17 @@ def _from_bytes(data: torch.Tensor) -> Any:
     return pickle.loads(data.numpy().tobytes())
 
 
-def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,
-                     process_set: ProcessSet = global_process_set) -> Any:  # fmt: skip
+def broadcast_object(
+    obj: Any, root_rank: int = 0, name: str | None = None, process_set: ProcessSet = global_process_set
+) -> Any:
     """Return ``root_rank``'s ``obj`` on every rank (pickled; the object need not exist on the other ranks)."""
     base = name or "broadcast_object"
     from shoal.torch.basics import rank
 
     payload = _to_bytes(obj) if rank() == root_rank else torch.empty(0, dtype=torch.uint8)
-    length = functions.broadcast(torch.tensor([payload.numel()], dtype=torch.int64), root_rank, name=f"{base}.size",
-                                 process_set=process_set)  # fmt: skip
+    length = functions.broadcast(
+        torch.tensor([payload.numel()], dtype=torch.int64), root_rank, name=f"{base}.size", process_set=process_set
+    )
     if rank() != root_rank:
         payload = torch.empty(int(length), dtype=torch.uint8)
     data = functions.broadcast(payload, root_rank, name=f"{base}.data", process_set=process_set)
@@ -41,8 +43,9 @@ def allgather_object(obj: Any, name: str | None = None, process_set: ProcessSet 
     """Return every rank's ``obj``, in rank order."""
     base = name or "allgather_object"
     payload = _to_bytes(obj)
-    lengths = functions.allgather(torch.tensor([payload.numel()], dtype=torch.int64), name=f"{base}.size",
-                                  process_set=process_set)  # fmt: skip
+    lengths = functions.allgather(
+        torch.tensor([payload.numel()], dtype=torch.int64), name=f"{base}.size", process_set=process_set
+    )
     data = functions.allgather(payload, name=f"{base}.data", process_set=process_set)
     objects, offset = [], 0
     for length in lengths.tolist():

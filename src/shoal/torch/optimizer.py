@@ -87,10 +87,18 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     _shoal_router: LayerRouter
     """Per-layer communication (schemes, the auto planner); set right after ``_shoal_setup``."""
 
-    def _shoal_setup(self, named_parameters: list[tuple[str, torch.Tensor]] | None, compression: type[Compressor],
-                     backward_passes_per_step: int, op: ReduceOp, gradient_predivide_factor: float,
-                     groups: list[list[torch.Tensor]] | None, sparse_as_dense: bool,
-                     process_set: ProcessSet, bucket_bytes: int) -> None:  # fmt: skip
+    def _shoal_setup(
+        self,
+        named_parameters: list[tuple[str, torch.Tensor]] | None,
+        compression: type[Compressor],
+        backward_passes_per_step: int,
+        op: ReduceOp,
+        gradient_predivide_factor: float,
+        groups: list[list[torch.Tensor]] | None,
+        sparse_as_dense: bool,
+        process_set: ProcessSet,
+        bucket_bytes: int,
+    ) -> None:
         params = [p for group in self.param_groups for p in group["params"]]
         if named_parameters is not None:
             names = [name for name, _ in named_parameters]
@@ -155,9 +163,12 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._shoal_marks.gradient()
         key = id(param)
         if key in self._shoal_submitted:
-            raise computed_too_often(self._shoal_names[key], self._shoal_passes,
-                                     "call optimizer.step() (or synchronize()) between backward passes, or raise "
-                                     "backward_passes_per_step to accumulate locally")  # fmt: skip
+            raise computed_too_often(
+                self._shoal_names[key],
+                self._shoal_passes,
+                "call optimizer.step() (or synchronize()) between backward passes, or raise "
+                "backward_passes_per_step to accumulate locally",
+            )
         self._shoal_counts[key] += 1
         if self._shoal_counts[key] < self._shoal_passes:
             return
@@ -207,8 +218,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         with self._shoal_cast_span(compressors):
             packed = [c.compress(self._shoal_grad(p)) for c, p in zip(compressors, dense, strict=True)]
         names = [gradient_request_name(self._shoal_names[id(p)]) for p in dense]
-        handle = functions.allreduce_named_async_([c for c, _ in packed], names, self._shoal_op, self._shoal_prescale,
-                                                  self._shoal_postscale, self._shoal_process_set)  # fmt: skip
+        handle = functions.allreduce_named_async_(
+            [c for c, _ in packed], names, self._shoal_op, self._shoal_prescale, self._shoal_postscale, self._shoal_process_set
+        )
         self._shoal_in_flight.append((handle, dense, [c for c, _ in packed], [ctx for _, ctx in packed]))
 
     # ----- the Horovod optimizer surface -----
@@ -406,10 +418,26 @@ def DistributedOptimizer(
             raise ValueError("groups contain a tensor that is not a trainable parameter of this optimizer")
     wrapped = mix_into(optimizer, _DistributedOptimizer)
     named = list(named_parameters) if named_parameters is not None else None
-    wrapped._shoal_setup(named, compression, backward_passes_per_step, ReduceOp(op), gradient_predivide_factor,
-                         groups or None, sparse_as_dense, process_set, bucket_bytes)  # fmt: skip
-    facts = OptimizerFacts(wrapped._shoal_params, wrapped._shoal_names, wrapped.param_groups, wrapped._shoal_base,
-                           ReduceOp(op) == ReduceOp.Average, backward_passes_per_step, process_set)  # fmt: skip
+    wrapped._shoal_setup(
+        named,
+        compression,
+        backward_passes_per_step,
+        ReduceOp(op),
+        gradient_predivide_factor,
+        groups or None,
+        sparse_as_dense,
+        process_set,
+        bucket_bytes,
+    )
+    facts = OptimizerFacts(
+        wrapped._shoal_params,
+        wrapped._shoal_names,
+        wrapped.param_groups,
+        wrapped._shoal_base,
+        ReduceOp(op) == ReduceOp.Average,
+        backward_passes_per_step,
+        process_set,
+    )
     wrapped._shoal_router = LayerRouter(facts, model, comm, comm_overrides, ps_config)
     return wrapped
 

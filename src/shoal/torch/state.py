@@ -30,8 +30,9 @@ def broadcast_parameters(
     for name, tensor in items:
         if not isinstance(tensor, torch.Tensor):
             raise ValueError(f"broadcast_parameters: '{name}' is a {type(tensor).__name__}, not a tensor")
-        pending.append(functions.broadcast_async_(tensor, root_rank, name=f"broadcast_parameters.{name}",
-                                                  process_set=process_set))  # fmt: skip
+        pending.append(
+            functions.broadcast_async_(tensor, root_rank, name=f"broadcast_parameters.{name}", process_set=process_set)
+        )
     for handle in pending:
         handles.synchronize(handle)
 
@@ -84,8 +85,10 @@ def broadcast_optimizer_state(
         slots: list[_TensorSlot] = []
         _collect_slots(skeleton, slots)
         tensors = [torch.empty(s.shape, dtype=s.dtype, device=s.device) for s in sorted(slots, key=lambda s: s.index)]
-    pending = [functions.broadcast_async_(t, root_rank, name=f"broadcast_optimizer_state.{i}", process_set=process_set)
-               for i, t in enumerate(tensors)]  # fmt: skip
+    pending = [
+        functions.broadcast_async_(t, root_rank, name=f"broadcast_optimizer_state.{i}", process_set=process_set)
+        for i, t in enumerate(tensors)
+    ]
     for handle in pending:
         handles.synchronize(handle)
     if rank() != root_rank:

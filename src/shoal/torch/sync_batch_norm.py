@@ -13,9 +13,17 @@ from shoal.torch.process_sets import ProcessSet, global_process_set
 
 class _SyncBatchNormFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
-                running_mean: torch.Tensor | None, running_var: torch.Tensor | None, eps: float, momentum: float,
-                process_set: ProcessSet) -> torch.Tensor:  # fmt: skip
+    def forward(
+        ctx: Any,
+        x: torch.Tensor,
+        weight: torch.Tensor | None,
+        bias: torch.Tensor | None,
+        running_mean: torch.Tensor | None,
+        running_var: torch.Tensor | None,
+        eps: float,
+        momentum: float,
+        process_set: ProcessSet,
+    ) -> torch.Tensor:
         channels = x.shape[1]
         dims = [d for d in range(x.dim()) if d != 1]
         local = x.double()
@@ -51,8 +59,7 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         # Local weight and bias gradients (the optimizer averages them); the input gradient needs global sums.
         grad_weight = sum_dy_xhat if weight is not None else None
         grad_bias = sum_dy if ctx.has_bias else None
-        totals = functions.allreduce(torch.cat([sum_dy, sum_dy_xhat]).double(), op=functions.Sum,
-                                     process_set=ctx.process_set)  # fmt: skip
+        totals = functions.allreduce(torch.cat([sum_dy, sum_dy_xhat]).double(), op=functions.Sum, process_set=ctx.process_set)
         mean_dy = (totals[:channels] / ctx.count).to(grad.dtype)
         mean_dy_xhat = (totals[channels:] / ctx.count).to(grad.dtype)
         scale = invstd * (weight if weight is not None else 1.0)
@@ -67,8 +74,15 @@ class SyncBatchNorm(_BatchNorm):
     with one rank) it behaves exactly like ``BatchNorm``. Works for any input of shape (N, C, ...).
     """
 
-    def __init__(self, num_features: int, eps: float = 1e-5, momentum: float | None = 0.1, affine: bool = True,
-                 track_running_stats: bool = True, process_set: ProcessSet = global_process_set) -> None:  # fmt: skip
+    def __init__(
+        self,
+        num_features: int,
+        eps: float = 1e-5,
+        momentum: float | None = 0.1,
+        affine: bool = True,
+        track_running_stats: bool = True,
+        process_set: ProcessSet = global_process_set,
+    ) -> None:
         super().__init__(num_features, eps, momentum, affine, track_running_stats)
         self.process_set = process_set
 
@@ -85,5 +99,6 @@ class SyncBatchNorm(_BatchNorm):
             self.num_batches_tracked.add_(1)
             if self.momentum is None:  # cumulative moving average, as BatchNorm does
                 momentum = 1.0 / float(self.num_batches_tracked)
-        return _SyncBatchNormFunction.apply(input, self.weight, self.bias, self.running_mean, self.running_var,
-                                            self.eps, momentum, self.process_set)  # fmt: skip
+        return _SyncBatchNormFunction.apply(
+            input, self.weight, self.bias, self.running_mean, self.running_var, self.eps, momentum, self.process_set
+        )

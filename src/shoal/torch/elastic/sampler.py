@@ -29,8 +29,9 @@ class ElasticSampler(Sampler[int]):
         rank: this rank; default ``shoal.torch.rank()`` at each reset.
     """
 
-    def __init__(self, dataset: Sized, shuffle: bool = True, seed: int = 0, num_replicas: int | None = None,
-                 rank: int | None = None) -> None:  # fmt: skip
+    def __init__(
+        self, dataset: Sized, shuffle: bool = True, seed: int = 0, num_replicas: int | None = None, rank: int | None = None
+    ) -> None:
         self.dataset = dataset
         self.shuffle = shuffle
         self.seed = seed
@@ -76,8 +77,11 @@ class ElasticSampler(Sampler[int]):
 
     def state_dict(self) -> dict[str, Any]:
         """What a commit saves: the epoch, the processed indices and how many were recorded."""
-        return {"epoch": self.epoch, "processed_indices": sorted(self.processed_indices),
-                "processed_count": self.processed_count}  # fmt: skip
+        return {
+            "epoch": self.epoch,
+            "processed_indices": sorted(self.processed_indices),
+            "processed_count": self.processed_count,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a committed state (then ``reset()`` re-shards what is left)."""

@@ -127,8 +127,9 @@ class TorchState(ObjectState):
         **kwargs: more state, reachable as attributes (``state.epoch``).
     """
 
-    def __init__(self, model: torch.nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None,
-                 **kwargs: Any) -> None:  # fmt: skip
+    def __init__(
+        self, model: torch.nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None, **kwargs: Any
+    ) -> None:
         from shoal.torch.basics import rank
         from shoal.torch.objects import broadcast_object
 

@@ -79,11 +79,14 @@ def _measure_links(repeats: int) -> dict[str, tuple[float, float]]:
         return {}
     hosts = list(dict.fromkeys(topology.host_of_rank))
     local_sets = [[r for r in range(topology.size) if topology.host_of_rank[r] == host] for host in hosts]
-    cross_sets = [[r for r in range(topology.size) if topology.local_rank_of_rank[r] == index]
-                  for index in range(topology.local_size)]  # fmt: skip
+    cross_sets = [
+        [r for r in range(topology.size) if topology.local_rank_of_rank[r] == index] for index in range(topology.local_size)
+    ]
     registered = [add_process_set(ranks) for ranks in local_sets + cross_sets]  # every rank, in the same order
-    mine = {"intra-host": registered[hosts.index(topology.host_of_rank[topology.rank])],
-            "inter-host": registered[len(local_sets) + topology.local_rank]}  # fmt: skip
+    mine = {
+        "intra-host": registered[hosts.index(topology.host_of_rank[topology.rank])],
+        "inter-host": registered[len(local_sets) + topology.local_rank],
+    }
     links = {}
     try:
         for link, process_set in mine.items():
@@ -91,8 +94,9 @@ def _measure_links(repeats: int) -> dict[str, tuple[float, float]]:
             def probes_at(index: int, nbytes: int, link: str = link, process_set: ProcessSet = process_set) -> Probes:
                 tensor = torch.ones(nbytes // 4)
                 name = f"shoal.cal.{link}.{index}"
-                return {link: (lambda: functions.allreduce_(tensor, op=functions.Sum, name=name,
-                                                            process_set=process_set), nbytes)}  # fmt: skip
+                return {
+                    link: (lambda: functions.allreduce_(tensor, op=functions.Sum, name=name, process_set=process_set), nbytes)
+                }
 
             links.update(_probe_lines(probes_at, repeats, f"shoal.cal.{link}"))
     finally:

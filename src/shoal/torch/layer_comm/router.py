@@ -107,8 +107,9 @@ class OptimizerFacts:
 class LayerRouter:
     """Every parameter's ``LayerComm``, and with ``comm="auto"`` the plan and drift monitor that choose them."""
 
-    def __init__(self, facts: OptimizerFacts, model: nn.Module | None, comm: str, overrides: dict[Any, str] | None,
-                 ps_config: PSConfig) -> None:  # fmt: skip
+    def __init__(
+        self, facts: OptimizerFacts, model: nn.Module | None, comm: str, overrides: dict[Any, str] | None, ps_config: PSConfig
+    ) -> None:
         if comm not in COMM_CHOICES:
             raise ValueError(f"comm must be one of {', '.join(COMM_CHOICES)}, got {comm!r}")
         self.facts = facts
@@ -230,8 +231,7 @@ class LayerRouter:
         name, groups = describe_optimizer(facts.base, facts.param_groups)
         group_index = {id(p): i for i, group in enumerate(facts.param_groups) for p in group["params"]}
         config = self.ps_config
-        spec = SessionSpec(name, groups, [group_index[id(p)] for p in params], config.mode, config.staleness,
-                           facts.average)  # fmt: skip
+        spec = SessionSpec(name, groups, [group_index[id(p)] for p in params], config.mode, config.staleness, facts.average)
         client, store = connect(config)
         session = client.open_session(params, [facts.names[id(p)] for p in params], spec, store)
         wiring = Wiring(facts.process_set, session, lambda p: self._lr_of[id(p)]["lr"])
@@ -264,8 +264,9 @@ class LayerRouter:
         names = sorted(self._rows)
         if names and not refresh:
             rows = torch.tensor([self._rows[n] for n in names], dtype=torch.int64)
-            rows = functions.allreduce(rows, op=functions.Max, name="DistributedOptimizer.plan.rows",
-                                       process_set=facts.process_set)  # fmt: skip
+            rows = functions.allreduce(
+                rows, op=functions.Max, name="DistributedOptimizer.plan.rows", process_set=facts.process_set
+            )
             self._rows = dict(zip(names, rows.tolist(), strict=True))
         calibration = calibration or job_calibration()
         self.calibration = calibration
@@ -290,9 +291,12 @@ class LayerRouter:
             self.drift.replan(self.plans, exchanges, calibration)
         context.current().set_part("torch.last_plan", LastPlan(self.plans, workers, self.drift.recalibrations, calibration))
         if basics.rank() == 0:  # one line per (re-)plan, so that the planner never works silently
-            print(f"[shoal] comm='auto' {'re-planned' if refresh else 'planned'} {len(self.plans)} layers "
-                  f"({describe_choices(self.plans)}) from {describe_calibration(calibration)}",
-                  file=sys.stderr, flush=True)  # fmt: skip
+            print(
+                f"[shoal] comm='auto' {'re-planned' if refresh else 'planned'} {len(self.plans)} layers "
+                f"({describe_choices(self.plans)}) from {describe_calibration(calibration)}",
+                file=sys.stderr,
+                flush=True,
+            )
 
     def _watch_drift(self) -> None:
         """After a synchronized step: compare measured exchange times with the plan; re-plan together on drift."""
@@ -306,16 +310,24 @@ class LayerRouter:
         if not monitor.check_due():
             return
         local = torch.tensor(monitor.pending(), dtype=torch.float64)
-        agreed = functions.allreduce(local, op=functions.Min, name="DistributedOptimizer.plan.measured",
-                                     process_set=self.facts.process_set)  # fmt: skip
+        agreed = functions.allreduce(
+            local, op=functions.Min, name="DistributedOptimizer.plan.measured", process_set=self.facts.process_set
+        )
         error = monitor.agree(agreed.tolist())
         if monitor.drifted():  # the same verdict on every rank: all hold the same agreed times
             log = get_logger().warning if basics.rank() == 0 else get_logger().debug  # said once, by rank 0
-            log("measured exchange times drift from the plan (median error %.0f%% for %d steps): recalibrating "
-                "from the measurements and re-planning", 100 * (error or 0.0), monitor.config.steps)  # fmt: skip
+            log(
+                "measured exchange times drift from the plan (median error %.0f%% for %d steps): recalibrating "
+                "from the measurements and re-planning",
+                100 * (error or 0.0),
+                monitor.config.steps,
+            )
             assert self.plans is not None and self.calibration is not None
-            fitted = broadcast_object(refit(self.calibration, self.plans, monitor.terms, monitor.rebuilds),
-                                      root_rank=0, name="DistributedOptimizer.plan.refit",
-                                      process_set=self.facts.process_set)  # fmt: skip
+            fitted = broadcast_object(
+                refit(self.calibration, self.plans, monitor.terms, monitor.rebuilds),
+                root_rank=0,
+                name="DistributedOptimizer.plan.refit",
+                process_set=self.facts.process_set,
+            )
             keep_calibration(fitted)
             self.apply_plan(fitted)

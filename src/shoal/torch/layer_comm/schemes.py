@@ -50,8 +50,9 @@ class LayerComm:
         self.params = params
 
     @classmethod
-    def build(cls, scheme: Scheme, name: str, module: nn.Module | None, params: list[torch.Tensor],
-              wiring: Wiring) -> LayerComm:  # fmt: skip
+    def build(
+        cls, scheme: Scheme, name: str, module: nn.Module | None, params: list[torch.Tensor], wiring: Wiring
+    ) -> LayerComm:
         """The scheme's object for one layer (``module`` None: the optimizer's parameters as a whole)."""
         return cls(name, params)
 
@@ -86,8 +87,9 @@ class CastAllreduce(LayerComm):
         self.compressor = Compression.fp16 if scheme == Scheme.FP16 else Compression.bf16
 
     @classmethod
-    def build(cls, scheme: Scheme, name: str, module: nn.Module | None, params: list[torch.Tensor],
-              wiring: Wiring) -> LayerComm:  # fmt: skip
+    def build(
+        cls, scheme: Scheme, name: str, module: nn.Module | None, params: list[torch.Tensor], wiring: Wiring
+    ) -> LayerComm:
         return cls(name, params, scheme)
 
 
@@ -101,8 +103,9 @@ class SufficientFactors(LayerComm):
         self.layer = SufficientFactorLayer(name or "model", module, process_set)
 
     @classmethod
-    def build(cls, scheme: Scheme, name: str, module: nn.Module | None, params: list[torch.Tensor],
-              wiring: Wiring) -> LayerComm:  # fmt: skip
+    def build(
+        cls, scheme: Scheme, name: str, module: nn.Module | None, params: list[torch.Tensor], wiring: Wiring
+    ) -> LayerComm:
         if not isinstance(module, nn.Linear):
             kind = "not a module" if module is None else f"a {type(module).__name__}"
             raise ValueError(f"sfb needs an nn.Linear, but '{name or 'the model'}' is {kind}")
@@ -138,15 +141,17 @@ class ParameterServer(LayerComm):
 
     scheme = Scheme.PS
 
-    def __init__(self, name: str, params: list[torch.Tensor], session: PSSession,
-                 lr_of: Callable[[torch.Tensor], float]) -> None:  # fmt: skip
+    def __init__(
+        self, name: str, params: list[torch.Tensor], session: PSSession, lr_of: Callable[[torch.Tensor], float]
+    ) -> None:
         super().__init__(name, params)
         self.session = session
         self._lr_of = lr_of
 
     @classmethod
-    def build(cls, scheme: Scheme, name: str, module: nn.Module | None, params: list[torch.Tensor],
-              wiring: Wiring) -> LayerComm:  # fmt: skip
+    def build(
+        cls, scheme: Scheme, name: str, module: nn.Module | None, params: list[torch.Tensor], wiring: Wiring
+    ) -> LayerComm:
         assert wiring.session is not None and wiring.lr_of is not None, "open the parameter-server session first"
         return cls(name, params, wiring.session, wiring.lr_of)
 
@@ -179,7 +184,8 @@ LAYER_COMM: dict[Scheme, type[LayerComm]] = {
 """The class that carries each scheme; every ``Scheme`` has one."""
 
 
-def make_layer_comm(scheme: Scheme, name: str, module: nn.Module | None, params: list[torch.Tensor],
-                    wiring: Wiring) -> LayerComm:  # fmt: skip
+def make_layer_comm(
+    scheme: Scheme, name: str, module: nn.Module | None, params: list[torch.Tensor], wiring: Wiring
+) -> LayerComm:
     """The object that carries ``scheme`` for one layer."""
     return LAYER_COMM[scheme].build(scheme, name, module, params, wiring)

@@ -60,8 +60,10 @@ class SufficientFactorLayer:
 
     def _gather(self, inputs: torch.Tensor, output_grads: torch.Tensor) -> tuple[int, int]:
         input_name, grad_name = self.exchange_names
-        return (functions.allgather_async(inputs, name=input_name, process_set=self.process_set),
-                functions.allgather_async(output_grads, name=grad_name, process_set=self.process_set))  # fmt: skip
+        return (
+            functions.allgather_async(inputs, name=input_name, process_set=self.process_set),
+            functions.allgather_async(output_grads, name=grad_name, process_set=self.process_set),
+        )
 
     @property
     def usable(self) -> bool:
