@@ -26,8 +26,9 @@ from shoal.bench import add_json_flag, emit
 from shoal.bench.models import build, parameter_count
 from shoal.comm.baselines import wrap_ddp
 from shoal.plan.planner import median_error
+from shoal.plan.schemes import Scheme
 from shoal.ps.config import resolve_config
-from shoal.torch.layer_comm.router import COMM_CHOICES, last_plan
+from shoal.torch.layer_comm.router import AUTO, COMM_CHOICES, last_plan
 from shoal.torch.layer_comm.schemes import SufficientFactors
 
 
@@ -80,7 +81,7 @@ def run_shoal(args: argparse.Namespace, batches: list[tuple[torch.Tensor, torch.
     )
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     elapsed = _slowest(_timed_steps(model, optimizer, batches, args.warmup, args.steps, hvd.barrier))
-    if args.comm == "auto":
+    if args.comm == AUTO:
         hvd.plan_report()  # rank 0 prints it
     return hvd.size() * args.batch_size * args.steps / elapsed
 
@@ -249,13 +250,13 @@ def main(argv: list[str] | None = None) -> None:
             "comm": args.comm,
             "shoal_ips": round(shoal_ips, 1),
         }
-        if args.comm == "ps":  # co-located (a server thread in every worker) unless shoalrun started servers
+        if args.comm == Scheme.PS:  # co-located (a server thread in every worker) unless shoalrun started servers
             config = resolve_config()
             result["ps_mode"] = config.mode
             result["ps_servers"] = config.num_servers if config.dedicated else hvd.size()
             result["ps_dedicated"] = config.dedicated
         plan = last_plan()
-        if args.comm == "auto" and plan is not None:
+        if args.comm == AUTO and plan is not None:
             error = median_error(plan.plans)
             result["plan_median_error"] = round(error, 3) if error is not None else None
             result["plan_choices"] = dict(Counter(p.choice for p in plan.plans))

@@ -4,8 +4,9 @@ Horovod's API is module-level (``hvd.rank()``), so one context per process is un
 to one ``init()`` lives in it: the fields below, and in ``parts`` what higher layers build on it (the user API's
 session with the engine, handles and name counters; the measured calibration; the last ``comm="auto"`` plan; the
 parameter server's connection). ``shutdown()`` drops it whole, and an elastic re-form builds a new one, so nothing of
-an old job survives into the next. Two things outlive a context on purpose: the job's store connection
-(``comm.store``: a rank-0-hosted store must outlive re-inits) and the launcher watchdog thread (one per process).
+an old job survives into the next. What outlives a context on purpose: the job's store connection
+(``comm.store``: a rank-0-hosted store must outlive re-inits), the launcher watchdog thread (one per process),
+process-unique handle and session ids, and the rule that dedicated parameter servers serve one ``init()``.
 """
 
 from __future__ import annotations
