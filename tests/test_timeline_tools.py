@@ -14,7 +14,7 @@ import torch
 import shoal.torch as hvd
 from conftest import clean_env
 from shoal.testing import run_ranks
-from shoal.timeline import Phase, Trace, hidden_share, load_trace
+from shoal.timeline import Phase, Trace, arrivals, hidden_share, load_trace
 
 STEPS = 5
 
@@ -111,8 +111,12 @@ def test_per_rank_files_merge_onto_one_clock_and_name_the_late_rank(tmp_path: Pa
     assert max(abs(a - b) for a, b in zip(starts[0], starts[1], strict=True)) < 20_000
     summary = _timeline("summary", *files)  # per-rank files directly, merged on the fly
     assert summary.returncode == 0, summary.stderr
-    late = re.search(r"arrived last: rank 1 in (\d+)%", summary.stdout)
-    assert late and int(late.group(1)) >= 80, summary.stdout  # rank 1 slept 30 ms before every backward
+    assert re.search(r"arrived last: rank 1 in \d+%, rank 0", summary.stdout), summary.stdout  # rank 1 most often
+    # Rank 1 slept 30 ms before every backward: after the first step (start-up skews that one), it is the last to
+    # submit every gradient.
+    later = [e for name, seen in arrivals(trace).items() if name.startswith("Distributed") for e in seen[1:]]
+    assert len(later) == 4 * (STEPS - 1)
+    assert sum(max(e, key=e.__getitem__) == 1 for e in later) >= len(later) - 1, later
     assert re.search(r"hidden under backward: .* on rank 0, .* on rank 1", summary.stdout), summary.stdout
     clash = _timeline("merge", files[0], files[0], "-o", str(tmp_path / "x.json"))
     assert clash.returncode == 2 and "rank 0 appears in both" in clash.stderr
