@@ -96,6 +96,33 @@ def test_large_chunks_take_the_copy_saving_path_and_match_gloo(size: int) -> Non
         assert mismatches == [], f"rank {rank}: {mismatches}"
 
 
+def _finish_on_slices(slot_bytes: int, count: int) -> tuple[list[float], int]:
+    """Sum with a finishing step (halve) on the small and the large path; returns the result and how many
+    elements this rank's finish calls touched."""
+    hvd.init()
+    group = _test_group(slot_bytes)
+    touched = 0
+
+    def halve(part: torch.Tensor) -> None:
+        nonlocal touched
+        touched += part.numel()
+        part.mul_(0.5)
+
+    tensor = torch.arange(count, dtype=torch.float32) + hvd.rank()
+    group.allreduce_(tensor, "sum", finish=halve)  # type: ignore[attr-defined]
+    return tensor.tolist(), touched
+
+
+@pytest.mark.parametrize("slot_bytes, count", [(4096, 3001), (1 << 20, 131079)])  # small chunks; the large path
+def test_finish_runs_once_on_each_ranks_slice(slot_bytes: int, count: int) -> None:
+    size = 3
+    expected = [(size * i + sum(range(size))) * 0.5 for i in range(count)]
+    results = run_ranks(_finish_on_slices, size, args=(slot_bytes, count), timeout_s=120)
+    for values, _ in results:
+        assert values == expected  # scaled exactly once, everywhere
+    assert sum(touched for _, touched in results) == count  # each element by one rank: 1/size of the work each
+
+
 def _engine_path() -> tuple[str | None, list[float]]:
     hvd.init()
     hierarchical = handles.engine().hierarchical

@@ -8,6 +8,7 @@ it is pure shared memory; with one rank per host there is nothing to share and p
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -24,8 +25,9 @@ class HierarchicalAllreduce:
         self.cross_group = cross_group
         self.cross_size = cross_size
 
-    def allreduce_(self, tensor: torch.Tensor, reduction: str) -> None:
-        """Reduce a contiguous CPU tensor in place across every rank (sum, product, min, max or band)."""
+    def allreduce_(self, tensor: torch.Tensor, reduction: str, finish: Callable[[torch.Tensor], None] | None = None) -> None:
+        """Reduce a contiguous CPU tensor in place across every rank (sum, product, min, max or band); ``finish``
+        runs on each rank's reduced slice before it is shared back (see ``SharedMemoryGroup.allreduce_``)."""
 
         def between_hosts(mine: torch.Tensor) -> None:
             if reduction == "band":
@@ -33,7 +35,7 @@ class HierarchicalAllreduce:
             else:
                 collectives.allreduce_(mine, reduction, self.cross_group)
 
-        self.local.allreduce_(tensor, reduction, between_hosts if self.cross_size > 1 else None)
+        self.local.allreduce_(tensor, reduction, between_hosts if self.cross_size > 1 else None, finish)
 
     def close(self) -> None:
         """Release the shared-memory segment."""

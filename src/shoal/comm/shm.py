@@ -233,7 +233,11 @@ class SharedMemoryGroup:
     # ----- collectives -----
 
     def allreduce_(
-        self, tensor: torch.Tensor, reduction: str, between_hosts: Callable[[torch.Tensor], None] | None = None
+        self,
+        tensor: torch.Tensor,
+        reduction: str,
+        between_hosts: Callable[[torch.Tensor], None] | None = None,
+        finish: Callable[[torch.Tensor], None] | None = None,
     ) -> None:
         """Reduce a contiguous CPU tensor in place across the local ranks.
 
@@ -242,6 +246,8 @@ class SharedMemoryGroup:
             reduction: sum, product, min, max or band.
             between_hosts: when given, called on this rank's reduced slice (a view into shared memory) to reduce
                 it with the other hosts before it is shared back: that makes the collective hierarchical.
+            finish: when given, called on this rank's fully reduced slice before it is shared back (an
+                elementwise step such as Average's scaling: each rank does its slice, 1/local_size of the work).
         """
         flat = tensor.view(-1)
         reduce_into = _REDUCE_INTO[reduction]
@@ -252,7 +258,7 @@ class SharedMemoryGroup:
             count = chunk.numel()
             slots = self._next_slots(flat.dtype)
             if count >= _LARGE_CHUNK_ELEMENTS:
-                self._allreduce_large_chunk(chunk, slots, reduction, between_hosts)
+                self._allreduce_large_chunk(chunk, slots, reduction, between_hosts, finish)
                 continue
             slots[self.local_rank][:count].copy_(chunk)
             self.barrier()
@@ -265,6 +271,8 @@ class SharedMemoryGroup:
                     reduce_into(result, slots[rank][start:stop])
                 if between_hosts is not None:
                     between_hosts(result)
+                if finish is not None:
+                    finish(result)
             self.barrier()
             chunk.copy_(slots[0][:count])
 
@@ -274,6 +282,7 @@ class SharedMemoryGroup:
         slots: list[torch.Tensor],
         reduction: str,
         between_hosts: Callable[[torch.Tensor], None] | None,
+        finish: Callable[[torch.Tensor], None] | None,
     ) -> None:
         """The bandwidth-bound variant: about 4 bytes of memory traffic per byte instead of 5.5 (two ranks).
 
@@ -297,6 +306,8 @@ class SharedMemoryGroup:
                 reduce_into(result, slots[rank][start:stop])
             if between_hosts is not None:
                 between_hosts(result)
+            if finish is not None:
+                finish(result)
             chunk[start:stop].copy_(result)
         self.barrier()
         for rank, (start, stop) in enumerate(bounds):

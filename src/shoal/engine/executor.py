@@ -62,6 +62,13 @@ def _postscale_(tensor: torch.Tensor, op: ReduceOp, postscale: float, members: i
     _scale_(tensor, postscale / members if op == ReduceOp.Average else postscale)
 
 
+def _postscaler(op: ReduceOp, postscale: float, members: int) -> Callable[[torch.Tensor], None] | None:
+    """``_postscale_`` as a step on part of a reduced buffer (None when it changes nothing)."""
+    if (postscale / members if op == ReduceOp.Average else postscale) == 1.0:
+        return None
+    return lambda part: _postscale_(part, op, postscale, members)
+
+
 def _real_view(tensor: torch.Tensor) -> torch.Tensor:
     """A complex tensor as pairs of reals (same memory); sums and averages are then computed part by part."""
     return torch.view_as_real(tensor) if tensor.is_complex() else tensor
@@ -236,13 +243,24 @@ class Executor:
             self._begin(responses, "ADASUM_ALLREDUCE")
             self._adasum_(buffer, [tensor.numel() for tensor in inputs], state, responses[0].name)
             self._end(responses, "ADASUM_ALLREDUCE")
+            _postscale_(buffer, op, meta.postscale, len(state.members))
+            scaled = True
         else:
             phase = self._reduce_phase(buffer, responses[0].process_set)
             self._begin(responses, phase)
-            self._reduce_(buffer, _REDUCTIONS[op], responses[0].process_set, state, responses[0].name)
+            members = len(state.members)
+            scaled = self._reduce_(
+                buffer,
+                _REDUCTIONS[op],
+                responses[0].process_set,
+                state,
+                responses[0].name,
+                _postscaler(op, meta.postscale, members),
+            )
             self._end(responses, phase)
         self._begin(responses, "MEMCPY_OUT_FUSION_BUFFER")
-        _postscale_(buffer, op, meta.postscale, len(state.members))
+        if not scaled:
+            _postscale_(buffer, op, meta.postscale, len(state.members))
         if not single_in_place:
             pieces = buffer.split([tensor.numel() for tensor in inputs])
             kept = [
@@ -276,14 +294,27 @@ class Executor:
             return "SHM_ALLREDUCE" if self.hierarchical.cross_size == 1 else "HIERARCHICAL_ALLREDUCE"
         return "NCCL_ALLREDUCE" if buffer.is_cuda else "GLOO_ALLREDUCE"
 
-    def _reduce_(self, buffer: torch.Tensor, reduction: str, process_set: int, state: ProcessSetState, name: str) -> None:
-        """Allreduce ``buffer`` in place: shared memory (hierarchical) for CPU tensors of the world, else gloo/NCCL."""
+    def _reduce_(
+        self,
+        buffer: torch.Tensor,
+        reduction: str,
+        process_set: int,
+        state: ProcessSetState,
+        name: str,
+        finish: Callable[[torch.Tensor], None] | None = None,
+    ) -> bool:
+        """Allreduce ``buffer`` in place: shared memory (hierarchical) for CPU tensors of the world, else gloo/NCCL.
+
+        Returns True when ``finish`` (an elementwise step on the reduced values) was applied inside the shared-memory
+        collective, each rank on its slice; False when the caller must apply it to the whole buffer.
+        """
         wire = _real_view(buffer)
         with self._wire(f"allreduce '{name}'"):
             if self.hierarchical is not None and self._uses_shared_memory(buffer, process_set):
-                self.hierarchical.allreduce_(wire, reduction)
-            else:
-                collectives.allreduce_(wire, reduction, state.group)
+                self.hierarchical.allreduce_(wire, reduction, finish)
+                return finish is not None
+            collectives.allreduce_(wire, reduction, state.group)
+            return False
 
     def _allgather(self, response: Response, request: Request | None, state: ProcessSetState) -> None:
         rows = [(m.shape[0] if m.shape else 1) if m is not None else 0 for m in (response.rank_metas[r] for r in state.members)]
