@@ -5,8 +5,10 @@ Run: ``shoalrun -np 2 python -m shoal.bench.train --model mlp --compare ddp``. P
 "of_bound":..,"solo_ips":..}`` where ips counts images (or sequences) per second over all workers, ``ratio`` =
 shoal_ips / ddp_ips, ``bound_ips`` is every rank training at the same time with no communication at all (the
 machine's limit for this model: ranks share memory bandwidth and caches), ``of_bound`` = shoal_ips / bound_ips, and
-``solo_ips`` is one process training alone (the other ranks wait). ``--profile`` then times one more Shoal phase
-with a timeline and prints where a step's time goes.
+``solo_ips`` is one process training alone (the other ranks wait). ``bare_reduce_ms`` is one Average allreduce of
+all the gradient bytes with nothing else running, and ``no_overlap_ips`` the bound's step plus that reduction: the
+best a step can do when every core is busy computing, so the reduction cannot hide under backward.
+``--profile`` then times one more Shoal phase with a timeline and prints where a step's time goes.
 """
 
 from __future__ import annotations
@@ -143,6 +145,20 @@ def run_bound(args: argparse.Namespace, batches: list[tuple[torch.Tensor, torch.
     return hvd.size() * args.batch_size * args.steps / elapsed
 
 
+def bare_reduce_seconds(args: argparse.Namespace, repeats: int = 10) -> float:
+    """Median seconds of one Average allreduce of all the model's gradient bytes at once, nothing else running."""
+    model, _ = build(args.model)
+    flat = torch.zeros(sum(p.numel() for p in model.parameters() if p.requires_grad))
+    samples = []
+    for index in range(repeats + 2):
+        hvd.barrier()
+        start = time.perf_counter()
+        hvd.allreduce_(flat, op=hvd.Average, name="bench.train.bare_reduce")
+        if index >= 2:  # two warm-ups (the first negotiates the name)
+            samples.append(time.perf_counter() - start)
+    return _slowest(sorted(samples)[len(samples) // 2])
+
+
 def run_solo(args: argparse.Namespace, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
     """Images per second of rank 0 training alone (no communication) while the other ranks wait."""
     ips = 0.0
@@ -222,6 +238,7 @@ def main(argv: list[str] | None = None) -> None:
                 flush=True,
             )
     solo_ips = run_solo(args, batches)
+    reduce_s = bare_reduce_seconds(args)
     profile = run_profiled(args, batches) if args.profile else []
     tuned: tuple[float, int] | None = None
     settings: list[object] = []
@@ -277,6 +294,16 @@ def main(argv: list[str] | None = None) -> None:
         )
         result["bound_ips"] = round(bound_ips, 1)
         result["of_bound"] = round(shoal_ips / bound_ips, 3)
+        # With every core busy computing, the reduction cannot hide: the best step is then the bound's plus one
+        # bare reduction of all gradients (a figure, not an upper limit, where cores are left free).
+        step_s = hvd.size() * args.batch_size / bound_ips
+        no_overlap_ips = hvd.size() * args.batch_size / (step_s + reduce_s)
+        print(
+            f"bare Average allreduce of all gradients: {reduce_s * 1e3:.2f} ms; bound step {step_s * 1e3:.2f} ms; "
+            f"without overlap {no_overlap_ips:.1f} img/s, Shoal {shoal_ips / no_overlap_ips:.1%} of that"
+        )
+        result["bare_reduce_ms"] = round(reduce_s * 1e3, 3)
+        result["no_overlap_ips"] = round(no_overlap_ips, 1)
         print(f"solo (1 process, no communication): {solo_ips:.1f} img/s")
         result["solo_ips"] = round(solo_ips, 1)
         if profile:

@@ -1,0 +1,112 @@
+"""Does ``comm="auto"`` pick well? Train on emulated hosts with every forced scheme and with auto, round by round.
+
+Run (as root, iproute2): ``python -m shoal.bench.planner --hosts 2 --rate 1gbit --model mlp --runs 5``. Each run
+trains the model on ``--hosts`` network namespaces joined by ``--rate`` links (``shoal.bench.netns``) once per
+forced scheme (allreduce, fp16, bf16, sfb) and once with ``comm="auto"``, in that order, so auto is compared with
+the forced schemes of the same run. A run passes when auto reaches ``--tolerance`` (default 0.95) of the best
+forced scheme's throughput. Prints a table and, last, one JSON line: ``{"bench": "planner", "runs": [{"forced":
+{scheme: ips}, "auto_ips", "best", "of_best", "choices"}], "passed": k, "of_runs": n}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from typing import Any
+
+from shoal.bench import add_json_flag, emit
+from shoal.plan.schemes import Scheme
+
+FORCED = (Scheme.ALLREDUCE, Scheme.FP16, Scheme.BF16, Scheme.SFB)
+
+
+def train_once(args: argparse.Namespace, comm: str) -> dict[str, Any]:
+    """One ``shoal.bench.train`` invocation across the emulated hosts; its JSON result."""
+    command = [
+        sys.executable,
+        "-m",
+        "shoal.bench.netns",
+        "--hosts",
+        str(args.hosts),
+        "--rate",
+        args.rate,
+        "--",
+        sys.executable,
+        "-m",
+        "shoal.bench.train",
+        "--model",
+        args.model,
+        "--comm",
+        comm,
+        "--compare",
+        "none",
+        "--rounds",
+        "1",
+        "--steps",
+        str(args.steps),
+        "--warmup",
+        str(args.warmup),
+    ]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout)
+    lines = [line.split(":", 1)[1] for line in result.stdout.splitlines() if line.startswith("[0]<stdout>:{")]
+    if result.returncode != 0 or not lines:
+        raise SystemExit(f"shoal.bench.planner: comm={comm} failed ({result.returncode}):\n{result.stderr[-3000:]}")
+    parsed: dict[str, Any] = json.loads(lines[-1])
+    return parsed
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Parse flags, run the rounds, print the table and the JSON line."""
+    parser = argparse.ArgumentParser(prog="python -m shoal.bench.planner", description=__doc__.split("\n")[0])
+    parser.add_argument("--hosts", type=int, default=2, help="emulated hosts, one rank each (default 2)")
+    parser.add_argument("--rate", default="1gbit", help="link rate, tc syntax (default 1gbit)")
+    parser.add_argument("--model", choices=["cnn", "mlp", "transformer"], default="mlp")
+    parser.add_argument("--runs", type=int, default=5, help="rounds of (every forced scheme, then auto); default 5")
+    parser.add_argument("--steps", type=int, default=20, help="timed steps per training phase (default 20)")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps before each phase (default 3)")
+    parser.add_argument("--tolerance", type=float, default=0.95, help="auto must reach this share of the best")
+    parser.add_argument("--timeout", type=float, default=900, help="seconds per training invocation (default 900)")
+    add_json_flag(parser)
+    args = parser.parse_args(argv)
+    runs = []
+    for run in range(args.runs):
+        forced = {scheme.value: float(train_once(args, scheme.value)["shoal_ips"]) for scheme in FORCED}
+        auto = train_once(args, "auto")
+        best = max(forced, key=forced.__getitem__)
+        of_best = float(auto["shoal_ips"]) / forced[best]
+        runs.append(
+            {
+                "forced": forced,
+                "auto_ips": auto["shoal_ips"],
+                "best": best,
+                "of_best": round(of_best, 3),
+                "choices": auto.get("plan_choices", {}),
+            }
+        )
+        cells = ", ".join(f"{scheme} {ips:.1f}" for scheme, ips in forced.items())
+        print(
+            f"run {run + 1}/{args.runs}: {cells}; auto {auto['shoal_ips']:.1f} img/s = {of_best:.1%} of {best} "
+            f"(chose {auto.get('plan_choices', {})})",
+            flush=True,
+        )
+    passed = sum(1 for r in runs if r["of_best"] >= args.tolerance)
+    print(f"auto within {1 - args.tolerance:.0%} of the best forced scheme in {passed} of {len(runs)} runs")
+    emit(
+        {
+            "bench": "planner",
+            "model": args.model,
+            "hosts": args.hosts,
+            "rate": args.rate,
+            "runs": runs,
+            "passed": passed,
+            "of_runs": len(runs),
+            "tolerance": args.tolerance,
+        },
+        args.json,
+    )
+
+
+if __name__ == "__main__":
+    main()
