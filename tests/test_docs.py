@@ -71,6 +71,10 @@ COVERED: dict[str, tuple[str, list[str]]] = {
         "test_launchers.py::test_two_emulated_hosts_in_network_namespaces",
         ["shoal.bench.netns", "--ranks-per-host", "1gbit"],
     ),
+    "python -m shoal.bench.planner --hosts 2 --rate 1gbit --model mlp --runs 5": (
+        "test_examples.py::test_planner_benchmark_compares_auto_with_every_forced_scheme",
+        ["shoal.bench.planner", "1gbit", "mlp"],
+    ),
     "python -m shoal.bench.rendezvous": (
         "test_examples.py::test_rendezvous_benchmark_times_both_stores",
         ["shoal.bench.rendezvous"],

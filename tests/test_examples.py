@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -147,3 +149,36 @@ def test_rendezvous_benchmark_times_both_stores() -> None:
     (row,) = summary["rows"]  # type: ignore[misc]
     assert summary["bench"] == "rendezvous" and row["world"] == 2
     assert row["open_ms"] > 0 and row["auth_ms"] > 0 and row["auth_reinit_ms"] > 0 and row["ratio"] > 0
+
+
+@pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None, reason="needs root and iproute2"
+)
+@pytest.mark.timeout(400)
+def test_planner_benchmark_compares_auto_with_every_forced_scheme(tmp_path: Path) -> None:
+    command = [
+        sys.executable,
+        "-m",
+        "shoal.bench.planner",
+        "--hosts",
+        "2",
+        "--rate",
+        "1gbit",
+        "--model",
+        "mlp",
+        "--runs",
+        "1",
+        "--steps",
+        "2",
+        "--warmup",
+        "1",
+        "--json",
+        str(tmp_path / "planner.json"),
+    ]
+    summary = last_json(command, timeout=380)
+    assert summary["bench"] == "planner" and summary["of_runs"] == 1
+    (run,) = summary["runs"]  # type: ignore[misc]
+    assert set(run["forced"]) == {"allreduce", "fp16", "bf16", "sfb"} and all(v > 0 for v in run["forced"].values())
+    assert run["best"] == max(run["forced"], key=run["forced"].get)
+    assert abs(run["of_best"] - run["auto_ips"] / run["forced"][run["best"]]) < 0.01
+    assert sum(run["choices"].values()) == 3  # the MLP's three Linear layers each got a scheme
