@@ -168,6 +168,8 @@ def test_planner_benchmark_compares_auto_with_every_forced_scheme(tmp_path: Path
         "mlp",
         "--runs",
         "1",
+        "--rounds",
+        "1",
         "--steps",
         "2",
         "--warmup",

@@ -4,7 +4,8 @@ Run (as root, iproute2): ``python -m shoal.bench.planner --hosts 2 --rate 1gbit 
 trains the model on ``--hosts`` network namespaces joined by ``--rate`` links (``shoal.bench.netns``) once per
 forced scheme (allreduce, fp16, bf16, sfb) and once with ``comm="auto"``, in that order, so auto is compared with
 the forced schemes of the same run. A run passes when auto reaches ``--tolerance`` (default 0.95) of the best
-forced scheme's throughput. Prints a table and, last, one JSON line: ``{"bench": "planner", "runs": [{"forced":
+forced scheme's throughput; each invocation keeps the best of ``--rounds`` phases, which damps the machine's
+run-to-run noise. Prints a table and, last, one JSON line: ``{"bench": "planner", "runs": [{"forced":
 {scheme: ips}, "auto_ips", "best", "of_best", "choices"}], "passed": k, "of_runs": n}``.
 """
 
@@ -43,7 +44,7 @@ def train_once(args: argparse.Namespace, comm: str) -> dict[str, Any]:
         "--compare",
         "none",
         "--rounds",
-        "1",
+        str(args.rounds),
         "--steps",
         str(args.steps),
         "--warmup",
@@ -64,6 +65,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rate", default="1gbit", help="link rate, tc syntax (default 1gbit)")
     parser.add_argument("--model", choices=["cnn", "mlp", "transformer"], default="mlp")
     parser.add_argument("--runs", type=int, default=5, help="rounds of (every forced scheme, then auto); default 5")
+    parser.add_argument("--rounds", type=int, default=2, help="phases per invocation, the best kept (default 2)")
     parser.add_argument("--steps", type=int, default=20, help="timed steps per training phase (default 20)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps before each phase (default 3)")
     parser.add_argument("--tolerance", type=float, default=0.95, help="auto must reach this share of the best")
