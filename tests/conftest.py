@@ -15,6 +15,11 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 SHOALRUN = [sys.executable, "-m", "shoal.runner"]
+needs_netns = pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None,
+    reason="network namespaces need root and iproute2 (.ci/run installs iproute2)",
+)
+"""For tests that emulate hosts with ``shoal.bench.netns``."""
 
 
 def process_alive(pid: int) -> bool:

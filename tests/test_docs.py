@@ -101,17 +101,30 @@ def _strip_comment(line: str) -> str:
     return re.split(r"\s+#\s", line, maxsplit=1)[0].strip()
 
 
+def code_blocks(page: Path) -> list[tuple[str, list[str]]]:
+    """Every fenced block of a page: (its language, its lines)."""
+    blocks: list[tuple[str, list[str]]] = []
+    fence: str | None = None
+    for line in page.read_text().splitlines():
+        if line.startswith("```"):
+            if fence is None:
+                fence = line[3:].strip()
+                blocks.append((fence, []))
+            else:
+                fence = None
+        elif fence is not None:
+            blocks[-1][1].append(line)
+    return blocks
+
+
 def documented_commands() -> dict[str, list[str]]:
     """Every command line of every shell block -> the pages showing it."""
     found: dict[str, list[str]] = {}
     for page in DOCS:
-        fence: str | None = None
-        for line in page.read_text().splitlines():
-            if line.startswith("```"):
-                fence = line[3:].strip() if fence is None else None
-                continue
-            if fence in SHELL_FENCES and line.strip() and not line.lstrip().startswith("#"):
-                found.setdefault(_strip_comment(line), []).append(page.name)
+        for fence, lines in code_blocks(page):
+            for line in lines:
+                if fence in SHELL_FENCES and line.strip() and not line.lstrip().startswith("#"):
+                    found.setdefault(_strip_comment(line), []).append(page.name)
     return found
 
 
@@ -249,19 +262,7 @@ def test_timeline_commands_in_order(scratch: Path) -> None:
 
 
 def _python_blocks(page: Path) -> list[str]:
-    blocks, current, fence = [], [], None
-    for line in page.read_text().splitlines():
-        if line.startswith("```"):
-            if fence is None:
-                fence, current = line[3:].strip(), []
-            else:
-                if fence == "python":
-                    blocks.append("\n".join(current))
-                fence = None
-            continue
-        if fence is not None:
-            current.append(line)
-    return blocks
+    return ["\n".join(lines) for fence, lines in code_blocks(page) if fence == "python"]
 
 
 README_PRELUDE = """

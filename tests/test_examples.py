@@ -3,16 +3,14 @@
 from __future__ import annotations
 
 import json
-import os
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from conftest import REPO, SHOALRUN, clean_env
+from conftest import REPO, SHOALRUN, clean_env, needs_netns
 
 
 def last_json(command: list[str], timeout: float = 300) -> dict[str, object]:
@@ -151,9 +149,7 @@ def test_rendezvous_benchmark_times_both_stores() -> None:
     assert row["open_ms"] > 0 and row["auth_ms"] > 0 and row["auth_reinit_ms"] > 0 and row["ratio"] > 0
 
 
-@pytest.mark.skipif(
-    os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None, reason="needs root and iproute2"
-)
+@needs_netns
 @pytest.mark.timeout(400)
 def test_planner_benchmark_compares_auto_with_every_forced_scheme(tmp_path: Path) -> None:
     command = [

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import SHOALRUN, clean_env, free_port
+from conftest import SHOALRUN, clean_env, free_port, needs_netns
 
 # One write per line, so that launchers which forward raw output chunks (mpirun) cannot interleave lines.
 PRINT_TOPOLOGY = (
@@ -157,9 +157,7 @@ def test_two_host_run_over_ssh(loopback_sshd: tuple[int, Path]) -> None:
     assert lines[3] == f"[1]<stdout>:forwarded {os.getcwd()}"
 
 
-@pytest.mark.skipif(
-    os.geteuid() != 0 or shutil.which("tc") is None or shutil.which("ip") is None, reason="needs root and iproute2"
-)
+@needs_netns
 def test_two_emulated_hosts_in_network_namespaces() -> None:
     code = PRINT_TOPOLOGY + "; import torch; print('sum', hvd.allreduce(torch.ones(3), op=hvd.Sum).tolist(), flush=True)"
     command = [
@@ -188,10 +186,7 @@ def test_two_emulated_hosts_in_network_namespaces() -> None:
     assert "h0" not in namespaces and "h1" not in namespaces  # torn down
 
 
-@pytest.mark.skipif(
-    os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None,
-    reason="network namespaces need root and iproute2",
-)
+@needs_netns
 def test_calibration_measures_each_link_class_when_hosts_hold_several_ranks() -> None:
     command = [
         sys.executable,

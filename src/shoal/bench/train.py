@@ -71,8 +71,8 @@ def _slowest(seconds: float) -> float:
     return float(hvd.allreduce(torch.tensor([seconds]), op=hvd.Max, name="bench.train.elapsed").item())
 
 
-def run_shoal(args: argparse.Namespace, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
-    """Images per second over all workers with Shoal's DistributedOptimizer."""
+def _shoal_model(args: argparse.Namespace) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """The benchmark model under Shoal's DistributedOptimizer with ``args.comm``, rank 0's weights everywhere."""
     torch.manual_seed(0)
     model, _ = build(args.model)
     optimizer = hvd.DistributedOptimizer(
@@ -82,6 +82,12 @@ def run_shoal(args: argparse.Namespace, batches: list[tuple[torch.Tensor, torch.
         comm=args.comm,
     )
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    return model, optimizer
+
+
+def run_shoal(args: argparse.Namespace, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+    """Images per second over all workers with Shoal's DistributedOptimizer."""
+    model, optimizer = _shoal_model(args)
     elapsed = _slowest(_timed_steps(model, optimizer, batches, args.warmup, args.steps, hvd.barrier))
     if args.comm == AUTO:
         hvd.plan_report()  # rank 0 prints it
@@ -102,15 +108,7 @@ def run_profiled(args: argparse.Namespace, batches: list[tuple[torch.Tensor, tor
     """One more Shoal phase with a timeline on every rank; rank 0 returns where a step's time went."""
     from shoal.timeline import hidden_share, load_trace, step_profile
 
-    torch.manual_seed(0)
-    model, _ = build(args.model)
-    optimizer = hvd.DistributedOptimizer(
-        torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9),
-        named_parameters=model.named_parameters(),
-        model=model,
-        comm=args.comm,
-    )
-    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    model, optimizer = _shoal_model(args)
     _timed_steps(model, optimizer, batches, args.warmup, 0, hvd.barrier)  # warm up outside the timeline
     with tempfile.TemporaryDirectory(prefix="shoal-profile-") as directory:
         shared = hvd.broadcast_object(directory, root_rank=0, name="bench.train.profile_dir")  # one host: rank 0's

@@ -59,14 +59,17 @@ def _scale_(tensor: torch.Tensor, factor: float) -> None:
 def _postscale_(tensor: torch.Tensor, op: ReduceOp, postscale: float, members: int) -> None:
     """Scale a reduced buffer as Horovod does: Average is a sum scaled by ``postscale / members`` in one step, so an
     integer average truncates toward zero once (-3 over 2 ranks gives -1)."""
-    _scale_(tensor, postscale / members if op == ReduceOp.Average else postscale)
+    _scale_(tensor, _postscale_factor(op, postscale, members))
+
+
+def _postscale_factor(op: ReduceOp, postscale: float, members: int) -> float:
+    return postscale / members if op == ReduceOp.Average else postscale
 
 
 def _postscaler(op: ReduceOp, postscale: float, members: int) -> Callable[[torch.Tensor], None] | None:
     """``_postscale_`` as a step on part of a reduced buffer (None when it changes nothing)."""
-    if (postscale / members if op == ReduceOp.Average else postscale) == 1.0:
-        return None
-    return lambda part: _postscale_(part, op, postscale, members)
+    factor = _postscale_factor(op, postscale, members)
+    return None if factor == 1.0 else lambda part: _scale_(part, factor)
 
 
 def _real_view(tensor: torch.Tensor) -> torch.Tensor:

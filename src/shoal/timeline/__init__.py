@@ -147,11 +147,6 @@ def load_trace(paths: str | list[str]) -> Trace:
     return Trace(sorted(phases, key=lambda p: p.start_us), ready)
 
 
-def load_phases(path: str) -> list[Phase]:
-    """Every span of a timeline file, in start order."""
-    return load_trace(path).phases
-
-
 def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
     merged: list[tuple[float, float]] = []
     for start, end in sorted(intervals):
@@ -286,12 +281,10 @@ def step_profile(trace: Trace, rank: int) -> StepProfile | None:
     return StepProfile(steps, step_ms, compute_ms, engine_ms)
 
 
-def summarize(trace: Trace | list[Phase], top: int = 15) -> str:
+def summarize(trace: Trace, top: int = 15) -> str:
     """Per tensor: exchanges, median negotiation wait, transfer, wire and copy times, how far apart the ranks
     arrived and which came last; then the ranks that arrive last overall, the compute spans and the share of
     communication hidden under backward."""
-    if isinstance(trace, list):
-        trace = Trace(trace, [])
     phases = [p for p in trace.phases if not p.compute]
     first_rank = trace.ranks[0] if trace.ranks else 0
     by_tensor: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
@@ -348,9 +341,7 @@ def summarize(trace: Trace | list[Phase], top: int = 15) -> str:
     return "\n".join(lines)
 
 
-def plot(
-    trace: Trace | list[Phase], out_path: str, tensors: int = 20, rank: int | None = None, steps: int | None = None
-) -> str:
+def plot(trace: Trace, out_path: str, tensors: int = 20, rank: int | None = None, steps: int | None = None) -> str:
     """A PNG of one rank's compute row and first ``tensors`` tensor rows over time; needs matplotlib.
 
     ``steps`` draws only the last that many optimizer steps (from the FORWARD before them to the last UPDATE).
@@ -362,8 +353,6 @@ def plot(
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    if isinstance(trace, list):
-        trace = Trace(trace, [])
     if rank is None:
         rank = trace.ranks[0] if trace.ranks else 0
     phases = [p for p in trace.phases if p.rank == rank]

@@ -21,6 +21,7 @@ from shoal.plan.calibration import Calibration
 from shoal.plan.drift import DriftMonitor, refit
 from shoal.plan.planner import LayerPlan, build_plan, forced_scheme, format_plan
 from shoal.plan.schemes import SCHEMES, Scheme
+from shoal.ps.client import PSSession
 from shoal.ps.config import PSConfig
 from shoal.ps.messages import SessionSpec
 from shoal.runtime import context
@@ -110,8 +111,6 @@ class LayerRouter:
     def __init__(
         self, facts: OptimizerFacts, model: nn.Module | None, comm: str, overrides: dict[Any, str] | None, ps_config: PSConfig
     ) -> None:
-        if comm not in COMM_CHOICES:
-            raise ValueError(f"comm must be one of {', '.join(COMM_CHOICES)}, got {comm!r}")
         self.facts = facts
         self.model = model
         self.auto = comm == AUTO
@@ -136,12 +135,12 @@ class LayerRouter:
                 if isinstance(module, nn.Linear):
                     self._row_hooks.append(module.register_forward_hook(self._row_counter(name)))
         else:
+            chosen = Scheme(comm)
             schemes = {}
             for name, module in model.named_modules():
                 if any(p.requires_grad for p in module.parameters(recurse=False)):
-                    default = Scheme.SFB if comm == Scheme.SFB and isinstance(module, nn.Linear) else Scheme(comm)
-                    if default == Scheme.SFB and not isinstance(module, nn.Linear):
-                        default = Scheme.ALLREDUCE
+                    # sfb is for fully-connected layers; the others keep the plain allreduce
+                    default = Scheme.ALLREDUCE if chosen == Scheme.SFB and not isinstance(module, nn.Linear) else chosen
                     schemes[name] = forced_scheme(name, module, self.overrides) or default
             self._assign(schemes)
 
@@ -183,8 +182,12 @@ class LayerRouter:
 
         return record
 
-    def _wiring(self) -> Wiring:
-        return Wiring(self.facts.process_set, self.ps.session if self.ps else None, lambda p: self._lr_of[id(p)]["lr"])
+    def _lr(self, param: torch.Tensor) -> float:
+        """A parameter's current learning rate (the servers apply the update)."""
+        return float(self._lr_of[id(param)]["lr"])
+
+    def _wiring(self, session: PSSession | None = None) -> Wiring:
+        return Wiring(self.facts.process_set, session, self._lr)
 
     def _assign_all(self, scheme: Scheme) -> None:
         """Without a model: one scheme for every parameter."""
@@ -234,9 +237,10 @@ class LayerRouter:
         spec = SessionSpec(name, groups, [group_index[id(p)] for p in params], config.mode, config.staleness, facts.average)
         client, store = connect(config)
         session = client.open_session(params, [facts.names[id(p)] for p in params], spec, store)
-        wiring = Wiring(facts.process_set, session, lambda p: self._lr_of[id(p)]["lr"])
-        self.ps = ParameterServer.build(Scheme.PS, "ps", None, params, wiring)  # type: ignore[assignment]
-        self._comm_of.update({id(p): self.ps for p in params})  # type: ignore[misc]
+        ps = make_layer_comm(Scheme.PS, "ps", None, params, self._wiring(session))
+        assert isinstance(ps, ParameterServer)
+        self.ps = ps
+        self._comm_of.update({id(p): ps for p in params})
 
     def _clear(self) -> None:
         """Undo ``_assign`` before a re-plan (the parameter server keeps the layers it serves)."""
