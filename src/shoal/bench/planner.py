@@ -85,12 +85,13 @@ def main(argv: list[str] | None = None) -> None:
                 "best": best,
                 "of_best": round(of_best, 3),
                 "choices": auto.get("plan_choices", {}),
+                "refits": auto.get("plan_refits", 0),
             }
         )
         cells = ", ".join(f"{scheme} {ips:.1f}" for scheme, ips in forced.items())
         print(
             f"run {run + 1}/{args.runs}: {cells}; auto {auto['shoal_ips']:.1f} img/s = {of_best:.1%} of {best} "
-            f"(chose {auto.get('plan_choices', {})})",
+            f"(chose {auto.get('plan_choices', {})}, {auto.get('plan_refits', 0)} refits)",
             flush=True,
         )
     passed = sum(1 for r in runs if r["of_best"] >= args.tolerance)

@@ -208,12 +208,17 @@ def refit(
 ) -> Calibration:
     """Fit each exchange's α–β line, and the matmul rate, to what training measured, layer by layer.
 
-    With two or more layers of different sizes on an exchange, α and β are refitted by least squares on relative
-    error (``measured ≈ α·share_of_latencies + β·bytes``, from ``terms``); otherwise the line is scaled by the median
-    measured/expected ratio. For SFB layers, ``rebuilds`` (their measured rebuild seconds) sets the matmul rate (the
-    median of rebuild flops per second), and only the rest of their time, the allgathers, counts towards the
-    allgather line. An exchange no layer used takes the changes of the exchange most layers used, α by its α's
-    ratio and β by its β's (one overall factor would not do: training inflates latency more than bandwidth).
+    With two or more layers of different sizes on an exchange, its α and β are refitted by least squares on relative
+    error (``measured ≈ α·share_of_latencies + β·bytes``, from ``terms``). Every other exchange, measured or not,
+    takes the changes of the fitted exchange with the most layers, α by its α's ratio and β by its β's (one overall
+    factor would not do: training inflates latency more than bandwidth); with no exchange fitted, every line is scaled
+    by the median measured/expected ratio over all measured layers. A ratio from one or two layers on an exchange is
+    not evidence about that exchange: it mixes the network with where in backprop the layer's exchange ran and what
+    competed with it (the cores, the link), which an exchange measured elsewhere in the step does not share; scaling
+    each such exchange by its own few ratios made a 1 Gbit/s MLP's plan flip from SFB (3× cheaper, as forced runs
+    confirmed) to bf16 on a steady network. For SFB layers, ``rebuilds`` (their measured rebuild seconds) sets the
+    matmul rate (the median of rebuild flops per second), and only the rest of their time, the allgathers, counts
+    towards the ratios.
     """
     ratios: dict[str, list[float]] = {}
     points: dict[str, list[tuple[float, float, float]]] = {}
@@ -239,21 +244,19 @@ def refit(
             points.setdefault(exchange, []).append((*terms[plan.name], measured))
     if not ratios:
         return Calibration(calibration.lines, flops_per_s, calibration.links)
-    lines = {}
-    for exchange in ratios:
-        latency, per_byte = calibration.lines[exchange]
-        fitted = _least_squares(points.get(exchange, []))
-        if fitted is None:
-            factor = statistics.median(ratios[exchange])
-            fitted = (latency * factor, per_byte * factor)
-        lines[exchange] = fitted
-    reference = max(ratios, key=lambda exchange: len(ratios[exchange]))
-    (old_latency, old_per_byte), (new_latency, new_per_byte) = calibration.lines[reference], lines[reference]
-    overall = statistics.median(ratios[reference])
-    latency_factor = new_latency / old_latency if old_latency > 0 else overall
-    per_byte_factor = new_per_byte / old_per_byte if old_per_byte > 0 else overall
-    for exchange, (latency, per_byte) in calibration.lines.items():
-        lines.setdefault(exchange, (latency * latency_factor, per_byte * per_byte_factor))
+    fitted_lines = {exchange: line for exchange in ratios if (line := _least_squares(points.get(exchange, []))) is not None}
+    if fitted_lines:  # the line whose layers' sizes pinned both α and β down best carries its changes to the rest
+        reference = max(fitted_lines, key=lambda exchange: len(points[exchange]))
+        (old_latency, old_per_byte), (new_latency, new_per_byte) = calibration.lines[reference], fitted_lines[reference]
+        pooled = statistics.median(ratios[reference])
+        latency_factor = new_latency / old_latency if old_latency > 0 else pooled
+        per_byte_factor = new_per_byte / old_per_byte if old_per_byte > 0 else pooled
+    else:  # no line separable: one factor, the median over every measured layer, whatever its exchange
+        latency_factor = per_byte_factor = statistics.median(ratio for values in ratios.values() for ratio in values)
+    lines = {
+        exchange: fitted_lines.get(exchange, (latency * latency_factor, per_byte * per_byte_factor))
+        for exchange, (latency, per_byte) in calibration.lines.items()
+    }
     return Calibration(lines, flops_per_s, calibration.links)
 
 
