@@ -26,6 +26,9 @@ class Calibration:
     """Per link class, when the job has both: ``intra-host`` (allreduce among one host's ranks) and ``inter-host``
     (allreduce among one rank per host), over gloo; (latency, seconds per byte). Empty on a single host or with one
     rank per host, where the end-to-end lines above already are the only link class."""
+    measured_on: tuple[int, int] | None = None
+    """(ranks, hosts) of the job that measured it, when known: what ``shoal.predict`` needs to carry the lines to
+    other worker counts."""
 
     def seconds(self, exchange: str, nbytes: float) -> float:
         """Predicted time of ``exchange`` for ``nbytes``."""
@@ -71,7 +74,10 @@ def calibration_to_json(calibration: Calibration) -> str:
     """Serialise a calibration (for ``SHOAL_CALIBRATION_FILE``)."""
     lines = {name: list(line) for name, line in calibration.lines.items()}
     links = {name: list(line) for name, line in calibration.links.items()}
-    return json.dumps({"lines": lines, "flops_per_s": calibration.flops_per_s, "links": links}, indent=1, sort_keys=True)
+    raw: dict[str, object] = {"lines": lines, "flops_per_s": calibration.flops_per_s, "links": links}
+    if calibration.measured_on is not None:
+        raw["measured_on"] = {"ranks": calibration.measured_on[0], "hosts": calibration.measured_on[1]}
+    return json.dumps(raw, indent=1, sort_keys=True)
 
 
 def calibration_from_json(text: str, origin: str) -> Calibration:
@@ -80,7 +86,10 @@ def calibration_from_json(text: str, origin: str) -> Calibration:
         raw = json.loads(text)
         lines = {str(name): (float(line[0]), float(line[1])) for name, line in raw["lines"].items()}
         links = {str(name): (float(line[0]), float(line[1])) for name, line in raw.get("links", {}).items()}
-        result = Calibration(lines, float(raw["flops_per_s"]), links)
+        measured_on = raw.get("measured_on")
+        if measured_on is not None:
+            measured_on = (int(measured_on["ranks"]), int(measured_on["hosts"]))
+        result = Calibration(lines, float(raw["flops_per_s"]), links, measured_on)
     except (ValueError, KeyError, TypeError, IndexError) as error:
         raise ValueError(f"{origin} is not a Shoal calibration file: {error!r}") from None
     missing = {"allreduce", "fp16", "bf16", "allgather"} - set(lines)

@@ -67,7 +67,9 @@ def measure(repeats: int = 3) -> Calibration:
     lines = _probe_lines(probes_at, repeats, "shoal.cal")
     left, right = torch.randn(256, 256), torch.randn(256, 256)
     matmul_s = median_seconds(lambda: left @ right, repeats)
-    local = Calibration(lines, 2 * 256**3 / max(matmul_s, 1e-9), _measure_links(repeats))
+    topology = context.current().topology
+    hosts = len(set(topology.host_of_rank))
+    local = Calibration(lines, 2 * 256**3 / max(matmul_s, 1e-9), _measure_links(repeats), (topology.size, hosts))
     result: Calibration = broadcast_object(local, root_rank=0, name="shoal.cal.result")
     return result
 

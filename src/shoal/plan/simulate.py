@@ -1,0 +1,307 @@
+"""A training step at P workers, simulated with the planner's cost model: what ``python -m shoal.predict`` runs.
+
+The inputs are a profile of one worker's step (forward, the moment each gradient becomes ready during backward, the
+update) and a network (``Links``: per-message latency and per-byte time of the links between hosts and within one,
+the cost of half-precision casts, the matmul rate). For a worker count P with R ranks per host the network gives a
+``Calibration`` (ring and hierarchical allreduce, ring allgather), the planner picks each layer's scheme from it as
+``comm="auto"`` would, and the step is played out as ``DistributedOptimizer`` and the engine run it:
+
+- gradients of allreduce-family layers go into buckets of ``bucket_bytes`` in the order they become ready, one
+  bucket per scheme (plain, fp16, bf16); a full bucket is submitted at once, the rest at the end of backward;
+- an SFB layer submits its two allgathers when its gradient is ready and rebuilds the gradient at ``synchronize``;
+  a parameter-server layer pushes and pulls when its gradient is ready;
+- the engine runs one collective at a time, in submission order;
+- the step ends when backward and every exchange are done, then the SFB rebuilds and the update run.
+
+What it leaves out, on purpose: the engine's negotiation cycle (inside the calibrated latency), the cores that
+communication takes from compute on a CPU-bound worker, and the engine's fusion of buckets submitted together.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from shoal.plan.calibration import Calibration
+from shoal.plan.planner import predict, sfb_rebuild_flops
+from shoal.plan.schemes import SCHEMES, Scheme
+
+LINK_RATES = {"1gbit": 1e9, "10gbit": 1e10, "25gbit": 2.5e10, "100gbit": 1e11}
+"""The ``--link`` presets: line rate in bits per second."""
+PRESET_LATENCY_S = {"1gbit": 50e-6, "10gbit": 30e-6, "25gbit": 25e-6, "100gbit": 10e-6}
+"""Per-message latency assumed for each preset (TCP on Ethernet; the 100 Gbit/s one assumes RDMA)."""
+PAYLOAD_EFFICIENCY = 0.94
+"""Share of the line rate that carries payload over TCP/IP on Ethernet (headers, framing)."""
+
+
+@dataclass(frozen=True)
+class Line:
+    """One link class: ``seconds = messages * latency + bytes * per_byte``."""
+
+    latency_s: float
+    per_byte_s: float
+
+
+@dataclass(frozen=True)
+class Links:
+    """The network a prediction assumes, per link class, plus the local costs the schemes add."""
+
+    inter: Line | None
+    """Between hosts: one message's latency and one host's link time per byte (None: a single host only)."""
+    intra: Line
+    """Within a host: one allreduce among its ranks (the shared-memory path), as a line in the gradient's bytes."""
+    cast_per_byte_s: float
+    """fp16/bf16's two casts, per fp32 byte of gradient."""
+    flops_per_s: float
+    """The matmul rate of SFB's rebuild."""
+    intra_allgather: Line | None = None
+    """Within a host: one allgather among its ranks, as a line in the gathered bytes (None: the intra line)."""
+
+    @classmethod
+    def preset(cls, link: str, intra: Line, cast_per_byte_s: float, flops_per_s: float) -> Links:
+        """A ``--link`` preset between hosts; ``intra`` and the local costs as given."""
+        if link not in LINK_RATES:
+            raise ValueError(f"unknown link {link!r}; choose from {sorted(LINK_RATES)} or give a calibration file")
+        per_byte = 8 / (LINK_RATES[link] * PAYLOAD_EFFICIENCY)
+        return cls(Line(PRESET_LATENCY_S[link], per_byte), intra, cast_per_byte_s, flops_per_s)
+
+    @classmethod
+    def from_calibration(cls, calibration: Calibration, workers: int, hosts: int) -> Links:
+        """Undo the ring arithmetic of a calibration measured with ``workers`` ranks on ``hosts`` hosts.
+
+        One rank per host: the allreduce line is a ring over the hosts (2(H−1) messages, 2(H−1)/H of the bytes per
+        link), which gives a message's latency and the link's time per byte. Several ranks per host: the
+        calibration's ``inter-host`` and ``intra-host`` lines. One host: only the intra-host line is known.
+        """
+        if workers < 1 or hosts < 1 or workers % hosts:
+            raise ValueError(f"a calibration of {workers} workers on {hosts} hosts is not one rank count per host")
+        latency, per_byte = calibration.lines["allreduce"]
+        half_per_byte = calibration.lines["fp16"][1]
+        cast = max(half_per_byte - per_byte / 2, 0.0)
+        inter = None
+        if hosts == 1:
+            intra = Line(latency, per_byte)
+            gather_latency, gather_per_byte = calibration.lines["allgather"]
+            return cls(None, intra, cast, calibration.flops_per_s, Line(gather_latency, gather_per_byte))
+        if workers == hosts:
+            inter = Line(latency / (2 * (hosts - 1)), per_byte * hosts / (2 * (hosts - 1)))
+            intra = Line(0.0, 0.0)
+        else:
+            if "inter-host" not in calibration.links or "intra-host" not in calibration.links:
+                raise ValueError("a calibration of several ranks per host needs its intra-host and inter-host lines")
+            inter_latency, inter_per_byte = calibration.links["inter-host"]
+            inter = Line(inter_latency / (2 * (hosts - 1)), inter_per_byte * hosts / (2 * (hosts - 1)))
+            intra = Line(*calibration.links["intra-host"])
+        return cls(inter, intra, cast, calibration.flops_per_s)
+
+    def calibration(self, workers: int, ranks_per_host: int) -> Calibration:
+        """The lines the planner would measure on ``workers`` ranks, ``ranks_per_host`` on each host.
+
+        Across hosts the allreduce is hierarchical: the ranks of a host reduce through shared memory, then the hosts
+        run a ring (2(H−1) messages, 2(H−1)/H of the bytes through each host's link), then the result is shared
+        within the host again (inside the intra line). The allgather of T gathered bytes is a ring over all ranks:
+        (P−1) messages, and (H−1)/H of T crosses each host's link.
+        """
+        hosts = math.ceil(workers / ranks_per_host)
+        intra = self.intra if ranks_per_host > 1 else Line(0.0, 0.0)
+        gather = self.intra_allgather or self.intra
+        if hosts == 1:
+            allreduce = (intra.latency_s, intra.per_byte_s)
+            allgather = (gather.latency_s, gather.per_byte_s) if ranks_per_host > 1 else (0.0, 0.0)
+        else:
+            if self.inter is None:
+                raise ValueError(
+                    f"{workers} workers at {ranks_per_host} per host span {hosts} hosts: give the link between hosts "
+                    "(--link, or a calibration measured on more than one host)"
+                )
+            ring = 2 * (hosts - 1)
+            allreduce = (
+                intra.latency_s + ring * self.inter.latency_s,
+                intra.per_byte_s + ring / hosts * self.inter.per_byte_s,
+            )
+            allgather = ((workers - 1) * self.inter.latency_s, (hosts - 1) / hosts * self.inter.per_byte_s)
+        half = (allreduce[0], allreduce[1] / 2 + self.cast_per_byte_s)
+        lines = {"allreduce": allreduce, "fp16": half, "bf16": half, "allgather": allgather}
+        links = {}
+        if hosts > 1 and ranks_per_host > 1:
+            assert self.inter is not None
+            links = {
+                "intra-host": (self.intra.latency_s, self.intra.per_byte_s),
+                "inter-host": (2 * self.inter.latency_s, self.inter.per_byte_s),  # a two-party ring: the stand-in
+            }
+        return Calibration(lines, self.flops_per_s, links)
+
+
+@dataclass(frozen=True)
+class Gradient:
+    """One parameter's gradient in one worker's step."""
+
+    layer: str
+    nbytes: int
+    ready_s: float
+    """Seconds from the start of backward until the gradient is final."""
+
+
+@dataclass(frozen=True)
+class Layer:
+    """A module owning parameters: what the planner needs to know of it."""
+
+    name: str
+    kind: str
+    nbytes: int
+    linear: tuple[int, int, int] | None = None
+    """(K, M, N) of a fully-connected layer: rows per step, outputs, inputs."""
+
+
+@dataclass
+class StepProfile:
+    """One worker's step without communication."""
+
+    forward_s: float
+    """From the step's start to the start of backward (data, forward, loss)."""
+    backward_s: float
+    update_s: float
+    batch: int
+    """Samples per worker per step."""
+    gradients: list[Gradient]
+    layers: list[Layer]
+
+    @property
+    def compute_s(self) -> float:
+        return self.forward_s + self.backward_s + self.update_s
+
+
+@dataclass
+class Exchange:
+    """One collective (or parameter-server round) of the simulated step."""
+
+    scheme: Scheme
+    layers: tuple[str, ...]
+    nbytes: int
+    submitted_s: float
+    seconds: float
+    start_s: float = 0.0
+
+    @property
+    def end_s(self) -> float:
+        return self.start_s + self.seconds
+
+
+@dataclass
+class StepPrediction:
+    """What a step costs at one worker count, and where the time goes."""
+
+    workers: int
+    ranks_per_host: int
+    step_s: float
+    compute_s: float
+    exposed_comm_s: float
+    """Time the step waits on communication after backward ends (plus SFB's rebuilds)."""
+    comm_s: float
+    """Time the engine spends in exchanges, hidden or not."""
+    samples_per_s: float
+    efficiency: float
+    """Throughput over P times one worker's throughput without communication."""
+    choices: dict[str, Scheme]
+    exchanges: list[Exchange] = field(default_factory=list)
+    calibration: Calibration | None = None
+
+    def costliest_layers(self, layer_bytes: dict[str, int], count: int = 2) -> list[str]:
+        """The layers whose exchanges take the most engine time (a fused exchange's time shared by bytes)."""
+        per_layer: dict[str, float] = {}
+        for exchange in self.exchanges:
+            total = sum(layer_bytes[layer] for layer in exchange.layers) or 1
+            for layer in exchange.layers:
+                per_layer[layer] = per_layer.get(layer, 0.0) + exchange.seconds * layer_bytes[layer] / total
+        return sorted(per_layer, key=per_layer.__getitem__, reverse=True)[:count]
+
+
+def choose(
+    profile: StepProfile,
+    calibration: Calibration,
+    workers: int,
+    comm: str = "auto",
+    allowed: tuple[Scheme, ...] = (Scheme.ALLREDUCE, Scheme.FP16, Scheme.BF16, Scheme.SFB),
+    servers: int | None = None,
+) -> dict[str, Scheme]:
+    """Each layer's scheme: ``comm`` forced where the layer can take it, else what the planner's ``auto`` picks."""
+    choices = {}
+    for layer in profile.layers:
+        predictions = predict(calibration, workers, layer.nbytes, layer.linear, servers=servers)
+        if comm != "auto":
+            forced = Scheme.parse(comm, "comm")
+            choices[layer.name] = forced if forced in predictions else Scheme.ALLREDUCE
+            continue
+        eligible = {k: v for k, v in predictions.items() if k in allowed}
+        choices[layer.name] = min(eligible, key=lambda k: (eligible[k], SCHEMES.index(k)))
+    return choices
+
+
+def simulate(
+    profile: StepProfile,
+    links: Links,
+    workers: int,
+    ranks_per_host: int = 1,
+    comm: str = "auto",
+    bucket_bytes: int = 2 * 1024 * 1024,
+    servers: int | None = None,
+) -> StepPrediction:
+    """Play one training step at ``workers`` ranks (see the module's description)."""
+    calibration = links.calibration(workers, ranks_per_host)
+    choices = choose(profile, calibration, workers, comm, servers=servers)
+    layers = {layer.name: layer for layer in profile.layers}
+    exchanges: list[Exchange] = []
+    rebuild_s = 0.0
+    if workers > 1:
+        open_buckets: dict[Scheme, tuple[list[str], int]] = {}
+        sent: set[str] = set()
+        for gradient in sorted(profile.gradients, key=lambda g: g.ready_s):
+            scheme = choices[gradient.layer]
+            if scheme in (Scheme.SFB, Scheme.PS):
+                last = max(g.ready_s for g in profile.gradients if g.layer == gradient.layer)
+                if gradient.layer in sent or gradient.ready_s < last:
+                    continue  # the layer's exchange leaves once all its gradients are final
+                sent.add(gradient.layer)
+                layer = layers[gradient.layer]
+                seconds = predict(calibration, workers, layer.nbytes, layer.linear, servers=servers)[scheme]
+                if scheme == Scheme.SFB:
+                    assert layer.linear is not None
+                    rebuild = sfb_rebuild_flops(workers, layer.linear) / calibration.flops_per_s
+                    seconds -= rebuild  # the allgathers on the wire; the rebuild runs at synchronize
+                    rebuild_s += rebuild
+                exchanges.append(Exchange(scheme, (layer.name,), layer.nbytes, gradient.ready_s, seconds))
+                continue
+            names, size = open_buckets.get(scheme, ([], 0))
+            names, size = [*names, gradient.layer], size + gradient.nbytes
+            if size >= bucket_bytes:
+                exchanges.append(_bucket(scheme, names, size, gradient.ready_s, calibration))
+                open_buckets.pop(scheme, None)
+            else:
+                open_buckets[scheme] = (names, size)
+        for scheme, (names, size) in open_buckets.items():  # flushed at synchronize, when backward is over
+            exchanges.append(_bucket(scheme, names, size, profile.backward_s, calibration))
+    free = 0.0
+    for exchange in sorted(exchanges, key=lambda e: e.submitted_s):
+        exchange.start_s = max(exchange.submitted_s, free)
+        free = exchange.end_s
+    backward_end = max(profile.backward_s, free)
+    step = profile.forward_s + backward_end + rebuild_s + profile.update_s
+    samples = workers * profile.batch / step
+    return StepPrediction(
+        workers=workers,
+        ranks_per_host=ranks_per_host,
+        step_s=step,
+        compute_s=profile.compute_s,
+        exposed_comm_s=step - profile.compute_s,
+        comm_s=sum(e.seconds for e in exchanges),
+        samples_per_s=samples,
+        efficiency=samples / (workers * profile.batch / profile.compute_s),
+        choices=choices,
+        exchanges=exchanges,
+        calibration=calibration,
+    )
+
+
+def _bucket(scheme: Scheme, names: list[str], nbytes: int, submitted_s: float, calibration: Calibration) -> Exchange:
+    seconds = calibration.seconds(scheme.value, nbytes)
+    return Exchange(scheme, tuple(dict.fromkeys(names)), nbytes, submitted_s, seconds)

@@ -1,0 +1,79 @@
+"""Will it scale? Predict throughput at N workers from one worker's profile and the network's α–β lines.
+
+``python -m shoal.predict`` is the command line (docs/predict.md); ``scaling`` is the same as a function, and
+``shoal.plan.simulate`` holds the step simulator it applies.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from shoal.plan.schemes import Scheme
+from shoal.plan.simulate import Links, StepPrediction, StepProfile, simulate
+
+ALTERNATIVES = ("allreduce", "fp16", "bf16", "sfb", "auto")
+"""The comm settings the advice compares (what ``DistributedOptimizer(comm=...)`` offers without servers)."""
+
+
+@dataclass
+class Row:
+    """One worker count's prediction, with the best alternative comm setting."""
+
+    prediction: StepPrediction
+    comm: str
+    best_comm: str
+    best_efficiency: float
+    layer_bytes: dict[str, int]
+
+    def advice(self) -> str:
+        """Where the time goes and what would help, in one sentence."""
+        p = self.prediction
+        share = p.exposed_comm_s / p.step_s
+        if p.workers == 1 or share < 0.1:
+            return f"compute-bound ({100 * share:.0f}% of the step waits on communication)"
+        layers = "/".join(name or "(model)" for name in p.costliest_layers(self.layer_bytes))
+        text = f"communication-bound ({100 * share:.0f}% of the step exposed), most of it in {layers}"
+        if self.best_comm != self.comm and self.best_efficiency > p.efficiency + 0.01:
+            text += f"; comm={self.best_comm} raises efficiency to {100 * self.best_efficiency:.0f}%"
+        return text
+
+    def as_dict(self) -> dict[str, object]:
+        p = self.prediction
+        counts: dict[str, int] = {}
+        for scheme in p.choices.values():
+            counts[scheme.value] = counts.get(scheme.value, 0) + 1
+        return {
+            "workers": p.workers,
+            "ranks_per_host": p.ranks_per_host,
+            "step_ms": round(p.step_s * 1e3, 3),
+            "samples_per_s": round(p.samples_per_s, 1),
+            "efficiency": round(p.efficiency, 3),
+            "compute_ms": round(p.compute_s * 1e3, 3),
+            "exposed_comm_ms": round(p.exposed_comm_s * 1e3, 3),
+            "schemes": counts,
+            "best_comm": self.best_comm,
+            "best_efficiency": round(self.best_efficiency, 3),
+            "advice": self.advice(),
+        }
+
+
+def scaling(
+    profile: StepProfile,
+    links: Links,
+    workers: list[int],
+    ranks_per_host: int = 1,
+    comm: str = "allreduce",
+    bucket_bytes: int = 2 * 1024 * 1024,
+) -> list[Row]:
+    """Predict ``comm`` at each worker count, and the best of the other comm settings beside it."""
+    Scheme.parse(comm, "comm") if comm != "auto" else None
+    rows = []
+    for count in workers:
+        if count < 1:
+            raise ValueError(f"worker counts must be >= 1, got {count}")
+        per_host = min(ranks_per_host, count)
+        prediction = simulate(profile, links, count, per_host, comm, bucket_bytes)
+        others = {alt: simulate(profile, links, count, per_host, alt, bucket_bytes).efficiency for alt in ALTERNATIVES}
+        best = max(others, key=others.__getitem__)
+        rows.append(Row(prediction, comm, best, others[best], {layer.name: layer.nbytes for layer in profile.layers}))
+    return rows

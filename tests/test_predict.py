@@ -1,0 +1,151 @@
+"""The step simulator behind ``python -m shoal.predict``, on cases whose answers are known, and its command line."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from torch import nn
+
+from shoal.plan.calibration import Calibration
+from shoal.plan.planner import predict
+from shoal.plan.schemes import Scheme
+from shoal.plan.simulate import Gradient, Layer, Line, Links, StepProfile, simulate
+from shoal.predict import scaling
+from shoal.predict.profile import flop_profile
+
+MB = 1_000_000
+LINKS = Links(inter=Line(1e-4, 1e-8), intra=Line(2e-5, 1e-10), cast_per_byte_s=1e-10, flops_per_s=1e11)
+"""100 µs a message and 100 MB/s between hosts; shared memory within one."""
+
+
+def profile(gradients: list[tuple[str, int, float]], forward: float = 0.01, backward: float = 0.05) -> StepProfile:
+    """A step whose gradients (layer, bytes, ready) are each their own non-linear layer."""
+    layers = [Layer(name, "Conv2d", nbytes) for name, nbytes, _ in gradients]
+    return StepProfile(forward, backward, 0.005, 32, [Gradient(*g) for g in gradients], layers)
+
+
+def ring_seconds(nbytes: float, hosts: int, line: Line = LINKS.inter) -> float:  # type: ignore[assignment]
+    return 2 * (hosts - 1) * line.latency_s + 2 * (hosts - 1) / hosts * nbytes * line.per_byte_s
+
+
+def test_no_overlap_possible_when_every_gradient_is_ready_at_the_end() -> None:
+    step = profile([("a", 3 * MB, 0.05), ("b", 3 * MB, 0.05)])  # both final when backward ends
+    result = simulate(step, LINKS, workers=4, comm="allreduce")
+    comm = ring_seconds(3 * MB, 4) * 2  # two full buckets, one after the other
+    assert result.step_s == pytest.approx(step.compute_s + comm)
+    assert result.exposed_comm_s == pytest.approx(comm)
+    assert result.efficiency == pytest.approx(step.compute_s / (step.compute_s + comm))
+
+
+def test_communication_entirely_hidden_under_backward() -> None:
+    step = profile([("a", 3 * MB, 0.001), ("b", 3 * MB, 0.002)], backward=0.5)  # ~45 ms each, 0.5 s of backward
+    result = simulate(step, LINKS, workers=2, comm="allreduce")
+    assert result.comm_s > 0.05
+    assert result.step_s == pytest.approx(step.compute_s) and result.efficiency == pytest.approx(1.0)
+
+
+def test_one_layer_waits_from_its_ready_time() -> None:
+    step = profile([("only", 4 * MB, 0.03)])
+    result = simulate(step, LINKS, workers=2, comm="allreduce")
+    assert result.step_s == pytest.approx(0.01 + 0.03 + ring_seconds(4 * MB, 2) + 0.005)
+
+
+def test_small_gradients_wait_in_their_bucket_until_backward_ends() -> None:
+    step = profile([("a", 1000, 0.001), ("b", 1000, 0.002)], backward=0.2)
+    result = simulate(step, LINKS, workers=2, comm="allreduce")
+    assert len(result.exchanges) == 1 and result.exchanges[0].submitted_s == pytest.approx(0.2)
+    assert result.step_s == pytest.approx(step.compute_s + ring_seconds(2000, 2))
+
+
+def test_one_worker_has_no_communication() -> None:
+    step = profile([("a", 3 * MB, 0.05)])
+    result = simulate(step, LINKS, workers=1)
+    assert result.exchanges == [] and result.step_s == pytest.approx(step.compute_s) and result.efficiency == 1.0
+
+
+def test_hierarchical_and_ring_lines() -> None:
+    one_per_host = LINKS.calibration(8, 1)
+    assert one_per_host.lines["allreduce"] == pytest.approx((14 * 1e-4, 14 / 8 * 1e-8))
+    assert one_per_host.lines["allgather"] == pytest.approx((7 * 1e-4, 7 / 8 * 1e-8))
+    four_per_host = LINKS.calibration(8, 4)  # 2 hosts: shared memory, then a ring of two
+    assert four_per_host.lines["allreduce"] == pytest.approx((2e-5 + 2e-4, 1e-10 + 1e-8))
+    assert four_per_host.lines["fp16"][1] == pytest.approx((1e-10 + 1e-8) / 2 + 1e-10)
+    assert set(four_per_host.links) == {"intra-host", "inter-host"}
+    assert LINKS.calibration(4, 4).lines["allreduce"] == pytest.approx((2e-5, 1e-10))  # one host
+
+
+def test_a_calibration_carries_to_its_own_worker_count_unchanged() -> None:
+    measured = Calibration(
+        {"allreduce": (2e-3, 1.2e-8), "fp16": (2e-3, 0.7e-8), "bf16": (2e-3, 0.7e-8), "allgather": (1e-3, 0.8e-8)}, 5e10
+    )
+    links = Links.from_calibration(measured, workers=3, hosts=3)
+    again = links.calibration(3, 1)
+    assert again.lines["allreduce"] == pytest.approx(measured.lines["allreduce"])
+    assert again.lines["fp16"] == pytest.approx(measured.lines["fp16"])
+    assert links.cast_per_byte_s == pytest.approx(0.1e-8)
+    with pytest.raises(ValueError, match="link between hosts"):
+        Links.from_calibration(measured, workers=2, hosts=1).calibration(4, 2)
+    with pytest.raises(ValueError, match="intra-host and inter-host"):
+        Links.from_calibration(measured, workers=4, hosts=2)
+
+
+def test_auto_takes_the_planners_choice_and_sfb_rebuilds_at_synchronize() -> None:
+    rows, outputs, inputs = 32, 2048, 3072
+    nbytes = 4 * (outputs * inputs + outputs)
+    layer = Layer("fc", "Linear", nbytes, (rows, outputs, inputs))
+    step = StepProfile(0.01, 0.05, 0.005, 32, [Gradient("fc", nbytes, 0.02)], [layer])
+    result = simulate(step, LINKS, workers=2, comm="auto")
+    calibration = LINKS.calibration(2, 1)
+    predictions = predict(calibration, 2, nbytes, (rows, outputs, inputs))
+    assert result.choices["fc"] == min(predictions, key=predictions.__getitem__) == Scheme.SFB
+    rebuild = 2 * 2 * rows * outputs * inputs / LINKS.flops_per_s
+    wire = predictions[Scheme.SFB] - rebuild
+    assert result.step_s == pytest.approx(0.01 + max(0.05, 0.02 + wire) + rebuild + 0.005)
+
+
+def test_scaling_names_the_bottleneck_and_the_better_setting() -> None:
+    rows, outputs, inputs = 32, 2048, 3072
+    nbytes = 4 * (outputs * inputs + outputs)
+    step = StepProfile(
+        0.01, 0.05, 0.005, 32, [Gradient("fc", nbytes, 0.05)], [Layer("fc", "Linear", nbytes, (rows, outputs, inputs))]
+    )
+    row = scaling(step, LINKS, [8], comm="allreduce")[0]
+    assert row.best_comm == "sfb" or row.best_comm == "auto"
+    assert row.best_efficiency > row.prediction.efficiency
+    assert "communication-bound" in row.advice() and "fc" in row.advice() and f"comm={row.best_comm}" in row.advice()
+
+
+def test_flop_profile_orders_gradients_backwards_and_counts_linear_flops() -> None:
+    profile_ = flop_profile("mlp", 8, device_flops=1e12)
+    forward_flops = 2 * 8 * (3072 * 2048 + 2048 * 1536 + 1536 * 10)
+    assert profile_.forward_s == pytest.approx(forward_flops / 1e12, rel=0.01)
+    ready = {g.layer: g.ready_s for g in profile_.gradients}
+    assert ready["5"] < ready["3"] < ready["1"] == pytest.approx(profile_.backward_s, rel=0.01)
+    assert {layer.name: layer.linear for layer in profile_.layers}["1"] == (8, 2048, 3072)
+
+
+def tiny_model() -> tuple[nn.Module, object]:
+    """A user factory for ``--model test_predict:tiny_model``."""
+    return nn.Sequential(nn.Linear(16, 8), nn.ReLU(), nn.Linear(8, 2)), lambda n, g: torch.randn(n, 16, generator=g)
+
+
+@pytest.mark.timeout(120)
+def test_command_line_prints_a_row_per_worker_count_and_a_json_line(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from shoal.predict.__main__ import main
+
+    monkeypatch.syspath_prepend(os.path.dirname(__file__))
+
+    main(["--model", "test_predict:tiny_model", "--workers", "1,2,4", "--link", "10gbit", "--steps", "3"])
+    lines = capsys.readouterr().out.strip().splitlines()
+    result = json.loads(lines[-1])
+    assert [row["workers"] for row in result["rows"]] == [1, 2, 4]
+    assert result["rows"][0]["efficiency"] == 1.0 and 0 < result["rows"][2]["efficiency"] <= 1.0
+    with pytest.raises(SystemExit, match="--link or --calibration"):
+        main(["--model", "test_predict:tiny_model", "--workers", "4", "--steps", "1"])
+    with pytest.raises(SystemExit, match="cannot load the model factory"):
+        main(["--model", "nowhere:model", "--workers", "1", "--steps", "1"])
