@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
-from shoal.plan.calibration import Calibration
+from shoal.plan.calibration import Calibration, calibration_to_json
 from shoal.plan.planner import predict
 from shoal.plan.schemes import Scheme
 from shoal.plan.simulate import Gradient, Layer, Line, Links, StepProfile, simulate
@@ -134,18 +135,55 @@ def tiny_model() -> tuple[nn.Module, object]:
 
 @pytest.mark.timeout(120)
 def test_command_line_prints_a_row_per_worker_count_and_a_json_line(
-    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     from shoal.predict.__main__ import main
 
     monkeypatch.syspath_prepend(os.path.dirname(__file__))
 
-    main(["--model", "test_predict:tiny_model", "--workers", "1,2,4", "--link", "10gbit", "--steps", "3"])
+    png = tmp_path / "scaling.png"
+    main(["--model", "test_predict:tiny_model", "--workers", "1,2,4", "--link", "10gbit", "--steps", "3", "--plot", str(png)])
     lines = capsys.readouterr().out.strip().splitlines()
     result = json.loads(lines[-1])
     assert [row["workers"] for row in result["rows"]] == [1, 2, 4]
     assert result["rows"][0]["efficiency"] == 1.0 and 0 < result["rows"][2]["efficiency"] <= 1.0
+    assert png.stat().st_size > 10_000
+    # A calibration measured on 2 ranks of one host, carried to 2 hosts of 2 ranks over a 10 Gbit/s preset.
+    measured = Calibration(
+        {"allreduce": (4e-4, 1.5e-10), "fp16": (3e-4, 4.6e-10), "bf16": (3e-4, 5e-10), "allgather": (9e-4, 2e-9)},
+        1e11,
+        measured_on=(2, 1),
+    )
+    (tmp_path / "cal.json").write_text(calibration_to_json(measured))
+    args = ["--model", "test_predict:tiny_model", "--steps", "2", "--calibration", str(tmp_path / "cal.json")]
+    main([*args, "--ranks-per-host", "2", "--workers", "2,4", "--link", "10gbit"])
+    two_hosts = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["rows"][1]
+    assert two_hosts["workers"] == 4 and two_hosts["ranks_per_host"] == 2 and two_hosts["step_ms"] > 0
+    with pytest.raises(SystemExit, match="give the link between hosts"):
+        main([*args, "--ranks-per-host", "2", "--workers", "4"])
+    (tmp_path / "old.json").write_text(calibration_to_json(Calibration(measured.lines, 1e11)))
+    with pytest.raises(SystemExit, match="does not say how many ranks"):
+        main([*args[:-1], str(tmp_path / "old.json"), "--workers", "2"])
     with pytest.raises(SystemExit, match="--link or --calibration"):
         main(["--model", "test_predict:tiny_model", "--workers", "4", "--steps", "1"])
     with pytest.raises(SystemExit, match="cannot load the model factory"):
         main(["--model", "nowhere:model", "--workers", "1", "--steps", "1"])
+
+
+@pytest.mark.timeout(120)
+def test_device_flops_predicts_an_imagenet_model_without_running_it(capsys: pytest.CaptureFixture[str]) -> None:
+    from shoal.predict.__main__ import main
+
+    args = ["--model", "shoal.predict.published:vgg16", "--batch-size", "64", "--device-flops", "6e12", "--link", "1gbit"]
+    main([*args, "--ranks-per-host", "4", "--workers", "1,8,64,512"])
+    rows = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["rows"]
+    assert rows[0]["step_ms"] == pytest.approx(3 * 64 * 30.94e9 / 6e12 * 1e3, rel=0.05)  # forward + 2x backward
+    efficiencies = [row["efficiency"] for row in rows]
+    assert efficiencies == sorted(efficiencies, reverse=True) and efficiencies[-1] < 1.0
+    assert "fc" in rows[-1]["advice"] or "classifier" in rows[-1]["advice"]
+
+
+def test_a_cpu_bound_step_overlaps_nothing() -> None:
+    step = profile([("a", 3 * MB, 0.001), ("b", 3 * MB, 0.002)], backward=0.5)  # hidden when a core is free
+    result = simulate(step, LINKS, workers=2, comm="allreduce", cpu_bound=True)
+    assert result.step_s == pytest.approx(step.compute_s + 2 * ring_seconds(3 * MB, 2))

@@ -13,8 +13,8 @@ the cost of half-precision casts, the matmul rate). For a worker count P with R 
 - the engine runs one collective at a time, in submission order;
 - the step ends when backward and every exchange are done, then the SFB rebuilds and the update run.
 
-What it leaves out, on purpose: the engine's negotiation cycle (inside the calibrated latency), the cores that
-communication takes from compute on a CPU-bound worker, and the engine's fusion of buckets submitted together.
+What it leaves out, on purpose: the engine's negotiation cycle (inside the calibrated latency) and the engine's
+fusion of buckets submitted together. Where compute takes every core (``cpu_bound``), nothing overlaps.
 """
 
 from __future__ import annotations
@@ -245,8 +245,15 @@ def simulate(
     comm: str = "auto",
     bucket_bytes: int = 2 * 1024 * 1024,
     servers: int | None = None,
+    cpu_bound: bool = False,
 ) -> StepPrediction:
-    """Play one training step at ``workers`` ranks (see the module's description)."""
+    """Play one training step at ``workers`` ranks (see the module's description).
+
+    ``cpu_bound``: compute takes every core of the host (CPU workers using all of them), so communication cannot
+    run beside it: every exchange's time adds to the step instead of overlapping backward. On this project's 2-core
+    machine with every core computing, the emulated hosts' transformer lost more than its whole wire time to
+    communication, and the one-host MLP three times its bare shared-memory time (docs/predict.md).
+    """
     calibration = links.calibration(workers, ranks_per_host)
     choices = choose(profile, calibration, workers, comm, servers=servers)
     layers = {layer.name: layer for layer in profile.layers}
@@ -285,6 +292,8 @@ def simulate(
         exchange.start_s = max(exchange.submitted_s, free)
         free = exchange.end_s
     backward_end = max(profile.backward_s, free)
+    if cpu_bound:
+        backward_end = profile.backward_s + sum(e.seconds for e in exchanges)
     step = profile.forward_s + backward_end + rebuild_s + profile.update_s
     samples = workers * profile.batch / step
     return StepPrediction(

@@ -64,16 +64,21 @@ def scaling(
     ranks_per_host: int = 1,
     comm: str = "allreduce",
     bucket_bytes: int = 2 * 1024 * 1024,
+    cpu_bound: bool = False,
 ) -> list[Row]:
-    """Predict ``comm`` at each worker count, and the best of the other comm settings beside it."""
+    """Predict ``comm`` at each worker count, and the best of the other comm settings beside it (``cpu_bound``: see
+    ``shoal.plan.simulate.simulate``)."""
     Scheme.parse(comm, "comm") if comm != "auto" else None
     rows = []
     for count in workers:
         if count < 1:
             raise ValueError(f"worker counts must be >= 1, got {count}")
         per_host = min(ranks_per_host, count)
-        prediction = simulate(profile, links, count, per_host, comm, bucket_bytes)
-        others = {alt: simulate(profile, links, count, per_host, alt, bucket_bytes).efficiency for alt in ALTERNATIVES}
+        prediction = simulate(profile, links, count, per_host, comm, bucket_bytes, cpu_bound=cpu_bound)
+        others = {
+            alt: simulate(profile, links, count, per_host, alt, bucket_bytes, cpu_bound=cpu_bound).efficiency
+            for alt in ALTERNATIVES
+        }
         best = max(others, key=others.__getitem__)
         rows.append(Row(prediction, comm, best, others[best], {layer.name: layer.nbytes for layer in profile.layers}))
     return rows

@@ -58,6 +58,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--threads", type=int, help="compute threads of each profiled process (default: cores / --ranks-per-host)"
     )
+    parser.add_argument(
+        "--cpu-bound",
+        choices=["auto", "yes", "no"],
+        default="auto",
+        help="whether compute takes every core, so communication cannot overlap it (auto: yes when profiled here "
+        "with threads x ranks per host >= cores; no with --device-flops)",
+    )
     parser.add_argument("--steps", type=int, default=10, help="profiled steps (default 10)")
     parser.add_argument("--plot", metavar="PNG", help="draw the scaling curve (needs matplotlib)")
     add_json_flag(parser)
@@ -123,6 +130,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.ranks_per_host < 1:
         raise SystemExit("--ranks-per-host must be >= 1")
     try:
+        cpu_bound = args.cpu_bound == "yes"
         if args.device_flops:
             profile = flop_profile(args.model, args.batch_size, args.device_flops, args.device_bandwidth)
             flops, cast = args.device_flops, 3 / args.device_bandwidth
@@ -134,8 +142,12 @@ def main(argv: list[str] | None = None) -> None:
                 args.model, args.batch_size, args.steps, concurrent=concurrent, threads=threads
             )
             where = f"profiled here, {concurrent} at once, {threads} threads each"
+            if args.cpu_bound == "auto":
+                cpu_bound = threads * args.ranks_per_host >= (os.cpu_count() or 1)
+        if cpu_bound:
+            where += "; CPU-bound: communication does not overlap compute"
         links = _links(args, flops, cast)
-        rows = scaling(profile, links, args.workers, args.ranks_per_host, args.comm, args.bucket_bytes)
+        rows = scaling(profile, links, args.workers, args.ranks_per_host, args.comm, args.bucket_bytes, cpu_bound)
     except ValueError as error:
         raise SystemExit(f"shoal.predict: {error}") from None
     network = args.calibration or f"{args.link or 'one host'}"
