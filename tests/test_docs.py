@@ -79,6 +79,27 @@ COVERED: dict[str, tuple[str, list[str]]] = {
         "test_examples.py::test_rendezvous_benchmark_times_both_stores",
         ["shoal.bench.rendezvous"],
     ),
+    "python -m shoal.predict --model mlp --workers 1,2,4,8,16 --link 10gbit --plot scaling.png": (
+        "test_predict.py::test_command_line_prints_a_row_per_worker_count_and_a_json_line",
+        ["--workers", "--link", "--plot"],
+    ),
+    "python -m shoal.predict --model mlp --calibration cal.json --ranks-per-host 2 --workers 2,4,8 --link 10gbit": (
+        "test_predict.py::test_command_line_prints_a_row_per_worker_count_and_a_json_line",
+        ["--calibration", "--ranks-per-host", "10gbit"],
+    ),
+    "shoalrun -np 2 python -m shoal.predict.calibrate -o cal.json": (
+        "test_examples.py::test_predicted_two_rank_shared_memory_mlp_is_close_to_a_measured_run",
+        ["shoal.bench.predict", "shm:1x2"],
+    ),  # bench.predict runs it under shoalrun -np 2 for the shm:1x2 setting
+    "python -m shoal.bench.predict": (
+        "test_examples.py::test_predicted_two_rank_shared_memory_mlp_is_close_to_a_measured_run",
+        ["shoal.bench.predict"],
+    ),
+    "python -m shoal.predict --model shoal.predict.published:vgg16 --batch-size 64 --device-flops 6e12 --link 25gbit "
+    "--link-latency-us 5 --intra-gbps 10 --ranks-per-host 4 --workers 1,4,8,16,32,64,128,256,512 --bucket-bytes 67108864": (
+        "test_predict.py::test_device_flops_predicts_an_imagenet_model_without_running_it",
+        ["published:vgg16", "--device-flops", "--link-latency-us", "--intra-gbps", "--bucket-bytes"],
+    ),
     "shoalrun -np 1 python -m shoal.bench.gpu_check": (
         "test_examples.py::test_gpu_check_script_passes_its_checks_on_cpu",
         ["shoal.bench.gpu_check", "cpu"],

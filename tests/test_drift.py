@@ -234,3 +234,26 @@ def test_a_steady_network_does_not_flip_a_plan_whose_predictions_are_far_apart()
     assert fitted.flops_per_s == pytest.approx(probed.flops_per_s / 3)
     assert fitted.lines["fp16"][1] / half[1] == pytest.approx(3.6)  # the job-wide slow-down, not the head's alone
     assert [p.choice for p in build_plan(model, fitted, 2, rows)] == ["sfb", "sfb", "fp16"]
+
+
+def test_two_layers_only_twice_apart_are_scaled_not_fitted() -> None:
+    """The one-host MLP: allreduce measured 12.0 ms on its 25 MB layer and 11.9 ms on its 12.6 MB one (both mostly
+    waiting). A least-squares line through two such points puts nearly everything in α (β near 0), which leaves
+    every line latency-only and made fp16, whose probed α is 0.07 ms below allreduce's, the choice for every layer;
+    scaling by the median ratio keeps the lines' shape."""
+    probed = Calibration(
+        {"allreduce": (4.0e-4, 1.45e-10), "fp16": (3.3e-4, 4.6e-10), "bf16": (3.5e-4, 5.1e-10), "allgather": (9e-4, 2e-9)},
+        1e11,
+    )
+    layer_plans = []
+    for name, nbytes, measured_ms in (("fc1", 25_174_016, 12.0), ("fc2", 12_589_056, 11.9)):
+        predicted = probed.seconds("allreduce", nbytes) * 1e3
+        plan = LayerPlan(name, "Linear", (1,), nbytes, 32, predicted_ms={"allreduce": predicted})
+        plan.measured_ms = measured_ms
+        layer_plans.append(plan)
+    fitted = refit(probed, layer_plans, {p.name: (1.0, float(p.nbytes)) for p in layer_plans})
+    factor = (12.0 / layer_plans[0].predicted_ms["allreduce"] + 11.9 / layer_plans[1].predicted_ms["allreduce"]) / 2
+    assert fitted.lines["allreduce"] == pytest.approx((4.0e-4 * factor, 1.45e-10 * factor))
+    assert fitted.lines["fp16"] == pytest.approx((3.3e-4 * factor, 4.6e-10 * factor))
+    for nbytes in (25_174_016, 12_589_056):
+        assert fitted.seconds("allreduce", nbytes) < fitted.seconds("fp16", nbytes)

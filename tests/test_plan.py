@@ -199,3 +199,16 @@ def test_drift_from_a_wrong_calibration_triggers_one_recalibration(tmp_path: obj
         assert all(m is not None and m > 0 for m in result["measured"]), result  # type: ignore[union-attr]
         assert all(p < 1000 for p in result["predicted"]), result  # type: ignore[union-attr]
         assert result["error"] is not None and result["error"] < 2.0, result  # it was about 10,000 (1 s vs 0.1 ms)
+
+
+def test_auto_rounds_gradients_only_for_a_real_saving() -> None:
+    from shoal.plan.planner import LOSSY_MARGIN, pick
+    from shoal.plan.schemes import Scheme
+
+    close = {Scheme.ALLREDUCE: 1.0, Scheme.FP16: 0.95, Scheme.BF16: 0.97}  # within the probes' noise
+    assert pick(close) == Scheme.ALLREDUCE
+    worth_it = {Scheme.ALLREDUCE: 1.0, Scheme.FP16: LOSSY_MARGIN - 0.01, Scheme.BF16: 0.97}
+    assert pick(worth_it) == Scheme.FP16
+    assert pick({Scheme.ALLREDUCE: 1.0, Scheme.SFB: 0.5, Scheme.FP16: 0.2}) == Scheme.FP16
+    assert pick({Scheme.ALLREDUCE: 1.0, Scheme.SFB: 0.5, Scheme.FP16: 0.47}) == Scheme.SFB
+    assert pick({Scheme.FP16: 0.5, Scheme.BF16: 0.6}, allowed=(Scheme.FP16, Scheme.BF16)) == Scheme.FP16

@@ -175,7 +175,8 @@ def test_device_flops_predicts_an_imagenet_model_without_running_it(capsys: pyte
     from shoal.predict.__main__ import main
 
     args = ["--model", "shoal.predict.published:vgg16", "--batch-size", "64", "--device-flops", "6e12", "--link", "1gbit"]
-    main([*args, "--ranks-per-host", "4", "--workers", "1,8,64,512"])
+    rest = ["--link-latency-us", "5", "--intra-gbps", "10", "--bucket-bytes", "67108864", "--ranks-per-host", "4"]
+    main([*args, *rest, "--workers", "1,8,64,512"])
     rows = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["rows"]
     assert rows[0]["step_ms"] == pytest.approx(3 * 64 * 30.94e9 / 6e12 * 1e3, rel=0.05)  # forward + 2x backward
     efficiencies = [row["efficiency"] for row in rows]

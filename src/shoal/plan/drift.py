@@ -260,9 +260,19 @@ def refit(
     return Calibration(lines, flops_per_s, calibration.links, calibration.measured_on)
 
 
+SEPARABLE_SPAN = 4.0
+"""Bytes per latency must differ this much (largest over smallest) among a line's layers for least squares to tell α
+from β: the one-host MLP's two layers (25 and 12.6 MB, a factor of 2) once fitted β to almost nothing, which left
+every line latency-only and made fp16 (its probed α 0.07 ms below allreduce's) the choice for all layers."""
+
+
 def _least_squares(points: list[tuple[float, float, float]]) -> tuple[float, float] | None:
-    """(α, β) minimising Σ((t − α·a − β·b)/t)² over (a, b, t); None when under-determined or not both ≥ 0."""
+    """(α, β) minimising Σ((t − α·a − β·b)/t)² over (a, b, t); None when under-determined, when the layers' bytes
+    per latency span less than ``SEPARABLE_SPAN``, or when not both ≥ 0."""
     if len(points) < 2:
+        return None
+    spans = [b / a for a, b, _ in points if a > 0]
+    if len(spans) < 2 or min(spans) <= 0 or max(spans) / min(spans) < SEPARABLE_SPAN:
         return None
     weights = [1 / t**2 for _, _, t in points]
     saa = sum(w * a * a for w, (a, _, _) in zip(weights, points, strict=True))

@@ -82,6 +82,24 @@ def predict(
     return predictions
 
 
+LOSSY_MARGIN = 0.9
+"""``auto`` takes fp16 or bf16 only where predicted at most this share of the best lossless scheme's time: rounding
+the gradient must buy a real saving, not one within the probes' noise (their latencies differ by tenths of a
+millisecond run to run)."""
+
+
+def pick(predictions: dict[Scheme, float], allowed: tuple[Scheme, ...] = SCHEMES) -> Scheme:
+    """``auto``'s choice among ``allowed``: the cheapest lossless scheme unless a lossy one beats it by the margin."""
+    eligible = {k: v for k, v in predictions.items() if k in allowed}
+    lossless = {k: v for k, v in eligible.items() if not k.lossy}
+    best = min(eligible, key=lambda k: (eligible[k], SCHEMES.index(k)))
+    if best.lossy and lossless:
+        fallback = min(lossless, key=lambda k: (lossless[k], SCHEMES.index(k)))
+        if eligible[best] > LOSSY_MARGIN * lossless[fallback]:
+            return fallback
+    return best
+
+
 def sfb_rebuild_flops(workers: int, linear: tuple[int, int, int]) -> float:
     """Floating-point operations of SFB's rebuild for (K, M, N): the (M×PK)·(PK×N) matmul of the gathered factors."""
     rows, outputs, inputs = linear
@@ -167,8 +185,7 @@ def build_plan(
                 raise ValueError(f"comm_overrides forces sfb on '{name}', but it is not an nn.Linear that ran forward")
             plan.choice, plan.forced = forced, True
         else:
-            eligible = {k: v for k, v in predictions.items() if k in allowed}
-            plan.choice = min(eligible, key=lambda k: (eligible[k], SCHEMES.index(k)))
+            plan.choice = pick(predictions, allowed)
         plans.append(plan)
     return plans
 

@@ -23,8 +23,8 @@ import math
 from dataclasses import dataclass, field
 
 from shoal.plan.calibration import Calibration
-from shoal.plan.planner import predict, sfb_rebuild_flops
-from shoal.plan.schemes import SCHEMES, Scheme
+from shoal.plan.planner import pick, predict, sfb_rebuild_flops
+from shoal.plan.schemes import Scheme
 
 LINK_RATES = {"1gbit": 1e9, "10gbit": 1e10, "25gbit": 2.5e10, "100gbit": 1e11}
 """The ``--link`` presets: line rate in bits per second."""
@@ -232,8 +232,7 @@ def choose(
             forced = Scheme.parse(comm, "comm")
             choices[layer.name] = forced if forced in predictions else Scheme.ALLREDUCE
             continue
-        eligible = {k: v for k, v in predictions.items() if k in allowed}
-        choices[layer.name] = min(eligible, key=lambda k: (eligible[k], SCHEMES.index(k)))
+        choices[layer.name] = pick(predictions, allowed)
     return choices
 
 

@@ -44,6 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--comm", choices=ALTERNATIVES, default="allreduce", help="what the job will use (default allreduce)")
     parser.add_argument("--bucket-bytes", type=int, default=2 * 1024 * 1024, help="DistributedOptimizer's bucket size")
+    parser.add_argument(
+        "--link-latency-us", type=float, help="override the --link preset's per-message latency (e.g. 5 for RoCE)"
+    )
     parser.add_argument("--intra-gbps", type=float, default=5.0, help="shared-memory allreduce GB/s within a host (default 5)")
     parser.add_argument("--intra-latency-us", type=float, default=30.0, help="its latency in µs (default 30)")
     parser.add_argument(
@@ -91,7 +94,10 @@ def _links(args: argparse.Namespace, flops: float, cast: float) -> Links:
         return links
     if args.link is None and max(args.workers) > args.ranks_per_host:
         raise SystemExit("give --link or --calibration: the worker counts span more than one host")
-    return Links.preset(args.link or "1gbit", intra, cast, flops)
+    links = Links.preset(args.link or "1gbit", intra, cast, flops)
+    if args.link_latency_us is not None and links.inter is not None:
+        links = dataclasses.replace(links, inter=Line(args.link_latency_us * 1e-6, links.inter.per_byte_s))
+    return links
 
 
 def plot(rows: list[Row], path: str, title: str) -> None:

@@ -9,8 +9,8 @@ built with random initialisation. torchvision is not a dependency of shoal, so t
 Every parameter has the shape torchvision gives it, and every module the name torchvision gives it (``features.28``,
 ``layer3.22.conv2``, ``Mixed_6e.branch7x7dbl_5.conv``), so a per-layer report reads like one about torchvision's
 models and a torchvision ``state_dict`` would load. Parameter counts: 138,357,544 (VGG-16), 44,549,160 (ResNet-101)
-and 23,834,568 (Inception V3 without its auxiliary classifier, which torchvision drops in evaluation and which
-Horovod's benchmarks do not train).
+and 23,834,568 (Inception V3 without its auxiliary classifier, 3,326,696 parameters more, which only adds a side loss
+during training).
 
 Each factory returns ``(model, make_input)`` as ``shoal.predict.profile.load_model`` expects, so
 ``shoal.predict.published:resnet101`` names a model on the command line; ``PUBLISHED`` maps the three names to them.
