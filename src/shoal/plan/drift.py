@@ -237,6 +237,10 @@ def refit(
         if plan.choice == Scheme.SFB and plan.rebuild_flops and plan.name in rebuilds:
             measured -= rebuilds[plan.name]  # what the allgathers took
             expected -= plan.rebuild_flops / calibration.flops_per_s  # what the plan gave them
+        elif plan.choice != Scheme.SFB and plan.name in terms:  # the line at the same medians as the measurement
+            share, nbytes = terms[plan.name]
+            latency, per_byte = calibration.lines[exchange]
+            expected = latency * share + per_byte * nbytes
         if measured <= 0 or expected <= 0:
             continue
         ratios.setdefault(exchange, []).append(measured / expected)
