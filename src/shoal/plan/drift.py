@@ -208,17 +208,18 @@ def refit(
 ) -> Calibration:
     """Fit each exchange's α–β line, and the matmul rate, to what training measured, layer by layer.
 
-    With two or more layers of different sizes on an exchange, its α and β are refitted by least squares on relative
-    error (``measured ≈ α·share_of_latencies + β·bytes``, from ``terms``). Every other exchange, measured or not,
-    takes the changes of the fitted exchange with the most layers, α by its α's ratio and β by its β's (one overall
-    factor would not do: training inflates latency more than bandwidth); with no exchange fitted, every line is scaled
-    by the median measured/expected ratio over all measured layers. A ratio from one or two layers on an exchange is
-    not evidence about that exchange: it mixes the network with where in backprop the layer's exchange ran and what
-    competed with it (the cores, the link), which an exchange measured elsewhere in the step does not share; scaling
-    each such exchange by its own few ratios made a 1 Gbit/s MLP's plan flip from SFB (3× cheaper, as forced runs
-    confirmed) to bf16 on a steady network. For SFB layers, ``rebuilds`` (their measured rebuild seconds) sets the
-    matmul rate (the median of rebuild flops per second), and only the rest of their time, the allgathers, counts
-    towards the ratios.
+    With layers whose bytes per latency span at least ``SEPARABLE_SPAN`` on an exchange, its α and β are refitted by
+    least squares on relative error (``measured ≈ α·share_of_latencies + β·bytes``, from ``terms``). Every other
+    exchange, measured or not, takes the changes of the fitted exchange with the most layers, α by its α's ratio and
+    β by its β's (one overall factor would not do: training inflates latency more than bandwidth); with no exchange
+    fitted, every line is scaled by the median measured/expected ratio over all measured layers. A layer's ratio
+    compares its measured time with its line at the same running medians of its latency share and bytes (``terms``).
+    A ratio from one or two layers on an exchange is not evidence about that exchange: it mixes the network with where
+    in backprop the layer's exchange ran and what competed with it (the cores, the link), which an exchange measured
+    elsewhere in the step does not share; scaling each such exchange by its own few ratios made a 1 Gbit/s MLP's plan
+    flip from SFB (3× cheaper, as forced runs confirmed) to bf16 on a steady network. For SFB layers, ``rebuilds``
+    (their measured rebuild seconds) sets the matmul rate (the median of rebuild flops per second), and only the rest
+    of their time, the allgathers, counts towards the ratios.
     """
     ratios: dict[str, list[float]] = {}
     points: dict[str, list[tuple[float, float, float]]] = {}
