@@ -257,3 +257,20 @@ def test_two_layers_only_twice_apart_are_scaled_not_fitted() -> None:
     assert fitted.lines["fp16"] == pytest.approx((3.3e-4 * factor, 4.6e-10 * factor))
     for nbytes in (25_174_016, 12_589_056):
         assert fitted.seconds("allreduce", nbytes) < fitted.seconds("fp16", nbytes)
+
+
+def test_a_re_plan_keeps_a_scheme_that_measured_cheaper_than_the_alternative_is_predicted() -> None:
+    from shoal.plan.planner import keep_measured
+
+    def layer(choice: str, predicted: dict[str, float], measured: float | None = None) -> LayerPlan:
+        plan = LayerPlan("fc", "Linear", (2048, 3072), 25_174_016, 32, predicted_ms=predicted, choice=choice)
+        plan.measured_ms = measured
+        return plan
+
+    before = [layer("sfb", {"sfb": 24.0, "fp16": 105.0}, measured=90.0)]  # SFB ran at 90 ms in training
+    misjudged = [layer("fp16", {"sfb": 160.0, "fp16": 120.0})]  # a refit that now predicts fp16 at 120 ms
+    assert keep_measured(misjudged, before) == ["fc"] and misjudged[0].choice == "sfb"
+    really_better = [layer("fp16", {"sfb": 160.0, "fp16": 60.0})]  # predicted below what SFB measured
+    assert keep_measured(really_better, before) == [] and really_better[0].choice == "fp16"
+    unmeasured = [layer("fp16", {"sfb": 160.0, "fp16": 120.0})]
+    assert keep_measured(unmeasured, [layer("sfb", {"sfb": 24.0})]) == [] and unmeasured[0].choice == "fp16"

@@ -16,6 +16,15 @@ def add_json_flag(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", metavar="PATH", help="also write the JSON result to this file")
 
 
+def add_phase_flags(parser: argparse.ArgumentParser) -> None:
+    """The flags of benchmarks that launch ``shoal.bench.train`` jobs: ``--steps``, ``--warmup``, ``--rounds`` (the
+    best phase kept) and ``--timeout`` per launched job."""
+    parser.add_argument("--steps", type=int, default=20, help="timed steps per training phase (default 20)")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps before each phase (default 3)")
+    parser.add_argument("--rounds", type=int, default=2, help="training phases per launched job, the best kept (default 2)")
+    parser.add_argument("--timeout", type=float, default=900, help="seconds per launched job (default 900)")
+
+
 def emit(result: dict[str, Any], json_path: str | None) -> None:
     """Print the result as the last line (the contract) and, with ``--json``, write it to ``json_path``."""
     print(json.dumps(result), flush=True)

@@ -17,7 +17,7 @@ import subprocess
 import sys
 from typing import Any
 
-from shoal.bench import add_json_flag, emit
+from shoal.bench import add_json_flag, add_phase_flags, emit
 from shoal.plan.schemes import Scheme
 
 FORCED = (Scheme.ALLREDUCE, Scheme.FP16, Scheme.BF16, Scheme.SFB)
@@ -65,11 +65,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rate", default="1gbit", help="link rate, tc syntax (default 1gbit)")
     parser.add_argument("--model", choices=["cnn", "mlp", "transformer"], default="mlp")
     parser.add_argument("--runs", type=int, default=5, help="rounds of (every forced scheme, then auto); default 5")
-    parser.add_argument("--rounds", type=int, default=2, help="phases per invocation, the best kept (default 2)")
-    parser.add_argument("--steps", type=int, default=20, help="timed steps per training phase (default 20)")
-    parser.add_argument("--warmup", type=int, default=3, help="untimed steps before each phase (default 3)")
     parser.add_argument("--tolerance", type=float, default=0.95, help="auto must reach this share of the best")
-    parser.add_argument("--timeout", type=float, default=900, help="seconds per training invocation (default 900)")
+    add_phase_flags(parser)
     add_json_flag(parser)
     args = parser.parse_args(argv)
     runs = []

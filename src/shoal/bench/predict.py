@@ -23,7 +23,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
-from shoal.bench import add_json_flag, emit
+from shoal.bench import add_json_flag, add_phase_flags, emit
 from shoal.plan.calibration import Calibration, calibration_from_json
 from shoal.plan.simulate import Links, StepProfile, simulate
 from shoal.predict.profile import measure_profile
@@ -107,11 +107,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--models", default="mlp,cnn,transformer", help="comma-separated (default mlp,cnn,transformer)")
     parser.add_argument("--comms", default="allreduce,auto", help="comma-separated (default allreduce,auto)")
     parser.add_argument("--batch-size", type=int, default=32, help="per worker (default 32)")
-    parser.add_argument("--steps", type=int, default=20, help="timed steps per training phase (default 20)")
-    parser.add_argument("--warmup", type=int, default=3, help="untimed steps before each phase (default 3)")
-    parser.add_argument("--rounds", type=int, default=2, help="training phases per measurement, the best kept")
     parser.add_argument("--profile-steps", type=int, default=10, help="steps profiled per model (default 10)")
-    parser.add_argument("--timeout", type=float, default=900, help="seconds per launched job (default 900)")
+    add_phase_flags(parser)
     add_json_flag(parser)
     args = parser.parse_args(argv)
     if isinstance(args.settings, str):

@@ -190,6 +190,24 @@ def build_plan(
     return plans
 
 
+def keep_measured(plans: list[LayerPlan], previous: list[LayerPlan]) -> list[str]:
+    """After a re-plan: keep each layer's current scheme unless the new choice is predicted cheaper than what the
+    current one measured in training. The current scheme's cost is known, an alternative's only predicted; a refit
+    from a step's measurements can misjudge the alternatives (one 1 Gbit/s MLP run re-planned fp16 for two layers
+    whose SFB measured four times cheaper than fp16 ran when forced). Returns the layers kept."""
+    before = {p.name: p for p in previous}
+    kept = []
+    for plan in plans:
+        old = before.get(plan.name)
+        if plan.forced or old is None or old.choice == plan.choice or not old.measured_ms:
+            continue
+        if old.choice not in plan.predicted_ms or plan.predicted_ms[plan.choice] < old.measured_ms:
+            continue
+        plan.choice = old.choice
+        kept.append(plan.name)
+    return kept
+
+
 def expected_ms(plan: LayerPlan) -> float:
     """What ``measured_ms`` is compared with: the prediction as executed once known, else the plan's prediction."""
     return plan.expected_ms if plan.expected_ms is not None else plan.predicted_ms[plan.choice]

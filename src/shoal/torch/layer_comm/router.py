@@ -19,7 +19,7 @@ from torch import nn
 from shoal.log import get_logger
 from shoal.plan.calibration import Calibration
 from shoal.plan.drift import DriftMonitor, refit
-from shoal.plan.planner import LayerPlan, build_plan, forced_scheme, format_plan
+from shoal.plan.planner import LayerPlan, build_plan, forced_scheme, format_plan, keep_measured
 from shoal.plan.schemes import SCHEMES, Scheme
 from shoal.ps.client import PSSession
 from shoal.ps.config import PSConfig
@@ -281,11 +281,13 @@ class LayerRouter:
         allowed = SCHEMES if dedicated and self.ps is None else tuple(s for s in SCHEMES if s != Scheme.PS)
         overrides = dict(self.overrides)
         modules = dict(self.model.named_modules())
+        previous = self.plans or []
         if self.plans is not None:  # layers already on the servers stay there (their state lives there)
             overrides.update({modules[p.name]: Scheme.PS for p in self.plans if p.choice == Scheme.PS})
             self._clear()
         servers = self.ps_config.num_servers if dedicated else workers
         self.plans = build_plan(self.model, calibration, workers, self._rows, overrides, allowed, servers)
+        keep_measured(self.plans, previous)  # the same on every rank: the agreed measurements, rank 0's refit
         # With a session open, every ps layer of this plan is one it already serves (a re-plan adds none).
         self._assign({p.name: p.choice for p in self.plans if not (p.choice == Scheme.PS and self.ps is not None)})
         exchanges = {plan.name: self._exchange_names(modules[plan.name]) for plan in self.plans}
