@@ -12,12 +12,10 @@ run-to-run noise. Prints a table and, last, one JSON line: ``{"bench": "planner"
 from __future__ import annotations
 
 import argparse
-import json
-import subprocess
 import sys
 from typing import Any
 
-from shoal.bench import add_json_flag, add_phase_flags, emit
+from shoal.bench import add_json_flag, add_phase_flags, emit, rank0_result
 from shoal.plan.schemes import Scheme
 
 FORCED = (Scheme.ALLREDUCE, Scheme.FP16, Scheme.BF16, Scheme.SFB)
@@ -50,12 +48,7 @@ def train_once(args: argparse.Namespace, comm: str) -> dict[str, Any]:
         "--warmup",
         str(args.warmup),
     ]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout)
-    lines = [line.split(":", 1)[1] for line in result.stdout.splitlines() if line.startswith("[0]<stdout>:{")]
-    if result.returncode != 0 or not lines:
-        raise SystemExit(f"shoal.bench.planner: comm={comm} failed ({result.returncode}):\n{result.stderr[-3000:]}")
-    parsed: dict[str, Any] = json.loads(lines[-1])
-    return parsed
+    return rank0_result(command, args.timeout, f"shoal.bench.planner: comm={comm}")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -13,7 +13,6 @@ predicts each ``--comm`` setting from that profile and calibration, then measure
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import subprocess
@@ -23,7 +22,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
-from shoal.bench import add_json_flag, add_phase_flags, emit
+from shoal.bench import add_json_flag, add_phase_flags, emit, rank0_result
 from shoal.plan.calibration import Calibration, calibration_from_json
 from shoal.plan.simulate import Links, StepProfile, simulate
 from shoal.predict.profile import measure_profile
@@ -88,12 +87,7 @@ def measure(setting: Setting, model: str, comm: str, args: argparse.Namespace) -
         *("--model", model, "--comm", comm, "--compare", "none", "--batch-size", str(args.batch_size)),
         *("--rounds", str(args.rounds), "--steps", str(args.steps), "--warmup", str(args.warmup)),
     )
-    stdout = _run(command, args.timeout, f"training {model} comm={comm} on {setting}")
-    lines = [line.split(":", 1)[1] for line in stdout.splitlines() if line.startswith("[0]<stdout>:{")]
-    if not lines:
-        raise SystemExit(f"shoal.bench.predict: no result line from training {model} on {setting}")
-    parsed: dict[str, Any] = json.loads(lines[-1])
-    return parsed
+    return rank0_result(command, args.timeout, f"shoal.bench.predict: training {model} comm={comm} on {setting}")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -217,23 +217,16 @@ class StepPrediction:
 
 
 def choose(
-    profile: StepProfile,
-    calibration: Calibration,
-    workers: int,
+    predictions: dict[str, dict[Scheme, float]],
     comm: str = "auto",
     allowed: tuple[Scheme, ...] = (Scheme.ALLREDUCE, Scheme.FP16, Scheme.BF16, Scheme.SFB),
-    servers: int | None = None,
 ) -> dict[str, Scheme]:
-    """Each layer's scheme: ``comm`` forced where the layer can take it, else what the planner's ``auto`` picks."""
-    choices = {}
-    for layer in profile.layers:
-        predictions = predict(calibration, workers, layer.nbytes, layer.linear, servers=servers)
-        if comm != "auto":
-            forced = Scheme.parse(comm, "comm")
-            choices[layer.name] = forced if forced in predictions else Scheme.ALLREDUCE
-            continue
-        choices[layer.name] = pick(predictions, allowed)
-    return choices
+    """Each layer's scheme from its predictions: ``comm`` forced where the layer can take it, else what the
+    planner's ``auto`` picks."""
+    if comm == "auto":
+        return {name: pick(predicted, allowed) for name, predicted in predictions.items()}
+    forced = Scheme.parse(comm, "comm")
+    return {name: forced if forced in predicted else Scheme.ALLREDUCE for name, predicted in predictions.items()}
 
 
 def simulate(
@@ -254,22 +247,27 @@ def simulate(
     communication, and the one-host MLP three times its bare shared-memory time (docs/predict.md).
     """
     calibration = links.calibration(workers, ranks_per_host)
-    choices = choose(profile, calibration, workers, comm, servers=servers)
     layers = {layer.name: layer for layer in profile.layers}
+    predictions = {
+        layer.name: predict(calibration, workers, layer.nbytes, layer.linear, servers=servers) for layer in profile.layers
+    }
+    choices = choose(predictions, comm)
     exchanges: list[Exchange] = []
     rebuild_s = 0.0
     if workers > 1:
         open_buckets: dict[Scheme, tuple[list[str], int]] = {}
+        last_ready: dict[str, float] = {}
+        for gradient in profile.gradients:
+            last_ready[gradient.layer] = max(last_ready.get(gradient.layer, 0.0), gradient.ready_s)
         sent: set[str] = set()
         for gradient in sorted(profile.gradients, key=lambda g: g.ready_s):
             scheme = choices[gradient.layer]
             if scheme in (Scheme.SFB, Scheme.PS):
-                last = max(g.ready_s for g in profile.gradients if g.layer == gradient.layer)
-                if gradient.layer in sent or gradient.ready_s < last:
+                if gradient.layer in sent or gradient.ready_s < last_ready[gradient.layer]:
                     continue  # the layer's exchange leaves once all its gradients are final
                 sent.add(gradient.layer)
                 layer = layers[gradient.layer]
-                seconds = predict(calibration, workers, layer.nbytes, layer.linear, servers=servers)[scheme]
+                seconds = predictions[layer.name][scheme]
                 if scheme == Scheme.SFB:
                     assert layer.linear is not None
                     rebuild = sfb_rebuild_flops(workers, layer.linear) / calibration.flops_per_s
@@ -290,9 +288,8 @@ def simulate(
     for exchange in sorted(exchanges, key=lambda e: e.submitted_s):
         exchange.start_s = max(exchange.submitted_s, free)
         free = exchange.end_s
-    backward_end = max(profile.backward_s, free)
-    if cpu_bound:
-        backward_end = profile.backward_s + sum(e.seconds for e in exchanges)
+    comm_s = sum(e.seconds for e in exchanges)
+    backward_end = profile.backward_s + comm_s if cpu_bound else max(profile.backward_s, free)
     step = profile.forward_s + backward_end + rebuild_s + profile.update_s
     samples = workers * profile.batch / step
     return StepPrediction(
@@ -301,7 +298,7 @@ def simulate(
         step_s=step,
         compute_s=profile.compute_s,
         exposed_comm_s=step - profile.compute_s,
-        comm_s=sum(e.seconds for e in exchanges),
+        comm_s=comm_s,
         samples_per_s=samples,
         efficiency=samples / (workers * profile.batch / profile.compute_s),
         choices=choices,

@@ -68,17 +68,16 @@ def scaling(
 ) -> list[Row]:
     """Predict ``comm`` at each worker count, and the best of the other comm settings beside it (``cpu_bound``: see
     ``shoal.plan.simulate.simulate``)."""
-    Scheme.parse(comm, "comm") if comm != "auto" else None
+    if comm != "auto":
+        Scheme.parse(comm, "comm")
+    layer_bytes = {layer.name: layer.nbytes for layer in profile.layers}
     rows = []
     for count in workers:
         if count < 1:
             raise ValueError(f"worker counts must be >= 1, got {count}")
         per_host = min(ranks_per_host, count)
-        prediction = simulate(profile, links, count, per_host, comm, bucket_bytes, cpu_bound=cpu_bound)
-        others = {
-            alt: simulate(profile, links, count, per_host, alt, bucket_bytes, cpu_bound=cpu_bound).efficiency
-            for alt in ALTERNATIVES
-        }
-        best = max(others, key=others.__getitem__)
-        rows.append(Row(prediction, comm, best, others[best], {layer.name: layer.nbytes for layer in profile.layers}))
+        settings = dict.fromkeys((*ALTERNATIVES, comm))  # comm's own simulation is one of them
+        results = {alt: simulate(profile, links, count, per_host, alt, bucket_bytes, cpu_bound=cpu_bound) for alt in settings}
+        best = max(ALTERNATIVES, key=lambda alt: results[alt].efficiency)
+        rows.append(Row(results[comm], comm, best, results[best].efficiency, layer_bytes))
     return rows
