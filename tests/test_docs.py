@@ -88,11 +88,11 @@ COVERED: dict[str, tuple[str, list[str]]] = {
         ["--calibration", "--ranks-per-host", "10gbit"],
     ),
     "shoalrun -np 2 python -m shoal.predict.calibrate -o cal.json": (
-        "test_examples.py::test_predicted_two_rank_shared_memory_mlp_is_close_to_a_measured_run",
+        "test_examples.py::test_predicted_two_rank_shared_memory_cnn_is_close_to_a_measured_run",
         ["shoal.bench.predict", "shm:1x2"],
     ),  # bench.predict runs it under shoalrun -np 2 for the shm:1x2 setting
     "python -m shoal.bench.predict": (
-        "test_examples.py::test_predicted_two_rank_shared_memory_mlp_is_close_to_a_measured_run",
+        "test_examples.py::test_predicted_two_rank_shared_memory_cnn_is_close_to_a_measured_run",
         ["shoal.bench.predict"],
     ),
     "python -m shoal.predict --model shoal.predict.published:vgg16 --batch-size 64 --device-flops 6e12 --link 25gbit "
