@@ -60,40 +60,31 @@ def evaluate(model: nn.Module, dataset: TensorDataset) -> float:
     return float(totals[0] / totals[1])
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description="Train a CNN on sklearn digits with Shoal.")
-    parser.add_argument("--epochs", type=int, default=8)
-    parser.add_argument("--batch-size", type=int, default=32, help="per-rank batch size")
-    parser.add_argument("--lr", type=float, default=0.05, help="learning rate for one rank; scaled by world size")
-    parser.add_argument("--checkpoint", default="checkpoints/digits.pt", help="where rank 0 saves the model")
-    parser.add_argument(
-        "--op",
-        choices=["average", "adasum"],
-        default="average",
-        help="how updates combine: average the gradients (lr scaled by world size) or Adasum the updates (lr not "
-        "scaled, as Horovod recommends on CPU)",
-    )
-    args = parser.parse_args()
-
+def train(
+    epochs: int = 8, batch_size: int = 32, lr: float = 0.05, checkpoint: str = "checkpoints/digits.pt", op: str = "average"
+) -> dict[str, object]:
+    """Initialise Shoal, train on this rank's shard, and return the summary every rank agrees on (rank 0 prints
+    per-epoch metrics and saves the checkpoint). ``examples/ray_digits.py`` runs this on Ray actors."""
     hvd.init()
     torch.manual_seed(0)
     train_set, test_set = load_data()
     sampler = DistributedSampler(train_set, num_replicas=hvd.size(), rank=hvd.rank(), shuffle=True, seed=0)
-    loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler)
+    loader = DataLoader(train_set, batch_size=batch_size, sampler=sampler)
     model = DigitsNet()
-    adasum = args.op == "adasum"
-    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr * (1 if adasum else hvd.size()), momentum=0.9)
+    adasum = op == "adasum"
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr * (1 if adasum else hvd.size()), momentum=0.9)
     optimizer = hvd.DistributedOptimizer(
         optimizer, named_parameters=model.named_parameters(), op=hvd.Adasum if adasum else hvd.Average
     )
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     hvd.broadcast_optimizer_state(optimizer, root_rank=0)
 
-    for epoch in range(args.epochs):
+    test_accuracy = 0.0
+    for epoch in range(epochs):
         sampler.set_epoch(epoch)
         model.train()
         totals = torch.zeros(3)  # loss sum, correct, samples
-        batches = tqdm(loader, desc=f"epoch {epoch + 1}/{args.epochs}", disable=hvd.rank() != 0, leave=False)
+        batches = tqdm(loader, desc=f"epoch {epoch + 1}/{epochs}", disable=hvd.rank() != 0, leave=False)
         for x, y in batches:
             optimizer.zero_grad()
             logits = model(x)
@@ -111,10 +102,28 @@ def main() -> None:
             )
 
     if hvd.rank() == 0:
-        os.makedirs(os.path.dirname(args.checkpoint) or ".", exist_ok=True)
-        torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, args.checkpoint)
-        print(f"saved {args.checkpoint}")
-        summary = {"example": "digits", "world": hvd.size(), "op": args.op, "test_accuracy": round(test_accuracy, 4)}
+        os.makedirs(os.path.dirname(checkpoint) or ".", exist_ok=True)
+        torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, checkpoint)
+        print(f"saved {checkpoint}")
+    return {"example": "digits", "world": hvd.size(), "op": op, "test_accuracy": round(test_accuracy, 4)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="Train a CNN on sklearn digits with Shoal.")
+    parser.add_argument("--epochs", type=int, default=8)
+    parser.add_argument("--batch-size", type=int, default=32, help="per-rank batch size")
+    parser.add_argument("--lr", type=float, default=0.05, help="learning rate for one rank; scaled by world size")
+    parser.add_argument("--checkpoint", default="checkpoints/digits.pt", help="where rank 0 saves the model")
+    parser.add_argument(
+        "--op",
+        choices=["average", "adasum"],
+        default="average",
+        help="how updates combine: average the gradients (lr scaled by world size) or Adasum the updates (lr not "
+        "scaled, as Horovod recommends on CPU)",
+    )
+    args = parser.parse_args()
+    summary = train(args.epochs, args.batch_size, args.lr, args.checkpoint, args.op)
+    if hvd.rank() == 0:
         print(json.dumps(summary))
     hvd.shutdown()
 

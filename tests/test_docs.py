@@ -100,6 +100,22 @@ COVERED: dict[str, tuple[str, list[str]]] = {
         "test_predict.py::test_device_flops_predicts_an_imagenet_model_without_running_it",
         ["published:vgg16", "--device-flops", "--link-latency-us", "--intra-gbps", "--bucket-bytes"],
     ),
+    "sbatch examples/slurm/train.sbatch": (
+        "test_clusters.py::test_sbatch_example_trains_under_a_simulated_slurm_allocation",
+        ["examples/slurm/train.sbatch", "FAKE_SRUN", "SLURM_JOB_NODELIST"],
+    ),  # the script as sbatch runs it (bash, in the submit directory), srun a stand-in with Slurm's variables
+    "python examples/ray_digits.py --num-workers 2": (
+        "test_ray.py::test_digits_example_reaches_95_percent_on_two_ray_workers",
+        ["ray_digits.py", "--num-workers"],
+    ),  # against the test's local cluster (--address) instead of starting one
+    "shoalrun -np 2 python examples/lightning_digits.py": (
+        "test_lightning.py::test_digits_lightning_module_reaches_95_percent_on_two_ranks",
+        ["lightning_digits.py", '"-np", "2"'],
+    ),
+    "python -m shoal.bench.on_ray --workers 2 --model mlp": (
+        "test_ray.py::test_on_ray_benchmark_compares_the_executor_with_shoalrun",
+        ["shoal.bench.on_ray", "--workers", "mlp"],
+    ),
     "shoalrun -np 1 python -m shoal.bench.gpu_check": (
         "test_examples.py::test_gpu_check_script_passes_its_checks_on_cpu",
         ["shoal.bench.gpu_check", "cpu"],
@@ -115,6 +131,12 @@ COVERED: dict[str, tuple[str, list[str]]] = {
 }
 CI_ITSELF = {
     "make test": ".ci/run runs it (this suite is its last step)",
+}
+NEEDS_A_CLUSTER = {
+    "kubectl apply -f docs/kubernetes/pytorchjob.yaml": (
+        "needs Kubernetes with Kubeflow's training operator; test_clusters.py checks the manifest and runs two "
+        "processes with the variables the operator gives its pods"
+    ),
 }
 
 
@@ -213,7 +235,7 @@ RUN_HERE = {
 
 def test_every_documented_command_is_run_by_a_test() -> None:
     documented = documented_commands()
-    placed = set(RUN_HERE) | set(COVERED) | set(CI_ITSELF) | set(RUN_AS_WRITTEN) | set(TIMELINE_SEQUENCE)
+    placed = set(RUN_HERE) | set(COVERED) | set(CI_ITSELF) | set(NEEDS_A_CLUSTER) | set(RUN_AS_WRITTEN) | set(TIMELINE_SEQUENCE)
     missing = {c: pages for c, pages in documented.items() if c not in placed}
     stale = placed - set(documented)
     assert not missing, f"documented commands no test runs (add them to tests/test_docs.py): {missing}"

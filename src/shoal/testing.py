@@ -14,6 +14,7 @@ from __future__ import annotations
 import multiprocessing
 import multiprocessing.connection
 import os
+import pickle
 import secrets
 import signal
 import socket
@@ -65,9 +66,11 @@ def _rank_main(fn: Callable[..., Any], args: Sequence[Any], env: Mapping[str, st
     torch.set_num_threads(1)
     try:
         result = fn(*args)
-        conn.send(("ok", result))
+        # Plain pickle, not multiprocessing's: once torch.multiprocessing is imported (Lightning does), tensors would
+        # travel as shared-memory handles that die with this process before the parent reads them.
+        conn.send_bytes(pickle.dumps(("ok", result)))
     except BaseException:
-        conn.send(("error", traceback.format_exc()))
+        conn.send_bytes(pickle.dumps(("error", traceback.format_exc())))
         conn.close()
         os._exit(1)
     finally:
@@ -166,7 +169,7 @@ def run_ranks(
             for rank in list(pending):
                 if connections[rank] in ready:
                     try:
-                        status, payload = connections[rank].recv()
+                        status, payload = pickle.loads(connections[rank].recv_bytes())
                     except EOFError:
                         status, payload = "died", None
                     if status == "ok":

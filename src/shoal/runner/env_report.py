@@ -28,6 +28,8 @@ _EXTRAS = (
     ("tqdm", "progress bars in the examples"),
     ("sklearn", "the digits examples' data"),
     ("matplotlib", "plots"),
+    ("ray", "shoal.ray: RayExecutor and the Ray Train backend"),
+    ("lightning", "shoal.lightning: ShoalStrategy for PyTorch Lightning"),
     ("mpi4py", "rendezvous under mpirun across hosts without MASTER_ADDR"),
 )
 

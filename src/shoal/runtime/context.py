@@ -101,7 +101,11 @@ def init() -> Context:
         try:
             backend = process_group.init_world(scoped_store, launch.rank, launch.size, timeout_s=max(timeout_s, 300.0))
             gathered = process_group.allgather_json([launch.host_key, launch.local_rank])
-            if not all(isinstance(g, list) and len(g) == 2 and isinstance(g[0], str) and type(g[1]) is int for g in gathered):
+            # A launcher that gives no local rank (a PyTorchJob pod, an MPI without one) sends None: derived below.
+            if not all(
+                isinstance(g, list) and len(g) == 2 and isinstance(g[0], str) and (g[1] is None or type(g[1]) is int)
+                for g in gathered
+            ):
                 raise RuntimeError(f"shoal: malformed topology exchange at init: {gathered!r}")
             topology = build_topology(launch.rank, [g[0] for g in gathered], [g[1] for g in gathered])
             _context = Context(

@@ -1,18 +1,21 @@
 """Work out who started this process and where the rendezvous is, from the environment alone.
 
 Supported launchers, tried in this order: shoalrun (``SHOAL_RANK``), torchrun (``TORCHELASTIC_RUN_ID`` or
-``RANK`` + ``WORLD_SIZE`` + ``MASTER_ADDR``), OpenMPI's mpirun (``OMPI_COMM_WORLD_*``), PMI-based MPIs
-(``PMI_RANK``/``PMIX_RANK``), Slurm's srun (``SLURM_PROCID``), and a plain process (size 1).
+``RANK`` + ``WORLD_SIZE`` + ``MASTER_ADDR``; named ``kubernetes`` in a Kubeflow PyTorchJob pod without torchrun),
+OpenMPI's mpirun (``OMPI_COMM_WORLD_*``), PMI-based MPIs (``PMI_RANK``/``PMIX_RANK``), Slurm's srun
+(``SLURM_PROCID``; node lists such as ``gpu[01-04]-ib`` expanded by ``shoal.runtime.slurm``), and a plain process
+(size 1).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import re
 import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
+
+from shoal.runtime.slurm import hostnames
 
 
 @dataclass(frozen=True)
@@ -43,7 +46,8 @@ class LaunchInfo:
     """What the launcher told this process."""
 
     launcher: str
-    """One of ``shoalrun``, ``torchrun``, ``mpirun``, ``slurm``, ``single``."""
+    """One of ``shoalrun``, ``torchrun``, ``kubernetes`` (a PyTorchJob pod without torchrun), ``mpirun``, ``slurm``,
+    ``single``."""
     rank: int
     """Global rank of this process."""
     size: int
@@ -91,15 +95,8 @@ def _derived_port(token: str) -> int:
 
 
 def first_slurm_host(nodelist: str) -> str:
-    """Return the first host of a Slurm node list such as ``node[01-04,07],gpu3``."""
-    match = re.match(r"([^,\[]+)(\[([^\]]+)\])?", nodelist.strip())
-    if match is None:
-        raise ValueError(f"cannot parse the Slurm node list {nodelist!r}")
-    prefix, bracket = match.group(1), match.group(3)
-    if bracket is None:
-        return prefix
-    first = bracket.split(",")[0].split("-")[0]
-    return prefix + first
+    """The first host of a Slurm node list such as ``gpu[01-04]-ib,cpu3`` (``scontrol`` when on the PATH)."""
+    return hostnames(nodelist)[0]
 
 
 def _from_shoalrun(env: Mapping[str, str]) -> LaunchInfo:
@@ -117,8 +114,11 @@ def _from_shoalrun(env: Mapping[str, str]) -> LaunchInfo:
 
 
 def _from_torchrun(env: Mapping[str, str]) -> LaunchInfo:
+    # Kubeflow's PyTorchJob without torchrun in the container sets RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT per pod
+    # (one rank a pod, the master pod is rank 0 and hosts the store); with torchrun, TORCHELASTIC_RUN_ID is set.
+    in_pod = "KUBERNETES_SERVICE_HOST" in env and "TORCHELASTIC_RUN_ID" not in env
     return LaunchInfo(
-        launcher="torchrun",
+        launcher="kubernetes" if in_pod else "torchrun",
         rank=_int(env, "RANK"),
         size=_int(env, "WORLD_SIZE"),
         local_rank=_optional_int(env, "LOCAL_RANK"),
