@@ -8,20 +8,11 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from shoal.ray.job import RayJobStore, rank_order
+from shoal.ray.job import RayJobStore, import_ray, rank_order
 
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 SHUTDOWN_GRACE_S = 5.0
 """How long ``shutdown()`` lets the ranks shut Shoal down together before their actors are killed."""
-
-
-def import_ray() -> Any:
-    """Ray, or an ImportError that says how to get it."""
-    try:
-        import ray
-    except ImportError as error:
-        raise ImportError("shoal.ray needs Ray: pip install 'shoal[ray]'") from error
-    return ray
 
 
 @dataclass
@@ -132,19 +123,38 @@ class RayExecutor:
         use_gpu: reserve GPUs (``gpus_per_worker`` each, default 1); the ranks then use NCCL for CUDA tensors.
         gpus_per_worker: GPUs per rank; needs ``use_gpu``.
         use_current_placement_group: inside a placement group (a Ray Tune trial), place the ranks in it.
-        min_workers, max_workers, reset_limit, cooldown_range, elastic_timeout, override_discovery: Horovod's
-            elastic arguments: use ``shoal.ray.ElasticRayExecutor``.
+        min_workers, max_workers, reset_limit, elastic_timeout: Horovod's elastic arguments: with ``min_workers``
+            the job is elastic (``shoal.ray.ElasticRayExecutor``: ``run`` trains through workers and nodes that
+            come and go; ``execute`` and ``run_remote`` are not available). ``cooldown_range`` and
+            ``override_discovery`` are accepted and unused.
         placement_strategy: how the ranks' bundles spread over nodes: PACK (default), SPREAD, STRICT_PACK,
             STRICT_SPREAD (Ray's placement-group strategies).
 
         Raises:
             ValueError: neither or both of ``num_workers`` and ``num_hosts``, GPUs without ``use_gpu``, a bad count.
         """
-        if min_workers is not None or max_workers is not None:
-            raise ValueError(
-                "RayExecutor(min_workers=/max_workers=): elastic jobs on Ray use shoal.ray.ElasticRayExecutor "
-                "(same arguments), whose workers run under Shoal's elastic driver"
+        self._elastic: Any = None
+        self.workers: list[Any] = []
+        """The actors, in rank order."""
+        if max_workers is not None and not min_workers:
+            raise ValueError("RayExecutor: max_workers needs a positive min_workers (an elastic job)")
+        if min_workers is not None:
+            if num_workers or num_hosts:
+                raise ValueError("RayExecutor: give min_workers (elastic) or num_workers/num_hosts, not both")
+            from shoal.ray.elastic import ElasticRayExecutor
+
+            self.settings = settings or RaySettings()
+            self._elastic = ElasticRayExecutor(
+                use_gpu=use_gpu,
+                cpus_per_slot=cpus_per_worker,
+                gpus_per_slot=gpus_per_worker,
+                min_workers=min_workers,
+                max_workers=max_workers,
+                reset_limit=reset_limit,
+                elastic_timeout=elastic_timeout,
+                timeout_s=self.settings.timeout_s,
             )
+            return
         if bool(num_workers) == bool(num_hosts):
             raise ValueError("RayExecutor: give exactly one of num_workers and num_hosts (with num_workers_per_host)")
         if gpus_per_worker and not use_gpu:
@@ -162,8 +172,6 @@ class RayExecutor:
         self.gpus_per_worker = (gpus_per_worker or 1) if use_gpu else 0
         self.use_current_placement_group = use_current_placement_group
         self.placement_strategy = placement_strategy
-        self.workers: list[Any] = []
-        """The actors, in rank order."""
         self.locations: list[tuple[str, int]] = []
         """Each rank's (host name, pid)."""
         self._placement_group: Any = None
@@ -214,6 +222,9 @@ class RayExecutor:
         from ray.util.placement_group import placement_group_table
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+        if self._elastic is not None:
+            self._elastic.start()
+            return
         if self.workers:
             raise RuntimeError("RayExecutor.start(): already started; shutdown() first")
         if not ray.is_initialized():
@@ -261,6 +272,8 @@ class RayExecutor:
         return list(ray.get(refs))
 
     def _started(self, what: str) -> None:
+        if self._elastic is not None:
+            raise ValueError(f"RayExecutor.{what}: not available for an elastic job (min_workers); use run()")
         if not self.workers:
             raise RuntimeError(f"RayExecutor.{what}: not started (call start() first)")
 
@@ -287,6 +300,8 @@ class RayExecutor:
         """
         if callbacks:
             raise ValueError("RayExecutor.run(callbacks=...): not supported by Shoal; return values from fn instead")
+        if self._elastic is not None:
+            return list(self._elastic.run(fn, args, kwargs))
         return self._gather(self.run_remote(fn, args, kwargs), "run()")
 
     def execute(self, fn: Callable[[Any], Any], callbacks: Sequence[Callable[..., Any]] | None = None) -> list[Any]:
@@ -303,6 +318,8 @@ class RayExecutor:
 
     def shutdown(self) -> None:
         """End every actor, release the placement group (when this executor made it) and stop the store."""
+        if self._elastic is not None:
+            return
         ray = import_ray()
         if self.workers:  # let live ranks leave the job together (quietly) before their actors are ended
             farewells = [worker.leave.remote() for worker in self.workers]

@@ -13,6 +13,15 @@ from shoal.runner.hosts import SlotInfo, place_ranks
 from shoal.runner.launcher import slot_env
 
 
+def import_ray() -> Any:
+    """Ray, or an ImportError that says how to get it."""
+    try:
+        import ray
+    except ImportError as error:
+        raise ImportError("shoal.ray needs Ray: pip install 'shoal[ray]'") from error
+    return ray
+
+
 def rank_order(nodes: list[str]) -> list[int]:
     """Worker indices in rank order: workers grouped by node (nodes in order of first appearance), so that each node
     holds consecutive ranks, as shoalrun places them. ``nodes[i]`` is worker i's node."""

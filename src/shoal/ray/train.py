@@ -16,8 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from shoal.ray.executor import import_ray
-from shoal.ray.job import RayJobStore
+from shoal.ray.job import RayJobStore, import_ray
 
 ray = import_ray()
 try:

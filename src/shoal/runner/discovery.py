@@ -80,10 +80,14 @@ class HostDiscovery:
         while not self._stop.wait(self._interval_s):
             self._poll_once()
 
-    def _poll_once(self) -> None:
+    def _fetch(self) -> list[HostSlots]:
+        """The current hosts (here: the discovery script's answer; shoal.ray asks Ray instead)."""
         assert self._script is not None
+        return run_discovery_script(self._script, default_slots=self._default_slots)
+
+    def _poll_once(self) -> None:
         try:
-            hosts = run_discovery_script(self._script, default_slots=self._default_slots)
+            hosts = self._fetch()
         except HostSpecError as error:
             if str(error) != self._last_error:
                 print(f"shoalrun: warning: {error}; keeping the previous host list", file=sys.stderr, flush=True)

@@ -22,6 +22,7 @@ import signal
 import sys
 import time
 from dataclasses import dataclass
+from typing import Any
 
 from shoal.runner.discovery import HostDiscovery, progress_period
 from shoal.runner.hosts import HostSlots, SlotInfo, place_ranks
@@ -50,13 +51,21 @@ class ElasticWorker:
 class ElasticJob(Job):
     """A shoalrun job whose membership may change; ``run()`` returns shoalrun's exit code."""
 
-    def __init__(self, args: argparse.Namespace, static_hosts: list[HostSlots]) -> None:
-        """An elastic job over the static hosts (or those the discovery script prints)."""
-        discovery = HostDiscovery(static_hosts, args.host_discovery_script, default_slots=args.slots_per_host or 1)
+    def __init__(
+        self,
+        args: argparse.Namespace,
+        static_hosts: list[HostSlots],
+        discovery: HostDiscovery | None = None,
+        **job_options: Any,
+    ) -> None:
+        """An elastic job over the static hosts (or those the discovery script prints, or ``discovery`` finds:
+        shoal.ray passes Ray's nodes); ``job_options`` go to ``Job`` (rendezvous address, store callbacks)."""
+        if discovery is None:
+            discovery = HostDiscovery(static_hosts, args.host_discovery_script, default_slots=args.slots_per_host or 1)
         discovery.start()
         # Only used to choose the rendezvous address: hosts discovered later may be remote, so then listen on all.
         known = [SlotInfo(h.hostname, 0, 1, 0, 1, 0, 1) for h in discovery.hosts()]
-        super().__init__(args, slots=known, bind_all=args.host_discovery_script is not None)
+        super().__init__(args, slots=known, bind_all=args.host_discovery_script is not None, **job_options)
         self.discovery = discovery
         self.elastic: list[ElasticWorker] = []
         self.excluded_hosts: set[str] = set()

@@ -285,6 +285,15 @@ class Job:
             env["PYTHONPATH"] = os.pathsep.join(p for p in (HOROVOD_SHIM_PATH, os.environ.get("PYTHONPATH")) if p)
         return env
 
+    def _worker_env(self, slot: SlotInfo, worker_env: dict[str, str] | None, server_index: int | None) -> dict[str, str]:
+        """The Shoal environment of one process: the job's, its rank's (not for a server), then extras."""
+        extra = self._job_env()
+        if server_index is None:
+            extra.update(slot_env(slot))
+        extra.update(self.extra_env)
+        extra.update(worker_env or {})
+        return extra
+
     def _spawn(
         self,
         slot: SlotInfo,
@@ -292,11 +301,7 @@ class Job:
         server_index: int | None = None,
         command: list[str] | None = None,
     ) -> Worker:
-        extra = self._job_env()
-        if server_index is None:
-            extra.update(slot_env(slot))
-        extra.update(self.extra_env)
-        extra.update(worker_env or {})
+        extra = self._worker_env(slot, worker_env, server_index)
         command = command or self.args.command
         if self._is_local(slot.hostname):
             env = dict(os.environ)
@@ -377,8 +382,11 @@ class Job:
                 pump.join(timeout_s=2.0)
 
     def run(self) -> int:
-        """Start everything, supervise, and return shoalrun's exit code."""
-        previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+        """Start everything, supervise, and return shoalrun's exit code. In the main thread, SIGINT, SIGTERM and
+        SIGHUP end the job (every worker); from another thread (a library's caller) those stay the caller's."""
+        previous: dict[int, Any] = {}
+        if threading.current_thread() is threading.main_thread():
+            previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
         try:
             self._verbose(f"rendezvous at {self.rendezvous_addr}:{self.rendezvous_port}")
             self._store_thread.start()

@@ -14,6 +14,7 @@ import traceback
 
 from shoal.comm.store import connect_job_store, secret_namespace
 from shoal.config import env_float
+from shoal.runtime.elastic_rendezvous import ELASTIC_ID_ENV
 
 PAYLOAD_KEY = "payload"
 
@@ -21,6 +22,11 @@ PAYLOAD_KEY = "payload"
 def result_key(rank: int) -> str:
     """Where rank ``rank`` leaves its result."""
     return f"result/{rank}"
+
+
+def elastic_result_key(worker_id: str) -> str:
+    """Where elastic worker ``worker_id`` leaves its result (the driver knows its final rank)."""
+    return f"result/elastic/{worker_id}"
 
 
 def task_prefix(secret: str | None) -> str:
@@ -39,9 +45,14 @@ def main() -> int:
         prefix=task_prefix(secret),
     )
     rank = int(os.environ["SHOAL_RANK"])
+    elastic_id = os.environ.get(ELASTIC_ID_ENV)  # an elastic worker: its rank is known only to the driver
     try:
         func, args, kwargs = pickle.loads(store.get(PAYLOAD_KEY))
         outcome: tuple[str, object] = ("ok", func(*args, **kwargs))
+    except SystemExit as leaving:
+        if leaving.code in (0, None):  # an elastic worker the driver left out of the job: no result, no failure
+            return 0
+        outcome = ("error", traceback.format_exc())
     except BaseException:  # the caller of shoal.run gets the traceback
         outcome = ("error", traceback.format_exc())
     try:
@@ -49,7 +60,7 @@ def main() -> int:
     except Exception as error:  # an unpicklable return value
         data = pickle.dumps(("error", f"rank {rank}'s result cannot be pickled: {error!r}"))
         outcome = ("error", "")
-    store.set(result_key(rank), data)  # type: ignore[arg-type]  # torch stubs say str; bytes are stored as they are
+    store.set(elastic_result_key(elastic_id) if elastic_id else result_key(rank), data)  # type: ignore[arg-type]  # torch stubs say str; bytes are stored as they are
     return 0 if outcome[0] == "ok" else 1
 
 

@@ -1,0 +1,349 @@
+"""Elastic Shoal jobs on Ray: Shoal's elastic driver (the one behind ``shoalrun --min-np``) with Ray's nodes as
+its host discovery and Ray actors as its way of starting workers.
+
+Each worker is a process started by a small actor pinned to its node; the driver (this process) hosts the job's
+authenticated store, forms rounds of membership, and re-forms the job when a worker exits non-zero (its actor or
+node gone) or when Ray's nodes change: a node that joins gets workers, which join at the survivors' next
+``state.commit()``; a node that leaves takes its workers with it, and the survivors roll back to their last commit.
+The training function is the same as under ``shoalrun --min-np``: ``hvd.init()``, an ``hvd.elastic.*State`` and a
+function decorated with ``@hvd.elastic.run``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, cast
+
+from shoal.runner.api import _dumps
+from shoal.runner.cli import parse_args
+from shoal.runner.discovery import HostDiscovery
+from shoal.runner.elastic_driver import ElasticJob
+from shoal.runner.hosts import HostSlots, SlotInfo
+from shoal.runner.launcher import Worker
+from shoal.runner.task import PAYLOAD_KEY, elastic_result_key, task_prefix
+from shoal.runtime.elastic_rendezvous import ELASTIC_ID_ENV
+
+NODE_POLL_S = 1.0
+"""How often the driver asks Ray for its nodes."""
+
+
+class RayNodes(HostDiscovery):
+    """Ray's live nodes as hosts (``ray-<node id prefix>``), each offering as many slots as its total CPUs (and GPUs)
+    hold workers of ``cpus_per_worker`` (and ``gpus_per_worker``)."""
+
+    def __init__(self, ray: Any, cpus_per_worker: float, gpus_per_worker: float, interval_s: float = NODE_POLL_S) -> None:
+        super().__init__([], script="<Ray's nodes>", interval_s=interval_s)
+        self._ray = ray
+        self._cpus = cpus_per_worker
+        self._gpus = gpus_per_worker
+        self.node_ids: dict[str, str] = {}
+        """Host name -> Ray node id, for every node ever seen."""
+
+    def _fetch(self) -> list[HostSlots]:
+        hosts = []
+        for node in self._ray.nodes():
+            if not node.get("Alive"):
+                continue
+            resources = node.get("Resources", {})
+            slots = int(resources.get("CPU", 0) // self._cpus) if self._cpus > 0 else 1 << 20
+            if self._gpus > 0:
+                slots = min(slots, int(resources.get("GPU", 0) // self._gpus))
+            if slots < 1:
+                continue
+            name = "ray-" + str(node["NodeID"])[:12]
+            self.node_ids[name] = str(node["NodeID"])
+            hosts.append(HostSlots(name, slots))
+        return hosts
+
+
+def _die_with_parent() -> None:  # pragma: no cover (runs in the child between fork and exec)
+    """Linux: SIGKILL this process when the actor that started it dies (PR_SET_PDEATHSIG)."""
+    try:
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)
+    except (OSError, AttributeError):
+        pass
+
+
+class WorkerProcessActor:
+    """Starts one elastic worker process on its node and waits for it; ``signal`` reaches its process group."""
+
+    def __init__(self, label: str) -> None:
+        self.label = label
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def __repr__(self) -> str:
+        return self.label  # Ray's prefix for the worker's output lines
+
+    def start(self, module_args: Sequence[str], env: Mapping[str, str]) -> int:
+        """Run ``python -m ...`` with this node's interpreter and the job's environment; its exit code."""
+        environment = {**os.environ, **env, "SHOAL_LAUNCHER_PID": str(os.getpid())}
+        self.process = subprocess.Popen(
+            [sys.executable, *module_args], env=environment, start_new_session=True, preexec_fn=_die_with_parent
+        )
+        return self.process.wait()
+
+    def signal(self, sig: int) -> None:
+        """Send ``sig`` to the worker's process group."""
+        if self.process is not None and self.process.poll() is None:
+            try:
+                os.killpg(self.process.pid, sig)
+            except ProcessLookupError:
+                pass
+
+
+class RayProcess:
+    """What the elastic driver needs of a ``Popen``, for a worker started by a ``WorkerProcessActor``."""
+
+    def __init__(self, ray: Any, done: Any) -> None:
+        self._ray = ray
+        self._done = done
+        self.stdin = None
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        """The worker's exit code once it ended; -9 when its actor (or node) died."""
+        if self.returncode is None and self._ray.wait([self._done], timeout=0)[0]:
+            try:
+                self.returncode = int(self._ray.get(self._done))
+            except self._ray.exceptions.RayError:
+                self.returncode = -int(signal.SIGKILL)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() >= deadline:
+                raise subprocess.TimeoutExpired("ray worker", timeout or 0.0)
+            time.sleep(0.05)
+        assert self.returncode is not None
+        return self.returncode
+
+
+@dataclass
+class RayWorker(Worker):
+    """A worker whose process lives on a Ray node: signals go through its actor, SIGKILL ends the actor."""
+
+    actor: Any = None
+    ray: Any = None
+
+    def signal_tree(self, sig: int) -> None:
+        if sig == signal.SIGKILL:
+            self.ray.kill(self.actor, no_restart=True)  # the worker dies with it (PR_SET_PDEATHSIG)
+        else:
+            self.actor.signal.remote(int(sig))
+
+
+class RayElasticJob(ElasticJob):
+    """Shoal's elastic driver with Ray's nodes as hosts and actors as the way to start workers."""
+
+    def __init__(
+        self, args: Any, ray: Any, nodes: RayNodes, cpus_per_worker: float, gpus_per_worker: float, **job_options: Any
+    ) -> None:
+        super().__init__(args, [], discovery=nodes, **job_options)
+        self._ray = ray
+        self._nodes = nodes
+        self._cpus = cpus_per_worker
+        self._gpus = gpus_per_worker
+        self._actor_class = ray.remote(WorkerProcessActor)
+
+    def _spawn(
+        self,
+        slot: SlotInfo,
+        worker_env: dict[str, str] | None = None,
+        server_index: int | None = None,
+        command: list[str] | None = None,
+    ) -> Worker:
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        env = self._worker_env(slot, worker_env, server_index)
+        env.setdefault("OMP_NUM_THREADS", str(max(1, int(self._cpus))))
+        label = f"worker {env.get(ELASTIC_ID_ENV, slot.rank)}"
+        actor = self._actor_class.options(
+            num_cpus=self._cpus,
+            num_gpus=self._gpus,
+            max_concurrency=2,  # signal() while start() waits
+            scheduling_strategy=NodeAffinitySchedulingStrategy(self._nodes.node_ids[slot.hostname], soft=False),
+        ).remote(label)
+        done = actor.start.remote(["-m", "shoal.runner.task"], env)
+        self._verbose(f"{label} on node {slot.hostname}")
+        return RayWorker(slot=slot, process=cast(Any, RayProcess(self._ray, done)), actor=actor, ray=self._ray)
+
+    def end_actors(self) -> None:
+        """Kill every actor the job started (their workers die with them)."""
+        for worker in self.workers:
+            if isinstance(worker, RayWorker):
+                try:
+                    self._ray.kill(worker.actor, no_restart=True)
+                except self._ray.exceptions.RayError:
+                    pass
+
+
+class ElasticRayExecutor:
+    """An elastic Shoal job on Ray, with Horovod's ``ElasticRayExecutor`` shape: ``start()``, then ``run(fn)``
+    trains to the end through workers and nodes that come and go and returns the last round's results in rank order.
+
+    ``fn`` runs in a worker process on a Ray node (pickled with cloudpickle, as Ray does): it calls ``hvd.init()``,
+    builds an ``hvd.elastic.TorchState`` and calls a function decorated with ``@hvd.elastic.run``, as under
+    ``shoalrun --min-np``. Called from the main thread, ``run`` ends the job on SIGINT/SIGTERM; from another thread
+    those signals stay the caller's.
+    """
+
+    @classmethod
+    def create_settings(
+        cls,
+        min_np: int = 1,
+        max_np: int | None = None,
+        reset_limit: int | None = None,
+        elastic_timeout: float = 600,
+        timeout_s: float = 30,
+        ssh_identity_file: str | None = None,
+        nics: set[str] | None = None,
+        **unused: Any,
+    ) -> dict[str, Any]:
+        """Horovod's ``ElasticRayExecutor.create_settings``; ssh and NIC settings are accepted and unused."""
+        return {
+            "min_workers": min_np,
+            "max_workers": max_np,
+            "reset_limit": reset_limit,
+            "elastic_timeout": elastic_timeout,
+            "timeout_s": timeout_s,
+        }
+
+    def __init__(
+        self,
+        settings: Mapping[str, Any] | None = None,
+        use_gpu: bool = False,
+        cpus_per_slot: float = 1,
+        gpus_per_slot: float | None = None,
+        env_vars: Mapping[str, str] | None = None,
+        override_discovery: bool = True,
+        *,
+        min_workers: int | None = None,
+        max_workers: int | None = None,
+        reset_limit: int | None = None,
+        elastic_timeout: float | None = None,
+        timeout_s: float | None = None,
+        verbose: bool = False,
+    ) -> None:
+        """Args:
+        settings: from ``create_settings`` (or give its fields as keywords: ``min_workers``, ``max_workers``,
+            ``reset_limit``, ``elastic_timeout``, ``timeout_s``).
+        use_gpu: reserve ``gpus_per_slot`` GPUs (default 1) per worker.
+        cpus_per_slot: CPUs per worker; a node offers ``its CPUs // cpus_per_slot`` slots.
+        env_vars: more environment for every worker.
+        override_discovery: accepted for Horovod compatibility (discovery is always Ray's nodes).
+        verbose: print what the driver does.
+
+        Raises:
+            ValueError: ``max_workers`` below ``min_workers``, a count below 1.
+        """
+        given = dict(settings or {})
+        for name, value in (
+            ("min_workers", min_workers),
+            ("max_workers", max_workers),
+            ("reset_limit", reset_limit),
+            ("elastic_timeout", elastic_timeout),
+            ("timeout_s", timeout_s),
+        ):
+            if value is not None:
+                given[name] = value
+        self.min_workers = int(given.get("min_workers") or 1)
+        self.max_workers = given.get("max_workers")
+        if self.min_workers < 1 or (self.max_workers is not None and self.max_workers < self.min_workers):
+            raise ValueError(
+                f"ElasticRayExecutor: need 1 <= min_workers <= max_workers, got {self.min_workers}, {self.max_workers}"
+            )
+        self.reset_limit = given.get("reset_limit")
+        self.elastic_timeout = float(given.get("elastic_timeout") or 600)
+        self.timeout_s = float(given.get("timeout_s") or 30)
+        self.cpus_per_slot = cpus_per_slot
+        self.gpus_per_slot = (gpus_per_slot or 1) if use_gpu else 0
+        self.env_vars = dict(env_vars or {})
+        self.verbose = verbose
+        self._ray: Any = None
+
+    def start(self) -> None:
+        """Connect to Ray (``ray.init()`` when not yet connected)."""
+        from shoal.ray.job import import_ray
+
+        self._ray = import_ray()
+        if not self._ray.is_initialized():
+            self._ray.init()
+
+    def _args(self) -> Any:
+        flags = ["-np", str(self.min_workers), "--min-np", str(self.min_workers)]
+        if self.max_workers is not None:
+            flags += ["--max-np", str(self.max_workers)]
+        if self.reset_limit is not None:
+            flags += ["--reset-limit", str(self.reset_limit)]
+        flags += ["--elastic-timeout", str(self.elastic_timeout), "--start-timeout", str(self.timeout_s)]
+        if self.verbose:
+            flags.append("--verbose")
+        args = parse_args([*flags, "python", "-m", "shoal.runner.task"])
+        args.host_discovery_script = "<Ray's nodes>"  # hosts come and go: the driver watches the discovery
+        return args
+
+    def run(
+        self,
+        fn: Callable[..., Any],
+        args: Sequence[Any] | None = None,
+        kwargs: Mapping[str, Any] | None = None,
+        callbacks: Sequence[Callable[..., Any]] | None = None,
+    ) -> list[Any]:
+        """Train ``fn(*args, **kwargs)`` elastically; the results of the workers that finished, in rank order.
+
+        Raises:
+            RuntimeError: the job failed (fewer than ``min_workers`` for ``elastic_timeout``, the reset limit, a
+                worker that raised: its traceback is in the message).
+        """
+        if callbacks:
+            raise ValueError("ElasticRayExecutor.run(callbacks=...): not supported by Shoal; return values instead")
+        if self._ray is None:
+            self.start()
+        ray = self._ray
+        payload = _dumps((fn, tuple(args or ()), dict(kwargs or {})))
+        results: dict[str, tuple[str, Any]] = {}
+        nodes = RayNodes(ray, self.cpus_per_slot, self.gpus_per_slot)
+
+        def publish(store: Any) -> None:
+            store.with_prefix(task_prefix(job.secret)).set(PAYLOAD_KEY, payload)
+
+        def collect(store: Any) -> None:
+            view = store.with_prefix(task_prefix(job.secret))
+            for worker in job.elastic:
+                if view.check([elastic_result_key(worker.worker_id)]):
+                    results[worker.worker_id] = pickle.loads(view.get(elastic_result_key(worker.worker_id)))
+
+        job = RayElasticJob(
+            self._args(),
+            ray,
+            nodes,
+            self.cpus_per_slot,
+            self.gpus_per_slot,
+            rendezvous_addr=ray.util.get_node_ip_address(),
+            extra_env=self.env_vars,
+            on_store=publish,
+            on_finish=collect,
+        )
+        try:
+            code = job.run()
+        finally:
+            job.end_actors()
+        failures = [f"worker {wid} raised:\n{value}" for wid, (status, value) in results.items() if status != "ok"]
+        if failures:
+            raise RuntimeError("ElasticRayExecutor.run: " + "\n".join(failures))
+        finished = sorted((w for w in job.elastic if w.state == "finished"), key=lambda w: w.rank or 0)
+        if code != 0 or not finished:
+            raise RuntimeError(f"ElasticRayExecutor.run: the elastic job failed (exit code {code}); see its messages above")
+        return [results[w.worker_id][1] for w in finished if w.worker_id in results]
+
+    def shutdown(self) -> None:
+        """Nothing outlives ``run`` (its actors end with it); kept for Horovod's API."""

@@ -1,0 +1,137 @@
+"""Elastic Shoal on Ray: a node leaves mid-training (its worker dies with it) and the survivor goes on from its last
+commit; a node joins and gets a worker at the next commit. A local multi-node Ray cluster (ray.cluster_utils)."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'shoal[ray]')")
+
+from ray.cluster_utils import Cluster  # noqa: E402
+
+from shoal.ray import ElasticRayExecutor, RayExecutor  # noqa: E402
+
+TESTS = Path(__file__).resolve().parent
+TOTAL_STEPS = 80
+
+
+@pytest.fixture
+def cluster() -> Iterator[Any]:
+    """A head node with no CPUs (the driver's) and two worker nodes of 1 CPU each."""
+    os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
+    local = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
+    local.add_node(num_cpus=1)
+    local.add_node(num_cpus=1)
+    ray.init(address=local.address, runtime_env={"env_vars": {"PYTHONPATH": str(TESTS), "RAY_USAGE_STATS_ENABLED": "0"}})
+    local.wait_for_nodes()
+    try:
+        yield local
+    finally:
+        ray.shutdown()
+        local.shutdown()
+
+
+def elastic_training(progress: str, total_steps: int) -> dict[str, Any]:
+    """Regression, one commit per step; rank 0 writes "step size" to ``progress`` after each commit."""
+    import torch
+
+    import shoal.torch as hvd
+
+    hvd.init()
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    optimizer = hvd.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.05), named_parameters=model.named_parameters()
+    )
+    state = hvd.elastic.TorchState(model=model, optimizer=optimizer, step=0, log=[])
+
+    @hvd.elastic.run
+    def train(state: Any) -> None:
+        while state.step < total_steps:
+            generator = torch.Generator().manual_seed(state.step)
+            x = torch.randn(8, 4, generator=generator)
+            y = x @ torch.tensor([[1.0], [-1.0], [2.0], [0.5]])
+            shard = slice(hvd.rank(), None, hvd.size())
+            optimizer.zero_grad()
+            torch.nn.functional.mse_loss(model(x[shard]), y[shard]).backward()
+            optimizer.step()
+            state.log.append([state.step, hvd.size()])
+            state.step += 1
+            state.commit()
+            if hvd.rank() == 0:
+                with open(progress, "w") as out:
+                    out.write(f"{state.step} {hvd.size()}")
+            time.sleep(0.05 if hvd.size() > 1 else 0.25)  # alone: slow enough for the new node to join before the end
+
+    train(state)
+    return {"rank": hvd.rank(), "size": hvd.size(), "log": state.log, "weight": model.weight.detach().flatten().tolist()}
+
+
+def _wait_progress(path: Path, predicate: Any, timeout_s: float) -> tuple[int, int]:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            step, size = map(int, path.read_text().split())
+            if predicate(step, size):
+                return step, size
+        except (OSError, ValueError):
+            pass
+        time.sleep(0.1)
+    raise AssertionError(f"training never reached the expected progress; last: {path.read_text() if path.exists() else None}")
+
+
+def test_a_node_leaving_and_one_joining_cost_no_committed_step(cluster: Any, tmp_path: Path) -> None:
+    progress = tmp_path / "progress"
+    outcome: dict[str, Any] = {}
+    executor = ElasticRayExecutor(
+        ElasticRayExecutor.create_settings(min_np=1, max_np=2, elastic_timeout=60, timeout_s=60), cpus_per_slot=1
+    )
+    executor.start()
+
+    def run() -> None:  # the driver in a thread; this (main) thread changes the cluster, as Ray's autoscaler would
+        try:
+            outcome["results"] = executor.run(elastic_training, args=(str(progress), TOTAL_STEPS))
+        except BaseException as error:
+            outcome["error"] = error
+
+    driver = threading.Thread(target=run, daemon=True)
+    driver.start()
+    _wait_progress(progress, lambda step, size: size == 2 and step >= 8, 120)
+    cluster.remove_node(cluster.worker_nodes[-1] if isinstance(cluster.worker_nodes, list) else list(cluster.worker_nodes)[-1])
+    _wait_progress(progress, lambda step, size: size == 1, 120)
+    cluster.add_node(num_cpus=1)
+    driver.join(timeout=180)
+    assert not driver.is_alive(), "the elastic job did not finish"
+    assert "error" not in outcome, outcome.get("error")
+    results = outcome["results"]
+    assert [(r["rank"], r["size"]) for r in results] == [(0, 2), (1, 2)], [(r["rank"], r["size"]) for r in results]
+    log = results[0]["log"]
+    assert [step for step, _ in log] == list(range(TOTAL_STEPS)), "a committed step was lost or applied twice"
+    sizes = [size for _, size in log]
+    two, one = sizes.index(2), sizes.index(1, sizes.index(2))
+    assert two < one and sizes[-1] == 2, sizes  # trained at 2, shrank to 1 when the node left, grew back to 2
+    assert results[0]["weight"] == results[1]["weight"]  # the newcomer received rank 0's state and kept in step
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and ray.available_resources().get("CPU", 0) < 2:
+        time.sleep(0.2)
+    assert ray.available_resources().get("CPU", 0) == 2  # every actor the job started has been ended
+
+
+def test_elastic_arguments_of_ray_executor(cluster: Any) -> None:
+    with pytest.raises(ValueError, match="not both"):
+        RayExecutor(num_workers=2, min_workers=1)
+    with pytest.raises(ValueError, match="positive min_workers"):
+        RayExecutor(max_workers=2)
+    with pytest.raises(ValueError, match="min_workers <= max_workers"):
+        ElasticRayExecutor(min_workers=3, max_workers=2)
+    executor = RayExecutor(min_workers=1, max_workers=2)
+    executor.start()
+    with pytest.raises(ValueError, match="not available for an elastic job"):
+        executor.execute(lambda _: None)
