@@ -50,6 +50,13 @@ def _topology() -> tuple[int, int, int, int, int]:
     return hvd.rank(), hvd.size(), hvd.local_rank(), hvd.local_size(), int(total)
 
 
+def _lightning_fit() -> dict[str, Any]:
+    from test_lightning import _train  # this test directory is on the workers' PYTHONPATH
+
+    fitted = _train(8, 1, 6)
+    return {"steps": fitted["steps"], "weights": fitted["weights"].tolist()}
+
+
 def _held_cpus() -> float:
     """CPUs that actors or placement groups still hold (0 once the executor let everything go)."""
     return float(ray.cluster_resources().get("CPU", 0) - ray.available_resources().get("CPU", 0))
@@ -65,6 +72,9 @@ def test_executor_places_ranks_and_runs_collectives(ray_cluster: str) -> None:
         assert executor.execute_single(lambda _: os.getpid()) == executor.locations[0][1]
         refs = executor.run_remote(_topology)
         assert [r[0] for r in ray.get(refs)] == [0, 1]
+        # Lightning's Trainer(strategy=ShoalStrategy()) in the same actors: 2 ranks x batch 4, 6 steps, in step.
+        fitted = executor.run(_lightning_fit)
+        assert [f["steps"] for f in fitted] == [6, 6] and fitted[0]["weights"] == fitted[1]["weights"]
     finally:
         executor.shutdown()
     _assert_gone(pids)
