@@ -22,7 +22,7 @@ def last_json(command: list[str], timeout: float = 300) -> dict[str, object]:
     return json.loads(last)  # type: ignore[no-any-return]
 
 
-@pytest.mark.parametrize("workers", [1, 2, 4])
+@pytest.mark.parametrize("workers", [1, 4])  # 2 workers: `make demo` (test_docs), and under srun, Ray and Lightning
 def test_digits_reaches_95_percent(workers: int, tmp_path: object) -> None:
     script = [sys.executable, str(REPO / "examples" / "digits.py"), "--checkpoint", f"{tmp_path}/digits.pt"]
     command = script if workers == 1 else [*SHOALRUN, "-np", str(workers), *script]

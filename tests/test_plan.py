@@ -198,7 +198,8 @@ def test_drift_from_a_wrong_calibration_triggers_one_recalibration(tmp_path: obj
         assert result["latency_s"] < 0.1, result  # the file now holds the measured calibration
         assert all(m is not None and m > 0 for m in result["measured"]), result  # type: ignore[union-attr]
         assert all(p < 1000 for p in result["predicted"]), result  # type: ignore[union-attr]
-        assert result["error"] is not None and result["error"] < 2.0, result  # it was about 10,000 (1 s vs 0.1 ms)
+        # It was about 10,000 (1 s against 0.1 ms); refitted, 0.3-2.2 in runs on a loaded 2-core machine.
+        assert result["error"] is not None and result["error"] < 5.0, result
 
 
 def test_auto_rounds_gradients_only_for_a_real_saving() -> None:
