@@ -112,6 +112,10 @@ COVERED: dict[str, tuple[str, list[str]]] = {
         "test_lightning.py::test_digits_lightning_module_reaches_95_percent_on_two_ranks",
         ["lightning_digits.py", '"-np", "2"'],
     ),
+    "shoalrun -np 2 python examples/tf2_digits.py": (
+        "test_tensorflow.py::test_tf2_digits_example_reaches_95_percent",
+        ["tf2_digits.py", '"-np"'],
+    ),
     "python -m shoal.bench.on_ray --workers 2 --model mlp": (
         "test_ray.py::test_on_ray_benchmark_compares_the_executor_with_shoalrun",
         ["shoal.bench.on_ray", "--workers", "mlp"],

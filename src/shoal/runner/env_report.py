@@ -30,6 +30,7 @@ _EXTRAS = (
     ("matplotlib", "plots"),
     ("ray", "shoal.ray: RayExecutor and the Ray Train backend"),
     ("lightning", "shoal.lightning: ShoalStrategy for PyTorch Lightning"),
+    ("tensorflow", "shoal.tensorflow: Horovod's TensorFlow 2 API"),
     ("mpi4py", "rendezvous under mpirun across hosts without MASTER_ADDR"),
 )
 

@@ -1,0 +1,212 @@
+"""``DistributedGradientTape``: a ``tf.GradientTape`` whose ``gradient()`` returns gradients averaged over the
+ranks, as ``horovod.tensorflow.DistributedGradientTape``.
+
+TensorFlow's tape computes every gradient in one call and offers no per-gradient hook, so the reduction cannot
+start while backprop runs: the gradients of one ``gradient()`` call are reduced together, as one fused exchange
+(one ``grouped_allreduce``; with ``groups``, one per group).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+import tensorflow as tf
+
+from shoal.tensorflow.compression import Compression, Compressor
+from shoal.tensorflow.ops import Average, grouped_allreduce
+from shoal.torch.process_sets import ProcessSet, global_process_set
+
+
+def _split(items: list[Any], count: int) -> list[list[Any]]:
+    """``count`` near-equal contiguous chunks."""
+    size, extra = divmod(len(items), count)
+    chunks, start = [], 0
+    for index in range(count):
+        stop = start + size + (1 if index < extra else 0)
+        chunks.append(items[start:stop])
+        start = stop
+    return [c for c in chunks if c]
+
+
+class GradientReducer:
+    """Reduce a list of gradients as Horovod's optimizers and tapes do (shared with the Keras optimizer)."""
+
+    def __init__(
+        self,
+        compression: type[Compressor] = Compression.none,
+        sparse_as_dense: bool = False,
+        op: int = Average,
+        gradient_predivide_factor: float = 1.0,
+        num_groups: int = 0,
+        groups: Sequence[Sequence[Any]] | int | None = None,
+        process_set: ProcessSet = global_process_set,
+        scale_local_gradients: bool = True,
+        device_dense: str = "",
+        device_sparse: str = "",
+    ) -> None:
+        if gradient_predivide_factor != 1.0 and op != Average:
+            raise ValueError("gradient_predivide_factor not supported with op != Average")
+        if num_groups != 0:
+            warnings.warn("num_groups is deprecated; use groups", DeprecationWarning, stacklevel=3)
+            groups = groups if groups is not None else num_groups
+        if groups is not None and not (isinstance(groups, list) or (isinstance(groups, int) and groups > 0)):
+            raise ValueError("groups must be a list of lists of variables or an int > 0")
+        self.compression = compression
+        self.sparse_as_dense = sparse_as_dense
+        self.op = op
+        self.prescale = 1.0 / gradient_predivide_factor if op == Average else 1.0
+        self.postscale = gradient_predivide_factor if op == Average else 1.0
+        self.groups = groups
+        self.process_set = process_set
+        self.scale_local_gradients = scale_local_gradients
+        self.device_dense = device_dense
+        self.device_sparse = device_sparse
+        self.local_sources: set[Any] = set()
+
+    def reduce(self, grads: Sequence[Any], sources: Sequence[Any]) -> list[Any]:
+        """The reduced gradients, in order; None stays None; local sources are only scaled."""
+        grads = [tf.convert_to_tensor(g) if self.sparse_as_dense and isinstance(g, tf.IndexedSlices) else g for g in grads]
+        results = list(grads)
+        shared = [
+            i
+            for i, (g, s) in enumerate(zip(grads, sources, strict=True))
+            if g is not None and _ref(s) not in self.local_sources
+        ]
+        members = self.process_set.size()
+        if self.process_set.included() and members > 1 and shared:
+            for chunk in self._chunks(shared, sources):
+                reduced = grouped_allreduce(
+                    [grads[i] for i in chunk],
+                    device_dense=self.device_dense,
+                    device_sparse=self.device_sparse,
+                    compression=self.compression,
+                    op=self.op,
+                    prescale_factor=self.prescale,
+                    postscale_factor=self.postscale,
+                    process_set=self.process_set,
+                )
+                for index, value in zip(chunk, reduced, strict=True):
+                    results[index] = value
+        if self.scale_local_gradients and self.local_sources and members > 1:
+            for index, (grad, source) in enumerate(zip(grads, sources, strict=True)):
+                if grad is not None and _ref(source) in self.local_sources:
+                    if isinstance(grad, tf.IndexedSlices):
+                        results[index] = tf.IndexedSlices(grad.values / members, grad.indices, grad.dense_shape)
+                    else:
+                        results[index] = grad / members
+        return results
+
+    def _chunks(self, shared: list[int], sources: Sequence[Any]) -> list[list[int]]:
+        if self.groups is None:
+            return [shared]
+        if isinstance(self.groups, int):
+            return _split(shared, self.groups)
+        position = {_ref(v): g for g, group in enumerate(self.groups) for v in group}
+        grouped: dict[Any, list[int]] = {}
+        for index in shared:
+            key = position.get(_ref(sources[index]), ("alone", index))
+            grouped.setdefault(key, []).append(index)
+        return list(grouped.values())
+
+
+def _ref(value: Any) -> Any:
+    return value.ref() if hasattr(value, "ref") else id(value)
+
+
+class _DistributedGradientTape(tf.GradientTape):
+    """The methods mixed into the user's tape class."""
+
+    _shoal_reducer: GradientReducer
+
+    def register_local_source(self, source: Any) -> None:
+        """Keep ``source``'s gradient local (not reduced; divided by the number of ranks when
+        ``scale_local_gradients``)."""
+        self._shoal_reducer.local_sources.add(_ref(source))
+
+    def gradient(
+        self, target: Any, sources: Any, output_gradients: Any = None, use_generic_names: bool = False, **kwargs: Any
+    ) -> Any:
+        """The tape's gradients, reduced over the ranks (``sources`` a flat list, or one variable)."""
+        grads = super().gradient(target, sources, output_gradients, **kwargs)
+        if not isinstance(sources, (list, tuple)):
+            return self._shoal_reducer.reduce([grads], [sources])[0]
+        return self._shoal_reducer.reduce(list(grads), list(sources))
+
+
+def DistributedGradientTape(
+    gradtape: tf.GradientTape,
+    device_dense: str = "",
+    device_sparse: str = "",
+    compression: type[Compressor] = Compression.none,
+    sparse_as_dense: bool = False,
+    op: int = Average,
+    gradient_predivide_factor: float = 1.0,
+    num_groups: int = 0,
+    groups: Sequence[Sequence[Any]] | int | None = None,
+    process_set: ProcessSet = global_process_set,
+    scale_local_gradients: bool = True,
+) -> tf.GradientTape:
+    """Wrap a tape (after its ``with`` block, or before) so that ``gradient()`` averages over the ranks.
+
+    The returned object is of a subclass of the tape's class and shares its recording.
+    """
+    cls: Any = type(gradtape.__class__.__name__, (_DistributedGradientTape, gradtape.__class__), {})
+    tape = cls.__new__(cls)
+    tape.__dict__ = gradtape.__dict__  # the same recording, persistence and watched variables
+    tape._shoal_reducer = GradientReducer(
+        compression,
+        sparse_as_dense,
+        op,
+        gradient_predivide_factor,
+        num_groups,
+        groups,
+        process_set,
+        scale_local_gradients,
+        device_dense,
+        device_sparse,
+    )
+    return tape
+
+
+def PartialDistributedGradientTape(
+    gradtape: tf.GradientTape,
+    device_dense: str = "",
+    device_sparse: str = "",
+    compression: type[Compressor] = Compression.none,
+    sparse_as_dense: bool = False,
+    op: int = Average,
+    gradient_predivide_factor: float = 1.0,
+    num_groups: int = 0,
+    groups: Sequence[Sequence[Any]] | int | None = None,
+    process_set: ProcessSet = global_process_set,
+    local_layers: Any = None,
+    scale_local_gradients: bool = True,
+) -> tf.GradientTape:
+    """A ``DistributedGradientTape`` whose ``local_layers`` (a layer or a list of them) keep local gradients."""
+    if local_layers is None:
+        layers: list[Any] = []
+    elif isinstance(local_layers, tf.keras.layers.Layer):
+        layers = [local_layers]
+    elif isinstance(local_layers, (list, tuple)) and all(isinstance(layer, tf.keras.layers.Layer) for layer in local_layers):
+        layers = list(local_layers)
+    else:
+        raise ValueError("local_layers must be a Keras layer or a list of Keras layers")
+    tape = DistributedGradientTape(
+        gradtape,
+        device_dense,
+        device_sparse,
+        compression,
+        sparse_as_dense,
+        op,
+        gradient_predivide_factor,
+        num_groups,
+        groups,
+        process_set,
+        scale_local_gradients,
+    )
+    for layer in layers:
+        for variable in layer.trainable_weights:
+            tape.register_local_source(variable)
+    return tape

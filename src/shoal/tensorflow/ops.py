@@ -1,0 +1,450 @@
+"""Horovod's TensorFlow collectives on Shoal's engine.
+
+Each op hands its tensors to ``shoal.torch`` (the same engine, negotiation, fusion and timeline as the PyTorch
+front end) and back: through DLPack, so a CPU tensor crosses without a copy. In eager mode the op runs at once.
+Inside a ``tf.function`` it is a ``tf.py_function`` (TensorFlow's documented way to run Python in a graph); a
+collective named by default takes its name from the input tensor's graph name, as Horovod's ops do, and each
+collective in a graph runs after the one written before it (a control dependency), so every rank issues them in
+the same order however TensorFlow schedules the graph. Gradients follow Horovod's definitions.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import tensorflow as tf
+import torch
+
+import shoal.torch as hvd
+from shoal.tensorflow.compression import Compression, Compressor
+from shoal.torch.process_sets import ProcessSet, global_process_set
+
+Average, Sum, Adasum, Min, Max, Product = hvd.Average, hvd.Sum, hvd.Adasum, hvd.Min, hvd.Max, hvd.Product
+
+_last_op: dict[int, Any] = {}
+"""Per graph: the last collective op created in it (the next one runs after it)."""
+_lock = threading.Lock()
+
+
+def _to_torch(value: Any) -> torch.Tensor:
+    """An eager tf.Tensor as a torch tensor: shared memory through DLPack where TensorFlow allows it."""
+    try:
+        return torch.from_dlpack(tf.experimental.dlpack.to_dlpack(value))
+    except Exception:  # a dtype or device DLPack does not carry (bool, string): a numpy copy
+        return torch.from_numpy(np.array(value.numpy()))
+
+
+def _to_tf(value: torch.Tensor) -> tf.Tensor:
+    """A torch tensor as a tf.Tensor, without a copy where DLPack allows it."""
+    value = value.detach().contiguous()
+    try:
+        return tf.experimental.dlpack.from_dlpack(torch.utils.dlpack.to_dlpack(value))
+    except Exception:
+        return tf.convert_to_tensor(value.cpu().numpy())
+
+
+def _graph_name(kind: str, tensor: Any, name: str | None) -> str | None:
+    """In a graph, a collective without a name is named after its input, as Horovod names its ops."""
+    if name is not None or tf.executing_eagerly():
+        return name
+    return f"Horovod{kind}_" + re.sub(r"[^a-zA-Z0-9_]", "_", tensor.name)
+
+
+def _bridge(
+    compute: Callable[[list[torch.Tensor]], list[torch.Tensor]], inputs: Sequence[Any], dtypes: Sequence[Any]
+) -> list[Any]:
+    """Run ``compute`` on the inputs as torch tensors; return its outputs as tf.Tensors (eagerly, or as a
+    py_function ordered after the graph's previous collective)."""
+
+    def run(*values: Any) -> list[tf.Tensor]:
+        return [_to_tf(out) for out in compute([_to_torch(v) for v in values])]
+
+    if tf.executing_eagerly():
+        return run(*inputs)
+    graph = tf.compat.v1.get_default_graph()
+    with _lock:
+        previous = _last_op.get(id(graph))
+    dependencies = [previous] if previous is not None and previous.graph is graph else []
+    with tf.control_dependencies(dependencies):
+        outputs = tf.py_function(run, list(inputs), list(dtypes))
+    outputs = list(outputs) if isinstance(outputs, (list, tuple)) else [outputs]
+    with _lock:
+        _last_op[id(graph)] = outputs[0].op
+    return outputs
+
+
+def _resolve_op(op: int | None, average: bool | None) -> int:
+    """Horovod's ``handle_average_backwards_compatibility``: ``op`` wins; ``average`` is deprecated; Average."""
+    if op is not None and average is not None:
+        raise ValueError("The op parameter supersedes average. Please provide only one of them.")
+    if average is not None:
+        return int(Average if average else Sum)
+    return int(Average if op is None else op)
+
+
+# ----- allreduce -----
+
+
+def _allreduce_dense(tensor: Any, op: int, prescale: float, postscale: float, name: str | None, process_set: ProcessSet) -> Any:
+    name = _graph_name("Allreduce", tensor, name)
+
+    @tf.custom_gradient
+    def forward(x: Any) -> Any:
+        def compute(ts: list[torch.Tensor]) -> list[torch.Tensor]:
+            return [
+                hvd.allreduce(
+                    ts[0], name=name, op=op, prescale_factor=prescale, postscale_factor=postscale, process_set=process_set
+                )
+            ]
+
+        (y,) = _bridge(compute, [x], [x.dtype])
+        y.set_shape(x.shape)
+
+        def grad(dy: Any) -> Any:
+            return _allreduce_dense(dy, op, prescale, postscale, None if name is None else f"{name}.grad", process_set)
+
+        return y, grad
+
+    return forward(tensor)
+
+
+def allreduce(
+    tensor: Any,
+    average: bool | None = None,
+    device_dense: str = "",
+    device_sparse: str = "",
+    compression: type[Compressor] = Compression.none,
+    op: int | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    name: str | None = None,
+    process_set: ProcessSet = global_process_set,
+    ignore_name_scope: bool = False,
+) -> Any:
+    """Average (or Sum, Min, Max, Product, Adasum) ``tensor`` over the ranks, as ``horovod.tensorflow.allreduce``.
+
+    A ``tf.IndexedSlices`` is reduced by allgathering its values and indices (Sum or Average only; duplicate
+    indices are not summed), as Horovod does; pass ``tf.convert_to_tensor`` of it to reduce it densely.
+    """
+    reduce_op = _resolve_op(op, average)
+    if isinstance(tensor, tf.IndexedSlices):
+        return _allreduce_sparse(tensor, reduce_op, prescale_factor, postscale_factor, name, process_set, device_sparse)
+    with tf.device(device_dense):
+        compressed, ctx = compression.compress(tensor)
+        reduced = _allreduce_dense(compressed, reduce_op, prescale_factor, postscale_factor, name, process_set)
+        return compression.decompress(reduced, ctx)
+
+
+def _allreduce_sparse(
+    slices: Any, op: int, prescale: float, postscale: float, name: str | None, process_set: ProcessSet, device: str
+) -> Any:
+    if op == Adasum:
+        raise NotImplementedError("Adasum does not support sparse tensors: reduce them densely (sparse_as_dense=True)")
+    if op not in (Average, Sum):
+        raise NotImplementedError("only Sum and Average reduce sparse tensors")
+    if prescale != 1.0 or postscale != 1.0:
+        raise NotImplementedError("prescale_factor and postscale_factor are not supported for sparse tensors")
+    with tf.device(device):
+        values = allgather(slices.values, name=None if name is None else f"{name}.values", process_set=process_set)
+        indices = allgather(slices.indices, name=None if name is None else f"{name}.indices", process_set=process_set)
+        if op == Average:
+            values = values / tf.cast(process_set.size(), values.dtype)
+    return tf.IndexedSlices(values, indices, dense_shape=slices.dense_shape)
+
+
+def grouped_allreduce(
+    tensors: Sequence[Any],
+    average: bool | None = None,
+    device_dense: str = "",
+    device_sparse: str = "",
+    compression: type[Compressor] = Compression.none,
+    op: int | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: ProcessSet = global_process_set,
+    ignore_name_scope: bool = False,
+    name: str | None = None,
+) -> list[Any]:
+    """Reduce several tensors as one fused exchange; returns them in order (IndexedSlices as in ``allreduce``)."""
+    if not tensors:
+        return list(tensors)
+    reduce_op = _resolve_op(op, average)
+    dense_at = [i for i, t in enumerate(tensors) if not isinstance(t, tf.IndexedSlices)]
+    results: list[Any] = [None] * len(tensors)
+    for index, tensor in enumerate(tensors):
+        if index not in dense_at:
+            suffix = None if name is None else f"{name}.{index}"
+            results[index] = _allreduce_sparse(
+                tensor, reduce_op, prescale_factor, postscale_factor, suffix, process_set, device_sparse
+            )
+    if dense_at:
+        with tf.device(device_dense):
+            packed = [compression.compress(tensors[i]) for i in dense_at]
+            reduced = _grouped_allreduce_dense(
+                [p[0] for p in packed], reduce_op, prescale_factor, postscale_factor, name, process_set
+            )
+            for index, value, (_, ctx) in zip(dense_at, reduced, packed, strict=True):
+                results[index] = compression.decompress(value, ctx)
+    return results
+
+
+def _grouped_allreduce_dense(
+    tensors: list[Any], op: int, prescale: float, postscale: float, name: str | None, process_set: ProcessSet
+) -> list[Any]:
+    if name is None and not tf.executing_eagerly():
+        name = "HorovodGroupedAllreduce_" + re.sub(r"[^a-zA-Z0-9_]", "_", f"{tensors[0].name}_{tensors[-1].name}")
+
+    @tf.custom_gradient
+    def forward(*xs: Any) -> Any:
+        def compute(ts: list[torch.Tensor]) -> list[torch.Tensor]:
+            return list(
+                hvd.grouped_allreduce(
+                    ts, name=name, op=op, prescale_factor=prescale, postscale_factor=postscale, process_set=process_set
+                )
+            )
+
+        ys = _bridge(compute, xs, [x.dtype for x in xs])
+        for y, x in zip(ys, xs, strict=True):
+            y.set_shape(x.shape)
+
+        def grad(*dys: Any) -> Any:
+            grad_name = None if name is None else f"{name}.grad"
+            return _grouped_allreduce_dense(list(dys), op, prescale, postscale, grad_name, process_set)
+
+        return ys, grad
+
+    return list(forward(*tensors))
+
+
+# ----- allgather, broadcast, alltoall, reducescatter -----
+
+
+def allgather(
+    tensor: Any, name: str | None = None, ignore_name_scope: bool = False, process_set: ProcessSet = global_process_set
+) -> Any:
+    """Concatenate every rank's ``tensor`` along dimension 0 (which may differ between ranks)."""
+    name = _graph_name("Allgather", tensor, name)
+
+    @tf.custom_gradient
+    def forward(x: Any) -> Any:
+        (y,) = _bridge(lambda ts: [hvd.allgather(ts[0], name=name, process_set=process_set)], [x], [x.dtype])
+        y.set_shape(tf.TensorShape([None]).concatenate(x.shape[1:]))
+
+        def grad(dy: Any) -> Any:
+            reduced = _allreduce_dense(dy, int(Average), 1.0, 1.0, None if name is None else f"{name}.grad", process_set)
+            rows = allgather(tf.shape(x)[:1], name=None if name is None else f"{name}.grad.rows", process_set=process_set)
+            return tf.split(reduced, rows, num=process_set.size(), axis=0)[process_set.rank()]
+
+        return y, grad
+
+    return forward(tensor)
+
+
+def grouped_allgather(
+    tensors: Sequence[Any],
+    name: str | None = None,
+    ignore_name_scope: bool = False,
+    process_set: ProcessSet = global_process_set,
+) -> list[Any]:
+    """``allgather`` of each tensor."""
+    return [allgather(t, None if name is None else f"{name}.{i}", process_set=process_set) for i, t in enumerate(tensors)]
+
+
+def broadcast(
+    tensor: Any,
+    root_rank: int,
+    name: str | None = None,
+    ignore_name_scope: bool = False,
+    process_set: ProcessSet = global_process_set,
+) -> Any:
+    """``root_rank``'s ``tensor`` on every rank."""
+    name = _graph_name("Broadcast", tensor, name)
+
+    @tf.custom_gradient
+    def forward(x: Any) -> Any:
+        (y,) = _bridge(lambda ts: [hvd.broadcast(ts[0], root_rank, name=name, process_set=process_set)], [x], [x.dtype])
+        y.set_shape(x.shape)
+
+        def grad(dy: Any) -> Any:
+            reduced = _allreduce_dense(dy, int(Average), 1.0, 1.0, None if name is None else f"{name}.grad", process_set)
+            return reduced if process_set.rank() == root_rank else reduced * 0
+
+        return y, grad
+
+    return forward(tensor)
+
+
+def broadcast_(
+    variables: Sequence[Any], root_rank: int, name: str | None = None, process_set: ProcessSet = global_process_set
+) -> list[Any]:
+    """Broadcast ``variables`` in place from ``root_rank``; returns their new values."""
+    values = []
+    for index, variable in enumerate(variables):
+        value = broadcast(variable, root_rank, name=None if name is None else f"{name}.{index}", process_set=process_set)
+        variable.assign(value)
+        values.append(value)
+    return values
+
+
+def alltoall(
+    tensor: Any,
+    splits: Any = None,
+    name: str | None = None,
+    ignore_name_scope: bool = False,
+    process_set: ProcessSet = global_process_set,
+) -> Any:
+    """Send rows ``splits[i]`` of ``tensor`` to rank i and receive theirs. Returns the received tensor when
+    ``splits`` is None (an even split), else (received tensor, received splits), as Horovod does."""
+    name = _graph_name("Alltoall", tensor, name)
+    split_input = tf.zeros([0], tf.int32) if splits is None else tf.cast(splits, tf.int32)
+
+    @tf.custom_gradient
+    def forward(x: Any, s: Any) -> Any:
+        def compute(ts: list[torch.Tensor]) -> list[torch.Tensor]:
+            chosen = None if splits is None else ts[1].tolist()
+            out = hvd.alltoall(ts[0], splits=chosen, name=name, process_set=process_set)
+            if splits is None:
+                size = process_set.size()
+                return [out, torch.full((size,), ts[0].shape[0] // size, dtype=torch.int32)]
+            return [out[0], out[1].to(torch.int32)]
+
+        received, received_splits = _bridge(compute, [x, s], [x.dtype, tf.int32])
+        received.set_shape(tf.TensorShape([None]).concatenate(x.shape[1:]))
+        received_splits.set_shape([process_set.size()])
+
+        def grad(dy: Any, _: Any = None) -> Any:
+            back = alltoall(dy, received_splits, name=None if name is None else f"{name}.grad", process_set=process_set)
+            return back[0], None
+
+        return (received, received_splits), grad
+
+    received, received_splits = forward(tensor, split_input)
+    return received if splits is None else (received, received_splits)
+
+
+def reducescatter(
+    tensor: Any,
+    device_dense: str = "",
+    compression: type[Compressor] = Compression.none,
+    op: int = Average,
+    name: str | None = None,
+    process_set: ProcessSet = global_process_set,
+    ignore_name_scope: bool = False,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+) -> Any:
+    """Reduce ``tensor`` over the ranks and return this rank's block of rows (the first ranks get one more row
+    when the rows do not divide evenly)."""
+    with tf.device(device_dense):
+        compressed, ctx = compression.compress(tensor)
+        result = _reducescatter(
+            compressed, int(op), _graph_name("Reducescatter", tensor, name), process_set, prescale_factor, postscale_factor
+        )
+        return compression.decompress(result, ctx)
+
+
+def _reducescatter(tensor: Any, op: int, name: str | None, process_set: ProcessSet, prescale: float, postscale: float) -> Any:
+    @tf.custom_gradient
+    def forward(x: Any) -> Any:
+        def compute(ts: list[torch.Tensor]) -> list[torch.Tensor]:
+            return [
+                hvd.reducescatter(
+                    ts[0], name=name, op=op, process_set=process_set, prescale_factor=prescale, postscale_factor=postscale
+                )
+            ]
+
+        (y,) = _bridge(compute, [x], [x.dtype])
+        y.set_shape(tf.TensorShape([None]).concatenate(x.shape[1:]))
+
+        def grad(dy: Any) -> Any:
+            gathered = allgather(dy, name=None if name is None else f"{name}.grad", process_set=process_set)
+            scale = prescale * postscale / (process_set.size() if op == Average else 1)
+            return gathered * tf.cast(scale, gathered.dtype)
+
+        return y, grad
+
+    return forward(tensor)
+
+
+def grouped_reducescatter(
+    tensors: Sequence[Any],
+    device_dense: str = "",
+    compression: type[Compressor] = Compression.none,
+    op: int = Average,
+    process_set: ProcessSet = global_process_set,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+) -> list[Any]:
+    """``reducescatter`` of each tensor."""
+    return [
+        reducescatter(t, device_dense, compression, op, None, process_set, False, prescale_factor, postscale_factor)
+        for t in tensors
+    ]
+
+
+# ----- objects and variables -----
+
+
+def broadcast_variables(
+    variables: Sequence[Any], root_rank: int, process_set: ProcessSet = global_process_set, inplace: bool = False
+) -> Any:
+    """Assign ``root_rank``'s value to every variable (eager: at once; in a graph: the assignments as one op)."""
+    variables = list(variables)
+    if not variables:
+        return None
+    if tf.executing_eagerly():
+        values = [hvd.broadcast(_to_torch(tf.convert_to_tensor(v)), root_rank, process_set=process_set) for v in variables]
+        for variable, value in zip(variables, values, strict=True):
+            variable.assign(_to_tf(value))
+        return None
+    return tf.group(*[v.assign(broadcast(v, root_rank, process_set=process_set)) for v in variables])
+
+
+def broadcast_object(
+    obj: Any, root_rank: int = 0, session: Any = None, name: str | None = None, process_set: ProcessSet = global_process_set
+) -> Any:
+    """``root_rank``'s ``obj`` (pickled) on every rank."""
+    return hvd.broadcast_object(obj, root_rank=root_rank, name=name or type(obj).__name__, process_set=process_set)
+
+
+def allgather_object(
+    obj: Any, session: Any = None, name: str | None = None, process_set: ProcessSet = global_process_set
+) -> list[Any]:
+    """Every rank's ``obj`` (pickled), in rank order."""
+    return list(hvd.allgather_object(obj, name=name or type(obj).__name__, process_set=process_set))
+
+
+def _global_only(process_set_id: int, what: str) -> None:
+    if process_set_id != 0:
+        raise NotImplementedError(f"{what}: only the global process set (id 0); use process_set.size()/.included()")
+
+
+def size_op(process_set_id: int = 0, name: str | None = None) -> Any:
+    """The number of ranks as a tensor."""
+    _global_only(process_set_id, "size_op")
+    return tf.constant(hvd.size(), name=name)
+
+
+def rank_op(name: str | None = None) -> Any:
+    """This process's rank as a tensor."""
+    return tf.constant(hvd.rank(), name=name)
+
+
+def local_rank_op(name: str | None = None) -> Any:
+    """This process's local rank as a tensor (Horovod's returns the global rank by mistake; this one does not)."""
+    return tf.constant(hvd.local_rank(), name=name)
+
+
+def local_size_op(name: str | None = None) -> Any:
+    """The number of ranks on this host as a tensor."""
+    return tf.constant(hvd.local_size(), name=name)
+
+
+def process_set_included_op(process_set_id: int = 0, name: str | None = None) -> Any:
+    """1: every rank belongs to the global process set."""
+    _global_only(process_set_id, "process_set_included_op")
+    return tf.constant(1, name=name)
