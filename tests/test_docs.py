@@ -116,6 +116,10 @@ COVERED: dict[str, tuple[str, list[str]]] = {
         "test_tensorflow.py::test_tf2_digits_example_reaches_95_percent",
         ["tf2_digits.py", '"-np"'],
     ),
+    "shoalrun -np 2 python examples/keras_digits.py": (
+        "test_keras.py::test_keras_digits_example_reaches_95_percent",
+        ["keras_digits.py", '"-np"'],
+    ),
     "python -m shoal.bench.on_ray --workers 2 --model mlp": (
         "test_ray.py::test_on_ray_benchmark_compares_the_executor_with_shoalrun",
         ["shoal.bench.on_ray", "--workers", "mlp"],

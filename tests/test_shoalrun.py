@@ -167,7 +167,7 @@ def test_python_dash_m_runner_and_version(worker_env: dict[str, str]) -> None:
     assert result.returncode == 0 and result.stdout.startswith("shoalrun ")
     build = shoalrun(["--check-build"], worker_env)
     assert build.returncode == 0 and "torch 2." in build.stdout and "gloo: yes" in build.stdout
-    assert "launcher: none (a single process)" in build.stdout and "TensorFlow" not in build.stdout
+    assert "launcher: none (a single process)" in build.stdout and "optional tensorflow:" in build.stdout
 
 
 def test_sigkill_of_shoalrun_still_leaves_no_orphans(worker_env: dict[str, str], tmp_path: Path) -> None:

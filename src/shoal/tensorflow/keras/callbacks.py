@@ -1,0 +1,17 @@
+"""``horovod.tensorflow.keras.callbacks``: the same callbacks as ``shoal.keras.callbacks``."""
+
+from shoal.keras.callbacks import (
+    BroadcastGlobalVariablesCallback,
+    LearningRateScheduleCallback,
+    LearningRateWarmupCallback,
+    MetricAverageCallback,
+    broadcast_variables,
+)
+
+__all__ = [
+    "BroadcastGlobalVariablesCallback",
+    "LearningRateScheduleCallback",
+    "LearningRateWarmupCallback",
+    "MetricAverageCallback",
+    "broadcast_variables",
+]

@@ -1,0 +1,171 @@
+"""shoal.keras (Keras 3): model.fit with DistributedOptimizer on N ranks x batch B equals one process with N*B, on the
+TensorFlow and the torch backend; the callbacks (broadcast, metric average, warm-up and schedule); load_model; the
+Keras digits example."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from conftest import REPO, SHOALRUN, clean_env
+from shoal.testing import run_ranks
+
+# Checked without importing: a rank unpickling a test function imports this module before it sets KERAS_BACKEND.
+for _needed in ("keras", "tensorflow"):
+    if importlib.util.find_spec(_needed) is None:
+        pytest.skip(f"{_needed} is not installed (pip install 'shoal[tensorflow]')", allow_module_level=True)
+
+ENV = {"TF_CPP_MIN_LOG_LEVEL": "2"}
+TOLERANCE = 1e-5
+"""Largest weight difference between 2 ranks and one process: float32 sums in another order."""
+
+
+def _keras() -> Any:
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    import keras
+
+    if keras.backend.backend() == "tensorflow":
+        import tensorflow as tf
+
+        tf.config.threading.set_intra_op_parallelism_threads(1)
+    return keras
+
+
+def _fit(global_batch: int, steps: int) -> dict[str, Any]:
+    """Fit a regression for one epoch of ``steps`` global batches; rank r takes half r of each global batch."""
+    keras = _keras()
+    import shoal.keras as hvd
+
+    hvd.init()
+    rank, size = hvd.rank(), hvd.size()
+    generator = np.random.default_rng(3)
+    x = generator.standard_normal((steps * global_batch, 6)).astype(np.float32)
+    y = (np.tanh(x @ generator.standard_normal((6, 1))) + 0.1).astype(np.float32)
+    local = global_batch // size
+    mine = np.concatenate(
+        [np.arange(k * global_batch + rank * local, k * global_batch + (rank + 1) * local) for k in range(steps)]
+    )
+    keras.utils.set_random_seed(rank)  # ranks start apart: the broadcast callback must make them equal
+    model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(8, activation="tanh"), keras.layers.Dense(1)])
+    model.compile(
+        optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(learning_rate=0.1, momentum=0.9)),
+        loss="mse",
+        jit_compile=False,
+    )
+    callbacks = [hvd.callbacks.BroadcastGlobalVariablesCallback(0), hvd.callbacks.MetricAverageCallback()]
+    history = model.fit(x[mine], y[mine], batch_size=local, epochs=1, shuffle=False, verbose=0, callbacks=callbacks)
+    weights = np.concatenate([np.asarray(w).ravel() for w in model.get_weights()])
+    return {"weights": weights.tolist(), "loss": history.history["loss"][-1], "backend": hvd.backend()}
+
+
+@pytest.mark.parametrize("backend", ["tensorflow", "torch"])
+def test_fit_on_two_ranks_matches_one_process_with_the_global_batch(backend: str) -> None:
+    env = {**ENV, "KERAS_BACKEND": backend}
+    two = run_ranks(_fit, 2, args=(8, 6), env=env, timeout_s=150)
+    one = run_ranks(_fit, 1, args=(8, 6), env=env, timeout_s=150)[0]
+    assert two[0]["backend"] == one["backend"] == backend
+    assert two[0]["weights"] == two[1]["weights"]  # the ranks agree exactly
+    difference = max(abs(a - b) for a, b in zip(two[0]["weights"], one["weights"], strict=True))
+    assert difference <= TOLERANCE, difference
+    assert two[0]["loss"] == two[1]["loss"]  # MetricAverageCallback: the same averaged loss on every rank
+
+
+def _callbacks() -> dict[str, Any]:
+    keras = _keras()
+    import shoal.keras as hvd
+
+    hvd.init()
+    rank = hvd.rank()
+    averaged: dict[str, Any] = {"loss": rank + 1.0, "accuracy": 2.0 * rank, "name": "kept"}
+    hvd.callbacks.MetricAverageCallback().on_epoch_end(0, averaged)
+
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    model.compile(optimizer=keras.optimizers.SGD(learning_rate=1.0), loss="mse")
+    warmup = hvd.callbacks.LearningRateWarmupCallback(initial_lr=0.4, warmup_epochs=2, steps_per_epoch=4)
+    warmup.set_model(model)
+    warmup.on_train_begin()
+    ramp = []
+    for epoch in range(3):
+        warmup.on_epoch_begin(epoch)
+        for batch in range(4):
+            warmup.on_train_batch_begin(batch)
+            ramp.append(float(np.asarray(model.optimizer.learning_rate)))
+            warmup.on_train_batch_end(batch)
+    logs: dict[str, Any] = {}
+    warmup.on_epoch_end(2, logs)
+
+    schedule = hvd.callbacks.LearningRateScheduleCallback(initial_lr=0.4, multiplier=0.5, start_epoch=1)
+    schedule.set_model(model)
+    model.optimizer.learning_rate.assign(0.4)
+    stairs = []
+    for epoch in range(4):
+        schedule.on_epoch_begin(epoch)
+        schedule.on_train_batch_begin(0)
+        stairs.append(float(np.asarray(model.optimizer.learning_rate)))
+    return {"averaged": averaged, "ramp": ramp, "lr_logged": logs["lr"], "stairs": stairs}
+
+
+def test_callbacks_average_metrics_and_follow_horovods_schedules() -> None:
+    results = run_ranks(_callbacks, 2, env=ENV, timeout_s=120)
+    size, initial, warmup_epochs, steps = 2, 0.4, 2, 4
+    expected_ramp = [
+        initial / size * ((epoch + (batch + 1) / steps) * (size - 1) / warmup_epochs + 1)
+        for epoch in range(warmup_epochs)
+        for batch in range(steps)
+    ]
+    for got in results:
+        assert got["averaged"] == {"loss": 1.5, "accuracy": 1.0, "name": "kept"}
+        np.testing.assert_allclose(got["ramp"][:8], expected_ramp, rtol=1e-6)
+        assert got["ramp"][7] == pytest.approx(initial)  # the ramp ends at initial_lr
+        np.testing.assert_allclose(got["ramp"][8:], [initial] * 4, rtol=1e-6)  # after warm-up: left alone
+        assert got["lr_logged"] == pytest.approx(initial)
+        np.testing.assert_allclose(got["stairs"], [0.4, 0.4, 0.2, 0.1], rtol=1e-6)
+
+
+def _save_and_load(path: str) -> dict[str, Any]:
+    keras = _keras()
+    import shoal.keras as hvd
+
+    hvd.init()
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.Adam(learning_rate=0.01)), loss="mse", jit_compile=False)
+    x, y = np.ones((8, 3), np.float32), np.zeros((8, 2), np.float32)
+    model.fit(x, y, batch_size=4, epochs=1, verbose=0)
+    if hvd.rank() == 0:
+        model.save(path)
+    hvd.allreduce(0.0, name="saved")  # every rank waits for rank 0's file
+    loaded = hvd.load_model(path)
+    before = int(np.asarray(loaded.optimizer.iterations))
+    loaded.fit(x, y, batch_size=4, epochs=1, verbose=0)
+    return {
+        "distributed": hvd.is_distributed(loaded.optimizer),
+        "class": type(loaded.optimizer).__name__,
+        "iterations": (before, int(np.asarray(loaded.optimizer.iterations))),
+    }
+
+
+def test_load_model_restores_a_distributed_optimizer_with_its_state(tmp_path: Path) -> None:
+    for got in run_ranks(_save_and_load, 2, args=(str(tmp_path / "model.keras"),), env=ENV, timeout_s=120):
+        assert got == {"distributed": True, "class": "Adam", "iterations": (2, 4)}
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_keras_digits_example_reaches_95_percent(workers: int, tmp_path: Path) -> None:
+    script = [sys.executable, str(REPO / "examples" / "keras_digits.py"), "--checkpoint", str(tmp_path / "digits.keras")]
+    command = script if workers == 1 else [*SHOALRUN, "-np", str(workers), *script]
+    result = subprocess.run(command, env={**clean_env(), **ENV}, capture_output=True, text=True, timeout=170)
+    assert result.returncode == 0, result.stderr[-3000:]
+    line = result.stdout.strip().splitlines()[-1]
+    summary = json.loads(line.split(":", 1)[1] if line.startswith("[0]") else line)
+    assert summary["example"] == "keras_digits" and summary["world"] == workers and summary["backend"] == "tensorflow"
+    assert summary["test_accuracy"] >= 0.95, summary
+    assert (tmp_path / "digits.keras").exists()
