@@ -116,6 +116,10 @@ COVERED: dict[str, tuple[str, list[str]]] = {
         "test_tensorflow.py::test_tf2_digits_example_reaches_95_percent",
         ["tf2_digits.py", '"-np"'],
     ),
+    "shoalrun -np 2 python examples/tensorflow2_synthetic_benchmark.py --model cnn": (
+        "test_tensorflow.py::test_tensorflow2_synthetic_benchmark_reports_rates",
+        ["tensorflow2_synthetic_benchmark.py", '"-np", "2"'],
+    ),  # the test runs the MLP, a faster model on 2 cores
     "shoalrun -np 2 python examples/keras_digits.py": (
         "test_keras.py::test_keras_digits_example_reaches_95_percent",
         ["keras_digits.py", '"-np"'],

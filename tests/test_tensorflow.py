@@ -304,3 +304,20 @@ def test_tf2_digits_example_reaches_95_percent(workers: int) -> None:
     summary = json.loads(line.split(":", 1)[1] if line.startswith("[0]") else line)
     assert summary["example"] == "tf2_digits" and summary["world"] == workers
     assert summary["test_accuracy"] >= 0.95, summary
+
+
+def test_tensorflow2_synthetic_benchmark_reports_rates() -> None:
+    script = [
+        sys.executable,
+        str(REPO / "examples" / "tensorflow2_synthetic_benchmark.py"),
+        "--model",
+        "mlp",
+        "--num-iters",
+        "2",
+    ]
+    command = [*SHOALRUN, "-np", "2", *script]
+    result = subprocess.run(command, env={**clean_env(), **ENV}, capture_output=True, text=True, timeout=170)
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads(result.stdout.strip().splitlines()[-1].split(":", 1)[1])
+    assert summary["example"] == "tensorflow2_synthetic_benchmark" and summary["world"] == 2
+    assert summary["img_sec_per_worker"] > 0 and summary["total_img_sec"] > 0
