@@ -120,6 +120,10 @@ COVERED: dict[str, tuple[str, list[str]]] = {
         "test_tensorflow.py::test_tensorflow2_synthetic_benchmark_reports_rates",
         ["tensorflow2_synthetic_benchmark.py", '"-np", "2"'],
     ),  # the test runs the MLP, a faster model on 2 cores
+    "python -m shoal.bench.train_tf --workers 2": (
+        "test_tensorflow.py::test_train_tf_benchmark_compares_shoal_with_multi_worker_mirrored_strategy",
+        ["shoal.bench.train_tf", '"--workers", "2"'],
+    ),  # the test runs the digits model with fewer steps
     "shoalrun -np 2 python examples/keras_digits.py": (
         "test_keras.py::test_keras_digits_example_reaches_95_percent",
         ["keras_digits.py", '"-np"'],

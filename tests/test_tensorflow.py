@@ -321,3 +321,15 @@ def test_tensorflow2_synthetic_benchmark_reports_rates() -> None:
     summary = json.loads(result.stdout.strip().splitlines()[-1].split(":", 1)[1])
     assert summary["example"] == "tensorflow2_synthetic_benchmark" and summary["world"] == 2
     assert summary["img_sec_per_worker"] > 0 and summary["total_img_sec"] > 0
+
+
+def test_train_tf_benchmark_compares_shoal_with_multi_worker_mirrored_strategy() -> None:
+    command = [sys.executable, "-m", "shoal.bench.train_tf", "--workers", "2", "--models", "digits"]
+    command += ["--steps", "3", "--warmup", "1", "--rounds", "1", "--batch-size", "16"]
+    result = subprocess.run(command, env={**clean_env(), **ENV}, capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads(result.stdout.strip().splitlines()[-1])
+    assert summary["bench"] == "train_tf" and summary["workers"] == 2 and set(summary["models"]) == {"digits"}
+    digits = summary["models"]["digits"]
+    assert digits["shoal_ips"] > 0 and digits["tf_ips"] > 0
+    assert digits["ratio"] == pytest.approx(digits["shoal_ips"] / digits["tf_ips"], abs=0.002)
