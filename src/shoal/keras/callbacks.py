@@ -17,15 +17,14 @@ import shoal.torch as hvd
 
 
 def broadcast_variables(variables: Sequence[Any], root_rank: int) -> None:
-    """Give every Keras variable ``root_rank``'s value (one fused exchange)."""
+    """Give every Keras variable ``root_rank``'s value (``shoal.torch.broadcast_parameters`` on numpy copies)."""
     variables = list(variables)
     if not variables or hvd.size() == 1:
         return
     values = [torch.from_numpy(np.array(keras.ops.convert_to_numpy(v))) for v in variables]
-    keep = [v * (1 if hvd.rank() == root_rank else 0) for v in values]
-    received = hvd.grouped_allreduce(keep, op=hvd.Sum, name=f"keras.broadcast.{len(variables)}")
-    for variable, value in zip(variables, received, strict=True):
-        variable.assign(value.numpy().astype(keras.ops.convert_to_numpy(variable).dtype))
+    hvd.broadcast_parameters([(f"keras.{i}", value) for i, value in enumerate(values)], root_rank)
+    for variable, value in zip(variables, values, strict=True):
+        variable.assign(value.numpy())
 
 
 class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):

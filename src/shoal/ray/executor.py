@@ -250,7 +250,7 @@ class RayExecutor:
                 ]
                 self._gather(refs, "start")
         except ray.exceptions.RayError as error:
-            self.shutdown()
+            self._end(graceful=False)
             raise RuntimeError(f"RayExecutor.start(): a worker failed to start: {error}") from error
 
     def _gather(self, refs: list[Any], what: str) -> list[Any]:
@@ -264,7 +264,7 @@ class RayExecutor:
             except ray.exceptions.RayError as error:
                 rank = refs.index(done[0])
                 where = f" on {self.locations[rank][0]} (pid {self.locations[rank][1]})" if rank < len(self.locations) else ""
-                self.shutdown()
+                self._end(graceful=False)
                 died = isinstance(error, ray.exceptions.RayActorError)
                 raise RuntimeError(
                     f"RayExecutor.{what}: rank {rank}{where} {'died' if died else 'raised'}; every worker was ended:\n{error}"
@@ -318,10 +318,15 @@ class RayExecutor:
 
     def shutdown(self) -> None:
         """End every actor, release the placement group (when this executor made it) and stop the store."""
+        self._end(graceful=True)
+
+    def _end(self, graceful: bool) -> None:
+        """``shutdown()``; ``graceful=False`` after a failure, when the other ranks sit in a collective that will
+        not complete and a farewell queued behind it would only cost its grace period."""
         if self._elastic is not None:
             return
         ray = import_ray()
-        if self.workers:  # let live ranks leave the job together (quietly) before their actors are ended
+        if self.workers and graceful:  # let live ranks leave the job together (quietly) before their actors end
             farewells = [worker.leave.remote() for worker in self.workers]
             ray.wait(farewells, num_returns=len(farewells), timeout=SHUTDOWN_GRACE_S)
         for worker in self.workers:
