@@ -124,6 +124,10 @@ COVERED: dict[str, tuple[str, list[str]]] = {
         "test_tensorflow.py::test_train_tf_benchmark_compares_shoal_with_multi_worker_mirrored_strategy",
         ["shoal.bench.train_tf", '"--workers", "2"'],
     ),  # the test runs the digits model with fewer steps
+    "shoalrun -np 2 --min-np 1 python examples/keras_elastic_digits.py": (
+        "test_tf_extras.py::test_elastic_keras_example_survives_a_sigkilled_worker",
+        ["keras_elastic_digits.py", '"--min-np"', "SIGKILL"],
+    ),
     "shoalrun -np 2 python examples/keras_digits.py": (
         "test_keras.py::test_keras_digits_example_reaches_95_percent",
         ["keras_digits.py", '"-np"'],

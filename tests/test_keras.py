@@ -40,7 +40,10 @@ def _keras() -> Any:
 
 
 def _fit(global_batch: int, steps: int) -> dict[str, Any]:
-    """Fit a regression for one epoch of ``steps`` global batches; rank r takes half r of each global batch."""
+    """Fit a regression for one epoch of ``steps`` global batches (rank r takes block r of each global batch), with
+    gradients exchanged every batch and, again from the same start, with ``backward_passes_per_step=2`` (summed, as
+    Horovod does) and with Keras's ``gradient_accumulation_steps=2`` (averaged). Also: what a
+    ``PartialDistributedOptimizer`` makes of known per-rank gradients."""
     keras = _keras()
     import shoal.keras as hvd
 
@@ -53,17 +56,34 @@ def _fit(global_batch: int, steps: int) -> dict[str, Any]:
     mine = np.concatenate(
         [np.arange(k * global_batch + rank * local, k * global_batch + (rank + 1) * local) for k in range(steps)]
     )
-    keras.utils.set_random_seed(rank)  # ranks start apart: the broadcast callback must make them equal
-    model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(8, activation="tanh"), keras.layers.Dense(1)])
-    model.compile(
-        optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(learning_rate=0.1, momentum=0.9)),
-        loss="mse",
-        jit_compile=False,
-    )
-    callbacks = [hvd.callbacks.BroadcastGlobalVariablesCallback(0), hvd.callbacks.MetricAverageCallback()]
-    history = model.fit(x[mine], y[mine], batch_size=local, epochs=1, shuffle=False, verbose=0, callbacks=callbacks)
-    weights = np.concatenate([np.asarray(w).ravel() for w in model.get_weights()])
-    return {"weights": weights.tolist(), "loss": history.history["loss"][-1], "backend": hvd.backend()}
+    results: dict[str, Any] = {"backend": hvd.backend()}
+    variants = {
+        "every_batch": (keras.optimizers.SGD(learning_rate=0.1, momentum=0.9), {}),
+        "passes_2_sum": (keras.optimizers.SGD(learning_rate=0.05), {"backward_passes_per_step": 2}),
+        "keras_accumulation_2": (keras.optimizers.SGD(learning_rate=0.1, gradient_accumulation_steps=2), {}),
+    }
+    for label, (optimizer, options) in variants.items():
+        keras.utils.set_random_seed(rank)  # ranks start apart: the broadcast callback must make them equal
+        model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(8, activation="tanh"), keras.layers.Dense(1)])
+        model.compile(optimizer=hvd.DistributedOptimizer(optimizer, **options), loss="mse", jit_compile=False)
+        callbacks = [hvd.callbacks.BroadcastGlobalVariablesCallback(0), hvd.callbacks.MetricAverageCallback()]
+        history = model.fit(x[mine], y[mine], batch_size=local, epochs=1, shuffle=False, verbose=0, callbacks=callbacks)
+        results[label] = {
+            "weights": np.concatenate([np.asarray(w).ravel() for w in model.get_weights()]).tolist(),
+            "loss": history.history["loss"][-1],
+            "iterations": int(np.asarray(model.optimizer.iterations)),
+        }
+
+    dense = keras.layers.Dense(2)
+    head = keras.layers.Dense(1)
+    keras.Sequential([keras.Input((2,)), dense, head])
+    partial = hvd.PartialDistributedOptimizer(keras.optimizers.SGD(), local_layers=[head])
+    variables = dense.trainable_weights + head.trainable_weights
+    grads = [keras.ops.full(v.shape, float(rank + 1)) for v in variables]
+    partial.build(variables)
+    reduced = partial._shoal_reducer.reduce(grads, variables)
+    results["partial"] = [float(np.asarray(keras.ops.convert_to_numpy(g)).ravel()[0]) for g in reduced]
+    return results
 
 
 @pytest.mark.parametrize("backend", ["tensorflow", "torch"])
@@ -72,10 +92,21 @@ def test_fit_on_two_ranks_matches_one_process_with_the_global_batch(backend: str
     two = run_ranks(_fit, 2, args=(8, 6), env=env, timeout_s=150)
     one = run_ranks(_fit, 1, args=(8, 6), env=env, timeout_s=150)[0]
     assert two[0]["backend"] == one["backend"] == backend
-    assert two[0]["weights"] == two[1]["weights"]  # the ranks agree exactly
-    difference = max(abs(a - b) for a, b in zip(two[0]["weights"], one["weights"], strict=True))
-    assert difference <= TOLERANCE, difference
-    assert two[0]["loss"] == two[1]["loss"]  # MetricAverageCallback: the same averaged loss on every rank
+    for label in ("every_batch", "passes_2_sum", "keras_accumulation_2"):
+        assert two[0][label]["weights"] == two[1][label]["weights"], label  # the ranks agree exactly
+        difference = max(abs(a - b) for a, b in zip(two[0][label]["weights"], one[label]["weights"], strict=True))
+        assert difference <= TOLERANCE, (label, difference)
+        assert two[0][label]["loss"] == two[1][label]["loss"]  # MetricAverageCallback: the same loss on every rank
+    # Accumulating over 2 batches is not the same training as updating every batch.
+    assert max(abs(a - b) for a, b in zip(one["every_batch"]["weights"], one["passes_2_sum"]["weights"], strict=True)) > 1e-3
+    assert one["keras_accumulation_2"]["iterations"] == 3  # Keras counts updates: 6 batches / 2
+    # Horovod's sum of 2 batches at half the learning rate is Keras's mean at the full one.
+    for result in (one, two[0]):
+        both = zip(result["passes_2_sum"]["weights"], result["keras_accumulation_2"]["weights"], strict=True)
+        assert max(abs(a - b) for a, b in both) <= TOLERANCE
+    # PartialDistributedOptimizer: shared layers averaged ((1 + 2) / 2), the local layer kept and divided by size.
+    assert two[0]["partial"] == [1.5, 1.5, 0.5, 0.5] and two[1]["partial"] == [1.5, 1.5, 1.0, 1.0]
+    assert one["partial"] == [1.0, 1.0, 1.0, 1.0]
 
 
 def _callbacks() -> dict[str, Any]:

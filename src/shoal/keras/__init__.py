@@ -13,8 +13,15 @@ from typing import Any
 import numpy as np
 import torch
 
-from shoal.keras import callbacks
-from shoal.keras.optimizer import DistributedOptimizer, backend, default_compression, is_distributed, load_model
+from shoal.keras import callbacks, elastic
+from shoal.keras.optimizer import (
+    DistributedOptimizer,
+    PartialDistributedOptimizer,
+    backend,
+    default_compression,
+    is_distributed,
+    load_model,
+)
 from shoal.torch import functions as _functions
 from shoal.torch.basics import (
     ccl_built,
@@ -92,6 +99,7 @@ __all__ = [
     "Average",
     "Compression",
     "DistributedOptimizer",
+    "PartialDistributedOptimizer",
     "ProcessSet",
     "Sum",
     "add_process_set",
@@ -106,6 +114,7 @@ __all__ = [
     "cross_size",
     "cuda_built",
     "ddl_built",
+    "elastic",
     "global_process_set",
     "gloo_built",
     "gloo_enabled",

@@ -11,7 +11,8 @@ train function), ``shoal.torch`` for the torch backend.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+import warnings
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import keras
@@ -39,29 +40,49 @@ def default_compression() -> Any:
     return TorchCompression
 
 
-def _torch_reducer(
-    compression: Any, op: int, prescale: float, postscale: float, process_set: ProcessSet
-) -> Callable[[list[Any], list[Any]], list[Any]]:
-    import shoal.torch as hvd
+class _TorchGradientReducer:
+    """Reduce Keras-on-torch gradients (torch tensors) with ``shoal.torch``: one grouped allreduce per step; local
+    variables' gradients are kept, and divided by the number of ranks when ``scale_local_gradients``."""
 
-    def reduce(grads: list[Any], variables: list[Any]) -> list[Any]:
-        present = [i for i, g in enumerate(grads) if g is not None]
-        if not present or process_set.size() < 2 or not process_set.included():
-            return grads
-        reduced = hvd.grouped_allreduce(
-            [grads[i] for i in present],
-            compression=compression,
-            op=op,
-            prescale_factor=prescale,
-            postscale_factor=postscale,
-            process_set=process_set,
-        )
+    def __init__(
+        self, compression: Any, op: int, prescale: float, postscale: float, process_set: ProcessSet, scale_local: bool
+    ) -> None:
+        self.compression = compression
+        self.op = op
+        self.prescale = prescale
+        self.postscale = postscale
+        self.process_set = process_set
+        self.scale_local_gradients = scale_local
+        self.aggregation = 1.0
+        self.local_sources: set[Any] = set()
+
+    def reduce(self, grads: list[Any], variables: list[Any]) -> list[Any]:
+        import shoal.torch as hvd
+
         out = list(grads)
-        for index, value in zip(present, reduced, strict=True):
-            out[index] = value
+        members = self.process_set.size()
+        local = self.local_sources
+        shared = [i for i, (g, v) in enumerate(zip(grads, variables, strict=True)) if g is not None and id(v) not in local]
+        exchange = members > 1 and self.process_set.included()
+        if exchange and shared:
+            reduced = hvd.grouped_allreduce(
+                [grads[i] for i in shared],
+                compression=self.compression,
+                op=self.op,
+                prescale_factor=self.prescale,
+                postscale_factor=self.postscale * self.aggregation,
+                process_set=self.process_set,
+            )
+            for index, value in zip(shared, reduced, strict=True):
+                out[index] = value
+        elif self.aggregation != 1.0:
+            for index in shared:
+                out[index] = grads[index] * self.aggregation
+        local_scale = self.aggregation / (members if self.scale_local_gradients and exchange else 1)
+        for index, (grad, variable) in enumerate(zip(grads, variables, strict=True)):
+            if grad is not None and id(variable) in local and local_scale != 1.0:
+                out[index] = grad * local_scale
         return out
-
-    return reduce
 
 
 def make_reducer(
@@ -69,33 +90,66 @@ def make_reducer(
     sparse_as_dense: bool,
     op: int,
     gradient_predivide_factor: float,
-    num_groups: int,
     groups: Any,
     process_set: ProcessSet,
     scale_local_gradients: bool,
     device_dense: str = "",
     device_sparse: str = "",
-) -> Callable[[list[Any], list[Any]], list[Any]]:
-    """A function (gradients, variables) -> gradients reduced over the ranks, for Keras's backend."""
-    prescale = 1.0 / gradient_predivide_factor if op == Average else 1.0
-    postscale = gradient_predivide_factor if op == Average else 1.0
+) -> Any:
+    """An object whose ``reduce(gradients, variables)`` reduces over the ranks on Keras's backend, with
+    ``local_sources`` (variables whose gradients stay local) and ``aggregation`` (a factor on the result)."""
     if backend() == "torch":
-        return _torch_reducer(compression or default_compression().none, op, prescale, postscale, process_set)
+        prescale = 1.0 / gradient_predivide_factor if op == Average else 1.0
+        postscale = gradient_predivide_factor if op == Average else 1.0
+        compression = compression or default_compression().none
+        return _TorchGradientReducer(compression, op, prescale, postscale, process_set, scale_local_gradients)
     from shoal.tensorflow.gradient_tape import GradientReducer
 
-    reducer = GradientReducer(
+    return GradientReducer(
         compression or default_compression().none,
         sparse_as_dense,
         op,
         gradient_predivide_factor,
-        num_groups,
+        0,
         groups,
         process_set,
         scale_local_gradients,
         device_dense,
         device_sparse,
     )
-    return reducer.reduce
+
+
+class _DistributedMethods:
+    """What the distributed optimizer class adds to the wrapped optimizer's class.
+
+    Keras calls ``_backend_apply_gradients(grads, variables)`` once a step (after dropping None gradients and
+    unscaling a loss scale) and, inside it, ``_clip_gradients(grads)`` exactly where the update uses the gradients:
+    every step, or with gradient accumulation only on the step that applies the accumulated mean (a ``cond`` branch,
+    so the exchange happens once per update). The reduction sits in ``_clip_gradients``: first reduce, then clip.
+    """
+
+    _shoal_reducer: Any
+    _shoal_variables: list[Any]
+
+    def _backend_apply_gradients(self, grads: Any, trainable_variables: Any) -> Any:
+        # Not through Keras's __setattr__: its tracker would adopt the list, and the model's variables with it.
+        object.__setattr__(self, "_shoal_variables", list(trainable_variables))
+        return super()._backend_apply_gradients(grads, trainable_variables)  # type: ignore[misc]
+
+    def _clip_gradients(self, grads: Any) -> Any:
+        grads = self._shoal_reducer.reduce(list(grads), self._shoal_variables)
+        return super()._clip_gradients(grads)  # type: ignore[misc]
+
+    def register_local_var(self, var: Any) -> None:
+        """Keep ``var``'s gradient local: not reduced (divided by the number of ranks when
+        ``scale_local_gradients``)."""
+        self._shoal_reducer.local_sources.add(id(var) if backend() == "torch" else _local_ref(var))
+
+
+def _local_ref(var: Any) -> Any:
+    from shoal.tensorflow.gradient_tape import _ref
+
+    return _ref(var)
 
 
 def DistributedOptimizer(
@@ -117,55 +171,109 @@ def DistributedOptimizer(
     """A Keras optimizer of ``optimizer``'s class (rebuilt from its config) whose updates use gradients averaged
     (or summed) over the ranks; as ``horovod.tensorflow.keras.DistributedOptimizer``.
 
+    ``backward_passes_per_step=N`` accumulates N batches' gradients locally (Keras's own
+    ``gradient_accumulation_steps``) and exchanges them once, on the N-th; the update uses their sum, or their
+    mean with ``average_aggregated_gradients=True``, as in Horovod. An optimizer built with
+    ``gradient_accumulation_steps`` also exchanges once per update (the mean, Keras's rule).
+
     Raises:
-        ValueError: ``op`` other than Average or Sum, a non-Keras optimizer.
-        NotImplementedError: ``backward_passes_per_step`` > 1 (use Keras's own ``gradient_accumulation_steps`` on
-            the optimizer: the reduced gradients are then accumulated, one exchange per micro-batch).
+        ValueError: ``op`` other than Average or Sum, a non-Keras optimizer, ``backward_passes_per_step`` < 1 or
+            disagreeing with the optimizer's own ``gradient_accumulation_steps``, bad ``groups``.
     """
     if op not in (Average, Sum):
         raise ValueError("op currently only supports Average and Sum")
     if not isinstance(optimizer, keras.optimizers.Optimizer):
         raise ValueError(f"DistributedOptimizer needs a Keras optimizer, got {type(optimizer).__name__}")
-    if backward_passes_per_step != 1:
-        raise NotImplementedError(
-            "backward_passes_per_step > 1 is not supported with Keras 3 optimizers yet; set "
-            "gradient_accumulation_steps on the optimizer instead (each micro-batch's gradients are then reduced)"
-        )
-    if getattr(optimizer, "_shoal_reduce", None) is not None:
-        return optimizer  # already distributed
-    reduce = make_reducer(
+    passes = backward_passes_per_step
+    if isinstance(passes, bool) or not isinstance(passes, int) or passes < 1:
+        raise ValueError(f"backward_passes_per_step must be an int >= 1, got {backward_passes_per_step!r}")
+    if is_distributed(optimizer):
+        return optimizer
+    if num_groups != 0:
+        warnings.warn("num_groups is deprecated; use groups", DeprecationWarning, stacklevel=2)
+        groups = groups if groups is not None else num_groups
+    config = optimizer.get_config()
+    own_steps = config.get("gradient_accumulation_steps") or 1
+    if backward_passes_per_step > 1:
+        if own_steps not in (1, backward_passes_per_step):
+            raise ValueError(
+                f"backward_passes_per_step={backward_passes_per_step} but the optimizer accumulates "
+                f"gradient_accumulation_steps={own_steps}: set one of them"
+            )
+        config["gradient_accumulation_steps"] = backward_passes_per_step
+    reducer = make_reducer(
         compression,
         sparse_as_dense,
         op,
         gradient_predivide_factor,
-        num_groups,
         groups,
         process_set,
         scale_local_gradients,
         device_dense,
         device_sparse,
     )
+    if backward_passes_per_step > 1 and not average_aggregated_gradients:
+        reducer.aggregation = float(backward_passes_per_step)  # Keras applies the mean; Horovod the sum
     base = optimizer.__class__
-
-    def apply(self: Any, grads: Any, trainable_variables: Any = None) -> Any:
-        variables = list(trainable_variables) if trainable_variables is not None else list(self._trainable_variables)
-        grads = list(grads)
-        if len(variables) != len(grads):  # Keras checks this itself; keep its message
-            return base.apply(self, grads, trainable_variables)
-        return base.apply(self, reduce(grads, variables), trainable_variables)
-
-    cls: Any = type(base.__name__, (base,), {"apply": apply, "__module__": base.__module__})
-    config = optimizer.get_config()
+    cls: Any = type(base.__name__, (_DistributedMethods, base), {"__module__": base.__module__})
     if name is not None:
         config["name"] = name
     distributed = cls.from_config(config)
-    distributed._shoal_reduce = reduce
+    object.__setattr__(distributed, "_shoal_reducer", reducer)
+    return distributed
+
+
+def PartialDistributedOptimizer(
+    optimizer: Any,
+    name: str | None = None,
+    device_dense: str = "",
+    device_sparse: str = "",
+    compression: Any = None,
+    sparse_as_dense: bool = False,
+    gradient_predivide_factor: float = 1.0,
+    op: int = Average,
+    backward_passes_per_step: int = 1,
+    average_aggregated_gradients: bool = False,
+    groups: Sequence[Sequence[Any]] | int | None = None,
+    process_set: ProcessSet = global_process_set,
+    local_layers: Any = None,
+    scale_local_gradients: bool = True,
+) -> Any:
+    """A ``DistributedOptimizer`` whose ``local_layers`` (a Keras layer or a list of them) keep local gradients
+    (divided by the number of ranks when ``scale_local_gradients``), as ``horovod.keras.PartialDistributedOptimizer``."""
+    if local_layers is None:
+        layers: list[Any] = []
+    elif isinstance(local_layers, keras.layers.Layer):
+        layers = [local_layers]
+    elif isinstance(local_layers, (list, tuple)) and all(isinstance(layer, keras.layers.Layer) for layer in local_layers):
+        layers = list(local_layers)
+    else:
+        raise ValueError("local_layers must be a Keras layer or a list of Keras layers")
+    distributed = DistributedOptimizer(
+        optimizer,
+        name,
+        device_dense,
+        device_sparse,
+        compression,
+        sparse_as_dense,
+        gradient_predivide_factor,
+        op,
+        backward_passes_per_step,
+        average_aggregated_gradients,
+        0,
+        groups,
+        process_set,
+        scale_local_gradients,
+    )
+    for layer in layers:
+        for variable in layer.trainable_weights:
+            distributed.register_local_var(variable)
     return distributed
 
 
 def is_distributed(optimizer: Any) -> bool:
     """True for an optimizer returned by ``DistributedOptimizer``."""
-    return getattr(optimizer, "_shoal_reduce", None) is not None
+    return isinstance(optimizer, _DistributedMethods)
 
 
 def load_model(

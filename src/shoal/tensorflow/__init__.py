@@ -7,6 +7,7 @@ optional: ``pip install 'shoal[tensorflow]'``.
 """
 
 from shoal.exceptions import HorovodInternalError, HostsUpdatedInterrupt
+from shoal.tensorflow import elastic
 from shoal.tensorflow.compression import Compression
 from shoal.tensorflow.gradient_tape import DistributedGradientTape, PartialDistributedGradientTape
 from shoal.tensorflow.ops import (
@@ -34,6 +35,8 @@ from shoal.tensorflow.ops import (
     reducescatter,
     size_op,
 )
+from shoal.tensorflow.optimizer import DistributedOptimizer
+from shoal.tensorflow.sync_batch_norm import SyncBatchNormalization
 from shoal.torch.basics import (
     ccl_built,
     cross_rank,
@@ -65,6 +68,7 @@ __all__ = [
     "Average",
     "Compression",
     "DistributedGradientTape",
+    "DistributedOptimizer",
     "HorovodInternalError",
     "HostsUpdatedInterrupt",
     "Max",
@@ -73,6 +77,7 @@ __all__ = [
     "ProcessSet",
     "Product",
     "Sum",
+    "SyncBatchNormalization",
     "add_process_set",
     "allgather",
     "allgather_object",
@@ -88,6 +93,7 @@ __all__ = [
     "cross_size",
     "cuda_built",
     "ddl_built",
+    "elastic",
     "global_process_set",
     "gloo_built",
     "gloo_enabled",

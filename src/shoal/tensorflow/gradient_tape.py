@@ -14,8 +14,9 @@ from typing import Any
 
 import tensorflow as tf
 
+from shoal.runtime import elastic_rendezvous
 from shoal.tensorflow.compression import Compression, Compressor
-from shoal.tensorflow.ops import Average, grouped_allreduce
+from shoal.tensorflow.ops import Average, grouped_allreduce, size_op
 from shoal.torch.process_sets import ProcessSet, global_process_set
 
 
@@ -64,6 +65,8 @@ class GradientReducer:
         self.device_dense = device_dense
         self.device_sparse = device_sparse
         self.local_sources: set[Any] = set()
+        self.aggregation = 1.0
+        """A factor on every result (the Keras optimizer's sum of accumulated gradients)."""
 
     def reduce(self, grads: Sequence[Any], sources: Sequence[Any]) -> list[Any]:
         """The reduced gradients, in order; None stays None; local sources are only scaled."""
@@ -74,9 +77,12 @@ class GradientReducer:
             for i, (g, s) in enumerate(zip(grads, sources, strict=True))
             if g is not None and _ref(s) not in self.local_sources
         ]
+        # Decided while tracing: in an elastic job the size may change between runs of the same graph, so there
+        # the exchange is always traced (a no-op at size 1) and local gradients use the size read at run time.
+        elastic = elastic_rendezvous.is_elastic_worker()
         members = self.process_set.size()
-        if self.process_set.included() and members > 1 and shared:
-            for chunk in self._chunks(shared, sources):
+        if self.process_set.included() and (members > 1 or elastic):
+            for chunk in self._chunks(shared, sources) if shared else []:
                 reduced = grouped_allreduce(
                     [grads[i] for i in chunk],
                     device_dense=self.device_dense,
@@ -84,18 +90,27 @@ class GradientReducer:
                     compression=self.compression,
                     op=self.op,
                     prescale_factor=self.prescale,
-                    postscale_factor=self.postscale,
+                    postscale_factor=self.postscale * self.aggregation,
                     process_set=self.process_set,
                 )
                 for index, value in zip(chunk, reduced, strict=True):
                     results[index] = value
-        if self.scale_local_gradients and self.local_sources and members > 1:
-            for index, (grad, source) in enumerate(zip(grads, sources, strict=True)):
-                if grad is not None and _ref(source) in self.local_sources:
-                    if isinstance(grad, tf.IndexedSlices):
-                        results[index] = tf.IndexedSlices(grad.values / members, grad.indices, grad.dense_shape)
-                    else:
-                        results[index] = grad / members
+        elif self.aggregation != 1.0:
+            for index in shared:
+                results[index] = _scaled(grads[index], lambda dtype: tf.constant(self.aggregation, dtype))
+        mine = self.local_sources
+        local = [i for i, (g, s) in enumerate(zip(grads, sources, strict=True)) if g is not None and _ref(s) in mine]
+        divide = self.scale_local_gradients and (members > 1 or elastic)
+        if local and (divide or self.aggregation != 1.0):
+
+            def scale(dtype: Any) -> Any:
+                factor = tf.constant(self.aggregation, dtype)
+                if not divide:
+                    return factor
+                return factor / tf.cast(size_op(self.process_set.process_set_id or 0) if elastic else members, dtype)
+
+            for index in local:
+                results[index] = _scaled(grads[index], scale)
         return results
 
     def _chunks(self, shared: list[int], sources: Sequence[Any]) -> list[list[int]]:
@@ -109,6 +124,13 @@ class GradientReducer:
             key = position.get(_ref(sources[index]), ("alone", index))
             grouped.setdefault(key, []).append(index)
         return list(grouped.values())
+
+
+def _scaled(grad: Any, factor: Any) -> Any:
+    """``grad`` (dense or ``IndexedSlices``) times ``factor(dtype)``."""
+    if isinstance(grad, tf.IndexedSlices):
+        return tf.IndexedSlices(grad.values * factor(grad.values.dtype), grad.indices, grad.dense_shape)
+    return grad * factor(grad.dtype)
 
 
 def _ref(value: Any) -> Any:

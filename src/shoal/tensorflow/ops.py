@@ -423,25 +423,34 @@ def _global_only(process_set_id: int, what: str) -> None:
         raise NotImplementedError(f"{what}: only the global process set (id 0); use process_set.size()/.included()")
 
 
+def _runtime_int(value: Callable[[], int], name: str | None) -> Any:
+    """An int32 scalar read when it runs (inside a ``tf.function`` too: an elastic job changes size between runs)."""
+    if tf.executing_eagerly():
+        return tf.constant(value(), dtype=tf.int32, name=name)
+    result = tf.py_function(lambda: tf.constant(value(), dtype=tf.int32), [], tf.int32, name=name)
+    result.set_shape([])
+    return result
+
+
 def size_op(process_set_id: int = 0, name: str | None = None) -> Any:
-    """The number of ranks as a tensor."""
+    """The number of ranks as a tensor (evaluated when it runs)."""
     _global_only(process_set_id, "size_op")
-    return tf.constant(hvd.size(), name=name)
+    return _runtime_int(hvd.size, name)
 
 
 def rank_op(name: str | None = None) -> Any:
-    """This process's rank as a tensor."""
-    return tf.constant(hvd.rank(), name=name)
+    """This process's rank as a tensor (evaluated when it runs)."""
+    return _runtime_int(hvd.rank, name)
 
 
 def local_rank_op(name: str | None = None) -> Any:
     """This process's local rank as a tensor (Horovod's returns the global rank by mistake; this one does not)."""
-    return tf.constant(hvd.local_rank(), name=name)
+    return _runtime_int(hvd.local_rank, name)
 
 
 def local_size_op(name: str | None = None) -> Any:
-    """The number of ranks on this host as a tensor."""
-    return tf.constant(hvd.local_size(), name=name)
+    """The number of ranks on this host as a tensor (evaluated when it runs)."""
+    return _runtime_int(hvd.local_size, name)
 
 
 def process_set_included_op(process_set_id: int = 0, name: str | None = None) -> Any:

@@ -12,4 +12,4 @@ if keras.backend.backend() != "tensorflow":
     )
 
 from shoal.keras import *  # noqa: F403
-from shoal.keras import __all__, callbacks  # noqa: F401
+from shoal.keras import __all__, callbacks, elastic  # noqa: F401
