@@ -177,16 +177,28 @@ def _save_and_load(path: str) -> dict[str, Any]:
     loaded = hvd.load_model(path)
     before = int(np.asarray(loaded.optimizer.iterations))
     loaded.fit(x, y, batch_size=4, epochs=1, verbose=0)
+    after = int(np.asarray(loaded.optimizer.iterations))
+    best = hvd.callbacks.BestModelCheckpoint(monitor="loss", filepath=f"{path}.best.{hvd.rank()}.keras")
+    loaded.fit(x, y, batch_size=4, epochs=2, verbose=0, callbacks=[best])
+    unset = hvd.callbacks.BestModelCheckpoint()
+    try:
+        loaded.fit(x, y, batch_size=4, epochs=1, verbose=0, callbacks=[unset])
+        refused = "trained"
+    except ValueError as error:
+        refused = str(error)
     return {
         "distributed": hvd.is_distributed(loaded.optimizer),
         "class": type(loaded.optimizer).__name__,
-        "iterations": (before, int(np.asarray(loaded.optimizer.iterations))),
+        "iterations": (before, after),
+        "best_saved": os.path.exists(f"{path}.best.{hvd.rank()}.keras") and float(best.best) < float("inf"),
+        "refused": refused,
     }
 
 
 def test_load_model_restores_a_distributed_optimizer_with_its_state(tmp_path: Path) -> None:
     for got in run_ranks(_save_and_load, 2, args=(str(tmp_path / "model.keras"),), env=ENV, timeout_s=120):
-        assert got == {"distributed": True, "class": "Adam", "iterations": (2, 4)}
+        assert "needs a filepath" in got.pop("refused")
+        assert got == {"distributed": True, "class": "Adam", "iterations": (2, 4), "best_saved": True}
 
 
 @pytest.mark.parametrize("workers", [1, 2])

@@ -186,3 +186,41 @@ class LearningRateWarmupCallback(LearningRateScheduleCallback):
         super().on_epoch_end(epoch, logs)
         if epoch == self.warmup_epochs - 1 and self.verbose > 0 and hvd.rank() == 0:
             print(f"\nEpoch {epoch + 1}: finished gradual learning rate warmup to {_learning_rate(self.model.optimizer):g}.")
+
+
+class BestModelCheckpoint(keras.callbacks.ModelCheckpoint):
+    """Keep the best model seen so far: ``keras.callbacks.ModelCheckpoint`` with ``save_best_only=True``.
+
+    Horovod's left ``filepath`` to its Spark estimator; here it is a keyword (``.keras``, or ``.weights.h5`` with
+    ``save_weights_only``), or set ``callback.filepath`` before training. Give it to rank 0's ``fit`` only, as any
+    checkpoint.
+
+    Raises:
+        ValueError: at the start of training, when no ``filepath`` was set.
+    """
+
+    def __init__(
+        self,
+        monitor: str = "val_loss",
+        verbose: int = 0,
+        save_weights_only: bool = False,
+        mode: str = "auto",
+        save_freq: str | int = "epoch",
+        filepath: str | None = None,
+    ) -> None:
+        placeholder = "best.weights.h5" if save_weights_only else "best.keras"  # Keras checks the suffix now
+        super().__init__(
+            filepath or placeholder,
+            monitor=monitor,
+            verbose=verbose,
+            save_best_only=True,
+            save_weights_only=save_weights_only,
+            mode=mode,
+            save_freq=save_freq,
+        )
+        self.filepath = filepath
+
+    def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
+        if self.filepath is None:
+            raise ValueError("BestModelCheckpoint needs a filepath: BestModelCheckpoint(filepath=...) or set .filepath")
+        super().on_train_begin(logs)

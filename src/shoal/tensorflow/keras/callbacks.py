@@ -1,6 +1,7 @@
 """``horovod.tensorflow.keras.callbacks``: the same callbacks as ``shoal.keras.callbacks``."""
 
 from shoal.keras.callbacks import (
+    BestModelCheckpoint,
     BroadcastGlobalVariablesCallback,
     LearningRateScheduleCallback,
     LearningRateWarmupCallback,
@@ -9,6 +10,7 @@ from shoal.keras.callbacks import (
 )
 
 __all__ = [
+    "BestModelCheckpoint",
     "BroadcastGlobalVariablesCallback",
     "LearningRateScheduleCallback",
     "LearningRateWarmupCallback",
