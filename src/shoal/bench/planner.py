@@ -59,12 +59,21 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model", choices=["cnn", "mlp", "transformer"], default="mlp")
     parser.add_argument("--runs", type=int, default=5, help="rounds of (every forced scheme, then auto); default 5")
     parser.add_argument("--tolerance", type=float, default=0.95, help="auto must reach this share of the best")
+    parser.add_argument(
+        "--schemes",
+        default=",".join(s.value for s in FORCED),
+        help="the forced schemes to compare auto with, comma-separated (default: all of them)",
+    )
     add_phase_flags(parser)
     add_json_flag(parser)
     args = parser.parse_args(argv)
+    known = [s.value for s in FORCED]
+    schemes = [name.strip() for name in args.schemes.split(",") if name.strip()]
+    if not schemes or any(name not in known for name in schemes):
+        parser.error(f"--schemes takes some of {', '.join(known)}, got {args.schemes!r}")
     runs = []
     for run in range(args.runs):
-        forced = {scheme.value: float(train_once(args, scheme.value)["shoal_ips"]) for scheme in FORCED}
+        forced = {name: float(train_once(args, name)["shoal_ips"]) for name in schemes}
         auto = train_once(args, "auto")
         best = max(forced, key=forced.__getitem__)
         of_best = float(auto["shoal_ips"]) / forced[best]
