@@ -24,6 +24,28 @@ from sklearn.model_selection import train_test_split
 import shoal.keras as hvd
 
 
+def load_data() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The 8x8 digits as (x_train, x_test, y_train, y_test), pixels in [0, 1], the same split on every rank."""
+    digits = load_digits()
+    images = (digits.images / 16.0).astype(np.float32)[..., None]
+    x_train, x_test, y_train, y_test = train_test_split(images, digits.target, test_size=0.2, random_state=0)
+    return x_train, x_test, y_train, y_test
+
+
+def build_model() -> keras.Model:
+    """A small CNN that reaches >= 0.95 test accuracy in a few epochs."""
+    return keras.Sequential(
+        [
+            keras.Input((8, 8, 1)),
+            keras.layers.Conv2D(16, 3, padding="same", activation="relu"),
+            keras.layers.Conv2D(32, 3, padding="same", activation="relu"),
+            keras.layers.MaxPooling2D(2),
+            keras.layers.Flatten(),
+            keras.layers.Dense(10),
+        ]
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description="Train a CNN on sklearn digits with Keras and Shoal.")
     parser.add_argument("--epochs", type=int, default=8)
@@ -34,21 +56,9 @@ def main() -> None:
 
     hvd.init()
     keras.utils.set_random_seed(0)
-    digits = load_digits()
-    images = (digits.images / 16.0).astype(np.float32)[..., None]
-    x_train, x_test, y_train, y_test = train_test_split(images, digits.target, test_size=0.2, random_state=0)
+    x_train, x_test, y_train, y_test = load_data()
     shard = slice(hvd.rank(), None, hvd.size())
-
-    model = keras.Sequential(
-        [
-            keras.Input((8, 8, 1)),
-            keras.layers.Conv2D(16, 3, padding="same", activation="relu"),
-            keras.layers.Conv2D(32, 3, padding="same", activation="relu"),
-            keras.layers.MaxPooling2D(2),
-            keras.layers.Flatten(),
-            keras.layers.Dense(10),
-        ]
-    )
+    model = build_model()
     scaled_lr = args.lr * hvd.size()
     optimizer = hvd.DistributedOptimizer(keras.optimizers.SGD(learning_rate=scaled_lr, momentum=0.9))
     model.compile(

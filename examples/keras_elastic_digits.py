@@ -19,9 +19,7 @@ import time
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import keras
-import numpy as np
-from sklearn.datasets import load_digits
-from sklearn.model_selection import train_test_split
+from keras_digits import build_model, load_data  # the data and model of examples/keras_digits.py
 
 import shoal.keras as hvd
 
@@ -37,19 +35,8 @@ def main() -> None:
 
     hvd.init()
     keras.utils.set_random_seed(0)
-    digits = load_digits()
-    images = (digits.images / 16.0).astype(np.float32)[..., None]
-    x_train, x_test, y_train, y_test = train_test_split(images, digits.target, test_size=0.2, random_state=0)
-    model = keras.Sequential(
-        [
-            keras.Input((8, 8, 1)),
-            keras.layers.Conv2D(16, 3, padding="same", activation="relu"),
-            keras.layers.Conv2D(32, 3, padding="same", activation="relu"),
-            keras.layers.MaxPooling2D(2),
-            keras.layers.Flatten(),
-            keras.layers.Dense(10),
-        ]
-    )
+    x_train, x_test, y_train, y_test = load_data()
+    model = build_model()
     optimizer = hvd.DistributedOptimizer(keras.optimizers.SGD(learning_rate=args.lr * hvd.size(), momentum=0.9))
     model.compile(
         optimizer=optimizer,

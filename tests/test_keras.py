@@ -61,6 +61,7 @@ def _fit(global_batch: int, steps: int) -> dict[str, Any]:
         "every_batch": (keras.optimizers.SGD(learning_rate=0.1, momentum=0.9), {}),
         "passes_2_sum": (keras.optimizers.SGD(learning_rate=0.05), {"backward_passes_per_step": 2}),
         "keras_accumulation_2": (keras.optimizers.SGD(learning_rate=0.1, gradient_accumulation_steps=2), {}),
+        "loss_scaled": (keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(learning_rate=0.1, momentum=0.9)), {}),
     }
     for label, (optimizer, options) in variants.items():
         keras.utils.set_random_seed(rank)  # ranks start apart: the broadcast callback must make them equal
@@ -73,6 +74,11 @@ def _fit(global_batch: int, steps: int) -> dict[str, Any]:
             "loss": history.history["loss"][-1],
             "iterations": int(np.asarray(model.optimizer.iterations)),
         }
+
+    # A LossScaleOptimizer's check agrees over the ranks: one rank's overflow makes every rank skip the step.
+    scaled = hvd.DistributedOptimizer(keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD()))
+    own = [keras.ops.full((2,), float("inf") if rank == size - 1 else 1.0)]
+    results["loss_scale"] = [type(scaled).__name__, hvd.is_distributed(scaled), bool(np.asarray(scaled.check_finite(own)))]
 
     dense = keras.layers.Dense(2)
     head = keras.layers.Dense(1)
@@ -92,7 +98,7 @@ def test_fit_on_two_ranks_matches_one_process_with_the_global_batch(backend: str
     two = run_ranks(_fit, 2, args=(8, 6), env=env, timeout_s=150)
     one = run_ranks(_fit, 1, args=(8, 6), env=env, timeout_s=150)[0]
     assert two[0]["backend"] == one["backend"] == backend
-    for label in ("every_batch", "passes_2_sum", "keras_accumulation_2"):
+    for label in ("every_batch", "passes_2_sum", "keras_accumulation_2", "loss_scaled"):
         assert two[0][label]["weights"] == two[1][label]["weights"], label  # the ranks agree exactly
         difference = max(abs(a - b) for a, b in zip(two[0][label]["weights"], one[label]["weights"], strict=True))
         assert difference <= TOLERANCE, (label, difference)
@@ -107,6 +113,8 @@ def test_fit_on_two_ranks_matches_one_process_with_the_global_batch(backend: str
     # PartialDistributedOptimizer: shared layers averaged ((1 + 2) / 2), the local layer kept and divided by size.
     assert two[0]["partial"] == [1.5, 1.5, 0.5, 0.5] and two[1]["partial"] == [1.5, 1.5, 1.0, 1.0]
     assert one["partial"] == [1.0, 1.0, 1.0, 1.0]
+    for result in (*two, one):
+        assert result["loss_scale"] == ["LossScaleOptimizer", True, False]  # the last rank's inf reaches every rank
 
 
 def _callbacks() -> dict[str, Any]:

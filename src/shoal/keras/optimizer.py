@@ -146,6 +146,29 @@ class _DistributedMethods:
         self._shoal_reducer.local_sources.add(id(var) if backend() == "torch" else _local_ref(var))
 
 
+class _AgreedFiniteCheck:
+    """A ``LossScaleOptimizer`` whose finiteness check holds on every rank when it holds on all of them (a Min over
+    the ranks), so all ranks apply the step, or all skip it and lower the loss scale, together."""
+
+    inner_optimizer: Any
+
+    def check_finite(self, grads: Any) -> Any:
+        local = super().check_finite(grads)  # type: ignore[misc]
+        process_set = self.inner_optimizer._shoal_reducer.process_set
+        if process_set.size() < 2 or not process_set.included():
+            return local
+        if backend() == "torch":
+            import shoal.torch as hvd
+
+            return hvd.allreduce(local.float().reshape(1), op=hvd.Min, process_set=process_set)[0] > 0.5
+        import tensorflow as tf
+
+        from shoal.tensorflow.ops import Min, allreduce
+
+        agreed = allreduce(tf.reshape(tf.cast(local, tf.float32), [1]), op=Min, process_set=process_set)
+        return agreed[0] > 0.5
+
+
 def _local_ref(var: Any) -> Any:
     from shoal.tensorflow.gradient_tape import _ref
 
@@ -189,6 +212,36 @@ def DistributedOptimizer(
         raise ValueError(f"backward_passes_per_step must be an int >= 1, got {backward_passes_per_step!r}")
     if is_distributed(optimizer):
         return optimizer
+    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        # Its apply() checks the gradients and calls the inner optimizer's: distribute the inner one, and let every
+        # rank agree on the check (a rank that skipped the step while others reduced would leave them waiting).
+        inner = DistributedOptimizer(
+            optimizer.inner_optimizer,
+            None,
+            device_dense,
+            device_sparse,
+            compression,
+            sparse_as_dense,
+            gradient_predivide_factor,
+            op,
+            backward_passes_per_step,
+            average_aggregated_gradients,
+            num_groups,
+            groups,
+            process_set,
+            scale_local_gradients,
+        )
+        scaled: Any = type(
+            "LossScaleOptimizer",
+            (_AgreedFiniteCheck, keras.optimizers.LossScaleOptimizer),
+            {"__module__": keras.optimizers.LossScaleOptimizer.__module__},
+        )
+        return scaled(
+            inner,
+            initial_scale=optimizer.initial_scale,
+            dynamic_growth_steps=optimizer.dynamic_growth_steps,
+            name=name or optimizer.name,
+        )
     if num_groups != 0:
         warnings.warn("num_groups is deprecated; use groups", DeprecationWarning, stacklevel=2)
         groups = groups if groups is not None else num_groups
@@ -273,7 +326,7 @@ def PartialDistributedOptimizer(
 
 def is_distributed(optimizer: Any) -> bool:
     """True for an optimizer returned by ``DistributedOptimizer``."""
-    return isinstance(optimizer, _DistributedMethods)
+    return isinstance(optimizer, (_DistributedMethods, _AgreedFiniteCheck))
 
 
 def load_model(
