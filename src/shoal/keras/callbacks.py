@@ -16,12 +16,17 @@ import torch
 import shoal.torch as hvd
 
 
+def variable_value(variable: Any) -> np.ndarray:
+    """A Keras variable's value as a numpy array of its own (either backend)."""
+    return np.array(keras.ops.convert_to_numpy(variable))
+
+
 def broadcast_variables(variables: Sequence[Any], root_rank: int) -> None:
     """Give every Keras variable ``root_rank``'s value (``shoal.torch.broadcast_parameters`` on numpy copies)."""
     variables = list(variables)
     if not variables or hvd.size() == 1:
         return
-    values = [torch.from_numpy(np.array(keras.ops.convert_to_numpy(v))) for v in variables]
+    values = [torch.from_numpy(variable_value(v)) for v in variables]
     hvd.broadcast_parameters([(f"keras.{i}", value) for i, value in enumerate(values)], root_rank)
     for variable, value in zip(variables, values, strict=True):
         variable.assign(value.numpy())

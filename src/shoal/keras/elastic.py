@@ -16,7 +16,7 @@ import keras
 import numpy as np
 
 from shoal.exceptions import HorovodInternalError, HostsUpdatedInterrupt
-from shoal.keras.callbacks import broadcast_variables
+from shoal.keras.callbacks import broadcast_variables, variable_value
 from shoal.torch.elastic import ObjectState, State
 from shoal.torch.elastic import run as _run
 
@@ -34,10 +34,6 @@ def run(func: Callable[..., Result]) -> Callable[..., Result]:
 
         return _run(surfacing(func))
     return _run(func)
-
-
-def _numpy(variable: Any) -> np.ndarray:
-    return np.array(keras.ops.convert_to_numpy(variable))
 
 
 class KerasState(ObjectState):
@@ -72,7 +68,7 @@ class KerasState(ObjectState):
     def save(self) -> None:
         """Copy every model and optimizer variable, and the plain values."""
         super().save()
-        self._saved_values = [_numpy(v) for v in self._variables()]
+        self._saved_values = [variable_value(v) for v in self._variables()]
 
     def restore(self) -> None:
         """Put the last commit back into the variables and values."""

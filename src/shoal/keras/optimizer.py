@@ -56,6 +56,10 @@ class _TorchGradientReducer:
         self.aggregation = 1.0
         self.local_sources: set[Any] = set()
 
+    def register_local_source(self, variable: Any) -> None:
+        """Keep ``variable``'s gradient local."""
+        self.local_sources.add(id(variable))
+
     def reduce(self, grads: list[Any], variables: list[Any]) -> list[Any]:
         import shoal.torch as hvd
 
@@ -143,7 +147,7 @@ class _DistributedMethods:
     def register_local_var(self, var: Any) -> None:
         """Keep ``var``'s gradient local: not reduced (divided by the number of ranks when
         ``scale_local_gradients``)."""
-        self._shoal_reducer.local_sources.add(id(var) if backend() == "torch" else _local_ref(var))
+        self._shoal_reducer.register_local_source(var)
 
 
 class _AgreedFiniteCheck:
@@ -167,12 +171,6 @@ class _AgreedFiniteCheck:
 
         agreed = allreduce(tf.reshape(tf.cast(local, tf.float32), [1]), op=Min, process_set=process_set)
         return agreed[0] > 0.5
-
-
-def _local_ref(var: Any) -> Any:
-    from shoal.tensorflow.gradient_tape import _ref
-
-    return _ref(var)
 
 
 def DistributedOptimizer(

@@ -68,6 +68,10 @@ class GradientReducer:
         self.aggregation = 1.0
         """A factor on every result (the Keras optimizer's sum of accumulated gradients)."""
 
+    def register_local_source(self, source: Any) -> None:
+        """Keep ``source``'s gradient local."""
+        self.local_sources.add(_ref(source))
+
     def reduce(self, grads: Sequence[Any], sources: Sequence[Any]) -> list[Any]:
         """The reduced gradients, in order; None stays None; local sources are only scaled."""
         grads = [tf.convert_to_tensor(g) if self.sparse_as_dense and isinstance(g, tf.IndexedSlices) else g for g in grads]
@@ -145,7 +149,7 @@ class _DistributedGradientTape(tf.GradientTape):
     def register_local_source(self, source: Any) -> None:
         """Keep ``source``'s gradient local (not reduced; divided by the number of ranks when
         ``scale_local_gradients``)."""
-        self._shoal_reducer.local_sources.add(_ref(source))
+        self._shoal_reducer.register_local_source(source)
 
     def gradient(
         self, target: Any, sources: Any, output_gradients: Any = None, use_generic_names: bool = False, **kwargs: Any
