@@ -99,6 +99,15 @@ def _extras() -> dict[str, Any]:
     out["ops"] = [int(v) for v in sizes()]
     out["size_op_is_runtime"] = "EagerPyFunc" in {op.type for op in sizes.get_concrete_function().graph.get_operations()}
 
+    # PartialDistributedGradientTape: the shared layer's gradient averaged, the local layer's kept and divided by size.
+    shared_layer, local_layer = keras.layers.Dense(1), keras.layers.Dense(1)
+    local_layer(shared_layer(tf.ones((1, 1))))
+    with tf.GradientTape() as tape:
+        loss = (rank + 1.0) * (tf.reduce_sum(shared_layer.kernel) + tf.reduce_sum(local_layer.kernel))
+    tape = hvd.PartialDistributedGradientTape(tape, local_layers=[local_layer])
+    grads = tape.gradient(loss, [shared_layer.kernel, local_layer.kernel])
+    out["partial_tape"] = [float(g.numpy().ravel()[0]) for g in grads]
+
     # TensorFlowState: sync takes rank 0's, commit saves, restore rolls back.
     variable = tf.Variable([float(rank)] * 3)
     state = hvd.elastic.TensorFlowState([variable], epoch=rank + 5)
@@ -172,6 +181,7 @@ def test_sync_batch_norm_optimizer_size_ops_and_elastic_states_on_two_ranks() ->
         assert "doesn't inherit" in got["refusals"][1]
         assert "Adasum" in got["refusals"][2]
         assert got["ops"] == [2, rank, 2] and got["size_op_is_runtime"]
+        assert got["partial_tape"] == [1.5, (rank + 1) / 2]  # (1 + 2) / 2; this rank's own, over 2 ranks
         assert got["tf_state"] == {"synced": [[0.0, 0.0, 0.0], 5], "restored": [[7.0, 7.0, 7.0], 9]}
         assert "needs the variables" in got["tf_state_without_variables"]
         # 5 batches an epoch, a commit every 2: after batches 2 and 4, at epoch end; then 1, 3, 5, epoch end.

@@ -111,7 +111,8 @@ def test_per_rank_files_merge_onto_one_clock_and_name_the_late_rank(tmp_path: Pa
     assert max(abs(a - b) for a, b in zip(starts[0], starts[1], strict=True)) < 20_000
     summary = _timeline("summary", *files)  # per-rank files directly, merged on the fly
     assert summary.returncode == 0, summary.stderr
-    assert re.search(r"arrived last: rank 1 in \d+%, rank 0", summary.stdout), summary.stdout  # rank 1 most often
+    # Rank 1 listed first: most often last (rank 0 is listed too when start-up made it late once; not always).
+    assert re.search(r"arrived last: rank 1 in \d+%, (rank 0 in \d+%, )?all together", summary.stdout), summary.stdout
     # Rank 1 slept 30 ms before every backward: after the first step (start-up skews that one), it is the last to
     # submit every gradient.
     later = [e for name, seen in arrivals(trace).items() if name.startswith("Distributed") for e in seen[1:]]
