@@ -188,3 +188,36 @@ def test_a_cpu_bound_step_overlaps_nothing() -> None:
     step = profile([("a", 3 * MB, 0.001), ("b", 3 * MB, 0.002)], backward=0.5)  # hidden when a core is free
     result = simulate(step, LINKS, workers=2, comm="allreduce", cpu_bound=True)
     assert result.step_s == pytest.approx(step.compute_s + 2 * ring_seconds(3 * MB, 2))
+
+
+def test_a_cpu_bound_step_overlaps_only_the_wire_wait_of_each_exchange() -> None:
+    """With a measured CPU share, only that share of each exchange takes from backward; the rest (waiting on the
+    wire) overlaps it, and an exchange's busy time delays the gradients backward makes after it."""
+    busy = Links(LINKS.inter, LINKS.intra, LINKS.cast_per_byte_s, LINKS.flops_per_s, cpu_share={"allreduce": 0.25})
+    seconds = ring_seconds(3 * MB, 2)
+    long_backward = profile([("a", 3 * MB, 0.001), ("b", 3 * MB, 0.002)], backward=0.5)  # the wire hides under it
+    result = simulate(long_backward, busy, workers=2, comm="allreduce", cpu_bound=True)
+    assert [e.cpu_s for e in result.exchanges] == pytest.approx([0.25 * seconds] * 2)
+    assert result.step_s == pytest.approx(long_backward.compute_s + 2 * 0.25 * seconds)
+    short_backward = profile([("a", 3 * MB, 0.001), ("b", 3 * MB, 0.002)], backward=0.02)  # the wire is the step
+    result = simulate(short_backward, busy, workers=2, comm="allreduce", cpu_bound=True)
+    assert result.exchanges[1].start_s == pytest.approx(0.001 + seconds)  # after a, not before its submission
+    assert result.step_s == pytest.approx(0.01 + 0.001 + 2 * seconds + 0.005)
+    late = profile([("a", 3 * MB, 0.001), ("b", 3 * MB, 0.4)], backward=0.4)  # b is made after a took its core time
+    result = simulate(late, busy, workers=2, comm="allreduce", cpu_bound=True)
+    assert result.exchanges[1].start_s == pytest.approx(0.4 + 0.25 * seconds)
+    assert result.step_s == pytest.approx(0.01 + 0.4 + 0.25 * seconds + seconds + 0.005)
+    not_measured = simulate(late, LINKS, workers=2, comm="allreduce", cpu_bound=True)  # all of it busy, as before
+    assert not_measured.step_s == pytest.approx(late.compute_s + 2 * seconds)
+
+
+def test_a_calibrations_cpu_share_survives_its_file_and_reaches_the_simulator() -> None:
+    from shoal.plan.calibration import calibration_from_json
+
+    lines = {"allreduce": (4e-4, 1.5e-10), "fp16": (3e-4, 4.6e-10), "bf16": (3e-4, 5e-10), "allgather": (9e-4, 2e-9)}
+    measured = Calibration(lines, 1e11, measured_on=(2, 2), cpu_share={"allreduce": 0.2, "fp16": 0.5})
+    loaded = calibration_from_json(calibration_to_json(measured), "cal.json")
+    assert loaded == measured and loaded.cpu_seconds("fp16", 2.0) == 1.0 and loaded.cpu_seconds("allgather", 2.0) == 2.0
+    links = Links.from_calibration(loaded, workers=2, hosts=2)
+    assert links.calibration(8, 1).cpu_share == {"allreduce": 0.2, "fp16": 0.5}
+    assert calibration_from_json(calibration_to_json(Calibration(lines, 1e11)), "old.json").cpu_share == {}

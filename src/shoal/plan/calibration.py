@@ -10,7 +10,7 @@ import json
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 
 @dataclass(frozen=True)
@@ -29,6 +29,19 @@ class Calibration:
     measured_on: tuple[int, int] | None = None
     """(ranks, hosts) of the job that measured it, when known: what ``shoal.predict`` needs to carry the lines to
     other worker counts."""
+    cpu_share: dict[str, float] = field(default_factory=dict)
+    """By exchange, when measured: the process's CPU seconds (all its threads) per wall second of the probes. Near 1
+    where a core works through the whole exchange (shared memory, copies); well under 1 where the exchange mostly
+    waits on a slow wire. ``shoal.predict`` uses it on CPU-bound workers: only this share of an exchange takes a core
+    from compute, the rest of it can overlap backward."""
+
+    def cpu_seconds(self, exchange: str, seconds: float) -> float:
+        """How much of an exchange of ``seconds`` keeps a core busy (all of it when the share was not measured)."""
+        return seconds * self.cpu_share.get(exchange, 1.0)
+
+    def with_lines(self, lines: dict[str, tuple[float, float]], flops_per_s: float) -> Calibration:
+        """The same calibration with other lines and matmul rate (the rest kept)."""
+        return replace(self, lines=lines, flops_per_s=flops_per_s)
 
     def seconds(self, exchange: str, nbytes: float) -> float:
         """Predicted time of ``exchange`` for ``nbytes``."""
@@ -61,13 +74,19 @@ def fit_line(sizes: list[float], seconds: list[float]) -> tuple[float, float]:
 
 def median_seconds(fn: Callable[[], object], repeats: int) -> float:
     """Median wall time of ``fn`` over ``repeats`` calls, after one untimed warm-up call (and response cache fill)."""
+    return timed_calls(fn, repeats)[0]
+
+
+def timed_calls(fn: Callable[[], object], repeats: int) -> tuple[float, float, float]:
+    """``median_seconds``, plus the total wall and process CPU seconds (every thread) of the timed calls."""
     fn()
     samples = []
+    cpu_start = time.process_time()
     for _ in range(repeats):
         start = time.perf_counter()
         fn()
         samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
+    return statistics.median(samples), sum(samples), time.process_time() - cpu_start
 
 
 def calibration_to_json(calibration: Calibration) -> str:
@@ -75,6 +94,8 @@ def calibration_to_json(calibration: Calibration) -> str:
     lines = {name: list(line) for name, line in calibration.lines.items()}
     links = {name: list(line) for name, line in calibration.links.items()}
     raw: dict[str, object] = {"lines": lines, "flops_per_s": calibration.flops_per_s, "links": links}
+    if calibration.cpu_share:
+        raw["cpu_share"] = dict(calibration.cpu_share)
     if calibration.measured_on is not None:
         raw["measured_on"] = {"ranks": calibration.measured_on[0], "hosts": calibration.measured_on[1]}
     return json.dumps(raw, indent=1, sort_keys=True)
@@ -89,7 +110,8 @@ def calibration_from_json(text: str, origin: str) -> Calibration:
         measured_on = raw.get("measured_on")
         if measured_on is not None:
             measured_on = (int(measured_on["ranks"]), int(measured_on["hosts"]))
-        result = Calibration(lines, float(raw["flops_per_s"]), links, measured_on)
+        cpu_share = {str(name): float(share) for name, share in raw.get("cpu_share", {}).items()}
+        result = Calibration(lines, float(raw["flops_per_s"]), links, measured_on, cpu_share)
     except (ValueError, KeyError, TypeError, IndexError) as error:
         raise ValueError(f"{origin} is not a Shoal calibration file: {error!r}") from None
     missing = {"allreduce", "fp16", "bf16", "allgather"} - set(lines)

@@ -248,7 +248,7 @@ def refit(
         if plan.choice != Scheme.SFB and plan.name in terms:
             points.setdefault(exchange, []).append((*terms[plan.name], measured))
     if not ratios:
-        return Calibration(calibration.lines, flops_per_s, calibration.links, calibration.measured_on)
+        return calibration.with_lines(calibration.lines, flops_per_s)
     fitted_lines = {exchange: line for exchange in ratios if (line := _least_squares(points.get(exchange, []))) is not None}
     if fitted_lines:  # the line whose layers' sizes pinned both α and β down best carries its changes to the rest
         reference = max(fitted_lines, key=lambda exchange: len(points[exchange]))
@@ -262,7 +262,7 @@ def refit(
         exchange: fitted_lines.get(exchange, (latency * latency_factor, per_byte * per_byte_factor))
         for exchange, (latency, per_byte) in calibration.lines.items()
     }
-    return Calibration(lines, flops_per_s, calibration.links, calibration.measured_on)
+    return calibration.with_lines(lines, flops_per_s)
 
 
 SEPARABLE_SPAN = 4.0

@@ -14,7 +14,8 @@ the cost of half-precision casts, the matmul rate). For a worker count P with R 
 - the step ends when backward and every exchange are done, then the SFB rebuilds and the update run.
 
 What it leaves out, on purpose: the engine's negotiation cycle (inside the calibrated latency) and the engine's
-fusion of buckets submitted together. Where compute takes every core (``cpu_bound``), nothing overlaps.
+fusion of buckets submitted together. Where compute takes every core (``cpu_bound``), only the time an exchange
+spends waiting on the wire overlaps backward; its busy time adds to it.
 """
 
 from __future__ import annotations
@@ -56,6 +57,9 @@ class Links:
     """The matmul rate of SFB's rebuild."""
     intra_allgather: Line | None = None
     """Within a host: one allgather among its ranks, as a line in the gathered bytes (None: the intra line)."""
+    cpu_share: dict[str, float] = field(default_factory=dict)
+    """By exchange, the share of its time that keeps a core busy, as a calibration measured it (``Calibration.
+    cpu_share``; empty: all of it)."""
 
     @classmethod
     def preset(cls, link: str, intra: Line, cast_per_byte_s: float, flops_per_s: float) -> Links:
@@ -79,10 +83,11 @@ class Links:
         half_per_byte = calibration.lines["fp16"][1]
         cast = max(half_per_byte - per_byte / 2, 0.0)
         inter = None
+        share = dict(calibration.cpu_share)
         if hosts == 1:
             intra = Line(latency, per_byte)
             gather_latency, gather_per_byte = calibration.lines["allgather"]
-            return cls(None, intra, cast, calibration.flops_per_s, Line(gather_latency, gather_per_byte))
+            return cls(None, intra, cast, calibration.flops_per_s, Line(gather_latency, gather_per_byte), share)
         if workers == hosts:
             inter = Line(latency / (2 * (hosts - 1)), per_byte * hosts / (2 * (hosts - 1)))
             intra = Line(0.0, 0.0)
@@ -92,7 +97,7 @@ class Links:
             inter_latency, inter_per_byte = calibration.links["inter-host"]
             inter = Line(inter_latency / (2 * (hosts - 1)), inter_per_byte * hosts / (2 * (hosts - 1)))
             intra = Line(*calibration.links["intra-host"])
-        return cls(inter, intra, cast, calibration.flops_per_s)
+        return cls(inter, intra, cast, calibration.flops_per_s, cpu_share=share)
 
     def calibration(self, workers: int, ranks_per_host: int) -> Calibration:
         """The lines the planner would measure on ``workers`` ranks, ``ranks_per_host`` on each host.
@@ -129,7 +134,7 @@ class Links:
                 "intra-host": (self.intra.latency_s, self.intra.per_byte_s),
                 "inter-host": (2 * self.inter.latency_s, self.inter.per_byte_s),  # a two-party ring: the stand-in
             }
-        return Calibration(lines, self.flops_per_s, links)
+        return Calibration(lines, self.flops_per_s, links, cpu_share=dict(self.cpu_share))
 
 
 @dataclass(frozen=True)
@@ -161,6 +166,7 @@ class StepProfile:
     """From the step's start to the start of backward (data, forward, loss)."""
     backward_s: float
     update_s: float
+    """The update (profiled in lockstep, with the wait for the slowest worker)."""
     batch: int
     """Samples per worker per step."""
     gradients: list[Gradient]
@@ -180,6 +186,8 @@ class Exchange:
     nbytes: int
     submitted_s: float
     seconds: float
+    cpu_s: float = 0.0
+    """The part of ``seconds`` that keeps a core busy (``Calibration.cpu_seconds``)."""
     start_s: float = 0.0
 
     @property
@@ -241,10 +249,12 @@ def simulate(
 ) -> StepPrediction:
     """Play one training step at ``workers`` ranks (see the module's description).
 
-    ``cpu_bound``: compute takes every core of the host (CPU workers using all of them), so communication cannot
-    run beside it: every exchange's time adds to the step instead of overlapping backward. On this project's 2-core
-    machine with every core computing, the emulated hosts' transformer lost more than its whole wire time to
-    communication, and the one-host MLP three times its bare shared-memory time (docs/predict.md).
+    ``cpu_bound``: compute takes every core of the host (CPU workers using all of them), so the part of each
+    exchange that keeps a core busy (copies, reductions, the kernel's TCP work: the calibration's ``cpu_share``,
+    all of it when not measured) cannot run beside compute and adds to backward; only the rest, waiting on a slow
+    wire, can overlap it. On this project's 2-core machine with every core computing, the emulated hosts'
+    transformer lost more than its whole 1 Gbit/s wire time to communication, and the one-host MLP three times its
+    bare shared-memory time (docs/predict.md).
     """
     calibration = links.calibration(workers, ranks_per_host)
     layers = {layer.name: layer for layer in profile.layers}
@@ -273,7 +283,8 @@ def simulate(
                     rebuild = sfb_rebuild_flops(workers, layer.linear) / calibration.flops_per_s
                     seconds -= rebuild  # the allgathers on the wire; the rebuild runs at synchronize
                     rebuild_s += rebuild
-                exchanges.append(Exchange(scheme, (layer.name,), layer.nbytes, gradient.ready_s, seconds))
+                busy = calibration.cpu_seconds(scheme.exchange or "allreduce", seconds)
+                exchanges.append(Exchange(scheme, (layer.name,), layer.nbytes, gradient.ready_s, seconds, busy))
                 continue
             names, size = open_buckets.get(scheme, ([], 0))
             names, size = [*names, gradient.layer], size + gradient.nbytes
@@ -285,11 +296,14 @@ def simulate(
         for scheme, (names, size) in open_buckets.items():  # flushed at synchronize, when backward is over
             exchanges.append(_bucket(scheme, names, size, profile.backward_s, calibration))
     free = 0.0
+    stolen = 0.0  # CPU-bound: core time the exchanges so far took from backward, which delays what it makes next
     for exchange in sorted(exchanges, key=lambda e: e.submitted_s):
-        exchange.start_s = max(exchange.submitted_s, free)
+        exchange.start_s = max(exchange.submitted_s + stolen, free)
         free = exchange.end_s
+        if cpu_bound:
+            stolen += exchange.cpu_s
     comm_s = sum(e.seconds for e in exchanges)
-    backward_end = profile.backward_s + comm_s if cpu_bound else max(profile.backward_s, free)
+    backward_end = max(profile.backward_s + stolen, free)
     step = profile.forward_s + backward_end + rebuild_s + profile.update_s
     samples = workers * profile.batch / step
     return StepPrediction(
@@ -309,4 +323,5 @@ def simulate(
 
 def _bucket(scheme: Scheme, names: list[str], nbytes: int, submitted_s: float, calibration: Calibration) -> Exchange:
     seconds = calibration.seconds(scheme.value, nbytes)
-    return Exchange(scheme, tuple(dict.fromkeys(names)), nbytes, submitted_s, seconds)
+    busy = calibration.cpu_seconds(scheme.value, seconds)
+    return Exchange(scheme, tuple(dict.fromkeys(names)), nbytes, submitted_s, seconds, busy)

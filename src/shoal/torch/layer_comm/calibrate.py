@@ -13,7 +13,14 @@ from collections.abc import Callable
 import torch
 
 from shoal.config import env_str
-from shoal.plan.calibration import Calibration, calibration_from_json, calibration_to_json, fit_line, median_seconds
+from shoal.plan.calibration import (
+    Calibration,
+    calibration_from_json,
+    calibration_to_json,
+    fit_line,
+    median_seconds,
+    timed_calls,
+)
 from shoal.runtime import context
 from shoal.torch import functions, handles
 from shoal.torch.objects import broadcast_object
@@ -32,22 +39,35 @@ Probes = dict[str, tuple[Callable[[], object], float]]
 """Per exchange, a probe and the bytes its line is fitted against."""
 
 
-def _probe_lines(probes_at: Callable[[int, int], Probes], repeats: int, tag: str) -> dict[str, tuple[float, float]]:
+Lines = dict[str, tuple[float, float]]
+"""Per exchange, a fitted (latency, seconds per byte)."""
+
+
+def _probe_lines(probes_at: Callable[[int, int], Probes], repeats: int, tag: str) -> tuple[Lines, dict[str, float]]:
     """Time each exchange at growing sizes and fit its line; every rank stops at the same size, after the first one
-    whose slowest probe passed the budget (collective: every rank calls it with the same exchanges)."""
+    whose slowest probe passed the budget (collective: every rank calls it with the same exchanges).
+
+    Also returns each exchange's CPU share: this process's CPU seconds over wall seconds, summed over its probes (so
+    the large sizes weigh most).
+    """
     samples: dict[str, tuple[list[float], list[float]]] = {}
+    busy: dict[str, list[float]] = {}
     for index, nbytes in enumerate(_PROBE_BYTES):
         slowest = 0.0
         for exchange, (probe, fitted_bytes) in probes_at(index, nbytes).items():
-            elapsed = median_seconds(probe, repeats)
+            elapsed, wall, cpu = timed_calls(probe, repeats)
             slowest = max(slowest, elapsed)
             sizes, seconds = samples.setdefault(exchange, ([], []))
             sizes.append(fitted_bytes)
             seconds.append(elapsed)
+            totals = busy.setdefault(exchange, [0.0, 0.0])
+            totals[0] += wall
+            totals[1] += cpu
         agreed = functions.allreduce(torch.tensor([slowest]), op=functions.Max, name=f"{tag}.max.{index}")
         if float(agreed) > _PROBE_BUDGET_S:
             break
-    return {exchange: fit_line(*points) for exchange, points in samples.items()}
+    lines = {exchange: fit_line(*points) for exchange, points in samples.items()}
+    return lines, {exchange: round(cpu / wall, 3) for exchange, (wall, cpu) in busy.items() if wall > 0}
 
 
 def measure(repeats: int = 3) -> Calibration:
@@ -64,12 +84,13 @@ def measure(repeats: int = 3) -> Calibration:
             "allgather": (lambda: functions.allgather(piece, name=f"shoal.cal.ag.{index}"), piece.numel() * 4 * size),
         }
 
-    lines = _probe_lines(probes_at, repeats, "shoal.cal")
+    lines, cpu_share = _probe_lines(probes_at, repeats, "shoal.cal")
     left, right = torch.randn(256, 256), torch.randn(256, 256)
     matmul_s = median_seconds(lambda: left @ right, repeats)
     topology = context.current().topology
     hosts = len(set(topology.host_of_rank))
-    local = Calibration(lines, 2 * 256**3 / max(matmul_s, 1e-9), _measure_links(repeats), (topology.size, hosts))
+    flops = 2 * 256**3 / max(matmul_s, 1e-9)
+    local = Calibration(lines, flops, _measure_links(repeats), (topology.size, hosts), cpu_share)
     result: Calibration = broadcast_object(local, root_rank=0, name="shoal.cal.result")
     return result
 
@@ -100,7 +121,7 @@ def _measure_links(repeats: int) -> dict[str, tuple[float, float]]:
                     link: (lambda: functions.allreduce_(tensor, op=functions.Sum, name=name, process_set=process_set), nbytes)
                 }
 
-            links.update(_probe_lines(probes_at, repeats, f"shoal.cal.{link}"))
+            links.update(_probe_lines(probes_at, repeats, f"shoal.cal.{link}")[0])
     finally:
         for process_set in registered:
             remove_process_set(process_set)
