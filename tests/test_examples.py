@@ -61,14 +61,17 @@ def test_train_benchmark_json_contract() -> None:
         "--warmup",
         "1",
         "--profile",
+        "--lockstep-bound",
     ]
     result = subprocess.run(command, env=clean_env(), capture_output=True, text=True, timeout=300, cwd=REPO)
     assert result.returncode == 0, result.stderr[-3000:]
     summary = json.loads(result.stdout.strip().splitlines()[-1].split(":", 1)[1])
     assert summary["bench"] == "train" and summary["model"] == "mlp" and summary["world"] == 2
-    for key in ("shoal_ips", "ddp_ips", "ratio", "bound_ips", "of_bound", "solo_ips", "bare_reduce_ms", "no_overlap_ips"):
+    keys = ("shoal_ips", "ddp_ips", "ratio", "bound_ips", "of_bound", "solo_ips", "bare_reduce_ms", "no_overlap_ips")
+    for key in (*keys, "lockstep_ips", "of_lockstep"):
         assert float(summary[key]) > 0, key
     assert abs(float(summary["of_bound"]) - float(summary["shoal_ips"]) / float(summary["bound_ips"])) < 0.01
+    assert abs(float(summary["of_lockstep"]) - float(summary["shoal_ips"]) / float(summary["lockstep_ips"])) < 0.01
     # --profile: where a step's time went, from a timeline of one more Shoal phase (3 steps)
     assert re.search(
         r"compute on rank 0, 3 steps, median ms: forward [\d.]+, backward [\d.]+, synchronize [\d.]+, "

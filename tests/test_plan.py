@@ -84,6 +84,32 @@ def test_sfb_matches_the_allreduce_gradient(size: int, reuse: bool) -> None:
             np.testing.assert_allclose(result["weights"][name], value, atol=ATOL, err_msg=f"rank {rank} {name}")  # type: ignore[index]
 
 
+def _autograd_work_during_backward() -> dict[str, object]:
+    hvd.init()
+    torch.manual_seed(0)
+    model = Mlp()
+    optimizer = hvd.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters(), model=model, comm="sfb"
+    )
+    x, y = data(hvd.size(), 3)
+    out = model(x[0][hvd.rank() :: hvd.size()])
+    flags = [layer.weight.requires_grad for layer in (model.fc1, model.fc2, model.reused)]
+    nn.functional.mse_loss(out, y[0][hvd.rank() :: hvd.size()]).backward()
+    before = {name: getattr(model, name).weight.grad is None for name in ("fc1", "fc2", "reused")}
+    bias = model.fc1.bias.grad is not None
+    optimizer.step()
+    return {"flags": flags, "weight_grad_none": before, "bias": bias, "after": model.fc1.weight.grad is not None}
+
+
+def test_sfb_layers_leave_the_local_weight_gradient_to_the_rebuild() -> None:
+    """Autograd skips the weight gradient the rebuild would overwrite; the weight is trainable again after forward,
+    the bias gradient flows, and synchronize writes the weight's gradient."""
+    for result in run_ranks(_autograd_work_during_backward, 2, timeout_s=120):
+        assert result["flags"] == [True, True, True]
+        assert result["weight_grad_none"] == {"fc1": True, "fc2": True, "reused": True}
+        assert result["bias"] is True and result["after"] is True
+
+
 def test_auto_plans_after_one_step_and_still_matches() -> None:
     expected = reference(2, 3, False)
     for result in run_ranks(_distributed, 2, args=("auto", False, 3), timeout_s=120):
@@ -111,6 +137,16 @@ def test_planner_picks_sfb_only_when_factors_are_small() -> None:
     plans = {p.name: p for p in build_plan(model, CALIBRATION, 2, {"0": 8, "2": 8})}
     assert plans["0"].choice == "sfb"
     assert set(plans["0"].predicted_ms) == {"allreduce", "fp16", "bf16", "sfb"}
+
+
+def test_sfb_is_credited_with_the_local_gradient_it_spares_only_where_the_layer_has_a_bias() -> None:
+    model = nn.Sequential(nn.Linear(4096, 4096), nn.ReLU(), nn.Linear(4096, 4096, bias=False))
+    plans = {p.name: p for p in build_plan(model, CALIBRATION, 2, {"0": 8, "2": 8})}
+    spared = 2 * 8 * 4096 * 4096
+    assert plans["0"].spared_flops == spared and plans["2"].spared_flops == 0.0
+    saving_ms = spared / CALIBRATION.flops_per_s * 1e3
+    assert plans["0"].predicted_ms["sfb"] == pytest.approx(plans["2"].predicted_ms["sfb"] - saving_ms)
+    assert plans["0"].predicted_ms["allreduce"] > plans["2"].predicted_ms["allreduce"]  # the bias's bytes
 
 
 def test_forced_schemes_are_obeyed_by_name_and_type() -> None:

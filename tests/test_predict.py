@@ -107,6 +107,31 @@ def test_auto_takes_the_planners_choice_and_sfb_rebuilds_at_synchronize() -> Non
     assert result.step_s == pytest.approx(0.01 + max(0.05, 0.02 + wire) + rebuild + 0.005)
 
 
+def test_sfb_with_a_bias_spares_backward_the_local_weight_gradient() -> None:
+    """SFB leaves autograd's local weight gradient out (the layer has a trainable bias): the planner's prediction
+    drops by 2·K·M·N flops, and the simulated backward ends that much earlier, with later gradients ready earlier."""
+    rows, outputs, inputs = 32, 2048, 3072
+    nbytes = 4 * (outputs * inputs + outputs)
+    calibration = LINKS.calibration(2, 1)
+    plain = predict(calibration, 2, nbytes, (rows, outputs, inputs))
+    spared = 2 * rows * outputs * inputs / LINKS.flops_per_s
+    sparing = predict(calibration, 2, nbytes, (rows, outputs, inputs), spares_local=True)
+    assert sparing[Scheme.SFB] == pytest.approx(plain[Scheme.SFB] - spared) and sparing[Scheme.FP16] == plain[Scheme.FP16]
+    gradients = [Gradient("fc", nbytes, 0.02), Gradient("conv", 4000, 0.04)]
+    layers = [Layer("fc", "Linear", nbytes, (rows, outputs, inputs), spares_local=True), Layer("conv", "Conv2d", 4000)]
+    step = StepProfile(0.01, 0.05, 0.005, 32, gradients, layers)
+    result = simulate(step, LINKS, workers=2, comm="auto")
+    assert result.choices["fc"] == Scheme.SFB
+    rebuild = 2 * 2 * rows * outputs * inputs / LINKS.flops_per_s
+    wire = plain[Scheme.SFB] - rebuild
+    sfb, bucket = sorted(result.exchanges, key=lambda e: e.scheme != Scheme.SFB)
+    assert sfb.submitted_s == pytest.approx(0.02 - spared) and sfb.seconds == pytest.approx(wire)
+    assert bucket.submitted_s == pytest.approx(0.05 - spared)  # flushed when the shorter backward ends
+    assert bucket.start_s == pytest.approx(max(bucket.submitted_s, sfb.end_s))
+    end = max(0.05 - spared, sfb.end_s, bucket.end_s)
+    assert result.step_s == pytest.approx(0.01 + end + rebuild + 0.005)
+
+
 def test_scaling_names_the_bottleneck_and_the_better_setting() -> None:
     rows, outputs, inputs = 32, 2048, 3072
     nbytes = 4 * (outputs * inputs + outputs)

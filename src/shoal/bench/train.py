@@ -8,6 +8,8 @@ machine's limit for this model: ranks share memory bandwidth and caches), ``of_b
 ``solo_ips`` is one process training alone (the other ranks wait). ``bare_reduce_ms`` is one Average allreduce of
 all the gradient bytes with nothing else running, and ``no_overlap_ips`` the bound's step plus that reduction: the
 best a step can do when every core is busy computing, so the reduction cannot hide under backward.
+``--lockstep-bound`` adds ``lockstep_ips`` and ``of_lockstep``: the bound with the ranks meeting after each backward
+pass (a one-element allreduce), as a synchronous job's ranks must, so that their memory-bound updates coincide.
 ``--profile`` then times one more Shoal phase with a timeline and prints where a step's time goes.
 """
 
@@ -47,6 +49,7 @@ def _timed_steps(
     warmup: int,
     steps: int,
     sync: Callable[[], None],
+    after_backward: Callable[[], None] | None = None,
 ) -> float:
     """Seconds for ``steps`` training steps after ``warmup`` ones (the slowest rank's time when ``sync`` syncs)."""
     loss_fn = nn.CrossEntropyLoss()
@@ -55,6 +58,8 @@ def _timed_steps(
         x, y = batches[index % len(batches)]
         optimizer.zero_grad()
         loss_fn(model(x), y).backward()
+        if after_backward is not None:
+            after_backward()
         optimizer.step()
 
     for index in range(warmup):
@@ -148,6 +153,22 @@ def run_bound(args: argparse.Namespace, batches: list[tuple[torch.Tensor, torch.
     return hvd.size() * args.batch_size * args.steps / elapsed
 
 
+def run_lockstep_bound(args: argparse.Namespace, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+    """Images per second when every rank trains at once with no gradient bytes, but in lockstep: the ranks meet
+    after each backward pass (one one-element allreduce, the least a synchronous job exchanges), so that their
+    updates and forward passes run at the same time, as in any synchronous data-parallel job."""
+    torch.manual_seed(0)
+    model, _ = build(args.model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    token = torch.zeros(1)
+
+    def meet() -> None:
+        hvd.allreduce_(token, op=hvd.Sum, name="bench.train.lockstep")
+
+    elapsed = _slowest(_timed_steps(model, optimizer, batches, args.warmup, args.steps, hvd.barrier, meet))
+    return hvd.size() * args.batch_size * args.steps / elapsed
+
+
 def bare_reduce_seconds(args: argparse.Namespace, repeats: int = 10) -> float:
     """Median seconds of one Average allreduce of all the model's gradient bytes at once, nothing else running."""
     model, _ = build(args.model)
@@ -221,13 +242,18 @@ def main(argv: list[str] | None = None) -> None:
         action="store_true",
         help="then time one more Shoal phase with a timeline and print where a step's time goes",
     )
+    parser.add_argument(
+        "--lockstep-bound",
+        action="store_true",
+        help="each round also time the lockstep bound: no gradient bytes, but the ranks meet after every backward",
+    )
     parser.add_argument("--autotune-samples", type=int, default=12, help="scored autotune samples (default 12)")
     add_json_flag(parser)
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     hvd.init()
     batches = _batches(args.model, args.batch_size, 4)
-    shoal_runs, ddp_runs, bound_runs = [], [], []
+    shoal_runs, ddp_runs, bound_runs, lockstep_runs = [], [], [], []
     # One Shoal training job across the rounds, as in real training: comm="auto" plans (and may refit) once, in the
     # first round, and later rounds run the plan it settled on.
     shoal_job = _shoal_model(args)
@@ -236,11 +262,14 @@ def main(argv: list[str] | None = None) -> None:
         if args.compare == "ddp":
             ddp_runs.append(run_ddp(args, batches))
         bound_runs.append(run_bound(args, batches))
+        if args.lockstep_bound:
+            lockstep_runs.append(run_lockstep_bound(args, batches))
         if hvd.rank() == 0:  # progress: each round as it ends
             ddp = f", ddp {ddp_runs[-1]:.1f}" if ddp_runs else ""
+            lockstep = f", lockstep bound {lockstep_runs[-1]:.1f}" if lockstep_runs else ""
             print(
                 f"round {round_number + 1}/{args.rounds}: shoal {shoal_runs[-1]:.1f}{ddp}, no-communication bound "
-                f"{bound_runs[-1]:.1f} img/s",
+                f"{bound_runs[-1]:.1f}{lockstep} img/s",
                 flush=True,
             )
     solo_ips = run_solo(args, batches)
@@ -300,6 +329,14 @@ def main(argv: list[str] | None = None) -> None:
         )
         result["bound_ips"] = round(bound_ips, 1)
         result["of_bound"] = round(shoal_ips / bound_ips, 3)
+        if lockstep_runs:
+            lockstep_ips = max(lockstep_runs)
+            print(
+                f"lockstep bound (no gradient bytes, ranks meet after each backward): "
+                f"{', '.join(f'{v:.1f}' for v in lockstep_runs)} img/s; Shoal reaches {shoal_ips / lockstep_ips:.1%} of it"
+            )
+            result["lockstep_ips"] = round(lockstep_ips, 1)
+            result["of_lockstep"] = round(shoal_ips / lockstep_ips, 3)
         # With every core busy computing, the reduction cannot hide: the best step is then the bound's plus one
         # bare reduction of all gradients (a figure, not an upper limit, where cores are left free).
         step_s = hvd.size() * args.batch_size / bound_ips

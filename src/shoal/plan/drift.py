@@ -112,7 +112,10 @@ class DriftMonitor:
     def _expected_seconds(self, plan: LayerPlan, parts: list[Execution]) -> tuple[float, float]:
         """The plan's prediction for the layer as the engine executed it this step, and its share of latencies."""
         exchange = plan.choice.exchange
-        if exchange is None or plan.choice == Scheme.SFB:  # SFB's allgathers and rebuild are predicted as one
+        if plan.choice == Scheme.SFB:  # its allgathers and rebuild, predicted as one (the spared backward work added
+            # back: the measurement cannot see it)
+            return plan.predicted_ms[plan.choice] / 1e3 + plan.spared_flops / self.calibration.flops_per_s, 1.0
+        if exchange is None:
             return plan.predicted_ms[plan.choice] / 1e3, 1.0
         # Fused with other layers, the collective's latency is shared: predict the batch, keep this layer's part.
         itemsize = plan.nbytes / max(sum(own for _, own, _ in parts), 1)

@@ -35,6 +35,9 @@ class LayerPlan:
     measured_ms: float | None = None
     rebuild_flops: float | None = None
     """For a fully-connected layer: the floating-point operations of SFB's gradient rebuild (2·P·K·M·N)."""
+    spared_flops: float = 0.0
+    """What SFB spares backward: autograd's local weight gradient (2·K·M·N), skipped where the layer has a trainable
+    bias (``shoal.torch.layer_comm.sfb``); SFB's prediction is its allgathers plus the rebuild minus this."""
     expected_ms: float | None = None
     """The chosen scheme's prediction as executed: a layer fused with others into one collective shares that
     collective's α and pays for its own bytes; what ``measured_ms`` is compared with (None before training)."""
@@ -50,6 +53,7 @@ def predict(
     linear: tuple[int, int, int] | None,
     itemsize: int = 4,
     servers: int | None = None,
+    spares_local: bool = False,
 ) -> dict[Scheme, float]:
     """Predicted seconds for each eligible scheme for one layer's gradient of ``nbytes``.
 
@@ -60,6 +64,7 @@ def predict(
         linear: (K, M, N) for a fully-connected layer (rows per step, outputs, inputs), else None.
         itemsize: bytes per element of the factors.
         servers: S, the parameter servers to predict ``ps`` for (None: no ``ps`` prediction).
+        spares_local: SFB spares backward the layer's local weight gradient (it has a trainable bias).
     """
     if workers == 1:
         return {
@@ -73,9 +78,14 @@ def predict(
         gathered_input = workers * rows * inputs * itemsize
         gathered_grad = workers * rows * outputs * itemsize
         rebuild = sfb_rebuild_flops(workers, linear) / calibration.flops_per_s
-        # Two allgathers (inputs and output gradients), then one matmul rebuilds the summed gradient.
+        spared = sfb_spared_flops(linear) / calibration.flops_per_s if spares_local else 0.0
+        # Two allgathers (inputs and output gradients), then one matmul rebuilds the summed gradient; backward no
+        # longer computes the local one.
         predictions[Scheme.SFB] = (
-            calibration.seconds("allgather", gathered_input) + calibration.seconds("allgather", gathered_grad) + rebuild
+            calibration.seconds("allgather", gathered_input)
+            + calibration.seconds("allgather", gathered_grad)
+            + rebuild
+            - spared
         )
     if servers:
         predictions[Scheme.PS] = predict_ps(calibration, workers, servers, nbytes)
@@ -104,6 +114,19 @@ def sfb_rebuild_flops(workers: int, linear: tuple[int, int, int]) -> float:
     """Floating-point operations of SFB's rebuild for (K, M, N): the (M×PK)·(PK×N) matmul of the gathered factors."""
     rows, outputs, inputs = linear
     return 2.0 * workers * rows * outputs * inputs
+
+
+def sfb_spared_flops(linear: tuple[int, int, int]) -> float:
+    """Floating-point operations of the local weight gradient (K, M, N) that SFB spares backward: 2·K·M·N."""
+    rows, outputs, inputs = linear
+    return 2.0 * rows * outputs * inputs
+
+
+def spares_local_gradient(module: nn.Module) -> bool:
+    """Whether SFB on ``module`` spares backward its local weight gradient: an ``nn.Linear`` with a trainable bias
+    (what ``shoal.torch.layer_comm.sfb`` needs to leave the weight out of autograd's graph)."""
+    bias = getattr(module, "bias", None)
+    return isinstance(module, nn.Linear) and bias is not None and bias.requires_grad
 
 
 def predict_ps(calibration: Calibration, workers: int, servers: int, nbytes: int) -> float:
@@ -168,7 +191,8 @@ def build_plan(
         linear = None
         if isinstance(module, nn.Linear) and name in rows:
             linear = (rows[name], module.out_features, module.in_features)
-        predictions = predict(calibration, workers, nbytes, linear, params[0].element_size(), servers)
+        spares = spares_local_gradient(module)
+        predictions = predict(calibration, workers, nbytes, linear, params[0].element_size(), servers, spares)
         plan = LayerPlan(
             name,
             type(module).__name__,
@@ -179,6 +203,7 @@ def build_plan(
         )
         if linear is not None:
             plan.rebuild_flops = sfb_rebuild_flops(workers, linear)
+            plan.spared_flops = sfb_spared_flops(linear) if spares else 0.0
         forced = forced_scheme(name, module, overrides)
         if forced is not None:
             if forced == Scheme.SFB and linear is None:

@@ -9,6 +9,8 @@ the cost of half-precision casts, the matmul rate). For a worker count P with R 
 - gradients of allreduce-family layers go into buckets of ``bucket_bytes`` in the order they become ready, one
   bucket per scheme (plain, fp16, bf16); a full bucket is submitted at once, the rest at the end of backward;
 - an SFB layer submits its two allgathers when its gradient is ready and rebuilds the gradient at ``synchronize``;
+  with a trainable bias it spares backward its local weight gradient, so backward ends (and later gradients are
+  ready) that much earlier;
   a parameter-server layer pushes and pulls when its gradient is ready;
 - the engine runs one collective at a time, in submission order;
 - the step ends when backward and every exchange are done, then the SFB rebuilds and the update run.
@@ -24,7 +26,7 @@ import math
 from dataclasses import dataclass, field
 
 from shoal.plan.calibration import Calibration
-from shoal.plan.planner import pick, predict, sfb_rebuild_flops
+from shoal.plan.planner import pick, predict, sfb_rebuild_flops, sfb_spared_flops
 from shoal.plan.schemes import Scheme
 
 LINK_RATES = {"1gbit": 1e9, "10gbit": 1e10, "25gbit": 2.5e10, "100gbit": 1e11}
@@ -156,6 +158,8 @@ class Layer:
     nbytes: int
     linear: tuple[int, int, int] | None = None
     """(K, M, N) of a fully-connected layer: rows per step, outputs, inputs."""
+    spares_local: bool = False
+    """SFB on it spares backward the local weight gradient (``planner.spares_local_gradient``)."""
 
 
 @dataclass
@@ -259,16 +263,29 @@ def simulate(
     calibration = links.calibration(workers, ranks_per_host)
     layers = {layer.name: layer for layer in profile.layers}
     predictions = {
-        layer.name: predict(calibration, workers, layer.nbytes, layer.linear, servers=servers) for layer in profile.layers
+        layer.name: predict(calibration, workers, layer.nbytes, layer.linear, servers=servers, spares_local=layer.spares_local)
+        for layer in profile.layers
     }
     choices = choose(predictions, comm)
     exchanges: list[Exchange] = []
     rebuild_s = 0.0
+    backward_s = profile.backward_s
     if workers > 1:
         open_buckets: dict[Scheme, tuple[list[str], int]] = {}
         last_ready: dict[str, float] = {}
         for gradient in profile.gradients:
             last_ready[gradient.layer] = max(last_ready.get(gradient.layer, 0.0), gradient.ready_s)
+        # SFB layers with a trainable bias spare backward their local weight gradient: what comes after is earlier.
+        spared = {
+            name: sfb_spared_flops(layer.linear) / calibration.flops_per_s
+            for name, layer in layers.items()
+            if choices[name] == Scheme.SFB and layer.spares_local and layer.linear is not None and name in last_ready
+        }
+        backward_s -= sum(spared.values())
+
+        def ready(at: float) -> float:
+            return at - sum(seconds for name, seconds in spared.items() if last_ready[name] <= at)
+
         sent: set[str] = set()
         for gradient in sorted(profile.gradients, key=lambda g: g.ready_s):
             scheme = choices[gradient.layer]
@@ -281,20 +298,20 @@ def simulate(
                 if scheme == Scheme.SFB:
                     assert layer.linear is not None
                     rebuild = sfb_rebuild_flops(workers, layer.linear) / calibration.flops_per_s
-                    seconds -= rebuild  # the allgathers on the wire; the rebuild runs at synchronize
-                    rebuild_s += rebuild
+                    seconds += spared.get(layer.name, 0.0) - rebuild  # the allgathers on the wire
+                    rebuild_s += rebuild  # at synchronize
                 busy = calibration.cpu_seconds(scheme.exchange or "allreduce", seconds)
-                exchanges.append(Exchange(scheme, (layer.name,), layer.nbytes, gradient.ready_s, seconds, busy))
+                exchanges.append(Exchange(scheme, (layer.name,), layer.nbytes, ready(gradient.ready_s), seconds, busy))
                 continue
             names, size = open_buckets.get(scheme, ([], 0))
             names, size = [*names, gradient.layer], size + gradient.nbytes
             if size >= bucket_bytes:
-                exchanges.append(_bucket(scheme, names, size, gradient.ready_s, calibration))
+                exchanges.append(_bucket(scheme, names, size, ready(gradient.ready_s), calibration))
                 open_buckets.pop(scheme, None)
             else:
                 open_buckets[scheme] = (names, size)
         for scheme, (names, size) in open_buckets.items():  # flushed at synchronize, when backward is over
-            exchanges.append(_bucket(scheme, names, size, profile.backward_s, calibration))
+            exchanges.append(_bucket(scheme, names, size, backward_s, calibration))
     free = 0.0
     stolen = 0.0  # CPU-bound: core time the exchanges so far took from backward, which delays what it makes next
     for exchange in sorted(exchanges, key=lambda e: e.submitted_s):
@@ -303,7 +320,7 @@ def simulate(
         if cpu_bound:
             stolen += exchange.cpu_s
     comm_s = sum(e.seconds for e in exchanges)
-    backward_end = max(profile.backward_s + stolen, free)
+    backward_end = max(backward_s + stolen, free)
     step = profile.forward_s + backward_end + rebuild_s + profile.update_s
     samples = workers * profile.batch / step
     return StepPrediction(

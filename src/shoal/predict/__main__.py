@@ -65,8 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--cpu-bound",
         choices=["auto", "yes", "no"],
         default="auto",
-        help="whether compute takes every core, so communication cannot overlap it (auto: yes when profiled here "
-        "with threads x ranks per host >= cores; no with --device-flops)",
+        help="whether compute takes every core, so only an exchange's wait on the wire (the calibration's CPU share; "
+        "none without one) overlaps it (auto: yes when profiled here with threads x ranks per host >= cores; no with "
+        "--device-flops)",
     )
     parser.add_argument("--steps", type=int, default=10, help="profiled steps (default 10)")
     parser.add_argument("--plot", metavar="PNG", help="draw the scaling curve (needs matplotlib)")
@@ -151,7 +152,7 @@ def main(argv: list[str] | None = None) -> None:
             if args.cpu_bound == "auto":
                 cpu_bound = threads * args.ranks_per_host >= (os.cpu_count() or 1)
         if cpu_bound:
-            where += "; CPU-bound: communication does not overlap compute"
+            where += "; CPU-bound: only the wait on the wire overlaps compute"
         links = _links(args, flops, cast)
         rows = scaling(profile, links, args.workers, args.ranks_per_host, args.comm, args.bucket_bytes, cpu_bound)
     except ValueError as error:

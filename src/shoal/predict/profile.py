@@ -28,6 +28,7 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
+from shoal.plan.planner import spares_local_gradient
 from shoal.plan.simulate import Gradient, Layer, StepProfile
 
 MakeInput = Callable[[int, torch.Generator], torch.Tensor]
@@ -84,7 +85,7 @@ def _layers(model: nn.Module, rows: dict[str, int]) -> list[Layer]:
         linear = None
         if isinstance(module, nn.Linear) and name in rows:
             linear = (rows[name], module.out_features, module.in_features)
-        layers.append(Layer(name, type(module).__name__, nbytes, linear))
+        layers.append(Layer(name, type(module).__name__, nbytes, linear, spares_local_gradient(module)))
     return layers
 
 

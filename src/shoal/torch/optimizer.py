@@ -242,7 +242,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         missing = [p for p in self._shoal_params if id(p) not in self._shoal_submitted]
         if missing:  # no gradient this step here (or a layer that fell back): stand in, so no rank ever hangs
             self._shoal_submit(missing)
-        for layer in layers:
+        for layer in reversed(layers):  # backward's order: the last layers' exchanges were the first to leave
             layer.finish(average=self._shoal_op == ReduceOp.Average)
         for handle, params, compressed_list, contexts in self._shoal_in_flight:
             handles.synchronize(handle)

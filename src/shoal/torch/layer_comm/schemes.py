@@ -120,6 +120,8 @@ class SufficientFactors(LayerComm):
     def finish(self, average: bool) -> None:
         if self.layer.usable:
             self.layer.finish(average)
+        else:
+            self.layer.drain()
         self.layer.reset()
 
     def reset(self) -> None:

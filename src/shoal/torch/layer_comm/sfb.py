@@ -3,16 +3,28 @@
 For ``y = x Wᵀ + b`` with K rows per step, W's gradient is ``gᵀ x`` with g = dL/dy (K×M) and x the input (K×N).
 Each rank allgathers its two factors, K·(M+N) numbers instead of the M·N gradient, and every rank rebuilds the exact
 sum ``Σ_r g_rᵀ x_r``; the bias gradient is the sum of the output gradients. Worth it when P·K ≪ 2MN/(M+N).
+
+The inputs are known at forward time, so their allgather starts there and travels during the rest of forward and
+all of backward; the output gradients' allgather starts when backward reaches the layer.
+
+Autograd would also compute this rank's own ``g_rᵀ x_r``, only for the rebuild to overwrite it: a matmul as large as
+the rebuild's share of it, for nothing. So while an SFB layer with a trainable bias runs forward, its weight is
+marked as not requiring a gradient (and marked back right after): autograd leaves the weight out of that call's
+graph, and the input and bias gradients flow as before. If the layer runs twice in a step (SFB's factors are then not
+exact and the optimizer allreduces the gradient instead), each call's weight gradient is summed from its own factors
+when backward reaches it, the matmul autograd skipped.
 """
 
 from __future__ import annotations
 
+import functools
 import time
 from typing import Any
 
 import torch
 from torch import nn
 
+from shoal.plan.planner import spares_local_gradient
 from shoal.torch import functions, handles
 from shoal.torch.process_sets import ProcessSet
 
@@ -20,7 +32,19 @@ from shoal.torch.process_sets import ProcessSet
 class SufficientFactorLayer:
     """Captures one ``nn.Linear``'s factors during a step and rebuilds its averaged gradient at synchronize."""
 
-    __slots__ = ("_handles", "_hooks", "_input", "calls", "module", "name", "process_set", "rebuild_seconds")
+    __slots__ = (
+        "_grad_handle",
+        "_hooks",
+        "_input_handle",
+        "_inputs",
+        "_restore",
+        "_rows",
+        "calls",
+        "module",
+        "name",
+        "process_set",
+        "rebuild_seconds",
+    )
 
     def __init__(self, name: str, module: nn.Linear, process_set: ProcessSet) -> None:
         self.name = name
@@ -29,41 +53,71 @@ class SufficientFactorLayer:
         self.module = module
         self.process_set = process_set
         self.calls = 0
-        self._input: torch.Tensor | None = None
-        self._handles: tuple[int, int] | None = None
-        self._hooks = [module.register_forward_hook(self._on_forward)]
+        self._rows = 0
+        """K: this step's rows of the layer's input on this rank."""
+        self._input_handle: int | None = None
+        self._grad_handle: int | None = None
+        self._inputs: list[torch.Tensor | None] = []
+        """Per call this step: its input rows when autograd skipped that call's weight gradient."""
+        self._restore = False
+        """The weight was marked as not requiring a gradient for the call now running."""
+        self._hooks = [
+            module.register_forward_pre_hook(self._before_forward),
+            module.register_forward_hook(self._on_forward, always_call=True),
+        ]
 
     @property
     def parameters(self) -> list[torch.Tensor]:
         """The layer's trainable parameters (weight, and bias if present)."""
         return [p for p in (self.module.weight, self.module.bias) if p is not None and p.requires_grad]
 
-    def _on_forward(self, module: nn.Module, args: tuple[Any, ...], output: torch.Tensor) -> None:
-        if not (torch.is_grad_enabled() and module.training and output.requires_grad):
-            return
-        self.calls += 1
-        if self.calls == 1:
-            self._input = args[0].detach().reshape(-1, self.module.in_features)
-            output.register_hook(self._on_output_grad)
+    def _before_forward(self, module: nn.Module, args: tuple[Any, ...]) -> None:
+        weight = self.module.weight
+        # With a trainable bias every call's output requires a gradient without the weight, so its hook still fires.
+        if torch.is_grad_enabled() and module.training and weight.requires_grad and spares_local_gradient(self.module):
+            weight.requires_grad_(False)
+            self._restore = True
 
-    def _on_output_grad(self, grad: torch.Tensor) -> None:
-        if self.calls != 1 or self._input is None or self._handles is not None:
-            return  # called twice this step: the optimizer falls back to allreduce for this layer
-        factor = grad.detach().reshape(-1, self.module.out_features).contiguous()
-        self._handles = self._gather(self._input.contiguous(), factor)
+    def _on_forward(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        skipped, self._restore = self._restore, False
+        if skipped:
+            self.module.weight.requires_grad_(True)
+        if not (torch.is_grad_enabled() and module.training and isinstance(output, torch.Tensor) and output.requires_grad):
+            return  # (output is None when forward raised: the weight is marked back all the same)
+        self.calls += 1
+        inputs = args[0].detach().reshape(-1, self.module.in_features)
+        self._inputs.append(inputs if skipped else None)
+        if self.calls == 1:
+            inputs = inputs.contiguous()
+            self._rows = inputs.shape[0]
+            self._input_handle = functions.allgather_async(inputs, name=self.exchange_names[0], process_set=self.process_set)
+        output.register_hook(functools.partial(self._on_output_grad, self.calls - 1))
+
+    def _on_output_grad(self, call: int, grad: torch.Tensor) -> None:
+        factor = grad.detach().reshape(-1, self.module.out_features)
+        if self.calls == 1:
+            if self._input_handle is not None and self._grad_handle is None:
+                self._send_output_grads(factor.contiguous())
+            return
+        # Called several times this step: the optimizer allreduces the gradient; add what autograd skipped.
+        inputs = self._inputs[call] if call < len(self._inputs) else None
+        if inputs is None:
+            return
+        weight = self.module.weight
+        local = factor.t().mm(inputs)
+        if weight.grad is None:
+            weight.grad = local
+        else:
+            weight.grad.add_(local)
+
+    def _send_output_grads(self, factor: torch.Tensor) -> None:
+        self._grad_handle = functions.allgather_async(factor, name=self.exchange_names[1], process_set=self.process_set)
 
     @property
     def exchange_names(self) -> tuple[str, str]:
         """The engine request names of the two allgathers: the inputs, then the output gradients."""
         base = f"DistributedOptimizer.sfb.{self.name}"
         return f"{base}.input", f"{base}.output_grad"
-
-    def _gather(self, inputs: torch.Tensor, output_grads: torch.Tensor) -> tuple[int, int]:
-        input_name, grad_name = self.exchange_names
-        return (
-            functions.allgather_async(inputs, name=input_name, process_set=self.process_set),
-            functions.allgather_async(output_grads, name=grad_name, process_set=self.process_set),
-        )
 
     @property
     def usable(self) -> bool:
@@ -73,24 +127,33 @@ class SufficientFactorLayer:
     def finish(self, average: bool) -> None:
         """Wait for the factors and write the rebuilt (averaged) gradients into ``.grad``.
 
-        A rank on which the layer did not run this step contributes zero rows, so the others never wait.
+        A rank on which the layer did not run this step contributes zero rows, and one whose output took no part in
+        the loss contributes zero output gradients, so the others never wait.
         """
-        if self._handles is None:
-            empty_input = torch.zeros(0, self.module.in_features, dtype=self.module.weight.dtype)
-            empty_grad = torch.zeros(0, self.module.out_features, dtype=self.module.weight.dtype)
-            self._handles = self._gather(empty_input, empty_grad)
-        inputs = handles.synchronize(self._handles[0])
-        output_grads = handles.synchronize(self._handles[1])
+        dtype = self.module.weight.dtype
+        if self._input_handle is None:
+            empty = torch.zeros(0, self.module.in_features, dtype=dtype)
+            self._input_handle = functions.allgather_async(empty, name=self.exchange_names[0], process_set=self.process_set)
+        if self._grad_handle is None:
+            self._send_output_grads(torch.zeros(self._rows, self.module.out_features, dtype=dtype))
+        assert self._grad_handle is not None
+        inputs = handles.synchronize(self._input_handle)
+        output_grads = handles.synchronize(self._grad_handle)
         started = time.perf_counter()
-        scale = 1.0 / self.process_set.size() if average else 1.0
-        weight_grad = output_grads.t().matmul(inputs).mul_(scale)
+        if average:  # scale the small K×M factor, not the M×N product: one pass over the gradient fewer
+            output_grads = output_grads.mul(1.0 / self.process_set.size())
         weight = self.module.weight
-        if weight.grad is None:
-            weight.grad = weight_grad.to(weight.dtype)
+        grad = weight.grad
+        if grad is not None and grad.dtype == output_grads.dtype and grad.is_contiguous() and not grad.requires_grad:
+            torch.mm(output_grads.t(), inputs, out=grad)  # straight into .grad (autograd left the local one there)
         else:
-            weight.grad.copy_(weight_grad)
+            weight_grad = output_grads.t().mm(inputs)
+            if grad is None:
+                weight.grad = weight_grad.to(weight.dtype)
+            else:
+                grad.copy_(weight_grad)
         if self.module.bias is not None:
-            bias_grad = output_grads.sum(0).mul_(scale)
+            bias_grad = output_grads.sum(0)
             if self.module.bias.grad is None:
                 self.module.bias.grad = bias_grad.to(self.module.bias.dtype)
             else:
@@ -98,11 +161,24 @@ class SufficientFactorLayer:
         self.rebuild_seconds = time.perf_counter() - started
         self.reset()
 
+    def drain(self) -> None:
+        """Wait for an allgather this step started but will not use (the layer ran twice: its gradient is
+        allreduced instead), so that next step's exchange under the same name never meets it in flight."""
+        for handle in (self._input_handle, self._grad_handle):
+            if handle is not None:
+                handles.synchronize(handle)
+        self.reset()
+
     def reset(self) -> None:
         """Forget this step's factors (called after every synchronize)."""
+        for handle in (self._input_handle, self._grad_handle):
+            if handle is not None:
+                handles.discard(handle)
         self.calls = 0
-        self._input = None
-        self._handles = None
+        self._rows = 0
+        self._inputs = []
+        self._input_handle = None
+        self._grad_handle = None
 
     def remove(self) -> None:
         """Detach the hooks."""
