@@ -103,8 +103,13 @@ def test_auto_takes_the_planners_choice_and_sfb_rebuilds_at_synchronize() -> Non
     predictions = predict(calibration, 2, nbytes, (rows, outputs, inputs))
     assert result.choices["fc"] == min(predictions, key=predictions.__getitem__) == Scheme.SFB
     rebuild = 2 * 2 * rows * outputs * inputs / LINKS.flops_per_s
-    wire = predictions[Scheme.SFB] - rebuild
-    assert result.step_s == pytest.approx(0.01 + max(0.05, 0.02 + wire) + rebuild + 0.005)
+    early = calibration.seconds("allgather", 2 * rows * inputs * 4)  # the inputs' allgather, sent at forward
+    wire = predictions[Scheme.SFB] - rebuild - early  # the output gradients', sent when the gradient is ready
+    first, second = result.exchanges
+    assert (first.submitted_s, first.seconds) == pytest.approx((0.0, early))
+    assert (second.submitted_s, second.seconds) == pytest.approx((0.02, wire))
+    end = max(0.02, early) + wire
+    assert result.step_s == pytest.approx(0.01 + max(0.05, end) + rebuild + 0.005)
 
 
 def test_sfb_with_a_bias_spares_backward_the_local_weight_gradient() -> None:
@@ -123,8 +128,9 @@ def test_sfb_with_a_bias_spares_backward_the_local_weight_gradient() -> None:
     result = simulate(step, LINKS, workers=2, comm="auto")
     assert result.choices["fc"] == Scheme.SFB
     rebuild = 2 * 2 * rows * outputs * inputs / LINKS.flops_per_s
-    wire = plain[Scheme.SFB] - rebuild
-    sfb, bucket = sorted(result.exchanges, key=lambda e: e.scheme != Scheme.SFB)
+    early = calibration.seconds("allgather", 2 * rows * inputs * 4)
+    wire = plain[Scheme.SFB] - rebuild - early
+    _, sfb, bucket = sorted(result.exchanges, key=lambda e: (e.scheme != Scheme.SFB, e.submitted_s))
     assert sfb.submitted_s == pytest.approx(0.02 - spared) and sfb.seconds == pytest.approx(wire)
     assert bucket.submitted_s == pytest.approx(0.05 - spared)  # flushed when the shorter backward ends
     assert bucket.start_s == pytest.approx(max(bucket.submitted_s, sfb.end_s))

@@ -107,23 +107,22 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if isinstance(args.settings, str):
         args.settings = [Setting.parse(part) for part in args.settings.split(",")]
-    profiles: dict[tuple[str, int, int], StepProfile] = {}
     rows = []
     print(f"{'setting':<14} {'model':<12} {'comm':<10} {'predicted':>10} {'measured':>10} {'error':>7}", flush=True)
     for setting in args.settings:
         calibration = calibrate(setting, args.timeout)
         links = Links.from_calibration(calibration, setting.workers, setting.hosts)
         for model in args.models.split(","):
-            key = (model, setting.workers, setting.ranks_per_host)
-            if key not in profiles:  # every rank of the setting computes on this machine's cores at once
-                # One compute thread, as shoal.bench.train runs every rank (two processes of two threads each on
-                # two cores ran the CNN 2.2x slower than two of one thread).
-                profiles[key] = measure_profile(
-                    model, args.batch_size, args.profile_steps, concurrent=setting.workers, threads=1
-                )[0]
+            # Every rank of the setting computes on this machine's cores at once, with one compute thread, as
+            # shoal.bench.train runs every rank (two processes of two threads each on two cores ran the CNN 2.2x
+            # slower than two of one thread). Profiled right before its measurements, in every setting: this shared
+            # VM's speed drifts over a run (a profile reused ten minutes later was 25-33% off for the transformer).
+            profile: StepProfile = measure_profile(
+                model, args.batch_size, args.profile_steps, concurrent=setting.workers, threads=1
+            )[0]
             for comm in args.comms.split(","):
                 # Every rank computes on one of this machine's cores, all of them busy: CPU-bound.
-                predicted = simulate(profiles[key], links, setting.workers, setting.ranks_per_host, comm, cpu_bound=True)
+                predicted = simulate(profile, links, setting.workers, setting.ranks_per_host, comm, cpu_bound=True)
                 measured = measure(setting, model, comm, args)
                 error = (predicted.samples_per_s - measured["shoal_ips"]) / measured["shoal_ips"]
                 rows.append(
@@ -138,7 +137,7 @@ def main(argv: list[str] | None = None) -> None:
                         "measured_choices": measured.get("plan_choices", {}),
                         "measured_refits": measured.get("plan_refits", 0),
                         "bound_ips": measured.get("bound_ips"),
-                        "predicted_compute_ips": round(setting.workers * args.batch_size / profiles[key].compute_s, 1),
+                        "predicted_compute_ips": round(setting.workers * args.batch_size / profile.compute_s, 1),
                     }
                 )
                 print(

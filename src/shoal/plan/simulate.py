@@ -8,7 +8,8 @@ the cost of half-precision casts, the matmul rate). For a worker count P with R 
 
 - gradients of allreduce-family layers go into buckets of ``bucket_bytes`` in the order they become ready, one
   bucket per scheme (plain, fp16, bf16); a full bucket is submitted at once, the rest at the end of backward;
-- an SFB layer submits its two allgathers when its gradient is ready and rebuilds the gradient at ``synchronize``;
+- an SFB layer submits its inputs' allgather at forward (taken as the start of backward) and its output gradients'
+  when its gradient is ready, and rebuilds the gradient at ``synchronize``;
   with a trainable bias it spares backward its local weight gradient, so backward ends (and later gradients are
   ready) that much earlier;
   a parameter-server layer pushes and pulls when its gradient is ready;
@@ -300,6 +301,12 @@ def simulate(
                     rebuild = sfb_rebuild_flops(workers, layer.linear) / calibration.flops_per_s
                     seconds += spared.get(layer.name, 0.0) - rebuild  # the allgathers on the wire
                     rebuild_s += rebuild  # at synchronize
+                    # The inputs' allgather leaves at forward (taken here as backward's start), the rest when ready.
+                    rows, _, inputs = layer.linear
+                    early = calibration.seconds("allgather", workers * rows * inputs * 4)
+                    busy = calibration.cpu_seconds("allgather", early)
+                    exchanges.append(Exchange(scheme, (layer.name,), layer.nbytes, 0.0, early, busy))
+                    seconds -= early
                 busy = calibration.cpu_seconds(scheme.exchange or "allreduce", seconds)
                 exchanges.append(Exchange(scheme, (layer.name,), layer.nbytes, ready(gradient.ready_s), seconds, busy))
                 continue
