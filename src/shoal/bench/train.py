@@ -224,6 +224,15 @@ def run_autotuned(args: argparse.Namespace, batches: list[tuple[torch.Tensor, to
     return hvd.size() * args.batch_size * args.steps / elapsed, tuning_steps
 
 
+def _report_bound(result: dict[str, object], key: str, what: str, runs: list[float], shoal_ips: float) -> float:
+    """Print a bound's rounds and Shoal's share of the best; record ``<key>_ips`` and ``of_<key>``."""
+    best = max(runs)
+    print(f"{what}: {', '.join(f'{v:.1f}' for v in runs)} img/s; Shoal reaches {shoal_ips / best:.1%} of it")
+    result[f"{key}_ips"] = round(best, 1)
+    result[f"of_{key}"] = round(shoal_ips / best, 3)
+    return best
+
+
 def main(argv: list[str] | None = None) -> None:
     """Parse flags, run the phases, print the JSON line."""
     parser = argparse.ArgumentParser(prog="python -m shoal.bench.train", description=__doc__.split("\n")[0])
@@ -322,21 +331,10 @@ def main(argv: list[str] | None = None) -> None:
             result["autotuned_ips"] = round(tuned[0], 1)
             result["autotune_ratio"] = round(tuned[0] / shoal_ips, 3)
             result["autotune_settings"] = settings
-        bound_ips = max(bound_runs)
-        print(
-            f"bound (all ranks, no communication): {', '.join(f'{v:.1f}' for v in bound_runs)} img/s; Shoal "
-            f"reaches {shoal_ips / bound_ips:.1%} of it"
-        )
-        result["bound_ips"] = round(bound_ips, 1)
-        result["of_bound"] = round(shoal_ips / bound_ips, 3)
+        bound_ips = _report_bound(result, "bound", "bound (all ranks, no communication)", bound_runs, shoal_ips)
         if lockstep_runs:
-            lockstep_ips = max(lockstep_runs)
-            print(
-                f"lockstep bound (no gradient bytes, ranks meet after each backward): "
-                f"{', '.join(f'{v:.1f}' for v in lockstep_runs)} img/s; Shoal reaches {shoal_ips / lockstep_ips:.1%} of it"
-            )
-            result["lockstep_ips"] = round(lockstep_ips, 1)
-            result["of_lockstep"] = round(shoal_ips / lockstep_ips, 3)
+            what = "lockstep bound (no gradient bytes, ranks meet after each backward)"
+            _report_bound(result, "lockstep", what, lockstep_runs, shoal_ips)
         # With every core busy computing, the reduction cannot hide: the best step is then the bound's plus one
         # bare reduction of all gradients (a figure, not an upper limit, where cores are left free).
         step_s = hvd.size() * args.batch_size / bound_ips
