@@ -50,16 +50,19 @@ def reference(size: int, rows: int, reuse: bool) -> dict[str, np.ndarray]:
     return {k: v.numpy() for k, v in model.state_dict().items()}
 
 
-def _distributed(comm: str, reuse: bool, rows: int) -> dict[str, object]:
+def _start(comm: str, **sgd: float) -> tuple[Mlp, torch.optim.Optimizer]:
+    """In a rank: init, the seeded Mlp and its DistributedOptimizer (SGD with ``sgd``) under ``comm``."""
     hvd.init()
     torch.manual_seed(0)
     model = Mlp()
     optimizer = hvd.DistributedOptimizer(
-        torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
-        named_parameters=model.named_parameters(),
-        model=model,
-        comm=comm,
+        torch.optim.SGD(model.parameters(), **sgd), named_parameters=model.named_parameters(), model=model, comm=comm
     )
+    return model, optimizer
+
+
+def _distributed(comm: str, reuse: bool, rows: int) -> dict[str, object]:
+    model, optimizer = _start(comm, lr=0.1, momentum=0.9)
     x, y = data(hvd.size(), rows)
     part = slice(hvd.rank() * rows, (hvd.rank() + 1) * rows)
     train(model, optimizer, x[:, part], y[:, part], reuse)
@@ -85,12 +88,7 @@ def test_sfb_matches_the_allreduce_gradient(size: int, reuse: bool) -> None:
 
 
 def _autograd_work_during_backward() -> dict[str, object]:
-    hvd.init()
-    torch.manual_seed(0)
-    model = Mlp()
-    optimizer = hvd.DistributedOptimizer(
-        torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters(), model=model, comm="sfb"
-    )
+    model, optimizer = _start("sfb", lr=0.1)
     x, y = data(hvd.size(), 3)
     out = model(x[0][hvd.rank() :: hvd.size()])
     flags = [layer.weight.requires_grad for layer in (model.fc1, model.fc2, model.reused)]
@@ -195,12 +193,7 @@ def _drifting(path: str) -> dict[str, object]:
 
     from shoal.torch.layer_comm.router import last_plan
 
-    hvd.init()
-    torch.manual_seed(0)
-    model = Mlp()
-    optimizer = hvd.DistributedOptimizer(
-        torch.optim.SGD(model.parameters(), lr=0.01), named_parameters=model.named_parameters(), model=model, comm="auto"
-    )
+    model, optimizer = _start("auto", lr=0.01)
     x, y = data(hvd.size(), 4)
     for step in range(24):  # plan, 5 warm-up steps, 5 drifting ones, re-plan, 5 warm-up steps, 5 measured
         optimizer.zero_grad()

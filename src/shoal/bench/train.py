@@ -144,19 +144,13 @@ def run_profiled(args: argparse.Namespace, batches: list[tuple[torch.Tensor, tor
     return lines
 
 
-def run_bound(args: argparse.Namespace, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
-    """Images per second over all workers when every rank trains at once with no communication (the bound)."""
-    torch.manual_seed(0)
-    model, _ = build(args.model)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    elapsed = _slowest(_timed_steps(model, optimizer, batches, args.warmup, args.steps, hvd.barrier))
-    return hvd.size() * args.batch_size * args.steps / elapsed
+def run_bound(args: argparse.Namespace, batches: list[tuple[torch.Tensor, torch.Tensor]], lockstep: bool = False) -> float:
+    """Images per second over all workers when every rank trains at once with no communication (the bound).
 
-
-def run_lockstep_bound(args: argparse.Namespace, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
-    """Images per second when every rank trains at once with no gradient bytes, but in lockstep: the ranks meet
-    after each backward pass (one one-element allreduce, the least a synchronous job exchanges), so that their
-    updates and forward passes run at the same time, as in any synchronous data-parallel job."""
+    ``lockstep``: no gradient bytes either, but the ranks meet after each backward pass (one one-element allreduce,
+    the least a synchronous job exchanges), so that their updates and forward passes run at the same time, as in any
+    synchronous data-parallel job.
+    """
     torch.manual_seed(0)
     model, _ = build(args.model)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
@@ -165,8 +159,8 @@ def run_lockstep_bound(args: argparse.Namespace, batches: list[tuple[torch.Tenso
     def meet() -> None:
         hvd.allreduce_(token, op=hvd.Sum, name="bench.train.lockstep")
 
-    elapsed = _slowest(_timed_steps(model, optimizer, batches, args.warmup, args.steps, hvd.barrier, meet))
-    return hvd.size() * args.batch_size * args.steps / elapsed
+    elapsed = _timed_steps(model, optimizer, batches, args.warmup, args.steps, hvd.barrier, meet if lockstep else None)
+    return hvd.size() * args.batch_size * args.steps / _slowest(elapsed)
 
 
 def bare_reduce_seconds(args: argparse.Namespace, repeats: int = 10) -> float:
@@ -272,7 +266,7 @@ def main(argv: list[str] | None = None) -> None:
             ddp_runs.append(run_ddp(args, batches))
         bound_runs.append(run_bound(args, batches))
         if args.lockstep_bound:
-            lockstep_runs.append(run_lockstep_bound(args, batches))
+            lockstep_runs.append(run_bound(args, batches, lockstep=True))
         if hvd.rank() == 0:  # progress: each round as it ends
             ddp = f", ddp {ddp_runs[-1]:.1f}" if ddp_runs else ""
             lockstep = f", lockstep bound {lockstep_runs[-1]:.1f}" if lockstep_runs else ""

@@ -74,19 +74,11 @@ def predict(
         }
     predictions = {s: calibration.seconds(s.value, nbytes) for s in (Scheme.ALLREDUCE, Scheme.FP16, Scheme.BF16)}
     if linear is not None:
-        rows, outputs, inputs = linear
-        gathered_input = workers * rows * inputs * itemsize
-        gathered_grad = workers * rows * outputs * itemsize
         rebuild = sfb_rebuild_flops(workers, linear) / calibration.flops_per_s
         spared = sfb_spared_flops(linear) / calibration.flops_per_s if spares_local else 0.0
         # Two allgathers (inputs and output gradients), then one matmul rebuilds the summed gradient; backward no
         # longer computes the local one.
-        predictions[Scheme.SFB] = (
-            calibration.seconds("allgather", gathered_input)
-            + calibration.seconds("allgather", gathered_grad)
-            + rebuild
-            - spared
-        )
+        predictions[Scheme.SFB] = sum(sfb_allgather_seconds(calibration, workers, linear, itemsize)) + rebuild - spared
     if servers:
         predictions[Scheme.PS] = predict_ps(calibration, workers, servers, nbytes)
     return predictions
@@ -108,6 +100,17 @@ def pick(predictions: dict[Scheme, float], allowed: tuple[Scheme, ...] = SCHEMES
         if eligible[best] > LOSSY_MARGIN * lossless[fallback]:
             return fallback
     return best
+
+
+def sfb_allgather_seconds(
+    calibration: Calibration, workers: int, linear: tuple[int, int, int], itemsize: int = 4
+) -> tuple[float, float]:
+    """SFB's two allgathers for (K, M, N): the inputs' (P·K·N elements) and the output gradients' (P·K·M)."""
+    rows, outputs, inputs = linear
+    return (
+        calibration.seconds("allgather", workers * rows * inputs * itemsize),
+        calibration.seconds("allgather", workers * rows * outputs * itemsize),
+    )
 
 
 def sfb_rebuild_flops(workers: int, linear: tuple[int, int, int]) -> float:

@@ -27,7 +27,7 @@ import math
 from dataclasses import dataclass, field
 
 from shoal.plan.calibration import Calibration
-from shoal.plan.planner import pick, predict, sfb_rebuild_flops, sfb_spared_flops
+from shoal.plan.planner import pick, predict, sfb_allgather_seconds, sfb_rebuild_flops, sfb_spared_flops
 from shoal.plan.schemes import Scheme
 
 LINK_RATES = {"1gbit": 1e9, "10gbit": 1e10, "25gbit": 2.5e10, "100gbit": 1e11}
@@ -298,15 +298,12 @@ def simulate(
                 seconds = predictions[layer.name][scheme]
                 if scheme == Scheme.SFB:
                     assert layer.linear is not None
-                    rebuild = sfb_rebuild_flops(workers, layer.linear) / calibration.flops_per_s
-                    seconds += spared.get(layer.name, 0.0) - rebuild  # the allgathers on the wire
-                    rebuild_s += rebuild  # at synchronize
-                    # The inputs' allgather leaves at forward (taken here as backward's start), the rest when ready.
-                    rows, _, inputs = layer.linear
-                    early = calibration.seconds("allgather", workers * rows * inputs * 4)
+                    rebuild_s += sfb_rebuild_flops(workers, layer.linear) / calibration.flops_per_s  # at synchronize
+                    # The inputs' allgather leaves at forward (taken here as backward's start), the output
+                    # gradients' when the gradient is ready.
+                    early, seconds = sfb_allgather_seconds(calibration, workers, layer.linear)
                     busy = calibration.cpu_seconds("allgather", early)
                     exchanges.append(Exchange(scheme, (layer.name,), layer.nbytes, 0.0, early, busy))
-                    seconds -= early
                 busy = calibration.cpu_seconds(scheme.exchange or "allreduce", seconds)
                 exchanges.append(Exchange(scheme, (layer.name,), layer.nbytes, ready(gradient.ready_s), seconds, busy))
                 continue

@@ -122,7 +122,6 @@ class SufficientFactors(LayerComm):
             self.layer.finish(average)
         else:
             self.layer.drain()
-        self.layer.reset()
 
     def reset(self) -> None:
         self.layer.reset()

@@ -145,7 +145,8 @@ class SufficientFactorLayer:
         weight = self.module.weight
         grad = weight.grad
         if grad is not None and grad.dtype == output_grads.dtype and grad.is_contiguous() and not grad.requires_grad:
-            torch.mm(output_grads.t(), inputs, out=grad)  # straight into .grad (autograd left the local one there)
+            torch.mm(output_grads.t(), inputs, out=grad)  # straight into an existing .grad (set_to_none=False, or
+            # a layer without a trainable bias, whose local gradient autograd still computes)
         else:
             weight_grad = output_grads.t().mm(inputs)
             if grad is None:
@@ -163,7 +164,8 @@ class SufficientFactorLayer:
 
     def drain(self) -> None:
         """Wait for an allgather this step started but will not use (the layer ran twice: its gradient is
-        allreduced instead), so that next step's exchange under the same name never meets it in flight."""
+        allreduced instead), so that next step's exchange under the same name never meets it in flight; then
+        ``reset``."""
         for handle in (self._input_handle, self._grad_handle):
             if handle is not None:
                 handles.synchronize(handle)
