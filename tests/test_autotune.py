@@ -33,7 +33,7 @@ def _train(steps: int) -> dict[str, object]:
         optimizer.zero_grad()
         torch.nn.functional.mse_loss(model(x), y).backward()
         optimizer.step()
-    from shoal.torch import handles
+    from shoal.core import session as handles
 
     engine = handles.engine()
     settings = [engine.config.fusion_threshold_bytes, engine.config.cycle_time_ms, engine.tuned_bucket_bytes]

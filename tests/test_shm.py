@@ -18,9 +18,9 @@ import torch
 import shoal.torch as hvd
 from shoal.comm import collectives
 from shoal.comm.shm import create_local_group, job_token
+from shoal.core import session as handles
 from shoal.runtime import context
 from shoal.testing import MultiRankError, run_ranks
-from shoal.torch import handles
 
 DTYPES = ["uint8", "int8", "int16", "int32", "int64", "float16", "bfloat16", "float32", "float64", "bool"]
 SIZES = [0, 1, 3, 1023, 5000]  # with 4 KiB slots, 5000 elements of any dtype >= 1 byte cross slot boundaries

@@ -10,14 +10,15 @@ from typing import Any
 import pytest
 import torch
 
+from shoal.core.requests import Call, build_meta
+from shoal.core.rules import ReduceSpec
 from shoal.engine.config import EngineConfig
 from shoal.engine.engine import Engine
 from shoal.engine.negotiation import find_mismatch
 from shoal.engine.request import Kind, ReduceOp, RequestMeta
 from shoal.engine.stall import CollectiveWatch
-from shoal.engine.validation import SUPPORTED_DTYPES, check_request
-from shoal.torch.functions import _meta
-from shoal.torch.process_sets import global_process_set
+from shoal.engine.validation import MOVABLE_DTYPES, REDUCING_DTYPES, check_request
+from shoal.exceptions import UnsupportedOperationError
 
 
 def meta(dtype: str = "float32", kind: Kind = Kind.ALLREDUCE, op: ReduceOp | None = ReduceOp.Sum, **fields: Any) -> RequestMeta:
@@ -26,16 +27,30 @@ def meta(dtype: str = "float32", kind: Kind = Kind.ALLREDUCE, op: ReduceOp | Non
     )
 
 
-@pytest.mark.parametrize("dtype", SUPPORTED_DTYPES)
-def test_every_supported_dtype_passes_for_data_movement(dtype: str) -> None:
+@pytest.mark.parametrize("dtype", MOVABLE_DTYPES)
+def test_every_fixed_width_dtype_passes_for_data_movement(dtype: str) -> None:
     for kind in (Kind.ALLGATHER, Kind.BROADCAST, Kind.ALLTOALL):
         check_request(meta(dtype, kind, op=None))
 
 
+def test_movable_dtypes_include_the_unsigned_and_float8_ones() -> None:
+    assert {"uint16", "uint32", "uint64", "float8_e4m3fn", "float8_e5m2"} <= set(MOVABLE_DTYPES)
+    assert set(REDUCING_DTYPES) < set(MOVABLE_DTYPES)
+
+
 @pytest.mark.parametrize("dtype", ["uint16", "uint32", "uint64", "float8_e4m3fn", "complex32"])
-def test_unsupported_dtypes_raise_type_error_naming_the_tensor(dtype: str) -> None:
-    with pytest.raises(TypeError, match=rf"tensor 't': dtype {dtype} is not supported; supported dtypes: uint8"):
-        check_request(meta(dtype))
+def test_reductions_without_arithmetic_raise_type_error_naming_the_tensor(dtype: str) -> None:
+    for kind in (Kind.ALLREDUCE, Kind.REDUCESCATTER):
+        with pytest.raises(
+            TypeError, match=rf"tensor 't': dtype {dtype} has no reduction arithmetic here; reductions take uint8"
+        ):
+            check_request(meta(dtype, kind))
+
+
+def test_a_dtype_nothing_carries_is_refused_by_every_op() -> None:
+    for kind in (Kind.ALLREDUCE, Kind.ALLGATHER, Kind.BROADCAST, Kind.ALLTOALL):
+        with pytest.raises(TypeError, match=r"tensor 't': dtype qint8 is not supported; supported dtypes: uint8"):
+            check_request(meta("qint8", kind, op=ReduceOp.Sum if kind == Kind.ALLREDUCE else None))
 
 
 @pytest.mark.parametrize(
@@ -63,7 +78,7 @@ def test_bool_min_max_product_and_complex_sums_pass() -> None:
 def test_bad_devices_ops_and_factors_are_value_errors() -> None:
     with pytest.raises(ValueError, match="tensors on 'meta' are not supported"):
         check_request(meta(device="meta"))
-    with pytest.raises(ValueError, match="reducescatter supports Average and Sum, not Max"):
+    with pytest.raises(UnsupportedOperationError, match="reducescatter supports Average and Sum, not Max"):
         check_request(meta(kind=Kind.REDUCESCATTER, op=ReduceOp.Max))
     with pytest.raises(ValueError, match="prescale factor must be a finite number"):
         check_request(meta(prescale=float("nan")))
@@ -77,10 +92,11 @@ def _fake_tensor(device: str) -> Any:
 
 def test_requests_on_different_cuda_devices_negotiate_alike() -> None:
     """Horovod's recipe, torch.cuda.set_device(hvd.local_rank()), puts rank i on cuda:i: that must agree."""
-    metas = {rank: _meta(_fake_tensor(f"cuda:{rank}"), Kind.ALLREDUCE, "grad", global_process_set, op=0) for rank in (0, 1)}
+    call = Call(Kind.ALLREDUCE, spec=ReduceSpec(ReduceOp.Average))
+    metas = {rank: build_meta(call, _fake_tensor(f"cuda:{rank}"), "grad") for rank in (0, 1)}  # type: ignore[arg-type]
     assert metas[0].device == metas[1].device == "cuda"
     assert find_mismatch(metas, 2) is None
-    mixed = {0: metas[0], 1: _meta(_fake_tensor("cpu"), Kind.ALLREDUCE, "grad", global_process_set, op=0)}
+    mixed = {0: metas[0], 1: build_meta(call, _fake_tensor("cpu"), "grad")}  # type: ignore[arg-type]
     assert find_mismatch(mixed, 2) == "Mismatched devices for tensor 'grad': rank 0: cuda, rank 1: cpu"
 
 

@@ -28,3 +28,20 @@ class WorkerRemovedError(RuntimeError):
 
 class ElasticRendezvousError(RuntimeError):
     """An elastic worker could not join a new round (the driver is gone, or the round never formed in time)."""
+
+
+class CollectiveMismatchError(RuntimeError):
+    """The ranks submitted disagreeing requests under one name (shape, dtype, op, root rank, scale factors).
+
+    Found in negotiation, so every rank that submitted the request gets it at once, and the next request works.
+    Horovod's torch front end raises such errors as ``RuntimeError``, its TensorFlow one as
+    ``tf.errors.FailedPreconditionError``.
+    """
+
+
+class UnsupportedOperationError(RuntimeError):
+    """An operation Horovod does not run, such as reducescatter with Adasum (Horovod's torch: ``RuntimeError``)."""
+
+
+class NotInitializedError(ValueError):
+    """A call that needs ``init()`` came before it (or after ``shutdown()``); Horovod raises ``ValueError``."""

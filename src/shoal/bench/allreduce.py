@@ -21,9 +21,9 @@ from shoal.bench import add_json_flag, emit
 from shoal.comm import collectives
 from shoal.comm.hierarchical import HierarchicalAllreduce
 from shoal.comm.shm import create_local_group, job_token
+from shoal.core import session as handles
 from shoal.plan.calibration import median_seconds
 from shoal.runtime import context
-from shoal.torch import handles
 
 
 def _timed_ms(fn: Callable[[], object], iterations: int) -> float:

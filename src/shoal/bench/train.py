@@ -195,7 +195,7 @@ def run_autotuned(args: argparse.Namespace, batches: list[tuple[torch.Tensor, to
 
     Returns (images per second with the frozen setting, tuning steps it took).
     """
-    from shoal.torch import handles
+    from shoal.core import session as handles
 
     torch.manual_seed(0)
     model, _ = build(args.model)
@@ -285,7 +285,7 @@ def main(argv: list[str] | None = None) -> None:
         os.environ.update(SHOAL_AUTOTUNE="1", SHOAL_AUTOTUNE_BAYES_OPT_MAX_SAMPLES=str(args.autotune_samples))
         hvd.init()
         tuned = run_autotuned(args, batches)
-        from shoal.torch import handles
+        from shoal.core import session as handles
 
         engine = handles.engine()
         settings = [engine.config.fusion_threshold_bytes, round(engine.config.cycle_time_ms, 3), engine.tuned_bucket_bytes]

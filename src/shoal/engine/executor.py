@@ -19,6 +19,8 @@ from shoal.engine.negotiation import Response
 from shoal.engine.request import DATA_KINDS, Kind, ReduceOp, Request, RequestMeta
 from shoal.engine.stall import CollectiveWatch
 from shoal.engine.timeline import Timeline
+from shoal.engine.validation import bit_view
+from shoal.exceptions import CollectiveMismatchError
 from shoal.log import get_logger
 
 # gloo has no int16 kernels; such tensors travel as int32 (exact, and wraps the same way once cast back).
@@ -168,7 +170,7 @@ class Executor:
         if first.error is not None:
             for request in requests:
                 if request is not None:
-                    request.fail(RuntimeError(first.error))
+                    request.fail(CollectiveMismatchError(first.error))
             return
         if first.kind == Kind.JOIN:
             for request in requests:
@@ -321,7 +323,8 @@ class Executor:
 
     def _allgather(self, response: Response, request: Request | None, state: ProcessSetState) -> None:
         rows = [(m.shape[0] if m.shape else 1) if m is not None else 0 for m in (response.rank_metas[r] for r in state.members)]
-        own = self._input(response, request, rows=rows[state.members.index(self.rank)])
+        given = self._input(response, request, rows=rows[state.members.index(self.rank)])
+        own = bit_view(given)
         dtype = own.dtype
         wire = _WIRE_DTYPES.get(dtype, dtype)
         longest = max(rows)
@@ -331,7 +334,7 @@ class Executor:
             chunks = collectives.allgather_equal(_real_view(padded), len(state.members), state.group)
         if padded.is_complex():
             chunks = [torch.view_as_complex(chunk) for chunk in chunks]
-        result = torch.cat([chunk[:count] for chunk, count in zip(chunks, rows, strict=True)]).to(dtype)
+        result = torch.cat([chunk[:count] for chunk, count in zip(chunks, rows, strict=True)]).to(dtype).view(given.dtype)
         if request is not None:
             request.complete(result)
 
@@ -342,12 +345,13 @@ class Executor:
         if request is not None and request.output is not None and request.output is not buffer:
             request.output.copy_(buffer)
             buffer = request.output
-        wire = _WIRE_DTYPES.get(buffer.dtype)
-        moved = buffer.to(wire) if wire is not None else buffer
+        bits = bit_view(buffer)
+        wire = _WIRE_DTYPES.get(bits.dtype)
+        moved = bits.to(wire) if wire is not None else bits
         with self._wire(f"broadcast '{response.name}'"):
             collectives.broadcast_(_real_view(moved), root, state.group)
-        if moved is not buffer:
-            buffer.copy_(moved)
+        if moved is not bits:
+            bits.copy_(moved)
         if request is not None:
             request.complete(buffer)
 
@@ -364,13 +368,14 @@ class Executor:
 
         send = splits_of(response.rank_metas[self.rank])
         receive = [splits_of(response.rank_metas[member])[me] for member in members]
-        tensor = self._input(response, request, rows=sum(send))
+        given = self._input(response, request, rows=sum(send))
+        tensor = bit_view(given)
         wire = _WIRE_DTYPES.get(tensor.dtype, tensor.dtype)
         output = torch.empty((sum(receive), *tensor.shape[1:]), dtype=wire, device=tensor.device)
         with self._wire(f"alltoall '{response.name}'"):
             collectives.alltoall(_real_view(output), _real_view(tensor.to(wire)), receive, send, state.group)
         if request is not None:
-            request.complete((output.to(tensor.dtype), torch.tensor(receive, dtype=torch.int32)))
+            request.complete((output.to(tensor.dtype).view(given.dtype), torch.tensor(receive, dtype=torch.int32)))
 
     def _reducescatter(self, response: Response, request: Request | None, state: ProcessSetState) -> None:
         meta = response.meta

@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import math
 
-from shoal.engine.request import DATA_KINDS, Kind, ReduceOp, RequestMeta
+import torch
 
-SUPPORTED_DTYPES = (
+from shoal.engine.request import DATA_KINDS, Kind, ReduceOp, RequestMeta
+from shoal.exceptions import UnsupportedOperationError
+
+REDUCING_DTYPES = (
     "uint8",
     "int8",
     "int16",
@@ -26,8 +29,44 @@ SUPPORTED_DTYPES = (
     "complex64",
     "complex128",
 )
-"""Horovod's dtypes (uint8 to float64, bool), plus complex: sums and averages of complex tensors are computed on
-their real and imaginary parts. Unsigned 16/32/64-bit integers and float8 have no reduction kernels in gloo."""
+"""What allreduce and reducescatter reduce: Horovod's dtypes (uint8 to float64, bool), plus complex (sums and
+averages of complex tensors are computed on their real and imaginary parts). Unsigned 16/32/64-bit integers and
+float8 have no reduction kernels in gloo, so reductions refuse them."""
+
+_BIT_TWINS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+"""A signed integer of each width: the bits of any fixed-width dtype travel as it, unchanged."""
+
+_EXTRA_MOVABLE = (
+    "uint16",
+    "uint32",
+    "uint64",
+    "float8_e4m3fn",
+    "float8_e5m2",
+    "float8_e4m3fnuz",
+    "float8_e5m2fnuz",
+    "float8_e8m0fnu",
+    "complex32",
+)
+
+MOVABLE_DTYPES = REDUCING_DTYPES + tuple(name for name in _EXTRA_MOVABLE if isinstance(getattr(torch, name, None), torch.dtype))
+"""What allgather, broadcast and alltoall move: every reducing dtype, and every other fixed-width dtype this torch
+has (moving bytes needs no arithmetic; they travel as integers of the same width)."""
+
+_MOVING = (Kind.ALLGATHER, Kind.BROADCAST, Kind.ALLTOALL)
+
+
+def dtypes_for(kind: Kind) -> tuple[str, ...]:
+    """The dtypes a data request of ``kind`` accepts (reductions also check each op against the dtype)."""
+    return MOVABLE_DTYPES if kind in _MOVING else REDUCING_DTYPES
+
+
+def bit_view(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` as a dtype the transport moves: itself for a reducing dtype, else its bits as a signed integer of
+    the same width (the same memory; ``.view(dtype)`` turns the result back, bit for bit)."""
+    if str(tensor.dtype).removeprefix("torch.") in REDUCING_DTYPES:
+        return tensor
+    return tensor.view(_BIT_TWINS[tensor.element_size()])
+
 
 DEVICE_TYPES = ("cpu", "cuda")
 """gloo serves CPU tensors, NCCL CUDA tensors."""
@@ -49,14 +88,21 @@ def check_request(meta: RequestMeta) -> None:
     Raises:
         TypeError: an unsupported dtype, or a reduction that is not defined for the dtype.
         ValueError: an unsupported device type, op, or scale factor.
+        UnsupportedOperationError: an op Horovod does not run (reducescatter with Min, Max, Product or Adasum).
     """
     if not meta.name:
         raise ValueError(f"a {meta.kind.value} request needs a non-empty name")
     if meta.kind not in DATA_KINDS:
         return
     what = f"{meta.kind.value} of tensor '{meta.name}'"
-    if meta.dtype not in SUPPORTED_DTYPES:
-        raise TypeError(f"{what}: dtype {meta.dtype} is not supported; supported dtypes: {', '.join(SUPPORTED_DTYPES)}")
+    accepted = dtypes_for(meta.kind)
+    if meta.dtype not in accepted:
+        if meta.dtype in MOVABLE_DTYPES:
+            raise TypeError(
+                f"{what}: dtype {meta.dtype} has no reduction arithmetic here; reductions take {', '.join(REDUCING_DTYPES)} "
+                "(allgather, broadcast and alltoall move it)"
+            )
+        raise TypeError(f"{what}: dtype {meta.dtype} is not supported; supported dtypes: {', '.join(accepted)}")
     if meta.device not in DEVICE_TYPES:
         raise ValueError(f"{what}: tensors on '{meta.device}' are not supported; use a CPU or CUDA tensor")
     if any(dim < 0 for dim in meta.shape):
@@ -67,7 +113,7 @@ def check_request(meta: RequestMeta) -> None:
         raise ValueError(f"{what}: unknown reduce op {meta.op}")
     op = ReduceOp(meta.op)
     if meta.kind == Kind.REDUCESCATTER and op not in _REDUCESCATTER_OPS:
-        raise ValueError(f"{what}: reducescatter supports Average and Sum, not {op.name}")
+        raise UnsupportedOperationError(f"{what}: reducescatter supports Average and Sum, not {op.name}")
     if op == ReduceOp.Adasum and meta.dtype not in _FLOAT_DTYPES:
         raise TypeError(f"{what}: Adasum combines floating-point tensors only ({', '.join(_FLOAT_DTYPES)}), not {meta.dtype}")
     if meta.dtype.startswith("complex") and op not in _COMPLEX_OPS:

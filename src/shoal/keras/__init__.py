@@ -13,17 +13,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from shoal.keras import callbacks, elastic
-from shoal.keras.optimizer import (
-    DistributedOptimizer,
-    PartialDistributedOptimizer,
-    backend,
-    default_compression,
-    is_distributed,
-    load_model,
-)
-from shoal.torch import functions as _functions
-from shoal.torch.basics import (
+from shoal.core.basics import (
     ccl_built,
     cross_rank,
     cross_size,
@@ -44,9 +34,19 @@ from shoal.torch.basics import (
     shutdown,
     size,
 )
+from shoal.core.process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
+from shoal.core.session import start_timeline, stop_timeline
+from shoal.keras import callbacks, elastic
+from shoal.keras.optimizer import (
+    DistributedOptimizer,
+    PartialDistributedOptimizer,
+    backend,
+    default_compression,
+    is_distributed,
+    load_model,
+)
+from shoal.torch import functions as _functions
 from shoal.torch.functions import Average, Sum
-from shoal.torch.handles import start_timeline, stop_timeline
-from shoal.torch.process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
 
 Compression = default_compression()
 """The backend's compressors: ``Compression.none`` and ``Compression.fp16``."""

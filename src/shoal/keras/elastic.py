@@ -15,10 +15,10 @@ from typing import Any, TypeVar
 import keras
 import numpy as np
 
+from shoal.core.elastic import ObjectState, State
+from shoal.core.elastic import run as _run
 from shoal.exceptions import HorovodInternalError, HostsUpdatedInterrupt
 from shoal.keras.callbacks import broadcast_variables, variable_value
-from shoal.torch.elastic import ObjectState, State
-from shoal.torch.elastic import run as _run
 
 Result = TypeVar("Result")
 
@@ -26,7 +26,7 @@ Result = TypeVar("Result")
 def run(func: Callable[..., Result]) -> Callable[..., Result]:
     """Decorate ``train(state, ...)`` so that it survives workers dying and joining (Horovod's ``elastic.run``).
 
-    As ``shoal.torch.elastic.run``; on the TensorFlow backend, a collective that failed inside the compiled train
+    As ``shoal.core.elastic.run``; on the TensorFlow backend, a collective that failed inside the compiled train
     step (a ``tf.errors.OpError`` carrying ``HorovodInternalError``) counts as the failure it is.
     """
     if keras.backend.backend() == "tensorflow":

@@ -17,8 +17,8 @@ from typing import Any
 
 import keras
 
+from shoal.core.process_sets import ProcessSet, global_process_set
 from shoal.torch.functions import Average, Sum
-from shoal.torch.process_sets import ProcessSet, global_process_set
 
 
 def backend() -> str:

@@ -6,6 +6,31 @@ The collectives take and return ``tf.Tensor``s and run on the same engine (negot
 optional: ``pip install 'shoal[tensorflow]'``.
 """
 
+from shoal.core.basics import (
+    ccl_built,
+    cross_rank,
+    cross_size,
+    cuda_built,
+    ddl_built,
+    gloo_built,
+    gloo_enabled,
+    init,
+    is_homogeneous,
+    is_initialized,
+    local_rank,
+    local_size,
+    mpi_built,
+    mpi_enabled,
+    mpi_threads_supported,
+    nccl_built,
+    rank,
+    rocm_built,
+    shutdown,
+    size,
+)
+from shoal.core.process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
+from shoal.core.requests import barrier, join
+from shoal.core.session import start_timeline, stop_timeline
 from shoal.exceptions import HorovodInternalError, HostsUpdatedInterrupt
 from shoal.tensorflow import elastic
 from shoal.tensorflow.compression import Compression
@@ -37,31 +62,6 @@ from shoal.tensorflow.ops import (
 )
 from shoal.tensorflow.optimizer import DistributedOptimizer
 from shoal.tensorflow.sync_batch_norm import SyncBatchNormalization
-from shoal.torch.basics import (
-    ccl_built,
-    cross_rank,
-    cross_size,
-    cuda_built,
-    ddl_built,
-    gloo_built,
-    gloo_enabled,
-    init,
-    is_homogeneous,
-    is_initialized,
-    local_rank,
-    local_size,
-    mpi_built,
-    mpi_enabled,
-    mpi_threads_supported,
-    nccl_built,
-    rank,
-    rocm_built,
-    shutdown,
-    size,
-)
-from shoal.torch.functions import barrier, join
-from shoal.torch.handles import start_timeline, stop_timeline
-from shoal.torch.process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
 
 __all__ = [
     "Adasum",

@@ -1,7 +1,7 @@
 """Elastic TensorFlow (Horovod's ``horovod.tensorflow.elastic``): ``TensorFlowState``, ``TensorFlowKerasState`` and
 ``run``, on Shoal's elastic driver (``shoalrun --min-np/--max-np/--host-discovery-script``).
 
-``run`` is ``shoal.torch.elastic.run`` that also recognises a collective that failed inside a ``tf.function`` (a
+``run`` is ``shoal.core.elastic.run`` that also recognises a collective that failed inside a ``tf.function`` (a
 ``tf.errors.OpError`` carrying ``HorovodInternalError``); other errors propagate unchanged (Horovod's returned None
 for unrelated TensorFlow errors; Shoal does not hide them).
 """
@@ -14,12 +14,12 @@ from typing import Any, TypeVar
 import numpy as np
 import tensorflow as tf
 
+from shoal.core.elastic import ObjectState, State
+from shoal.core.elastic import run as _run
 from shoal.exceptions import HorovodInternalError, HostsUpdatedInterrupt
 from shoal.keras.elastic import KerasState
 from shoal.tensorflow.errors import surfacing
 from shoal.tensorflow.ops import broadcast_variables
-from shoal.torch.elastic import ObjectState, State
-from shoal.torch.elastic import run as _run
 
 Result = TypeVar("Result")
 

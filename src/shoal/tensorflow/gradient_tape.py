@@ -14,10 +14,10 @@ from typing import Any
 
 import tensorflow as tf
 
+from shoal.core.process_sets import ProcessSet, global_process_set
 from shoal.runtime import elastic_rendezvous
 from shoal.tensorflow.compression import Compression, Compressor
 from shoal.tensorflow.ops import Average, grouped_allreduce, size_op
-from shoal.torch.process_sets import ProcessSet, global_process_set
 
 
 def _split(items: list[Any], count: int) -> list[list[Any]]:

@@ -19,11 +19,21 @@ import numpy as np
 import tensorflow as tf
 import torch
 
-import shoal.torch as hvd
+from shoal.core import basics, objects, requests, rules, session
+from shoal.core.process_sets import ProcessSet, global_process_set
+from shoal.core.requests import Call
+from shoal.core.rules import Kind, ReduceOp, ReduceSpec
 from shoal.tensorflow.compression import Compression, Compressor
-from shoal.torch.process_sets import ProcessSet, global_process_set
+from shoal.tensorflow.errors import as_tf_error
 
-Average, Sum, Adasum, Min, Max, Product = hvd.Average, hvd.Sum, hvd.Adasum, hvd.Min, hvd.Max, hvd.Product
+Average, Sum, Adasum, Min, Max, Product = (
+    ReduceOp.Average,
+    ReduceOp.Sum,
+    ReduceOp.Adasum,
+    ReduceOp.Min,
+    ReduceOp.Max,
+    ReduceOp.Product,
+)
 
 _last_op: dict[int, Any] = {}
 """Per graph: the last collective op created in it (the next one runs after it)."""
@@ -61,7 +71,14 @@ def _bridge(
     py_function ordered after the graph's previous collective)."""
 
     def run(*values: Any) -> list[tf.Tensor]:
-        return [_to_tf(out) for out in compute([_to_torch(v) for v in values])]
+        try:
+            outputs = compute([_to_torch(v) for v in values])
+        except Exception as error:
+            mapped = as_tf_error(error)
+            if mapped is error:
+                raise
+            raise mapped from error
+        return [_to_tf(out) for out in outputs]
 
     if tf.executing_eagerly():
         return run(*inputs)
@@ -77,13 +94,52 @@ def _bridge(
     return outputs
 
 
-def _resolve_op(op: int | None, average: bool | None) -> int:
-    """Horovod's ``handle_average_backwards_compatibility``: ``op`` wins; ``average`` is deprecated; Average."""
-    if op is not None and average is not None:
-        raise ValueError("The op parameter supersedes average. Please provide only one of them.")
-    if average is not None:
-        return int(Average if average else Sum)
-    return int(Average if op is None else op)
+def _run(call: Call, tensors: list[torch.Tensor], name: str | None, grouped: bool = False) -> Any:
+    """Submit through the core and wait: the engine's result for one tensor, or the list for a group."""
+    return session.synchronize(requests.submit(call, tensors, name, grouped=grouped))
+
+
+def _reduce_call(kind: Kind, op: int, prescale: float, postscale: float, process_set: ProcessSet) -> Call:
+    return Call(kind, process_set, ReduceSpec(ReduceOp(op), prescale, postscale))
+
+
+def _check_root(root_rank: int) -> None:
+    """Found where the op is built, as Horovod's op does, in every mode."""
+    size = basics.size()
+    if not 0 <= int(root_rank) < size:
+        raise tf.errors.InvalidArgumentError(
+            None, None, f"broadcast received invalid root rank {root_rank}; it must be a rank of the job (0..{size - 1})"
+        )
+
+
+def _gradient(kind: Kind, grads: list[Any], forward: dict[str, Any], name: str | None) -> list[Any]:
+    """The gradients of ``kind``'s inputs, by ``rules.GRADIENTS[kind]`` (the same table the torch front end reads)."""
+    rule = rules.GRADIENTS[kind]
+    process_set: ProcessSet = forward["process_set"]
+    op = forward.get("op")
+    prescale, postscale = forward.get("prescale", 1.0), forward.get("postscale", 1.0)
+    scale = rules.gradient_scale(kind, op, process_set.size(), prescale, postscale)
+    scaled = [grad if scale == 1.0 else grad * tf.cast(scale, grad.dtype) for grad in grads]
+    grad_name = None if name is None else f"{name}.grad"
+    if rule.collective == Kind.ALLREDUCE:
+        back_op = rules.gradient_op(kind, op)
+        assert back_op is not None
+        back_pre, back_post = rules.backward_factors(kind, prescale, postscale)
+        carried = _grouped_allreduce_dense(scaled, int(back_op), back_pre, back_post, grad_name, process_set)
+    elif rule.collective == Kind.ALLGATHER:
+        carried = [
+            allgather(g, name=None if grad_name is None else f"{grad_name}.{i}", process_set=process_set)
+            for i, g in enumerate(scaled)
+        ]
+    else:
+        carried = [alltoall(scaled[0], forward["received"], name=grad_name, process_set=process_set)[0]]
+    if rule.select == rules.Select.OWN_ROWS:
+        rows_name = None if grad_name is None else f"{grad_name}.rows"
+        rows = allgather(tf.shape(forward["input"])[:1], name=rows_name, process_set=process_set)
+        carried = [tf.split(carried[0], rows, num=process_set.size(), axis=0)[process_set.rank()]]
+    elif rule.select == rules.Select.ROOT_ONLY and not rules.is_gradient_root(basics.rank(), forward["root_rank"]):
+        carried = [value * 0 for value in carried]
+    return carried
 
 
 # ----- allreduce -----
@@ -91,21 +147,16 @@ def _resolve_op(op: int | None, average: bool | None) -> int:
 
 def _allreduce_dense(tensor: Any, op: int, prescale: float, postscale: float, name: str | None, process_set: ProcessSet) -> Any:
     name = _graph_name("Allreduce", tensor, name)
+    call = _reduce_call(Kind.ALLREDUCE, op, prescale, postscale, process_set)
+    forward_args = {"process_set": process_set, "op": op, "prescale": prescale, "postscale": postscale}
 
     @tf.custom_gradient
     def forward(x: Any) -> Any:
-        def compute(ts: list[torch.Tensor]) -> list[torch.Tensor]:
-            return [
-                hvd.allreduce(
-                    ts[0], name=name, op=op, prescale_factor=prescale, postscale_factor=postscale, process_set=process_set
-                )
-            ]
-
-        (y,) = _bridge(compute, [x], [x.dtype])
+        (y,) = _bridge(lambda ts: [_run(call, ts, name)], [x], [x.dtype])
         y.set_shape(x.shape)
 
         def grad(dy: Any) -> Any:
-            return _allreduce_dense(dy, op, prescale, postscale, None if name is None else f"{name}.grad", process_set)
+            return _gradient(Kind.ALLREDUCE, [dy], forward_args, name)[0]
 
         return y, grad
 
@@ -130,7 +181,7 @@ def allreduce(
     A ``tf.IndexedSlices`` is reduced by allgathering its values and indices (Sum or Average only; duplicate
     indices are not summed), as Horovod does; pass ``tf.convert_to_tensor`` of it to reduce it densely.
     """
-    reduce_op = _resolve_op(op, average)
+    reduce_op = rules.resolve_op(op, average)
     if isinstance(tensor, tf.IndexedSlices):
         return _allreduce_sparse(tensor, reduce_op, prescale_factor, postscale_factor, name, process_set, device_sparse)
     with tf.device(device_dense):
@@ -172,7 +223,7 @@ def grouped_allreduce(
     """Reduce several tensors as one fused exchange; returns them in order (IndexedSlices as in ``allreduce``)."""
     if not tensors:
         return list(tensors)
-    reduce_op = _resolve_op(op, average)
+    reduce_op = rules.resolve_op(op, average)
     dense_at = [i for i, t in enumerate(tensors) if not isinstance(t, tf.IndexedSlices)]
     results: list[Any] = [None] * len(tensors)
     for index, tensor in enumerate(tensors):
@@ -198,22 +249,17 @@ def _grouped_allreduce_dense(
     if name is None and not tf.executing_eagerly():
         name = "HorovodGroupedAllreduce_" + re.sub(r"[^a-zA-Z0-9_]", "_", f"{tensors[0].name}_{tensors[-1].name}")
 
+    call = _reduce_call(Kind.ALLREDUCE, op, prescale, postscale, process_set)
+    forward_args = {"process_set": process_set, "op": op, "prescale": prescale, "postscale": postscale}
+
     @tf.custom_gradient
     def forward(*xs: Any) -> Any:
-        def compute(ts: list[torch.Tensor]) -> list[torch.Tensor]:
-            return list(
-                hvd.grouped_allreduce(
-                    ts, name=name, op=op, prescale_factor=prescale, postscale_factor=postscale, process_set=process_set
-                )
-            )
-
-        ys = _bridge(compute, xs, [x.dtype for x in xs])
+        ys = _bridge(lambda ts: list(_run(call, ts, name, grouped=True)), xs, [x.dtype for x in xs])
         for y, x in zip(ys, xs, strict=True):
             y.set_shape(x.shape)
 
         def grad(*dys: Any) -> Any:
-            grad_name = None if name is None else f"{name}.grad"
-            return _grouped_allreduce_dense(list(dys), op, prescale, postscale, grad_name, process_set)
+            return _gradient(Kind.ALLREDUCE, list(dys), forward_args, name)
 
         return ys, grad
 
@@ -229,15 +275,15 @@ def allgather(
     """Concatenate every rank's ``tensor`` along dimension 0 (which may differ between ranks)."""
     name = _graph_name("Allgather", tensor, name)
 
+    call = Call(Kind.ALLGATHER, process_set)
+
     @tf.custom_gradient
     def forward(x: Any) -> Any:
-        (y,) = _bridge(lambda ts: [hvd.allgather(ts[0], name=name, process_set=process_set)], [x], [x.dtype])
+        (y,) = _bridge(lambda ts: [_run(call, ts, name)], [x], [x.dtype])
         y.set_shape(tf.TensorShape([None]).concatenate(x.shape[1:]))
 
         def grad(dy: Any) -> Any:
-            reduced = _allreduce_dense(dy, int(Average), 1.0, 1.0, None if name is None else f"{name}.grad", process_set)
-            rows = allgather(tf.shape(x)[:1], name=None if name is None else f"{name}.grad.rows", process_set=process_set)
-            return tf.split(reduced, rows, num=process_set.size(), axis=0)[process_set.rank()]
+            return _gradient(Kind.ALLGATHER, [dy], {"process_set": process_set, "input": x}, name)[0]
 
         return y, grad
 
@@ -263,15 +309,16 @@ def broadcast(
 ) -> Any:
     """``root_rank``'s ``tensor`` on every rank."""
     name = _graph_name("Broadcast", tensor, name)
+    _check_root(root_rank)
+    call = Call(Kind.BROADCAST, process_set, root_rank=int(root_rank))
 
     @tf.custom_gradient
     def forward(x: Any) -> Any:
-        (y,) = _bridge(lambda ts: [hvd.broadcast(ts[0], root_rank, name=name, process_set=process_set)], [x], [x.dtype])
+        (y,) = _bridge(lambda ts: [_run(call, ts, name)], [x], [x.dtype])
         y.set_shape(x.shape)
 
         def grad(dy: Any) -> Any:
-            reduced = _allreduce_dense(dy, int(Average), 1.0, 1.0, None if name is None else f"{name}.grad", process_set)
-            return reduced if process_set.rank() == root_rank else reduced * 0
+            return _gradient(Kind.BROADCAST, [dy], {"process_set": process_set, "root_rank": int(root_rank)}, name)[0]
 
         return y, grad
 
@@ -305,20 +352,16 @@ def alltoall(
     @tf.custom_gradient
     def forward(x: Any, s: Any) -> Any:
         def compute(ts: list[torch.Tensor]) -> list[torch.Tensor]:
-            chosen = None if splits is None else ts[1].tolist()
-            out = hvd.alltoall(ts[0], splits=chosen, name=name, process_set=process_set)
-            if splits is None:
-                size = process_set.size()
-                return [out, torch.full((size,), ts[0].shape[0] // size, dtype=torch.int32)]
-            return [out[0], out[1].to(torch.int32)]
+            chosen = None if splits is None else tuple(int(count) for count in ts[1].tolist())
+            out, received = _run(Call(Kind.ALLTOALL, process_set, splits=chosen), [ts[0]], name)
+            return [out, received.to(torch.int32)]
 
         received, received_splits = _bridge(compute, [x, s], [x.dtype, tf.int32])
         received.set_shape(tf.TensorShape([None]).concatenate(x.shape[1:]))
         received_splits.set_shape([process_set.size()])
 
         def grad(dy: Any, _: Any = None) -> Any:
-            back = alltoall(dy, received_splits, name=None if name is None else f"{name}.grad", process_set=process_set)
-            return back[0], None
+            return _gradient(Kind.ALLTOALL, [dy], {"process_set": process_set, "received": received_splits}, name)[0], None
 
         return (received, received_splits), grad
 
@@ -348,22 +391,16 @@ def reducescatter(
 
 
 def _reducescatter(tensor: Any, op: int, name: str | None, process_set: ProcessSet, prescale: float, postscale: float) -> Any:
+    call = _reduce_call(Kind.REDUCESCATTER, op, prescale, postscale, process_set)
+    forward_args = {"process_set": process_set, "op": op, "prescale": prescale, "postscale": postscale}
+
     @tf.custom_gradient
     def forward(x: Any) -> Any:
-        def compute(ts: list[torch.Tensor]) -> list[torch.Tensor]:
-            return [
-                hvd.reducescatter(
-                    ts[0], name=name, op=op, process_set=process_set, prescale_factor=prescale, postscale_factor=postscale
-                )
-            ]
-
-        (y,) = _bridge(compute, [x], [x.dtype])
+        (y,) = _bridge(lambda ts: [_run(call, ts, name)], [x], [x.dtype])
         y.set_shape(tf.TensorShape([None]).concatenate(x.shape[1:]))
 
         def grad(dy: Any) -> Any:
-            gathered = allgather(dy, name=None if name is None else f"{name}.grad", process_set=process_set)
-            scale = prescale * postscale / (process_set.size() if op == Average else 1)
-            return gathered * tf.cast(scale, gathered.dtype)
+            return _gradient(Kind.REDUCESCATTER, [dy], forward_args, name)[0]
 
         return y, grad
 
@@ -397,7 +434,9 @@ def broadcast_variables(
     if not variables:
         return None
     if tf.executing_eagerly():
-        values = [hvd.broadcast(_to_torch(tf.convert_to_tensor(v)), root_rank, process_set=process_set) for v in variables]
+        _check_root(root_rank)
+        call = Call(Kind.BROADCAST, process_set, root_rank=int(root_rank))
+        values = [_run(call, [_to_torch(tf.convert_to_tensor(v))], None) for v in variables]
         for variable, value in zip(variables, values, strict=True):
             variable.assign(_to_tf(value))
         return None
@@ -408,14 +447,14 @@ def broadcast_object(
     obj: Any, root_rank: int = 0, session: Any = None, name: str | None = None, process_set: ProcessSet = global_process_set
 ) -> Any:
     """``root_rank``'s ``obj`` (pickled) on every rank."""
-    return hvd.broadcast_object(obj, root_rank=root_rank, name=name or type(obj).__name__, process_set=process_set)
+    return objects.broadcast_object(obj, root_rank=root_rank, name=name or type(obj).__name__, process_set=process_set)
 
 
 def allgather_object(
     obj: Any, session: Any = None, name: str | None = None, process_set: ProcessSet = global_process_set
 ) -> list[Any]:
     """Every rank's ``obj`` (pickled), in rank order."""
-    return list(hvd.allgather_object(obj, name=name or type(obj).__name__, process_set=process_set))
+    return list(objects.allgather_object(obj, name=name or type(obj).__name__, process_set=process_set))
 
 
 def _global_only(process_set_id: int, what: str) -> None:
@@ -435,22 +474,22 @@ def _runtime_int(value: Callable[[], int], name: str | None) -> Any:
 def size_op(process_set_id: int = 0, name: str | None = None) -> Any:
     """The number of ranks as a tensor (evaluated when it runs)."""
     _global_only(process_set_id, "size_op")
-    return _runtime_int(hvd.size, name)
+    return _runtime_int(basics.size, name)
 
 
 def rank_op(name: str | None = None) -> Any:
     """This process's rank as a tensor (evaluated when it runs)."""
-    return _runtime_int(hvd.rank, name)
+    return _runtime_int(basics.rank, name)
 
 
 def local_rank_op(name: str | None = None) -> Any:
     """This process's local rank as a tensor (Horovod's returns the global rank by mistake; this one does not)."""
-    return _runtime_int(hvd.local_rank, name)
+    return _runtime_int(basics.local_rank, name)
 
 
 def local_size_op(name: str | None = None) -> Any:
     """The number of ranks on this host as a tensor (evaluated when it runs)."""
-    return _runtime_int(hvd.local_size, name)
+    return _runtime_int(basics.local_size, name)
 
 
 def process_set_included_op(process_set_id: int = 0, name: str | None = None) -> Any:

@@ -8,9 +8,9 @@ from typing import Any
 import keras
 import tensorflow as tf
 
+from shoal.core.process_sets import ProcessSet, global_process_set
 from shoal.tensorflow.compression import Compression, Compressor
 from shoal.tensorflow.ops import Adasum, Average
-from shoal.torch.process_sets import ProcessSet, global_process_set
 
 
 def DistributedOptimizer(

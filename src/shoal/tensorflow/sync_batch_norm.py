@@ -12,9 +12,9 @@ from typing import Any
 import keras
 import tensorflow as tf
 
+from shoal.core.basics import size
 from shoal.runtime import elastic_rendezvous
 from shoal.tensorflow.ops import Sum, allreduce
-from shoal.torch.basics import size
 
 
 class SyncBatchNormalization(keras.layers.BatchNormalization):

@@ -1,8 +1,6 @@
 """``import shoal.torch as hvd``: a drop-in for ``horovod.torch``."""
 
-from shoal.exceptions import HorovodInternalError, HostsUpdatedInterrupt
-from shoal.torch import elastic
-from shoal.torch.basics import (
+from shoal.core.basics import (
     ccl_built,
     cross_rank,
     cross_size,
@@ -24,6 +22,11 @@ from shoal.torch.basics import (
     shutdown,
     size,
 )
+from shoal.core.objects import allgather_object, broadcast_object
+from shoal.core.process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
+from shoal.core.session import poll, start_timeline, stop_timeline, synchronize
+from shoal.exceptions import HorovodInternalError, HostsUpdatedInterrupt
+from shoal.torch import elastic
 from shoal.torch.compression import Compression
 from shoal.torch.functions import (
     Adasum,
@@ -58,10 +61,7 @@ from shoal.torch.functions import (
     reducescatter_async,
     sparse_allreduce_async,
 )
-from shoal.torch.handles import poll, start_timeline, stop_timeline, synchronize
-from shoal.torch.objects import allgather_object, broadcast_object
 from shoal.torch.optimizer import DistributedOptimizer, plan_report
-from shoal.torch.process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
 from shoal.torch.state import broadcast_optimizer_state, broadcast_parameters
 from shoal.torch.sync_batch_norm import SyncBatchNorm
 

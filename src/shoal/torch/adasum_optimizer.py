@@ -12,8 +12,9 @@ from typing import Any
 
 import torch
 
+from shoal.core import session as handles
 from shoal.engine.request import ReduceOp
-from shoal.torch import functions, handles
+from shoal.torch import functions
 from shoal.torch.compression import Compressor
 from shoal.torch.layer_comm.schemes import gradient_request_name
 from shoal.torch.optimizer_class import computed_too_often, mix_into

@@ -15,14 +15,16 @@ import torch
 from torch import nn
 
 from shoal.config import env_int
+from shoal.core import basics
+from shoal.core import session as handles
+from shoal.core.process_sets import ProcessSet, global_process_set
 from shoal.engine.request import ReduceOp
 from shoal.ps.config import resolve_config
-from shoal.torch import adasum_optimizer, basics, functions, handles
+from shoal.torch import adasum_optimizer, functions
 from shoal.torch.compression import Compression, Compressor
 from shoal.torch.layer_comm.router import COMM_CHOICES, LayerRouter, OptimizerFacts, plan_report
 from shoal.torch.layer_comm.schemes import gradient_request_name
 from shoal.torch.optimizer_class import computed_too_often, is_mixed_with, mix_into
-from shoal.torch.process_sets import ProcessSet, global_process_set
 
 __all__ = ["DistributedOptimizer", "drop_unfinished_step", "plan_report"]
 

@@ -7,10 +7,11 @@ from typing import Any
 
 import torch
 
-from shoal.torch import functions, handles
-from shoal.torch.basics import rank
-from shoal.torch.objects import broadcast_object
-from shoal.torch.process_sets import ProcessSet, global_process_set
+from shoal.core import session as handles
+from shoal.core.basics import rank
+from shoal.core.objects import broadcast_object
+from shoal.core.process_sets import ProcessSet, global_process_set
+from shoal.torch import functions
 
 
 def broadcast_parameters(

@@ -7,8 +7,8 @@ from typing import Any
 import torch
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from shoal.core.process_sets import ProcessSet, global_process_set
 from shoal.torch import functions
-from shoal.torch.process_sets import ProcessSet, global_process_set
 
 
 class _SyncBatchNormFunction(torch.autograd.Function):

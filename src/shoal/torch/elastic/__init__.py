@@ -4,9 +4,9 @@ Run under ``shoalrun`` with an elastic flag (``--min-np``, ``--max-np``, ``--hos
 ``--reset-limit``); decorate the training function with ``run`` and keep its state in a ``TorchState``.
 """
 
+from shoal.core.elastic import ObjectState, State, run
 from shoal.exceptions import HorovodInternalError, HostsUpdatedInterrupt
-from shoal.torch.elastic.run import run
 from shoal.torch.elastic.sampler import ElasticSampler
-from shoal.torch.elastic.state import ObjectState, State, TorchState
+from shoal.torch.elastic.state import TorchState
 
 __all__ = ["ElasticSampler", "HorovodInternalError", "HostsUpdatedInterrupt", "ObjectState", "State", "TorchState", "run"]

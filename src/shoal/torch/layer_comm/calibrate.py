@@ -13,6 +13,9 @@ from collections.abc import Callable
 import torch
 
 from shoal.config import env_str
+from shoal.core import session as handles
+from shoal.core.objects import broadcast_object
+from shoal.core.process_sets import ProcessSet, add_process_set, remove_process_set
 from shoal.plan.calibration import (
     Calibration,
     calibration_from_json,
@@ -22,9 +25,7 @@ from shoal.plan.calibration import (
     timed_calls,
 )
 from shoal.runtime import context
-from shoal.torch import functions, handles
-from shoal.torch.objects import broadcast_object
-from shoal.torch.process_sets import ProcessSet, add_process_set, remove_process_set
+from shoal.torch import functions
 
 _PROBE_BYTES = (4096, 262144, 2 * 1024 * 1024, 8 * 1024 * 1024, 32 * 1024 * 1024)
 """Message sizes probed, smallest first; large ones leave the caches, as real gradients do."""

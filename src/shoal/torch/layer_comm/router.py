@@ -16,6 +16,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from shoal.core import basics
+from shoal.core import session as handles
+from shoal.core.objects import broadcast_object
+from shoal.core.process_sets import ProcessSet, global_process_set, set_id_of
 from shoal.log import get_logger
 from shoal.plan.calibration import Calibration
 from shoal.plan.drift import DriftMonitor, refit
@@ -25,12 +29,10 @@ from shoal.ps.client import PSSession
 from shoal.ps.config import PSConfig
 from shoal.ps.messages import SessionSpec
 from shoal.runtime import context
-from shoal.torch import basics, functions, handles
+from shoal.torch import functions
 from shoal.torch.compression import Compressor
 from shoal.torch.layer_comm.calibrate import job_calibration, keep_calibration
 from shoal.torch.layer_comm.schemes import LayerComm, ParameterServer, SufficientFactors, Wiring, make_layer_comm
-from shoal.torch.objects import broadcast_object
-from shoal.torch.process_sets import ProcessSet, global_process_set, set_id_of
 
 AUTO = "auto"
 COMM_CHOICES = (*(s.value for s in SCHEMES), AUTO)

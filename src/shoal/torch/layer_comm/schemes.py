@@ -15,11 +15,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from shoal.core.process_sets import ProcessSet
 from shoal.plan.schemes import Scheme
 from shoal.ps.client import PSSession
 from shoal.torch.compression import Compression, Compressor
 from shoal.torch.layer_comm.sfb import SufficientFactorLayer
-from shoal.torch.process_sets import ProcessSet
 
 
 def gradient_request_name(param_name: str) -> str:

@@ -24,9 +24,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from shoal.core import session as handles
+from shoal.core.process_sets import ProcessSet
 from shoal.plan.planner import spares_local_gradient
-from shoal.torch import functions, handles
-from shoal.torch.process_sets import ProcessSet
+from shoal.torch import functions
 
 
 class SufficientFactorLayer:

@@ -8,8 +8,8 @@ from typing import Any
 import torch
 
 from shoal.comm import process_group
+from shoal.core.process_sets import ProcessSet, add_process_set
 from shoal.runtime import context
-from shoal.torch.process_sets import ProcessSet, add_process_set
 
 
 def init(comm: Any = None, process_sets: Sequence[ProcessSet] | str | None = None) -> None:

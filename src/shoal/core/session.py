@@ -18,6 +18,7 @@ from shoal.comm.shm import job_token
 from shoal.engine.config import EngineConfig
 from shoal.engine.engine import Engine, EngineStoppedError
 from shoal.engine.request import Request
+from shoal.exceptions import NotInitializedError
 from shoal.runtime import context
 
 _session_ids = itertools.count(1)
@@ -88,7 +89,7 @@ def session() -> Session:
     """The current session; raises Horovod's ValueError when init() was not called."""
     current: Session | None = context.current().part(_PART)
     if current is None:
-        raise ValueError("Shoal has not been initialized; use shoal.torch.init() (hvd.init()).")
+        raise NotInitializedError("Shoal has not been initialized; use shoal.torch.init() (hvd.init()).")
     return current
 
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from shoal.core import session as handles
 from shoal.engine.request import Kind, Request, RequestMeta
 from shoal.runtime import context
-from shoal.torch import handles
 
 
 class ProcessSet:

@@ -1,0 +1,166 @@
+"""One request builder for every op, shared by the front ends.
+
+A front end converts its tensors to the engine's buffers (torch tensors: ``shoal.torch`` passes its own, ``shoal.tensorflow``
+crosses through DLPack), then calls ``submit``: it names the request (``<op>.noname.<n>`` when unnamed), checks
+what this rank alone can check (Horovod's argument rules, from ``shoal.core.rules``), builds each ``Request`` and
+queues them as one handle. The engine checks dtypes and devices on the same thread (``check_request``), so nothing
+bad is ever queued.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from shoal.core import session
+from shoal.core.process_sets import ProcessSet, global_process_set, set_id_of
+from shoal.core.rules import ReduceSpec, check_alltoall_splits, check_reducescatter_op
+from shoal.engine.request import Kind, Request, RequestMeta
+
+
+def auto_name(kind: Kind, name: str | None, process_set: ProcessSet = global_process_set) -> str:
+    """``name``, or the next ``<op>.noname.<n>``, counted per process set so that ranks outside a set stay in step.
+
+    The counters belong to the session: every ``init()`` (an elastic re-form included) starts them from zero.
+    """
+    if name is not None:
+        return name
+    set_id = set_id_of(process_set)
+    suffix = f".set{set_id}" if set_id else ""
+    return f"{kind.value}.noname{suffix}.{session.session().next_number(kind.value, set_id)}"
+
+
+@dataclass(frozen=True)
+class Call:
+    """What one call asks of every tensor it submits (the fields a kind does not use stay at their defaults)."""
+
+    kind: Kind
+    process_set: ProcessSet = global_process_set
+    spec: ReduceSpec | None = None
+    """allreduce and reducescatter: the op and its factors."""
+    root_rank: int | None = None
+    """broadcast: the global rank whose tensor every rank receives."""
+    splits: tuple[int, ...] | None = None
+    """alltoall: the rows this rank sends to each member (None: an even split)."""
+    in_place: bool = False
+    """allreduce and broadcast: write the result into the input."""
+
+
+def _check_writable(tensor: torch.Tensor, kind: Kind) -> None:
+    """An in-place result must be writable element by element: an expanded tensor shares memory between elements."""
+    if any(stride == 0 and size > 1 for stride, size in zip(tensor.stride(), tensor.shape, strict=True)):
+        raise ValueError(
+            f"{kind.value}: the in-place form cannot write into a tensor whose elements share memory (an expand()ed "
+            "view); use the out-of-place form or pass tensor.clone()"
+        )
+
+
+def _check_call(call: Call, tensor: torch.Tensor) -> None:
+    """Horovod's argument rules that this rank can check alone, before anything is queued."""
+    if call.kind == Kind.BROADCAST:
+        size = session.session().engine.size
+        if call.root_rank is None or not 0 <= call.root_rank < size:
+            raise ValueError(f"broadcast root_rank {call.root_rank} is not a rank of the job (0..{size - 1})")
+    if call.kind in (Kind.ALLTOALL, Kind.REDUCESCATTER) and tensor.dim() == 0:
+        raise ValueError(f"{call.kind.value} needs a tensor with at least one dimension")
+    if call.kind == Kind.ALLTOALL:
+        check_alltoall_splits(call.splits, tensor.shape[0], call.process_set.size())
+    if call.kind == Kind.REDUCESCATTER:
+        assert call.spec is not None
+        check_reducescatter_op(call.spec.op)
+
+
+def build_meta(call: Call, tensor: torch.Tensor, name: str) -> RequestMeta:
+    """What every rank must agree on for ``tensor``, after the checks this rank can make alone."""
+    _check_call(call, tensor)
+    spec = call.spec
+    return RequestMeta(
+        name=name,
+        kind=call.kind,
+        process_set=set_id_of(call.process_set),
+        dtype=str(tensor.dtype).removeprefix("torch."),
+        shape=tuple(tensor.shape),
+        # The device type, not its index: with torch.cuda.set_device(hvd.local_rank()) every rank has its own.
+        device=tensor.device.type,
+        op=None if spec is None else int(spec.op),
+        prescale=1.0 if spec is None else float(spec.prescale),
+        postscale=1.0 if spec is None else float(spec.postscale),
+        root=call.root_rank,
+        splits=call.splits,
+    )
+
+
+def build(call: Call, tensor: torch.Tensor, name: str) -> Request:
+    """One ``Request`` for ``tensor``: the negotiated metadata, a contiguous input and where the result lands."""
+    meta = build_meta(call, tensor, name)
+    detached = tensor.detach()
+    contiguous = detached.contiguous()
+    if call.kind not in (Kind.ALLREDUCE, Kind.BROADCAST):
+        return Request(meta, contiguous, None)
+    if not call.in_place:
+        return Request(meta, contiguous, torch.empty_like(contiguous, memory_format=torch.contiguous_format))
+    _check_writable(tensor, call.kind)
+    request = Request(meta, contiguous, contiguous)
+    if contiguous is not detached:  # a non-contiguous tensor: reduce a copy, write the result back
+        request.user_tensor = tensor
+    return request
+
+
+def first(results: list[Any]) -> Any:
+    """A one-tensor handle's result."""
+    return results[0]
+
+
+def as_list(results: list[Any]) -> list[Any]:
+    """A grouped handle's results, in order."""
+    return list(results)
+
+
+def submit(
+    call: Call,
+    tensors: Sequence[torch.Tensor],
+    name: str | None = None,
+    grouped: bool = False,
+    names: Sequence[str] | None = None,
+) -> int:
+    """Queue ``tensors`` as one handle and return it; ``synchronize`` gives the one result, or the list (grouped).
+
+    Args:
+        call: what to do with each tensor.
+        tensors: the engine's buffers (exactly one unless ``grouped``).
+        name: the request's name, or for a group the base of ``<name>.<i>``; None: an automatic name.
+        grouped: several tensors as one handle (fused together where they fit).
+        names: each tensor's own name instead (the optimizer names gradients after their parameters).
+    """
+    if names is None:
+        base = auto_name(call.kind, name, call.process_set)
+        names = [f"{base}.{i}" for i in range(len(tensors))] if grouped else [base]
+    requests = [build(call, tensor, n) for tensor, n in zip(tensors, names, strict=True)]
+    return session.submit(requests, as_list if grouped else first)
+
+
+def submit_control(kind: Kind, process_set: ProcessSet = global_process_set) -> int:
+    """Queue a request that carries no tensor (barrier, join)."""
+    if kind == Kind.JOIN:
+        meta = RequestMeta(name="shoal.join", kind=Kind.JOIN, process_set=0)
+    else:
+        meta = RequestMeta(name=auto_name(kind, None, process_set), kind=kind, process_set=set_id_of(process_set))
+    return session.submit([Request(meta, None, None)], first)
+
+
+def barrier(process_set: ProcessSet = global_process_set) -> None:
+    """Block until every rank of the process set reaches the barrier."""
+    session.synchronize(submit_control(Kind.BARRIER, process_set))
+
+
+def join(device: int = -1) -> int:
+    """Declare that this rank has no more work; returns the last rank to join once every rank has.
+
+    Until then this rank stands in for every collective the others run, contributing zeros (an empty slice to
+    allgather), so ranks with more batches never hang waiting for it. ``device`` is accepted for Horovod
+    compatibility.
+    """
+    return session.synchronize(submit_control(Kind.JOIN))

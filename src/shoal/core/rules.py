@@ -1,0 +1,239 @@
+"""Horovod's rules, written once for every front end: ops, scale factors, gradients and error kinds, as data.
+
+``shoal.torch``, ``shoal.tensorflow`` and ``shoal.keras`` adapt types and error classes; what an op means is decided
+here. A front end that needs a rule (which reduce op a call resolves to, what a gradient's factor is, which rank
+counts as the root, what kind of error a failure is) asks this module instead of writing the rule again, so the
+front ends cannot drift apart. The dtypes each op accepts are the engine's (``shoal.engine.validation``): what the
+wire can carry is one decision for every front end too.
+
+Sources: Horovod 0.28.1, ``horovod/common/util.py`` (``handle_average_backwards_compatibility``),
+``horovod/torch/mpi_ops.py`` and ``horovod/tensorflow/mpi_ops.py`` (the registered gradients), and their tests for
+the error classes.
+"""
+
+from __future__ import annotations
+
+import enum
+import warnings
+from dataclasses import dataclass
+
+from shoal.engine.request import Kind, ReduceOp
+from shoal.engine.validation import MOVABLE_DTYPES, REDUCING_DTYPES, dtypes_for
+from shoal.exceptions import CollectiveMismatchError, HorovodInternalError, NotInitializedError, UnsupportedOperationError
+
+__all__ = [
+    "GRADIENTS",
+    "MOVABLE_DTYPES",
+    "REDUCESCATTER_OPS",
+    "REDUCING_DTYPES",
+    "ErrorKind",
+    "GradientRule",
+    "Kind",
+    "ReduceOp",
+    "ReduceSpec",
+    "Select",
+    "check_alltoall_splits",
+    "check_reducescatter_op",
+    "dtypes_for",
+    "gradient_op",
+    "gradient_scale",
+    "is_gradient_root",
+    "resolve_op",
+]
+
+REDUCESCATTER_OPS = (ReduceOp.Average, ReduceOp.Sum)
+"""Horovod's reducescatter reduces with Sum or Average; anything else (Adasum, Min, Max, Product) is refused."""
+
+
+def resolve_op(op: int | None, average: bool | None) -> ReduceOp:
+    """The reduce op of a call (Horovod's ``handle_average_backwards_compatibility``).
+
+    ``op`` wins; the deprecated ``average`` picks Average or Sum; neither means Average.
+
+    Raises:
+        ValueError: both are given.
+    """
+    if op is not None:
+        if average is not None:
+            raise ValueError("The op parameter supersedes average. Please provide only one of them.")
+        return ReduceOp(op)
+    if average is not None:
+        warnings.warn(
+            "Parameter `average` has been replaced with `op` and will be removed in v1.0", DeprecationWarning, stacklevel=3
+        )
+        return ReduceOp.Average if average else ReduceOp.Sum
+    return ReduceOp.Average
+
+
+@dataclass(frozen=True)
+class ReduceSpec:
+    """How a gradient exchange reduces: the op and the factors applied before and after the sum."""
+
+    op: ReduceOp = ReduceOp.Average
+    """The reduction."""
+    prescale: float = 1.0
+    """Multiplies every rank's input before the reduction."""
+    postscale: float = 1.0
+    """Multiplies the result (for Average, on top of the division by the number of ranks)."""
+
+    @classmethod
+    def for_gradients(cls, op: int, gradient_predivide_factor: float = 1.0) -> ReduceSpec:
+        """Horovod's optimizers: ``gradient_predivide_factor`` f divides before the sum (``prescale = 1/f``) and
+        multiplies after it (``postscale = f``), so an Average still averages; it is only valid with Average.
+
+        Raises:
+            ValueError: a predivide factor with another op.
+        """
+        reduce_op = ReduceOp(op)
+        if gradient_predivide_factor != 1.0 and reduce_op != ReduceOp.Average:
+            raise ValueError("gradient_predivide_factor not supported with op != Average")
+        if reduce_op != ReduceOp.Average:
+            return cls(reduce_op)
+        # Divide before the sum to keep fp16 sums in range; multiply back after it.
+        return cls(reduce_op, 1.0 / gradient_predivide_factor, gradient_predivide_factor)
+
+    def aggregated(self, factor: float) -> ReduceSpec:
+        """The same exchange with the result multiplied by ``factor`` (accumulated gradients)."""
+        return ReduceSpec(self.op, self.prescale, self.postscale * factor)
+
+
+def check_reducescatter_op(op: ReduceOp) -> None:
+    """Horovod refuses reducescatter with any op but Sum and Average (its torch front end with RuntimeError)."""
+    if op not in REDUCESCATTER_OPS:
+        raise UnsupportedOperationError(f"reducescatter supports Average and Sum, not {op.name}")
+
+
+def check_alltoall_splits(splits: tuple[int, ...] | None, rows: int, members: int) -> None:
+    """An alltoall's splits: one non-negative count per member summing to the rows; without splits, rows that
+    divide evenly.
+
+    Raises:
+        ValueError: splits of the wrong length, negative, or not summing to the first dimension; an uneven split.
+    """
+    if splits is not None:
+        if len(splits) != members or any(s < 0 for s in splits) or sum(splits) != rows:
+            raise ValueError(
+                f"alltoall splits {list(splits)} must be {members} non-negative counts summing to the first dimension {rows}"
+            )
+    elif rows % members != 0:
+        raise ValueError(
+            f"alltoall without splits needs the first dimension ({rows}) divisible by the number of ranks ({members})"
+        )
+
+
+# ----- gradients -----
+
+
+class Select(str, enum.Enum):
+    """What a rank keeps of the collective that carries a gradient backward."""
+
+    ALL = "all"
+    """The whole result."""
+    OWN_ROWS = "own_rows"
+    """This rank's rows of the result, offset by the rows of the set's lower ranks."""
+    ROOT_ONLY = "root_only"
+    """The result on the root rank; zeros on every other rank."""
+    RECEIVED_SPLITS = "received_splits"
+    """The result of sending the upstream gradient back along the splits the forward received."""
+
+
+@dataclass(frozen=True)
+class GradientRule:
+    """Horovod's gradient of one collective: a collective on the upstream gradient, a factor, and a selection."""
+
+    collective: Kind
+    """The collective that carries the upstream gradient."""
+    op: ReduceOp | None
+    """Its reduce op when it reduces; None: the forward's own op."""
+    times_size_for: frozenset[ReduceOp]
+    """Forward ops for which the upstream gradient is multiplied by the process set's size."""
+    times_factors: bool
+    """Whether the upstream gradient is multiplied by the forward's prescale and postscale factors (for
+    reducescatter; an allreduce backward passes them to its own collective instead)."""
+    passes_factors: bool
+    """Whether the backward collective reduces with the forward's prescale and postscale factors."""
+    select: Select
+    """What this rank keeps of the result."""
+
+
+GRADIENTS: dict[Kind, GradientRule] = {
+    # allreduce: the upstream gradient allreduced with the forward's op and factors.
+    Kind.ALLREDUCE: GradientRule(Kind.ALLREDUCE, None, frozenset(), False, True, Select.ALL),
+    # allgather: averaged over the ranks, then this rank's rows.
+    Kind.ALLGATHER: GradientRule(Kind.ALLREDUCE, ReduceOp.Average, frozenset(), False, False, Select.OWN_ROWS),
+    # broadcast: averaged over the ranks, kept on the root (a global rank, as in the forward), zero elsewhere.
+    Kind.BROADCAST: GradientRule(Kind.ALLREDUCE, ReduceOp.Average, frozenset(), False, False, Select.ROOT_ONLY),
+    # alltoall: sent back along the received splits.
+    Kind.ALLTOALL: GradientRule(Kind.ALLTOALL, None, frozenset(), False, False, Select.RECEIVED_SPLITS),
+    # reducescatter: times the set size for Sum, times the factors, then allgathered.
+    Kind.REDUCESCATTER: GradientRule(Kind.ALLGATHER, None, frozenset({ReduceOp.Sum}), True, False, Select.ALL),
+}
+"""Horovod 0.28's registered gradients, op by op. So allgather and broadcast give the gradient of the ranks' mean
+loss, allreduce that of the summed loss, and reducescatter with Sum ``size`` times the summed loss's gradient:
+Horovod's conventions, kept so that a ported script trains the same."""
+
+
+def gradient_op(kind: Kind, forward_op: int | None) -> ReduceOp | None:
+    """The reduce op of the collective that carries ``kind``'s gradient (None when it does not reduce)."""
+    rule = GRADIENTS[kind]
+    if rule.collective not in (Kind.ALLREDUCE, Kind.REDUCESCATTER):
+        return None
+    if rule.op is not None:
+        return rule.op
+    return None if forward_op is None else ReduceOp(forward_op)
+
+
+def gradient_scale(kind: Kind, forward_op: int | None, size: int, prescale: float = 1.0, postscale: float = 1.0) -> float:
+    """The factor on ``kind``'s upstream gradient before its backward collective."""
+    rule = GRADIENTS[kind]
+    factor = float(size) if forward_op is not None and ReduceOp(forward_op) in rule.times_size_for else 1.0
+    if rule.times_factors:
+        factor *= prescale * postscale
+    return factor
+
+
+def backward_factors(kind: Kind, prescale: float, postscale: float) -> tuple[float, float]:
+    """The prescale and postscale factors of ``kind``'s backward collective."""
+    return (prescale, postscale) if GRADIENTS[kind].passes_factors else (1.0, 1.0)
+
+
+def is_gradient_root(global_rank: int, root_rank: int) -> bool:
+    """Whether this rank keeps a broadcast's gradient: ``root_rank`` is a global rank, in the forward and here."""
+    return global_rank == root_rank
+
+
+# ----- errors -----
+
+
+class ErrorKind(str, enum.Enum):
+    """What went wrong, neutrally; each front end maps a kind to its framework's class (as Horovod raises it)."""
+
+    INVALID_ARGUMENT = "invalid_argument"
+    """Bad input found on this rank before anything was sent (a wrong root rank, bad splits, a bad shape)."""
+    UNSUPPORTED_DTYPE = "unsupported_dtype"
+    """A dtype the op cannot carry or reduce."""
+    UNSUPPORTED_OPERATION = "unsupported_operation"
+    """An op Horovod does not run (reducescatter with Adasum)."""
+    MISMATCH = "mismatch"
+    """The ranks disagree about a request (shape, dtype, op, root rank, factors): found in negotiation, on every rank."""
+    NOT_INITIALIZED = "not_initialized"
+    """Used before ``init()``."""
+    JOB_BROKEN = "job_broken"
+    """A peer died or the engine stopped (``HorovodInternalError``): elastic training restores and re-forms."""
+
+
+def classify(error: BaseException) -> ErrorKind | None:
+    """The neutral kind of an error a collective raised; None for errors that are not Shoal's to classify."""
+    if isinstance(error, HorovodInternalError):
+        return ErrorKind.JOB_BROKEN
+    if isinstance(error, CollectiveMismatchError):
+        return ErrorKind.MISMATCH
+    if isinstance(error, UnsupportedOperationError):
+        return ErrorKind.UNSUPPORTED_OPERATION
+    if isinstance(error, NotInitializedError):
+        return ErrorKind.NOT_INITIALIZED
+    if isinstance(error, TypeError):
+        return ErrorKind.UNSUPPORTED_DTYPE
+    if isinstance(error, ValueError):
+        return ErrorKind.INVALID_ARGUMENT
+    return None
