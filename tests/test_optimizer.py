@@ -257,3 +257,66 @@ def test_zero_grad_guard_skip_synchronize_and_naming_errors() -> None:
     assert "zero_grad() was called after loss.backward()" in messages[0]
     assert messages[1] == "clipped 0.0100"
     assert "not in it" in messages[2]
+
+
+class Embedder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embedding = nn.Embedding(10, 3, sparse=True)
+
+    def forward(self, index: torch.Tensor) -> torch.Tensor:
+        return self.embedding(index).sum()
+
+
+def _sparse_adam(distributed: bool, rows: list[list[int]]) -> list[float]:
+    """SparseAdam on an embedding with sparse gradients: each rank's rows, or every rank's rows in one process."""
+    if distributed:
+        hvd.init()
+    torch.manual_seed(0)
+    model = Embedder()
+    optimizer: torch.optim.Optimizer = torch.optim.SparseAdam(model.parameters(), lr=0.1)
+    if distributed:
+        optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(), sparse_as_dense=True)
+    for _ in range(2):
+        optimizer.zero_grad()
+        if distributed:
+            model(torch.tensor(rows[hvd.rank()])).backward()
+        else:  # the mean of the ranks' losses
+            (sum(model(torch.tensor(r)) for r in rows) / len(rows)).backward()
+        optimizer.step()
+        assert model.embedding.weight.grad is not None and model.embedding.weight.grad.is_sparse
+    return model.embedding.weight.detach().reshape(-1).tolist()
+
+
+def test_sparse_as_dense_gives_sparse_adam_a_sparse_gradient_again() -> None:
+    """Horovod turns the densely reduced gradient back into a sparse one before the update."""
+    rows = [[1, 2, 2], [2, 7, 9]]
+    results = run_ranks(_sparse_adam, 2, args=(True, rows))
+    reference = _sparse_adam(False, rows)
+    for weights in results:
+        np.testing.assert_allclose(weights, reference, atol=ATOL)
+
+
+def _step_after_synchronize() -> list[str]:
+    import warnings
+
+    hvd.init()
+    model = Net()
+    optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    nn.functional.mse_loss(model(torch.ones(2, 8)), torch.zeros(2, 4)).backward()
+    optimizer.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        optimizer.step()
+    names = sorted(optimizer._parameter_names.values())  # type: ignore[attr-defined]
+    named = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters())
+    return [str(w.message) for w in caught] + names + sorted(named._parameter_names.values())  # type: ignore[attr-defined]
+
+
+def test_step_after_synchronize_warns_and_parameter_names_exist_without_named_parameters() -> None:
+    out = run_ranks(_step_after_synchronize, 2)[0]
+    assert out[0].startswith(
+        "optimizer.step() called without optimizer.skip_synchronize() context after optimizer.synchronize()."
+    )
+    assert out[1:5] == ["allreduce.noname.0.0", "allreduce.noname.0.1", "allreduce.noname.0.2", "allreduce.noname.0.3"]
+    assert out[5:] == ["fc1.bias", "fc1.weight", "fc2.bias", "fc2.weight"]

@@ -32,6 +32,7 @@ class _AdasumOptimizer(torch.optim.Optimizer):
         self._shoal_compression = compression
         self._shoal_passes = passes
         self._shoal_params = [p for group in self.param_groups for p in group["params"] if p.requires_grad]
+        self._parameter_names = {p: names[id(p)] for p in self._shoal_params}  # Horovod's attribute
         self._shoal_counts = {id(p): 0 for p in self._shoal_params}
         self._shoal_starts = {id(p): torch.zeros_like(p, requires_grad=False) for p in self._shoal_params}
         self._shoal_handles: dict[int, tuple[torch.Tensor, int, Any, torch.Tensor]] = {}

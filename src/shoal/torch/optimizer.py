@@ -8,6 +8,7 @@ backprop. ``step()`` (or ``synchronize()``) waits for the results and then appli
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -82,6 +83,14 @@ class _ComputeMarks:
         self._first = None
 
 
+_STEP_AFTER_SYNCHRONIZE = (
+    "optimizer.step() called without optimizer.skip_synchronize() context after optimizer.synchronize(). "
+    "This can cause training slowdown. You may want to consider using optimizer.skip_synchronize() context if you "
+    "use optimizer.synchronize() in your code."
+)
+"""Horovod's warning, word for word."""
+
+
 class _DistributedOptimizer(torch.optim.Optimizer):
     """Methods mixed into a subclass of the user's optimizer class (so ``isinstance`` still holds)."""
 
@@ -116,8 +125,14 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                     "for the same model the optimizer was built on"
                 )
             self._shoal_names = {id(p): by_id[id(p)] for p in params}
-        else:
-            self._shoal_names = {id(p): f"param.{i}" for i, p in enumerate(params)}
+        else:  # Horovod's names for unnamed parameters: group index, then position in the group
+            self._shoal_names = {
+                id(p): f"allreduce.noname.{i}.{j}"
+                for i, group in enumerate(self.param_groups)
+                for j, p in enumerate(group["params"])
+            }
+        # Horovod's attribute (code written for Horovod reads it): each parameter's name.
+        self._parameter_names = {p: self._shoal_names[id(p)] for p in params}
         if backward_passes_per_step < 1:
             raise ValueError(f"backward_passes_per_step must be >= 1, got {backward_passes_per_step}")
         if op not in (ReduceOp.Average, ReduceOp.Sum, ReduceOp.Adasum):  # Adasum here: a world of one rank
@@ -148,6 +163,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._shoal_group_ready: dict[int, set[int]] = {}
         self._shoal_in_flight: list[tuple[int, list[torch.Tensor], list[torch.Tensor], list[Any]]] = []
         self._shoal_sparse: list[torch.Tensor] = []
+        self._shoal_densified: dict[int, int] = {}
+        """Parameters whose sparse gradient was reduced densely (sparse_as_dense), with its sparse dimensions: sparse
+        again after the exchange."""
         self._shoal_synchronized = False
         self._shoal_should_synchronize = True
         self._shoal_marks = _ComputeMarks()
@@ -205,6 +223,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if param.grad is None:
             param.grad = torch.zeros_like(param)
         elif param.grad.is_sparse and self._shoal_sparse_as_dense:
+            self._shoal_densified[id(param)] = param.grad.sparse_dim()
             param.grad = param.grad.to_dense()
         return param.grad
 
@@ -256,6 +275,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                         param.grad.copy_(compressor.decompress(compressed, ctx))
         for param in self._shoal_sparse:
             param.grad = self._shoal_sparse_allreduce(param.grad, self._shoal_names[id(param)])
+        for param in self._shoal_params:
+            # As Horovod does: a gradient that was sparse is sparse again (SparseAdam refuses dense ones).
+            if id(param) in self._shoal_densified and param.grad is not None:
+                param.grad = param.grad.to_sparse(self._shoal_densified[id(param)])
+        self._shoal_densified.clear()
         self._shoal_in_flight.clear()
         self._shoal_sparse.clear()
         self._shoal_submitted.clear()
@@ -292,6 +316,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def step(self, closure: Any = None) -> Any:
         """Wait for the reduced gradients (unless inside ``skip_synchronize``), then apply the update."""
         already_synchronized = self._shoal_synchronized and not self._shoal_submitted  # the user called synchronize()
+        if self._shoal_should_synchronize and already_synchronized:
+            # Horovod's warning; Horovod then reduces again, Shoal keeps the reduced gradients as they are.
+            warnings.warn(_STEP_AFTER_SYNCHRONIZE, stacklevel=2)
         if self._shoal_should_synchronize and not already_synchronized:
             self.synchronize()
         self._shoal_synchronized = False
@@ -324,6 +351,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             handles.discard(entry[0])
         self._shoal_in_flight.clear()
         self._shoal_sparse.clear()
+        self._shoal_densified.clear()
         self._shoal_submitted.clear()
         self._shoal_group_ready.clear()
         self._shoal_bucket, self._shoal_bucket_size = [], 0
@@ -391,7 +419,12 @@ def DistributedOptimizer(
     if ReduceOp(op) == ReduceOp.Adasum and basics.size() > 1:  # as in Horovod: one rank needs no delta optimizer
         if process_set is not global_process_set or comm != "allreduce":
             raise NotImplementedError("op=Adasum supports the global process set and comm='allreduce' only")
-        pairs = list(named_parameters) if named_parameters is not None else [(f"param.{i}", p) for i, p in enumerate(params)]
+        # Horovod's Adasum optimizer names unnamed parameters by their position alone.
+        pairs = (
+            list(named_parameters)
+            if named_parameters is not None
+            else [(f"allreduce.noname.{i}", p) for i, p in enumerate(params)]
+        )
         by_id = {id(p): name for name, p in pairs}
         missing = [i for i, p in enumerate(params) if id(p) not in by_id]
         if missing:
