@@ -57,13 +57,17 @@ ROWS = [
     Row("reducescatter.average", "reducescatter", {"reduce": "Average"}),
     Row("reducescatter.scaled", "reducescatter", {"reduce": "Sum", "prescale": 2.0, "postscale": 0.25}),
 ]
-FRONT_ENDS = ["torch", "tf_eager", "tf_function"]
-"""The TensorFlow 1 graph-and-session mode is not in the matrix yet (see docs/horovod.md)."""
+FRONT_ENDS = ["torch", "tf_eager", "tf_function", "tf_v1_graph"]
+"""torch; TensorFlow eager; TensorFlow inside a tf.function; a TensorFlow 1 graph run by a tf.compat.v1 Session."""
 MISMATCH_CLASS = {
     "torch": "RuntimeError",
     "tf_eager": "FailedPreconditionError",
     "tf_function": "FailedPreconditionError",
+    "tf_v1_graph": "FailedPreconditionError",
 }
+GRAPH_FRONT_ENDS = ("tf_function", "tf_v1_graph")
+"""Where a Shoal op is a tf.py_function: TensorFlow reports its FailedPreconditionError as UnknownError carrying it
+(docs/horovod.md)."""
 """Horovod's class for a cross-rank mismatch: torch's RuntimeError; TensorFlow's FailedPreconditionError."""
 
 
@@ -220,10 +224,40 @@ def _tf_case(compiled: bool) -> Callable[..., tuple[Any, Any]]:
     return case
 
 
+def _tf_v1_case(row: Row, x: np.ndarray, weight: np.ndarray, set_rank: int, root: int, process_set: Any) -> tuple[Any, Any]:
+    import tensorflow as tf
+
+    graph = tf.Graph()
+    with graph.as_default():
+        value = tf.constant(x)
+        out = _tf_op(row, value, set_rank, root, process_set)
+        gradient = tf.compat.v1.gradients(tf.reduce_sum(out * tf.constant(weight)), value)[0]
+        with tf.compat.v1.Session(graph=graph) as session:
+            return tuple(session.run([out, gradient]))  # type: ignore[return-value]
+
+
+def _tf_v1_broadcast_inplace(set_rank: int, root: int, process_set: Any) -> list[list[float]]:
+    """Horovod's in-place broadcast of variables in a TF1 graph and session, a RefVariable and a ResourceVariable."""
+    import tensorflow as tf
+
+    import shoal.tensorflow as hvd
+
+    graph = tf.Graph()
+    with graph.as_default():
+        start = tf.constant([1.0, 2.0]) * (set_rank + 1)
+        variables = [tf.compat.v1.Variable(start, use_resource=False), tf.compat.v1.Variable(start * 10, use_resource=True)]
+        assigned = hvd.broadcast_(variables, root, process_set=process_set)
+        with tf.compat.v1.Session(graph=graph) as session:
+            session.run(tf.compat.v1.global_variables_initializer())
+            session.run(assigned)
+            return [session.run(v).tolist() for v in variables]
+
+
 CASES: dict[str, Callable[..., tuple[Any, Any]]] = {
     "torch": _torch_case,
     "tf_eager": _tf_case(False),
     "tf_function": _tf_case(True),
+    "tf_v1_graph": _tf_v1_case,
 }
 
 
@@ -253,7 +287,12 @@ def _mismatch(front_end: str, row: Row, set_rank: int, root: int, process_set: A
                     return hvd_tf.alltoall(value, process_set=process_set)
                 return _tf_op(row, value, set_rank, root, process_set)
 
-            (tf.function(forward) if front_end == "tf_function" else forward)(tf.constant(x))
+            if front_end == "tf_v1_graph":
+                graph = tf.Graph()
+                with graph.as_default(), tf.compat.v1.Session(graph=graph) as session:
+                    session.run(forward(tf.constant(x)))
+            else:
+                (tf.function(forward) if front_end == "tf_function" else forward)(tf.constant(x))
     except Exception as error:
         classes = ",".join(cls.__name__ for cls in type(error).__mro__)
         return classes + ("|carries FailedPreconditionError" if "FailedPrecondition" in str(error) else "")
@@ -295,6 +334,8 @@ def _rows_on(front_ends: list[str], process_set: Any, ranks: list[int]) -> dict[
                 results[key + "/mismatch"] = _mismatch(front_end, row, set_rank, root, process_set)
                 check = hvd.allreduce(torch.ones(2), op=hvd.Sum, process_set=process_set)
                 results[key + "/next"] = check.tolist()
+        if front_end == "tf_v1_graph":
+            results["tf_v1_graph/broadcast_"] = _tf_v1_broadcast_inplace(set_rank, root, process_set)
     return results
 
 
@@ -344,11 +385,16 @@ def check_matrix(results: Any, front_ends: list[str], members: list[int]) -> int
                     seen = results[rank][key + "/mismatch"]
                     classes = seen.split("|")[0].split(",")
                     # Inside a tf.function TensorFlow reports a py_function's error as UnknownError (docs/horovod.md).
-                    carried = front_end == "tf_function" and classes[0] == "UnknownError" and "|carries" in seen
+                    carried = front_end in GRAPH_FRONT_ENDS and classes[0] == "UnknownError" and "|carries" in seen
                     if MISMATCH_CLASS[front_end] not in classes and not carried:
                         failures.append(f"{key} rank {rank} mismatch: raised {seen}, want {MISMATCH_CLASS[front_end]}")
                     if results[rank][key + "/next"] != [float(len(members))] * 2:
                         failures.append(f"{key} rank {rank}: the call after the mismatch gave {results[rank][key + '/next']}")
+    if "tf_v1_graph" in front_ends:
+        root_values = [[1.0 * len(members), 2.0 * len(members)], [10.0 * len(members), 20.0 * len(members)]]
+        for rank in members:
+            if results[rank]["tf_v1_graph/broadcast_"] != root_values:
+                failures.append(f"tf_v1_graph broadcast_ rank {rank}: {results[rank]['tf_v1_graph/broadcast_']}")
     assert not failures, f"{len(failures)} cells differ from Horovod's rules:\n" + "\n".join(failures)
     return checked
 

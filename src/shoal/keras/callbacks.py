@@ -1,7 +1,8 @@
-"""Horovod's Keras callbacks for Keras 3 (TensorFlow or torch backend).
+"""Horovod's Keras callbacks for Keras 3 (TensorFlow or torch backend) and Keras 2 (``tf_keras``).
 
-Values cross to Shoal's engine as numpy arrays (``keras.ops.convert_to_numpy``) and come back through
-``variable.assign``: the Keras 3 way, since ``keras.backend.get_value``/``set_value`` are gone.
+Values cross to Shoal's engine as numpy arrays and come back through ``variable.assign``, which both Keras
+versions have. Each callback is a Keras 3 callback that Keras 2's ``fit`` also accepts (it carries the hooks
+``tf_keras``'s callback list asks for); ``BestModelCheckpoint`` follows ``tf.keras``.
 """
 
 from __future__ import annotations
@@ -13,26 +14,46 @@ import keras
 import numpy as np
 import torch
 
-import shoal.torch as hvd
+from shoal.core import basics, requests, session
+from shoal.core.rules import Kind, ReduceOp, ReduceSpec
+from shoal.keras.flavour import build_optimizer, is_variable, keras2_module, optimizer_variables, tf_keras_is_keras2, to_numpy
 
 
 def variable_value(variable: Any) -> np.ndarray:
-    """A Keras variable's value as a numpy array of its own (either backend)."""
-    return np.array(keras.ops.convert_to_numpy(variable))
+    """A Keras variable's value as a numpy array of its own (Keras 2 or 3, either backend)."""
+    return to_numpy(variable)
 
 
 def broadcast_variables(variables: Sequence[Any], root_rank: int) -> None:
-    """Give every Keras variable ``root_rank``'s value (``shoal.torch.broadcast_parameters`` on numpy copies)."""
+    """Give every Keras variable ``root_rank``'s value (one grouped broadcast of numpy copies)."""
     variables = list(variables)
-    if not variables or hvd.size() == 1:
+    if not variables or basics.size() == 1:
         return
     values = [torch.from_numpy(variable_value(v)) for v in variables]
-    hvd.broadcast_parameters([(f"keras.{i}", value) for i, value in enumerate(values)], root_rank)
+    call = requests.Call(Kind.BROADCAST, root_rank=root_rank, in_place=True)
+    session.synchronize(requests.submit(call, values, "keras.broadcast_variables", grouped=True))
     for variable, value in zip(variables, values, strict=True):
         variable.assign(value.numpy())
 
 
-class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
+class KerasCallback(keras.callbacks.Callback):
+    """A Keras 3 callback that Keras 2's ``fit`` accepts too: the attributes ``tf_keras``'s callback list reads."""
+
+    _supports_tf_logs = False
+    _chief_worker_only = None
+    validation_data = None
+
+    def _implements_train_batch_hooks(self) -> bool:
+        return True
+
+    def _implements_test_batch_hooks(self) -> bool:
+        return True
+
+    def _implements_predict_batch_hooks(self) -> bool:
+        return True
+
+
+class BroadcastGlobalVariablesCallback(KerasCallback):
     """Give every rank ``root_rank``'s model and optimizer variables when training starts.
 
     Horovod broadcasts after the first batch, when its optimizers' slots exist; Keras 3 can build the optimizer's
@@ -48,13 +69,13 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
 
     def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
         optimizer = self.model.optimizer
-        if optimizer is not None and not optimizer.built:
-            optimizer.build(self.model.trainable_variables)
+        if optimizer is not None:
+            build_optimizer(optimizer, list(self.model.trainable_variables))
         shared = [v for v in self.model.variables if id(v) not in self._local]
-        broadcast_variables(shared + (list(optimizer.variables) if optimizer is not None else []), self.root_rank)
+        broadcast_variables(shared + (optimizer_variables(optimizer) if optimizer is not None else []), self.root_rank)
 
 
-class MetricAverageCallback(keras.callbacks.Callback):
+class MetricAverageCallback(KerasCallback):
     """At each epoch's end, replace every logged metric by its average over the ranks (list it before callbacks
     that read the logs: checkpoints, ReduceLROnPlateau, TensorBoard)."""
 
@@ -63,20 +84,21 @@ class MetricAverageCallback(keras.callbacks.Callback):
         self.device = device
 
     def on_epoch_end(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
-        if not logs or hvd.size() == 1:
+        if not logs or basics.size() == 1:
             return
         names = sorted(k for k, v in logs.items() if np.ndim(v) == 0 and np.issubdtype(np.asarray(v).dtype, np.number))
         values = torch.tensor([float(logs[k]) for k in names], dtype=torch.float64)
-        averaged = hvd.allreduce(values, op=hvd.Average, name=f"keras.metrics.{epoch}.{len(names)}")
+        call = requests.Call(Kind.ALLREDUCE, spec=ReduceSpec(ReduceOp.Average))
+        averaged = session.synchronize(requests.submit(call, [values], f"keras.metrics.{epoch}.{len(names)}"))
         for name, value in zip(names, averaged.tolist(), strict=True):
             logs[name] = value
 
 
 def _learning_rate(optimizer: Any) -> float:
-    return float(keras.ops.convert_to_numpy(optimizer.learning_rate))
+    return float(to_numpy(optimizer.learning_rate))
 
 
-class LearningRateScheduleCallback(keras.callbacks.Callback):
+class LearningRateScheduleCallback(KerasCallback):
     """Set the learning rate to ``initial_lr * multiplier(epoch)`` between ``start_epoch`` and ``end_epoch``; a
     number ``multiplier`` means ``multiplier ** (epoch - start_epoch)``. ``staircase`` changes it once an epoch,
     otherwise every batch (with fractional epochs). Momentum correction scales a momentum that is a Keras variable
@@ -132,9 +154,9 @@ class LearningRateScheduleCallback(keras.callbacks.Callback):
         old = _learning_rate(optimizer)
         new = self.initial_lr * self.multiplier(epoch)
         optimizer.learning_rate.assign(new)
-        momentum = getattr(optimizer, "momentum", None)
-        if self.momentum_correction and isinstance(momentum, keras.Variable) and old > 0:
-            self._restore_momentum = float(keras.ops.convert_to_numpy(momentum))
+        momentum: Any = getattr(optimizer, "momentum", None)
+        if self.momentum_correction and is_variable(momentum) and old > 0:
+            self._restore_momentum = float(to_numpy(momentum))
             momentum.assign(self._restore_momentum * new / old)
 
     def on_train_batch_begin(self, batch: int, logs: dict[str, Any] | None = None) -> None:
@@ -171,7 +193,7 @@ class LearningRateWarmupCallback(LearningRateScheduleCallback):
         verbose: int = 0,
     ) -> None:
         def multiplier(epoch: float) -> float:
-            size = hvd.size()
+            size = basics.size()
             assert self.steps_per_epoch
             return 1.0 / size * ((epoch + 1.0 / self.steps_per_epoch) * (size - 1) / warmup_epochs + 1)
 
@@ -189,20 +211,14 @@ class LearningRateWarmupCallback(LearningRateScheduleCallback):
 
     def on_epoch_end(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
         super().on_epoch_end(epoch, logs)
-        if epoch == self.warmup_epochs - 1 and self.verbose > 0 and hvd.rank() == 0:
+        if epoch == self.warmup_epochs - 1 and self.verbose > 0 and basics.rank() == 0:
             print(f"\nEpoch {epoch + 1}: finished gradual learning rate warmup to {_learning_rate(self.model.optimizer):g}.")
 
 
-class BestModelCheckpoint(keras.callbacks.ModelCheckpoint):
-    """Keep the best model seen so far: ``keras.callbacks.ModelCheckpoint`` with ``save_best_only=True``.
+class _BestModel:
+    """``ModelCheckpoint`` with ``save_best_only=True`` and a ``filepath`` keyword, for either Keras."""
 
-    Horovod's left ``filepath`` to its Spark estimator; here it is a keyword (``.keras``, or ``.weights.h5`` with
-    ``save_weights_only``), or set ``callback.filepath`` before training. Give it to rank 0's ``fit`` only, as any
-    checkpoint.
-
-    Raises:
-        ValueError: at the start of training, when no ``filepath`` was set.
-    """
+    filepath: str | None
 
     def __init__(
         self,
@@ -213,8 +229,8 @@ class BestModelCheckpoint(keras.callbacks.ModelCheckpoint):
         save_freq: str | int = "epoch",
         filepath: str | None = None,
     ) -> None:
-        placeholder = "best.weights.h5" if save_weights_only else "best.keras"  # Keras checks the suffix now
-        super().__init__(
+        placeholder = "best.weights.h5" if save_weights_only else "best.keras"  # Keras 3 checks the suffix
+        super().__init__(  # type: ignore[call-arg]
             filepath or placeholder,
             monitor=monitor,
             verbose=verbose,
@@ -228,4 +244,32 @@ class BestModelCheckpoint(keras.callbacks.ModelCheckpoint):
     def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
         if self.filepath is None:
             raise ValueError("BestModelCheckpoint needs a filepath: BestModelCheckpoint(filepath=...) or set .filepath")
-        super().on_train_begin(logs)
+        super().on_train_begin(logs)  # type: ignore[misc]
+
+
+class BestModelCheckpoint(_BestModel, keras.callbacks.ModelCheckpoint):
+    """Keep the best model seen so far: ``ModelCheckpoint`` with ``save_best_only=True``.
+
+    Horovod's left ``filepath`` to its Spark estimator; here it is a keyword (``.keras``, or ``.weights.h5`` with
+    ``save_weights_only``; any name on Keras 2), or set ``callback.filepath`` before training. Give it to rank 0's
+    ``fit`` only, as any checkpoint. When ``tf.keras`` is Keras 2 (``TF_USE_LEGACY_KERAS=1``) it is a ``tf_keras``
+    ``ModelCheckpoint``.
+
+    Raises:
+        ValueError: at the start of training, when no ``filepath`` was set.
+    """
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        if cls is BestModelCheckpoint and tf_keras_is_keras2():
+            return _keras2_best_model_checkpoint()(*args, **kwargs)
+        return super().__new__(cls)
+
+
+_KERAS2_CLASSES: dict[str, type] = {}
+
+
+def _keras2_best_model_checkpoint() -> type:
+    if "BestModelCheckpoint" not in _KERAS2_CLASSES:
+        base = keras2_module().callbacks.ModelCheckpoint
+        _KERAS2_CLASSES["BestModelCheckpoint"] = type("BestModelCheckpoint", (_BestModel, base), {"__module__": __name__})
+    return _KERAS2_CLASSES["BestModelCheckpoint"]

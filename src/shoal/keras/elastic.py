@@ -15,10 +15,13 @@ from typing import Any, TypeVar
 import keras
 import numpy as np
 
+from shoal.core.basics import rank
 from shoal.core.elastic import ObjectState, State
 from shoal.core.elastic import run as _run
+from shoal.core.objects import allgather_object, broadcast_object
 from shoal.exceptions import HorovodInternalError, HostsUpdatedInterrupt
-from shoal.keras.callbacks import broadcast_variables, variable_value
+from shoal.keras.callbacks import KerasCallback, broadcast_variables, variable_value
+from shoal.keras.flavour import build_optimizer, optimizer_variables, tf_keras_is_keras2
 
 Result = TypeVar("Result")
 
@@ -29,7 +32,7 @@ def run(func: Callable[..., Result]) -> Callable[..., Result]:
     As ``shoal.core.elastic.run``; on the TensorFlow backend, a collective that failed inside the compiled train
     step (a ``tf.errors.OpError`` carrying ``HorovodInternalError``) counts as the failure it is.
     """
-    if keras.backend.backend() == "tensorflow":
+    if keras.backend.backend() == "tensorflow" or tf_keras_is_keras2():
         from shoal.tensorflow.errors import surfacing
 
         return _run(surfacing(func))
@@ -49,20 +52,18 @@ class KerasState(ObjectState):
     """
 
     def __init__(self, model: Any, optimizer: Any = None, **kwargs: Any) -> None:
-        import shoal.torch as hvd
-
         if not getattr(model, "built", True):
             raise ValueError("Model must be built first. Run `model.build(input_shape)` (or call it once).")
         self.model = model
         self.optimizer = optimizer if optimizer is not None else getattr(model, "optimizer", None)
-        if self.optimizer is not None and not self.optimizer.built:
-            self.optimizer.build(model.trainable_variables)  # its slots exist from now on: commits include them
+        if self.optimizer is not None:
+            build_optimizer(self.optimizer, list(model.trainable_variables))  # its slots exist now: commits include them
         self._saved_values: list[np.ndarray] = []
-        super().__init__(bcast_object=hvd.broadcast_object, get_rank=hvd.rank, **kwargs)
+        super().__init__(bcast_object=broadcast_object, get_rank=rank, **kwargs)
         self.save()
 
     def _variables(self) -> list[Any]:
-        optimizer = list(self.optimizer.variables) if self.optimizer is not None else []
+        optimizer = optimizer_variables(self.optimizer) if self.optimizer is not None else []
         return list(self.model.variables) + optimizer
 
     def save(self) -> None:
@@ -82,11 +83,9 @@ class KerasState(ObjectState):
         Raises:
             ValueError: on every worker, when the workers' models or optimizers do not hold the same variables.
         """
-        import shoal.torch as hvd
-
         variables = self._variables()
-        layout = [(str(getattr(v, "path", i)), tuple(v.shape)) for i, v in enumerate(variables)]
-        layouts = hvd.allgather_object(layout, name="elastic.keras.layout")
+        layout = [(str(getattr(v, "path", None) or getattr(v, "name", i)), tuple(v.shape)) for i, v in enumerate(variables)]
+        layouts = allgather_object(layout, name="elastic.keras.layout")
         for worker, other in enumerate(layouts):
             if other != layouts[0]:
                 differ = sorted(set(other) ^ set(layouts[0]))[:4]
@@ -98,7 +97,7 @@ class KerasState(ObjectState):
         super().sync()
 
 
-class CommitStateCallback(keras.callbacks.Callback):
+class CommitStateCallback(KerasCallback):
     """Commit the state every ``batches_per_commit`` batches and at each epoch's end."""
 
     def __init__(self, state: State, batches_per_commit: int = 1) -> None:
@@ -122,7 +121,7 @@ class CommitStateCallback(keras.callbacks.Callback):
         self.state.commit()
 
 
-class UpdateBatchStateCallback(keras.callbacks.Callback):
+class UpdateBatchStateCallback(KerasCallback):
     """Keep ``state.batch`` at the last finished batch of the epoch (0 at each epoch's end).
 
     As Horovod's, it lowers ``params['steps']`` by ``state.batch`` for an epoch that starts after a reset; Keras 3
@@ -150,7 +149,7 @@ class UpdateBatchStateCallback(keras.callbacks.Callback):
         self.state.batch = 0  # type: ignore[attr-defined]
 
 
-class UpdateEpochStateCallback(keras.callbacks.Callback):
+class UpdateEpochStateCallback(KerasCallback):
     """Keep ``state.epoch`` at the number of finished epochs: ``fit(epochs=total - state.epoch)`` then resumes."""
 
     def __init__(self, state: State) -> None:

@@ -1,4 +1,8 @@
-"""``DistributedOptimizer`` for Keras 3 optimizers, and ``load_model`` that restores one.
+"""``DistributedOptimizer`` for Keras 3 and Keras 2 (``tf_keras``) optimizers, and ``load_model`` that restores one.
+
+Keras 2's optimizers have a hook for exactly this: ``aggregate_gradients(grads_and_vars)`` (``tf_keras``'s optimizers)
+or ``_aggregate_gradients`` (its legacy ``OptimizerV2``), called inside ``apply_gradients`` before the update. The
+Keras 2 distributed optimizer overrides both with the TensorFlow front end's reduction. What follows is Keras 3's.
 
 Keras 3 optimizers have none of the gradient hooks Horovod 0.28 overrode (``get_gradients``,
 ``_compute_gradients``, ``_aggregate_gradients``): ``Model.fit``'s step computes the gradients itself and calls
@@ -18,6 +22,7 @@ from typing import Any
 import keras
 
 from shoal.core.process_sets import ProcessSet, global_process_set
+from shoal.keras.flavour import is_keras2, keras2_module
 from shoal.torch.functions import Average, Sum
 
 
@@ -150,6 +155,30 @@ class _DistributedMethods:
         self._shoal_reducer.register_local_source(var)
 
 
+class _Keras2DistributedMethods:
+    """What the distributed optimizer class adds to a Keras 2 optimizer class: the reduction in Keras 2's own
+    aggregation hook (``aggregate_gradients``, or ``_aggregate_gradients`` on a legacy ``OptimizerV2``)."""
+
+    _shoal_reducer: Any
+
+    def _shoal_reduce_pairs(self, grads_and_vars: Any) -> list[tuple[Any, Any]]:
+        pairs = list(grads_and_vars)
+        variables = [variable for _, variable in pairs]
+        reduced = self._shoal_reducer.reduce([grad for grad, _ in pairs], variables)
+        return list(zip(reduced, variables, strict=True))
+
+    def aggregate_gradients(self, grads_and_vars: Any) -> list[tuple[Any, Any]]:
+        return self._shoal_reduce_pairs(grads_and_vars)
+
+    def _aggregate_gradients(self, grads_and_vars: Any) -> list[tuple[Any, Any]]:
+        return self._shoal_reduce_pairs(grads_and_vars)
+
+    def register_local_var(self, var: Any) -> None:
+        """Keep ``var``'s gradient local: not reduced (divided by the number of ranks when
+        ``scale_local_gradients``)."""
+        self._shoal_reducer.register_local_source(var)
+
+
 class _AgreedFiniteCheck:
     """A ``LossScaleOptimizer`` whose finiteness check holds on every rank when it holds on all of them (a Min over
     the ranks), so all ranks apply the step, or all skip it and lower the loss scale, together."""
@@ -203,13 +232,32 @@ def DistributedOptimizer(
     """
     if op not in (Average, Sum):
         raise ValueError("op currently only supports Average and Sum")
-    if not isinstance(optimizer, keras.optimizers.Optimizer):
-        raise ValueError(f"DistributedOptimizer needs a Keras optimizer, got {type(optimizer).__name__}")
+    keras2 = is_keras2(optimizer)
+    if not keras2 and not isinstance(optimizer, keras.optimizers.Optimizer):
+        raise ValueError(
+            f"DistributedOptimizer needs a Keras optimizer (Keras 3, or Keras 2's tf_keras), got {type(optimizer).__name__}"
+        )
     passes = backward_passes_per_step
     if isinstance(passes, bool) or not isinstance(passes, int) or passes < 1:
         raise ValueError(f"backward_passes_per_step must be an int >= 1, got {backward_passes_per_step!r}")
     if is_distributed(optimizer):
         return optimizer
+    if keras2:
+        return _keras2_distributed(
+            optimizer,
+            name,
+            compression,
+            sparse_as_dense,
+            gradient_predivide_factor,
+            op,
+            passes,
+            num_groups,
+            groups,
+            process_set,
+            scale_local_gradients,
+            device_dense,
+            device_sparse,
+        )
     if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
         # Its apply() checks the gradients and calls the inner optimizer's: distribute the inner one, and let every
         # rank agree on the check (a rank that skipped the step while others reduced would leave them waiting).
@@ -274,6 +322,59 @@ def DistributedOptimizer(
     return distributed
 
 
+def _keras2_distributed(
+    optimizer: Any,
+    name: str | None,
+    compression: Any,
+    sparse_as_dense: bool,
+    gradient_predivide_factor: float,
+    op: int,
+    backward_passes_per_step: int,
+    num_groups: int,
+    groups: Any,
+    process_set: ProcessSet,
+    scale_local_gradients: bool,
+    device_dense: str,
+    device_sparse: str,
+) -> Any:
+    """A Keras 2 optimizer of ``optimizer``'s class whose aggregation hook reduces over the ranks."""
+    tf_keras = keras2_module()
+    if isinstance(optimizer, tf_keras.mixed_precision.LossScaleOptimizer):
+        raise NotImplementedError(
+            "a Keras 2 LossScaleOptimizer: wrap the inner optimizer, then LossScaleOptimizer(hvd.DistributedOptimizer(opt))"
+        )
+    if backward_passes_per_step > 1:
+        raise NotImplementedError(
+            "backward_passes_per_step > 1 with a Keras 2 optimizer: accumulate in your train step, or use Keras 3"
+        )
+    if num_groups != 0:
+        warnings.warn("num_groups is deprecated; use groups", DeprecationWarning, stacklevel=3)
+        groups = groups if groups is not None else num_groups
+    from shoal.tensorflow.compression import Compression as TFCompression
+    from shoal.tensorflow.gradient_tape import GradientReducer
+
+    reducer = GradientReducer(
+        compression or TFCompression.none,
+        sparse_as_dense,
+        op,
+        gradient_predivide_factor,
+        0,
+        groups,
+        process_set,
+        scale_local_gradients,
+        device_dense,
+        device_sparse,
+    )
+    base = optimizer.__class__
+    cls: Any = type(base.__name__, (_Keras2DistributedMethods, base), {"__module__": base.__module__})
+    config = optimizer.get_config()
+    if name is not None:
+        config["name"] = name
+    distributed = cls.from_config(config)
+    object.__setattr__(distributed, "_shoal_reducer", reducer)
+    return distributed
+
+
 def PartialDistributedOptimizer(
     optimizer: Any,
     name: str | None = None,
@@ -294,9 +395,9 @@ def PartialDistributedOptimizer(
     (divided by the number of ranks when ``scale_local_gradients``), as ``horovod.keras.PartialDistributedOptimizer``."""
     if local_layers is None:
         layers: list[Any] = []
-    elif isinstance(local_layers, keras.layers.Layer):
+    elif _is_layer(local_layers):
         layers = [local_layers]
-    elif isinstance(local_layers, (list, tuple)) and all(isinstance(layer, keras.layers.Layer) for layer in local_layers):
+    elif isinstance(local_layers, (list, tuple)) and all(_is_layer(layer) for layer in local_layers):
         layers = list(local_layers)
     else:
         raise ValueError("local_layers must be a Keras layer or a list of Keras layers")
@@ -322,9 +423,14 @@ def PartialDistributedOptimizer(
     return distributed
 
 
+def _is_layer(value: Any) -> bool:
+    """A Keras 3 or a Keras 2 layer."""
+    return isinstance(value, keras.layers.Layer) or (is_keras2(value) and hasattr(value, "trainable_weights"))
+
+
 def is_distributed(optimizer: Any) -> bool:
     """True for an optimizer returned by ``DistributedOptimizer``."""
-    return isinstance(optimizer, (_DistributedMethods, _AgreedFiniteCheck))
+    return isinstance(optimizer, (_DistributedMethods, _Keras2DistributedMethods, _AgreedFiniteCheck))
 
 
 def load_model(
@@ -333,7 +439,14 @@ def load_model(
     custom_objects: Mapping[str, Any] | None = None,
     compression: Any = None,
 ) -> Any:
-    """``keras.models.load_model`` whose optimizer comes back as a ``DistributedOptimizer`` (with its state)."""
+    """``keras.models.load_model`` whose optimizer comes back as a ``DistributedOptimizer`` (with its state).
+
+    A model saved by Keras 2 (a SavedModel directory, or a ``.keras``/``.h5`` file that records Keras 2.x) is loaded
+    with ``tf_keras``; any other with Keras 3.
+    """
+    from shoal.keras.flavour import saved_by_keras2
+
+    library = keras2_module() if saved_by_keras2(filepath) else keras
 
     def loader(cls: type) -> type:
         def from_config(klass: type, config: dict[str, Any], custom_objects: Any = None) -> Any:
@@ -341,14 +454,13 @@ def load_model(
 
         return type(cls.__name__, (cls,), {"from_config": classmethod(from_config), "__module__": cls.__module__})
 
-    known = [
-        cls for cls in vars(keras.optimizers).values() if isinstance(cls, type) and issubclass(cls, keras.optimizers.Optimizer)
-    ]
+    base = library.optimizers.Optimizer
+    known = [cls for cls in vars(library.optimizers).values() if isinstance(cls, type) and issubclass(cls, base)]
     objects: dict[str, Any] = {}
     for cls in known:
-        if cls is not keras.optimizers.Optimizer:
+        if cls is not base:
             objects[cls.__name__] = objects[cls.__name__.lower()] = loader(cls)
     for cls in custom_optimizers or []:
         objects[cls.__name__] = loader(cls)
     objects.update(custom_objects or {})
-    return keras.models.load_model(filepath, custom_objects=objects)
+    return library.models.load_model(filepath, custom_objects=objects)

@@ -328,12 +328,16 @@ def broadcast(
 def broadcast_(
     variables: Sequence[Any], root_rank: int, name: str | None = None, process_set: ProcessSet = global_process_set
 ) -> list[Any]:
-    """Broadcast ``variables`` in place from ``root_rank``; returns their new values."""
+    """Broadcast ``variables`` in place from ``root_rank``; returns their new values.
+
+    Eagerly the variables change at once. In a graph (a ``tf.compat.v1`` graph and session, with ``RefVariable`` or
+    ``ResourceVariable``) the returned tensors are the assignments' results: running them broadcasts and assigns.
+    """
     values = []
     for index, variable in enumerate(variables):
         value = broadcast(variable, root_rank, name=None if name is None else f"{name}.{index}", process_set=process_set)
-        variable.assign(value)
-        values.append(value)
+        assigned = variable.assign(value)
+        values.append(value if tf.executing_eagerly() else assigned)
     return values
 
 
