@@ -82,16 +82,39 @@ def _bridge(
 
     if tf.executing_eagerly():
         return run(*inputs)
+
+    def run_in_graph(*values: Any) -> list[tf.Tensor]:
+        try:
+            return [*run(*values), tf.constant("")]
+        except tf.errors.FailedPreconditionError as error:  # raised by the check below, outside the py_function
+            return [tf.zeros([0], dtype) for dtype in dtypes] + [tf.constant(str(error.message))]
+
     graph = tf.compat.v1.get_default_graph()
     with _lock:
         previous = _last_op.get(id(graph))
     dependencies = [previous] if previous is not None and previous.graph is graph else []
     with tf.control_dependencies(dependencies):
-        outputs = tf.py_function(run, list(inputs), list(dtypes))
-    outputs = list(outputs) if isinstance(outputs, (list, tuple)) else [outputs]
+        *outputs, status = tf.py_function(run_in_graph, list(inputs), [*dtypes, tf.string])
     with _lock:
-        _last_op[id(graph)] = outputs[0].op
-    return outputs
+        _last_op[id(graph)] = status.op
+    with tf.control_dependencies([_failed_precondition_unless_empty(status)]):
+        return [tf.identity(output) for output in outputs]
+
+
+def _failed_precondition_unless_empty(message: Any) -> Any:
+    """An op that raises ``tf.errors.FailedPreconditionError`` carrying ``message`` when it is not empty.
+
+    Horovod's compiled op sets its error's class itself. A Python op cannot: TensorFlow reports any exception
+    from a ``tf.py_function`` as ``UnknownError`` (``InvalidArgumentError`` for ValueError and TypeError), whatever
+    its class. So the py_function returns the message, and this op fails instead: reading a file below ``/dev/null``
+    fails with ENOTDIR, which TensorFlow reports as ``FailedPreconditionError`` with the path, and so the message,
+    in its text.
+    """
+
+    def fail() -> Any:
+        return tf.io.read_file(tf.strings.join(["/dev/null/Shoal: ", tf.strings.substr(message, 0, 3000)]))
+
+    return tf.cond(tf.equal(message, ""), lambda: tf.constant(""), fail)
 
 
 def _run(call: Call, tensors: list[torch.Tensor], name: str | None, grouped: bool = False) -> Any:
