@@ -309,6 +309,129 @@ def _torch_forward_only(row: Row, tensor: Any, set_rank: int, root: int, process
     return hvd.reducescatter(tensor, op=hvd.Sum, process_set=process_set)
 
 
+# ----- dtypes: data movement bit for bit, reductions where the arithmetic exists -----
+
+TF_DTYPES = [
+    "uint8", "int8", "uint16", "int16", "uint32", "int32", "uint64", "int64",
+    "float16", "bfloat16", "float32", "float64", "bool", "complex64", "complex128",
+]  # fmt: skip
+"""Every fixed-width dtype TensorFlow has."""
+TF_REDUCING = ["uint8", "int8", "int16", "int32", "int64", "float16", "bfloat16", "float32", "float64", "complex64"]
+
+
+def _raw_bytes(count: int, set_rank: int, boolean: bool) -> np.ndarray:
+    """Rank-dependent bytes (0/1 for bool): what a tensor of any dtype is made of here."""
+    raw = (np.arange(count, dtype=np.int64) * 37 + 11 * set_rank + 5) % 256
+    return (raw % 2 if boolean else raw).astype(np.uint8)
+
+
+def _torch_tensor_of(dtype: str, rows: int, set_rank: int) -> Any:
+    import torch
+
+    torch_dtype = getattr(torch, dtype)
+    width = torch.empty((), dtype=torch_dtype).element_size()
+    raw = torch.from_numpy(_raw_bytes(rows * 2 * width, set_rank, dtype == "bool"))
+    return raw.view(torch_dtype).reshape(rows, 2)
+
+
+def _bytes_of(tensor: Any) -> list[int]:
+    import torch
+
+    return tensor.contiguous().reshape(-1).view(torch.uint8).tolist()
+
+
+def _dtype_rows(front_end: str, process_set: Any, set_rank: int, root: int) -> dict[str, Any]:
+    """Each dtype through allgather, broadcast and alltoall (as bytes), and TensorFlow's reductions (as values)."""
+    import torch
+
+    from shoal.engine.validation import MOVABLE_DTYPES
+
+    members = process_set.size()
+    out: dict[str, Any] = {}
+    names = list(MOVABLE_DTYPES) if front_end == "torch" else TF_DTYPES
+    for dtype in names:
+        tensor = _torch_tensor_of(dtype, 2 * members, set_rank)
+        if front_end == "torch":
+            import shoal.torch as hvd
+
+            moved = {
+                "allgather": hvd.allgather(tensor, process_set=process_set),
+                "broadcast": hvd.broadcast(tensor, root, process_set=process_set),
+                "alltoall": hvd.alltoall(tensor, process_set=process_set),
+            }
+        else:
+            import tensorflow as tf
+
+            import shoal.tensorflow as hvd_tf
+
+            value = tf.experimental.dlpack.from_dlpack(torch.utils.dlpack.to_dlpack(tensor))
+            assert value.dtype.name == dtype, (value.dtype, dtype)
+            results = {
+                "allgather": hvd_tf.allgather(value, process_set=process_set),
+                "broadcast": hvd_tf.broadcast(value, root, process_set=process_set),
+                "alltoall": hvd_tf.alltoall(value, process_set=process_set),
+            }
+            moved = {op: torch.from_dlpack(tf.experimental.dlpack.to_dlpack(v)) for op, v in results.items()}
+        for op, result in moved.items():
+            out[f"{front_end}/dtype/{dtype}/{op}"] = [str(result.dtype).removeprefix("torch."), _bytes_of(result)]
+    if front_end == "tf_eager":
+        import tensorflow as tf
+
+        import shoal.tensorflow as hvd_tf
+
+        for dtype in TF_REDUCING:
+            value = tf.cast(tf.constant([[1, -2], [3, 4]]) * (set_rank + 1), dtype)
+            summed = hvd_tf.allreduce(value, op=hvd_tf.Sum, process_set=process_set)
+            out[f"tf_eager/reduce/{dtype}"] = [summed.dtype.name, np.real(summed.numpy().astype(np.complex128)).tolist()]
+    return out
+
+
+def check_dtypes(results: Any, front_ends: list[str], members: list[int]) -> list[str]:
+    """Every dtype bit for bit against the bytes each rank built; reductions against numpy."""
+    import warnings
+
+    warnings.filterwarnings("ignore", message="ComplexHalf support is experimental")
+    failures = []
+    count = len(members)
+    root_set_rank = count - 1
+    for front_end in front_ends:
+        if front_end not in ("torch", "tf_eager"):
+            continue
+        keys = [k for k in results[members[0]] if k.startswith(f"{front_end}/dtype/")]
+        from shoal.engine.validation import MOVABLE_DTYPES
+
+        expected = 3 * len(MOVABLE_DTYPES if front_end == "torch" else TF_DTYPES)
+        if len(keys) != expected:
+            failures.append(f"{front_end}: {len(keys)} dtype cells, want {expected}")
+        for key in keys:
+            _, _, dtype, op = key.split("/")
+            per_rank = [_bytes_of(_torch_tensor_of(dtype, 2 * count, r)) for r in range(count)]
+            width = len(per_rank[0]) // (4 * count)
+            for set_rank, rank in enumerate(members):
+                if op == "allgather":
+                    want = [byte for piece in per_rank for byte in piece]
+                elif op == "broadcast":
+                    want = per_rank[root_set_rank]
+                else:  # an even split: 2 rows (4 elements) from every member
+                    block = 4 * width
+                    want = [byte for s in range(count) for byte in per_rank[s][set_rank * block : (set_rank + 1) * block]]
+                got = results[rank][key]
+                if got != [dtype, want]:
+                    failures.append(f"{key} rank {rank}: got dtype {got[0]}, bytes differ: {got[1] != want}")
+        if front_end == "tf_eager":
+            for dtype in TF_REDUCING:
+                want = (np.array([[1, -2], [3, 4]]) * sum(r + 1 for r in range(count))).tolist()
+                for rank in members:
+                    got = results[rank][f"tf_eager/reduce/{dtype}"]
+                    if dtype.startswith("uint"):
+                        want_here = (np.array(want) % 256).tolist()  # -2 wraps around in uint8
+                    else:
+                        want_here = want
+                    if got[0] != dtype or not np.allclose(got[1], want_here):
+                        failures.append(f"tf_eager/reduce/{dtype} rank {rank}: {got}")
+    return failures
+
+
 def _rows_on(front_ends: list[str], process_set: Any, ranks: list[int]) -> dict[str, Any]:
     """Every row of every front end on one process set, as seen by this rank."""
     import torch
@@ -334,6 +457,8 @@ def _rows_on(front_ends: list[str], process_set: Any, ranks: list[int]) -> dict[
                 results[key + "/next"] = check.tolist()
         if front_end == "tf_v1_graph":
             results["tf_v1_graph/broadcast_"] = _tf_v1_broadcast_inplace(set_rank, root, process_set)
+        if front_end in ("torch", "tf_eager"):
+            results.update(_dtype_rows(front_end, process_set, set_rank, root))
     return results
 
 
@@ -391,6 +516,7 @@ def check_matrix(results: Any, front_ends: list[str], members: list[int]) -> int
         for rank in members:
             if results[rank]["tf_v1_graph/broadcast_"] != root_values:
                 failures.append(f"tf_v1_graph broadcast_ rank {rank}: {results[rank]['tf_v1_graph/broadcast_']}")
+    failures += check_dtypes(results, front_ends, members)
     assert not failures, f"{len(failures)} cells differ from Horovod's rules:\n" + "\n".join(failures)
     return checked
 
