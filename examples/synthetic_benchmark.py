@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 import shoal.torch as hvd
-from shoal.bench.models import build
+from shoal.predict.models import build
 
 
 def main() -> None:

@@ -94,17 +94,17 @@ def test_every_package_imports_only_what_its_layer_allows() -> None:
     assert not breaches, "imports the layer table does not allow:\n" + "\n".join(breaches)
 
 
-def test_no_import_cycles() -> None:
-    edges = graph()
+def strongly_connected(edges: dict[str, set[str]]) -> list[list[str]]:
+    """The groups of nodes that reach each other (Tarjan's algorithm), those of more than one node."""
     index: dict[str, int] = {}
     low: dict[str, int] = {}
     stack: list[str] = []
     cycles = []
 
-    def visit(node: str) -> None:  # Tarjan's strongly connected components
+    def visit(node: str) -> None:
         index[node] = low[node] = len(index)
         stack.append(node)
-        for target in edges[node]:
+        for target in edges.get(node, set()):
             if target not in index:
                 visit(target)
                 low[node] = min(low[node], low[target])
@@ -120,10 +120,36 @@ def test_no_import_cycles() -> None:
             if len(component) > 1:
                 cycles.append(sorted(component))
 
-    for node in edges:
+    for node in list(edges):
         if node not in index:
             visit(node)
+    return cycles
+
+
+def package_graph(edges: dict[str, set[str]]) -> dict[str, set[str]]:
+    """Package -> the other packages its modules import."""
+    packages: dict[str, set[str]] = {}
+    for source, targets in edges.items():
+        for target in targets:
+            if package(source) and package(target) and package(source) != package(target):
+                packages.setdefault(package(source), set()).add(package(target))
+    return packages
+
+
+def test_no_import_cycles() -> None:
+    cycles = strongly_connected(graph())
     assert not cycles, f"modules that import each other: {cycles}"
+
+
+def test_no_import_cycles_between_packages() -> None:
+    cycles = strongly_connected(package_graph(graph()))
+    assert not cycles, f"packages that import each other (through any of their modules): {cycles}"
+
+
+def test_the_cycle_checks_catch_a_cycle() -> None:
+    modules_cycle = {"shoal.a.x": {"shoal.b.y"}, "shoal.b.y": {"shoal.a.z"}, "shoal.a.z": set()}
+    assert strongly_connected(modules_cycle) == []  # no module cycle: x -> y -> z
+    assert strongly_connected(package_graph(modules_cycle)) == [["a", "b"]]  # but packages a and b import each other
 
 
 def test_the_layer_check_catches_a_breach(tmp_path: Path) -> None:

@@ -7,14 +7,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 from typing import Any
 
+from shoal.predict.output import add_json_flag, emit
 
-def add_json_flag(parser: argparse.ArgumentParser) -> None:
-    """``--json PATH``: also write the result object to a file (``python -m shoal.bench.plot`` draws from it)."""
-    parser.add_argument("--json", metavar="PATH", help="also write the JSON result to this file")
+__all__ = ["add_json_flag", "add_phase_flags", "emit", "rank0_result"]
 
 
 def add_phase_flags(parser: argparse.ArgumentParser) -> None:
@@ -35,12 +33,3 @@ def rank0_result(command: list[str], timeout: float, what: str) -> dict[str, Any
         raise SystemExit(f"{what} failed ({result.returncode}, {len(lines)} result lines):\n{result.stderr[-3000:]}")
     parsed: dict[str, Any] = json.loads(lines[-1])
     return parsed
-
-
-def emit(result: dict[str, Any], json_path: str | None) -> None:
-    """Print the result as the last line (the contract) and, with ``--json``, write it to ``json_path``."""
-    print(json.dumps(result), flush=True)
-    if json_path:
-        os.makedirs(os.path.dirname(os.path.abspath(json_path)), exist_ok=True)
-        with open(json_path, "w") as target:
-            json.dump(result, target, indent=1)

@@ -13,8 +13,8 @@ import torch
 from torch import nn
 
 import shoal.torch as hvd
-from shoal.bench.models import build
 from shoal.plan.planner import build_plan, format_plan
+from shoal.predict.models import build
 from shoal.torch.layer_comm.calibrate import measure
 
 

@@ -27,10 +27,10 @@ from torch import nn
 
 import shoal.torch as hvd
 from shoal.bench import add_json_flag, emit
-from shoal.bench.models import build, parameter_count
 from shoal.comm.baselines import wrap_ddp
 from shoal.plan.planner import median_error
 from shoal.plan.schemes import Scheme
+from shoal.predict.models import build, parameter_count
 from shoal.ps.config import resolve_config
 from shoal.torch.layer_comm.router import AUTO, COMM_CHOICES, last_plan
 from shoal.torch.layer_comm.schemes import SufficientFactors

@@ -16,6 +16,7 @@ from __future__ import annotations
 import enum
 import warnings
 from dataclasses import dataclass
+from typing import TypeVar
 
 from shoal.engine.request import Kind, ReduceOp
 from shoal.engine.validation import MOVABLE_DTYPES, REDUCING_DTYPES, dtypes_for
@@ -39,7 +40,10 @@ __all__ = [
     "gradient_scale",
     "is_gradient_root",
     "resolve_op",
+    "split_groups",
 ]
+
+Item = TypeVar("Item")
 
 REDUCESCATTER_OPS = (ReduceOp.Average, ReduceOp.Sum)
 """Horovod's reducescatter reduces with Sum or Average; anything else (Adasum, Min, Max, Product) is refused."""
@@ -95,6 +99,18 @@ class ReduceSpec:
     def aggregated(self, factor: float) -> ReduceSpec:
         """The same exchange with the result multiplied by ``factor`` (accumulated gradients)."""
         return ReduceSpec(self.op, self.prescale, self.postscale * factor)
+
+
+def split_groups(items: list[Item], count: int) -> list[list[Item]]:
+    """Horovod's ``num_groups``: ``count`` near-equal contiguous groups (the first ones one longer), empty ones
+    dropped."""
+    size, extra = divmod(len(items), count)
+    groups, start = [], 0
+    for index in range(count):
+        stop = start + size + (1 if index < extra else 0)
+        groups.append(items[start:stop])
+        start = stop
+    return [group for group in groups if group]
 
 
 def check_reducescatter_op(op: ReduceOp) -> None:

@@ -33,7 +33,7 @@ def run(func: Callable[..., Result]) -> Callable[..., Result]:
     step (a ``tf.errors.OpError`` carrying ``HorovodInternalError``) counts as the failure it is.
     """
     if keras.backend.backend() == "tensorflow" or tf_keras_is_keras2():
-        from shoal.tensorflow.errors import surfacing
+        from shoal.tf_ops.errors import surfacing
 
         return _run(surfacing(func))
     return _run(func)

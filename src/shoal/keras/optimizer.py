@@ -22,8 +22,10 @@ from typing import Any
 import keras
 
 from shoal.core.process_sets import ProcessSet, global_process_set
+from shoal.core.rules import ReduceOp, ReduceSpec
 from shoal.keras.flavour import is_keras2, keras2_module
-from shoal.torch.functions import Average, Sum
+
+Average, Sum = ReduceOp.Average, ReduceOp.Sum
 
 
 def backend() -> str:
@@ -37,7 +39,7 @@ def backend() -> str:
 def default_compression() -> Any:
     """The backend's ``Compression`` class (``.none``, ``.fp16``)."""
     if backend() == "tensorflow":
-        from shoal.tensorflow.compression import Compression as TFCompression
+        from shoal.tf_ops.compression import Compression as TFCompression
 
         return TFCompression
     from shoal.torch.compression import Compression as TorchCompression
@@ -49,13 +51,9 @@ class _TorchGradientReducer:
     """Reduce Keras-on-torch gradients (torch tensors) with ``shoal.torch``: one grouped allreduce per step; local
     variables' gradients are kept, and divided by the number of ranks when ``scale_local_gradients``."""
 
-    def __init__(
-        self, compression: Any, op: int, prescale: float, postscale: float, process_set: ProcessSet, scale_local: bool
-    ) -> None:
+    def __init__(self, compression: Any, spec: ReduceSpec, process_set: ProcessSet, scale_local: bool) -> None:
         self.compression = compression
-        self.op = op
-        self.prescale = prescale
-        self.postscale = postscale
+        self.spec = spec
         self.process_set = process_set
         self.scale_local_gradients = scale_local
         self.aggregation = 1.0
@@ -77,9 +75,9 @@ class _TorchGradientReducer:
             reduced = hvd.grouped_allreduce(
                 [grads[i] for i in shared],
                 compression=self.compression,
-                op=self.op,
-                prescale_factor=self.prescale,
-                postscale_factor=self.postscale * self.aggregation,
+                op=self.spec.op,
+                prescale_factor=self.spec.prescale,
+                postscale_factor=self.spec.aggregated(self.aggregation).postscale,
                 process_set=self.process_set,
             )
             for index, value in zip(shared, reduced, strict=True):
@@ -108,11 +106,10 @@ def make_reducer(
     """An object whose ``reduce(gradients, variables)`` reduces over the ranks on Keras's backend, with
     ``local_sources`` (variables whose gradients stay local) and ``aggregation`` (a factor on the result)."""
     if backend() == "torch":
-        prescale = 1.0 / gradient_predivide_factor if op == Average else 1.0
-        postscale = gradient_predivide_factor if op == Average else 1.0
+        spec = ReduceSpec.for_gradients(op, gradient_predivide_factor)
         compression = compression or default_compression().none
-        return _TorchGradientReducer(compression, op, prescale, postscale, process_set, scale_local_gradients)
-    from shoal.tensorflow.gradient_tape import GradientReducer
+        return _TorchGradientReducer(compression, spec, process_set, scale_local_gradients)
+    from shoal.tf_ops.gradient_tape import GradientReducer
 
     return GradientReducer(
         compression or default_compression().none,
@@ -196,7 +193,7 @@ class _AgreedFiniteCheck:
             return hvd.allreduce(local.float().reshape(1), op=hvd.Min, process_set=process_set)[0] > 0.5
         import tensorflow as tf
 
-        from shoal.tensorflow.ops import Min, allreduce
+        from shoal.tf_ops.ops import Min, allreduce
 
         agreed = allreduce(tf.reshape(tf.cast(local, tf.float32), [1]), op=Min, process_set=process_set)
         return agreed[0] > 0.5
@@ -350,8 +347,8 @@ def _keras2_distributed(
     if num_groups != 0:
         warnings.warn("num_groups is deprecated; use groups", DeprecationWarning, stacklevel=3)
         groups = groups if groups is not None else num_groups
-    from shoal.tensorflow.compression import Compression as TFCompression
-    from shoal.tensorflow.gradient_tape import GradientReducer
+    from shoal.tf_ops.compression import Compression as TFCompression
+    from shoal.tf_ops.gradient_tape import GradientReducer
 
     reducer = GradientReducer(
         compression or TFCompression.none,

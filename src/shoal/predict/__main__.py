@@ -12,10 +12,10 @@ import dataclasses
 import os
 import sys
 
-from shoal.bench import add_json_flag, emit
 from shoal.plan.calibration import calibration_from_json
 from shoal.plan.simulate import LINK_RATES, Line, Links
 from shoal.predict import ALTERNATIVES, Row, scaling
+from shoal.predict.output import add_json_flag, emit
 from shoal.predict.profile import flop_profile, measure_profile
 
 

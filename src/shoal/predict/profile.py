@@ -42,7 +42,7 @@ def load_model(spec: str) -> tuple[nn.Module, MakeInput]:
     an input batch for ``model``.
     """
     if ":" not in spec:
-        from shoal.bench.models import build
+        from shoal.predict.models import build
 
         return build(spec)
     module_name, _, attribute = spec.partition(":")

@@ -2,7 +2,7 @@
 
 The collectives take and return ``tf.Tensor``s and run on the same engine (negotiation, fusion, timeline) as
 ``shoal.torch``; CPU tensors cross through DLPack without a copy. They work in eager mode and inside
-``tf.function`` (as ``tf.py_function`` ops, ordered as written; see ``shoal.tensorflow.ops``). TensorFlow is
+``tf.function`` (as ``tf.py_function`` ops, ordered as written; see ``shoal.tf_ops.ops``). TensorFlow is
 optional: ``pip install 'shoal[tensorflow]'``.
 """
 
@@ -32,10 +32,12 @@ from shoal.core.process_sets import ProcessSet, add_process_set, global_process_
 from shoal.core.requests import barrier, join
 from shoal.core.session import start_timeline, stop_timeline
 from shoal.exceptions import HorovodInternalError, HostsUpdatedInterrupt
+from shoal.keras.sync_batch_norm import SyncBatchNormalization
 from shoal.tensorflow import elastic
-from shoal.tensorflow.compression import Compression
-from shoal.tensorflow.gradient_tape import DistributedGradientTape, PartialDistributedGradientTape
-from shoal.tensorflow.ops import (
+from shoal.tensorflow.optimizer import DistributedOptimizer
+from shoal.tf_ops.compression import Compression
+from shoal.tf_ops.gradient_tape import DistributedGradientTape, PartialDistributedGradientTape
+from shoal.tf_ops.ops import (
     Adasum,
     Average,
     Max,
@@ -60,8 +62,6 @@ from shoal.tensorflow.ops import (
     reducescatter,
     size_op,
 )
-from shoal.tensorflow.optimizer import DistributedOptimizer
-from shoal.tensorflow.sync_batch_norm import SyncBatchNormalization
 
 __all__ = [
     "Adasum",

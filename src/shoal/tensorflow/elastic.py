@@ -14,12 +14,14 @@ from typing import Any, TypeVar
 import numpy as np
 import tensorflow as tf
 
+from shoal.core.basics import rank
 from shoal.core.elastic import ObjectState, State
 from shoal.core.elastic import run as _run
+from shoal.core.objects import broadcast_object
 from shoal.exceptions import HorovodInternalError, HostsUpdatedInterrupt
 from shoal.keras.elastic import KerasState
-from shoal.tensorflow.errors import surfacing
-from shoal.tensorflow.ops import broadcast_variables
+from shoal.tf_ops.errors import surfacing
+from shoal.tf_ops.ops import broadcast_variables
 
 Result = TypeVar("Result")
 
@@ -51,15 +53,13 @@ class TensorFlowState(ObjectState):
     """
 
     def __init__(self, variables: Sequence[Any] | None = None, session: Any = None, **kwargs: Any) -> None:
-        import shoal.torch as hvd
-
         if session is not None:
             raise ValueError("TensorFlowState: TF1 sessions are not supported; pass the variables in eager mode")
         self.variables = list(variables) if variables is not None else list(tf.compat.v1.global_variables())
         if not self.variables:
             raise ValueError("TensorFlowState needs the variables to track (e.g. model.variables + optimizer.variables)")
         self._saved_values: list[np.ndarray] = []
-        super().__init__(bcast_object=hvd.broadcast_object, get_rank=hvd.rank, **kwargs)
+        super().__init__(bcast_object=broadcast_object, get_rank=rank, **kwargs)
         self.save()
 
     def save(self) -> None:

@@ -9,8 +9,11 @@ import keras
 import tensorflow as tf
 
 from shoal.core.process_sets import ProcessSet, global_process_set
-from shoal.tensorflow.compression import Compression, Compressor
-from shoal.tensorflow.ops import Adasum, Average
+from shoal.core.rules import ReduceSpec
+from shoal.keras.flavour import is_keras2
+from shoal.keras.optimizer import DistributedOptimizer as KerasDistributedOptimizer
+from shoal.tf_ops.compression import Compression, Compressor
+from shoal.tf_ops.ops import Adasum, Average
 
 
 def DistributedOptimizer(
@@ -41,13 +44,10 @@ def DistributedOptimizer(
     """
     if op == Adasum and average_aggregated_gradients:
         raise ValueError("Adasum does not support average_aggregated_gradients == True")
-    if gradient_predivide_factor != 1.0 and op != Average:
-        raise ValueError("gradient_predivide_factor not supported with op != Average")
-    if isinstance(optimizer, keras.optimizers.Optimizer):
+    ReduceSpec.for_gradients(op, gradient_predivide_factor)  # Horovod's rule, checked before anything is built
+    if isinstance(optimizer, keras.optimizers.Optimizer) or is_keras2(optimizer):
         if op == Adasum:
             raise ValueError("op == Adasum is not supported yet with Keras")
-        from shoal.keras.optimizer import DistributedOptimizer as KerasDistributedOptimizer
-
         return KerasDistributedOptimizer(
             optimizer,
             name=name,

@@ -19,7 +19,7 @@ from shoal.config import env_int
 from shoal.core import basics
 from shoal.core import session as handles
 from shoal.core.process_sets import ProcessSet, global_process_set
-from shoal.engine.request import ReduceOp
+from shoal.core.rules import ReduceOp, ReduceSpec, split_groups
 from shoal.ps.config import resolve_config
 from shoal.torch import adasum_optimizer, functions
 from shoal.torch.compression import Compression, Compressor
@@ -137,14 +137,12 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             raise ValueError(f"backward_passes_per_step must be >= 1, got {backward_passes_per_step}")
         if op not in (ReduceOp.Average, ReduceOp.Sum, ReduceOp.Adasum):  # Adasum here: a world of one rank
             raise ValueError(f"DistributedOptimizer supports op=Average or Sum, not {ReduceOp(op).name}")
-        if gradient_predivide_factor != 1.0 and op != ReduceOp.Average:
-            raise ValueError("gradient_predivide_factor is only valid with op=Average")
+        spec = ReduceSpec.for_gradients(op, gradient_predivide_factor)
         self._shoal_compression = compression
         self._shoal_passes = backward_passes_per_step
         self._shoal_op = ReduceOp(op)
-        # Divide before the sum (and multiply back after) to keep fp16 sums in range; Average divides by size.
-        self._shoal_prescale = 1.0 / gradient_predivide_factor
-        self._shoal_postscale = gradient_predivide_factor
+        self._shoal_prescale = spec.prescale
+        self._shoal_postscale = spec.postscale
         self._shoal_sparse_as_dense = sparse_as_dense
         self._shoal_process_set = process_set
         self._shoal_params = [p for p in params if p.requires_grad]
@@ -437,13 +435,7 @@ def DistributedOptimizer(
     if num_groups and groups:
         raise ValueError("give either num_groups or groups, not both")
     if num_groups:
-        count = min(num_groups, len(params))
-        size, extra = divmod(len(params), count)
-        groups, start = [], 0
-        for index in range(count):
-            stop = start + size + (1 if index < extra else 0)
-            groups.append(params[start:stop])
-            start = stop
+        groups = split_groups(params, min(num_groups, len(params)))
     if groups:
         listed = [id(p) for group in groups for p in group]
         if len(set(listed)) != len(listed):

@@ -15,7 +15,7 @@ import tensorflow as tf
 from shoal.core.basics import size
 from shoal.keras.flavour import keras2_module, tf_keras_is_keras2
 from shoal.runtime import elastic_rendezvous
-from shoal.tensorflow.ops import Sum, allreduce
+from shoal.tf_ops.ops import Sum, allreduce
 
 
 def _global_moments(inputs: Any, axes: list[int], keep_dims: bool) -> tuple[Any, Any]:

@@ -23,8 +23,8 @@ from shoal.core import basics, objects, requests, rules, session
 from shoal.core.process_sets import ProcessSet, global_process_set
 from shoal.core.requests import Call
 from shoal.core.rules import Kind, ReduceOp, ReduceSpec
-from shoal.tensorflow.compression import Compression, Compressor
-from shoal.tensorflow.errors import as_tf_error
+from shoal.tf_ops.compression import Compression, Compressor
+from shoal.tf_ops.errors import as_tf_error
 
 Average, Sum, Adasum, Min, Max, Product = (
     ReduceOp.Average,

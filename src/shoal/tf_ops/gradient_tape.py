@@ -15,20 +15,10 @@ from typing import Any
 import tensorflow as tf
 
 from shoal.core.process_sets import ProcessSet, global_process_set
+from shoal.core.rules import ReduceSpec, split_groups
 from shoal.runtime import elastic_rendezvous
-from shoal.tensorflow.compression import Compression, Compressor
-from shoal.tensorflow.ops import Average, grouped_allreduce, size_op
-
-
-def _split(items: list[Any], count: int) -> list[list[Any]]:
-    """``count`` near-equal contiguous chunks."""
-    size, extra = divmod(len(items), count)
-    chunks, start = [], 0
-    for index in range(count):
-        stop = start + size + (1 if index < extra else 0)
-        chunks.append(items[start:stop])
-        start = stop
-    return [c for c in chunks if c]
+from shoal.tf_ops.compression import Compression, Compressor
+from shoal.tf_ops.ops import Average, grouped_allreduce, size_op
 
 
 class GradientReducer:
@@ -47,8 +37,7 @@ class GradientReducer:
         device_dense: str = "",
         device_sparse: str = "",
     ) -> None:
-        if gradient_predivide_factor != 1.0 and op != Average:
-            raise ValueError("gradient_predivide_factor not supported with op != Average")
+        self.spec = ReduceSpec.for_gradients(op, gradient_predivide_factor)
         if num_groups != 0:
             warnings.warn("num_groups is deprecated; use groups", DeprecationWarning, stacklevel=3)
             groups = groups if groups is not None else num_groups
@@ -57,8 +46,6 @@ class GradientReducer:
         self.compression = compression
         self.sparse_as_dense = sparse_as_dense
         self.op = op
-        self.prescale = 1.0 / gradient_predivide_factor if op == Average else 1.0
-        self.postscale = gradient_predivide_factor if op == Average else 1.0
         self.groups = groups
         self.process_set = process_set
         self.scale_local_gradients = scale_local_gradients
@@ -93,8 +80,8 @@ class GradientReducer:
                     device_sparse=self.device_sparse,
                     compression=self.compression,
                     op=self.op,
-                    prescale_factor=self.prescale,
-                    postscale_factor=self.postscale * self.aggregation,
+                    prescale_factor=self.spec.prescale,
+                    postscale_factor=self.spec.aggregated(self.aggregation).postscale,
                     process_set=self.process_set,
                 )
                 for index, value in zip(chunk, reduced, strict=True):
@@ -121,7 +108,7 @@ class GradientReducer:
         if self.groups is None:
             return [shared]
         if isinstance(self.groups, int):
-            return _split(shared, self.groups)
+            return split_groups(shared, self.groups)
         position = {_ref(v): g for g, group in enumerate(self.groups) for v in group}
         grouped: dict[Any, list[int]] = {}
         for index in shared:
