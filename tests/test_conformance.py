@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -57,6 +57,10 @@ ROWS = [
     Row("reducescatter.average", "reducescatter", {"reduce": "Average"}),
     Row("reducescatter.scaled", "reducescatter", {"reduce": "Sum", "prescale": 2.0, "postscale": 0.25}),
 ]
+FIRST_ROW_OF_OP = {
+    next(r.name for r in ROWS if r.op == op) for op in ("allreduce", "allgather", "broadcast", "alltoall", "reducescatter")
+}
+"""Each op's mismatches run once per front end, with its first row."""
 FRONT_ENDS = ["torch", "tf_eager", "tf_function", "tf_v1_graph"]
 """torch; TensorFlow eager; TensorFlow inside a tf.function; a TensorFlow 1 graph run by a tf.compat.v1 Session."""
 MISMATCH_CLASS = {
@@ -259,22 +263,33 @@ CASES: dict[str, Callable[..., tuple[Any, Any]]] = {
 }
 
 
-def _mismatch(front_end: str, row: Row, set_rank: int, root: int, process_set: Any) -> str:
-    """Rank-dependent shapes for one op; returns the class name each rank saw ('none' if nothing was raised)."""
-    # allgather and alltoall accept a first dimension that differs per rank: they differ beyond it instead.
-    members = process_set.size()
-    shape = (2 * members, 2 + set_rank) if row.op in ("allgather", "alltoall") else (6 + set_rank, 2)
-    x = np.ones(shape)
+MISMATCHES = {
+    "allreduce": ("shape", "dtype", "op"),
+    "allgather": ("shape", "dtype"),
+    "broadcast": ("shape", "dtype", "root"),
+    "alltoall": ("shape", "dtype"),
+    "reducescatter": ("shape", "dtype", "op"),
+}
+"""What one rank (set rank 1) changes: the shape (beyond the first dimension for allgather and alltoall, which
+allow it to differ), the dtype, the reduce op, or the root rank."""
+
+
+def _mismatch(front_end: str, row: Row, what: str, set_rank: int, ranks: list[int], process_set: Any) -> str:
+    """One rank differs in ``what``; returns the classes each rank saw, and whether the message says what differs."""
+    members = len(ranks)
+    odd = set_rank == 1
+    shape = (2 * members, 2 + (odd and what == "shape")) if row.op in ("allgather", "alltoall") else (6, 2)
+    if row.op not in ("allgather", "alltoall") and what == "shape" and odd:
+        shape = (7, 2)
+    x = np.ones(shape, dtype=np.float32 if what == "dtype" and odd else np.float64)
+    root = ranks[0] if what == "root" and odd else ranks[-1]
+    reduce = "Average" if what == "op" and odd else row.kwargs.get("reduce", "Sum")
+    changed = replace(row, kwargs={**row.kwargs, "reduce": reduce})
     try:
         if front_end == "torch":
             import torch
 
-            import shoal.torch as hvd
-
-            hvd.allreduce(torch.tensor(x), op=hvd.Sum, process_set=process_set) if row.op in (
-                "allreduce",
-                "grouped_allreduce",
-            ) else _torch_forward_only(row, torch.tensor(x), set_rank, root, process_set)
+            _torch_forward_only(changed, torch.tensor(x), set_rank, root, process_set)
         else:
             import tensorflow as tf
 
@@ -283,7 +298,7 @@ def _mismatch(front_end: str, row: Row, set_rank: int, root: int, process_set: A
             def forward(value: Any) -> Any:
                 if row.op == "alltoall":
                     return hvd_tf.alltoall(value, process_set=process_set)
-                return _tf_op(row, value, set_rank, root, process_set)
+                return _tf_op(changed, value, set_rank, root, process_set)
 
             if front_end == "tf_v1_graph":
                 graph = tf.Graph()
@@ -306,7 +321,10 @@ def _torch_forward_only(row: Row, tensor: Any, set_rank: int, root: int, process
         return hvd.broadcast(tensor, root, process_set=process_set)
     if row.op == "alltoall":
         return hvd.alltoall(tensor, process_set=process_set)
-    return hvd.reducescatter(tensor, op=hvd.Sum, process_set=process_set)
+    op = getattr(hvd, row.kwargs.get("reduce", "Sum"))
+    if row.op == "allreduce":
+        return hvd.allreduce(tensor, op=op, process_set=process_set)
+    return hvd.reducescatter(tensor, op=op, process_set=process_set)
 
 
 # ----- dtypes: data movement bit for bit, reductions where the arithmetic exists -----
@@ -451,10 +469,10 @@ def _rows_on(front_ends: list[str], process_set: Any, ranks: list[int]) -> dict[
                 results[key] = ("ok", np.asarray(out).tolist(), np.asarray(grad).tolist())
             except Exception as error:  # reported, and the comparison fails with it
                 results[key] = ("error", f"{type(error).__name__}: {error}")
-            if row.op in ("allreduce", "allgather", "broadcast", "alltoall", "reducescatter"):
-                results[key + "/mismatch"] = _mismatch(front_end, row, set_rank, root, process_set)
+            for what in MISMATCHES.get(row.op, ()) if row.name in FIRST_ROW_OF_OP else ():
+                results[f"{key}/mismatch/{what}"] = _mismatch(front_end, row, what, set_rank, ranks, process_set)
                 check = hvd.allreduce(torch.ones(2), op=hvd.Sum, process_set=process_set)
-                results[key + "/next"] = check.tolist()
+                results[f"{key}/next/{what}"] = check.tolist()
         if front_end == "tf_v1_graph":
             results["tf_v1_graph/broadcast_"] = _tf_v1_broadcast_inplace(set_rank, root, process_set)
         if front_end in ("torch", "tf_eager"):
@@ -488,7 +506,7 @@ def _matrix(front_ends: list[str], sets: list[list[int] | None]) -> dict[str, An
 def check_matrix(results: Any, front_ends: list[str], members: list[int]) -> int:
     """``results``: indexed by global rank, the rows of one process set."""
     """Compare every row on every member with the references; returns how many cells were checked."""
-    checked = 0
+    checked = checked_mismatches = 0
     root_set_rank = len(members) - 1
     failures = []
     for front_end in front_ends:
@@ -504,18 +522,23 @@ def check_matrix(results: Any, front_ends: list[str], members: list[int]) -> int
                     if np.shape(got) != want.shape or not np.allclose(got, want, rtol=TOLERANCE, atol=TOLERANCE):
                         failures.append(f"{key} rank {rank} {label}: got {np.asarray(got).tolist()}, want {want.tolist()}")
                 checked += 1
-                if key + "/mismatch" in results[rank]:
-                    seen = results[rank][key + "/mismatch"]
+                for what in MISMATCHES.get(row.op, ()) if row.name in FIRST_ROW_OF_OP else ():
+                    checked_mismatches += 1
+                    seen = results[rank][f"{key}/mismatch/{what}"]
                     classes = seen.split("|")[0].split(",")
                     if MISMATCH_CLASS[front_end] not in classes or not seen.endswith("|says Mismatched"):
-                        failures.append(f"{key} rank {rank} mismatch: raised {seen}, want {MISMATCH_CLASS[front_end]}")
-                    if results[rank][key + "/next"] != [float(len(members))] * 2:
-                        failures.append(f"{key} rank {rank}: the call after the mismatch gave {results[rank][key + '/next']}")
+                        failures.append(f"{key} rank {rank} {what} mismatch: raised {seen}, want {MISMATCH_CLASS[front_end]}")
+                    after = results[rank][f"{key}/next/{what}"]
+                    if after != [float(len(members))] * 2:
+                        failures.append(f"{key} rank {rank}: the call after the {what} mismatch gave {after}")
     if "tf_v1_graph" in front_ends:
         root_values = [[1.0 * len(members), 2.0 * len(members)], [10.0 * len(members), 20.0 * len(members)]]
         for rank in members:
             if results[rank]["tf_v1_graph/broadcast_"] != root_values:
                 failures.append(f"tf_v1_graph broadcast_ rank {rank}: {results[rank]['tf_v1_graph/broadcast_']}")
+    want_mismatches = len(front_ends) * len(members) * sum(len(kinds) for kinds in MISMATCHES.values())
+    if checked_mismatches != want_mismatches:
+        failures.append(f"{checked_mismatches} mismatch cells checked, want {want_mismatches}")
     failures += check_dtypes(results, front_ends, members)
     assert not failures, f"{len(failures)} cells differ from Horovod's rules:\n" + "\n".join(failures)
     return checked
