@@ -27,12 +27,18 @@ __all__ = [
     "MOVABLE_DTYPES",
     "REDUCESCATTER_OPS",
     "REDUCING_DTYPES",
+    "Adasum",
+    "Average",
     "ErrorKind",
     "GradientRule",
     "Kind",
+    "Max",
+    "Min",
+    "Product",
     "ReduceOp",
     "ReduceSpec",
     "Select",
+    "Sum",
     "check_alltoall_splits",
     "check_reducescatter_op",
     "dtypes_for",
@@ -44,6 +50,16 @@ __all__ = [
 ]
 
 Item = TypeVar("Item")
+
+Average, Sum, Adasum, Min, Max, Product = (
+    ReduceOp.Average,
+    ReduceOp.Sum,
+    ReduceOp.Adasum,
+    ReduceOp.Min,
+    ReduceOp.Max,
+    ReduceOp.Product,
+)
+"""Horovod's names for the reduce ops, as every front end exports them (``hvd.Sum``)."""
 
 REDUCESCATTER_OPS = (ReduceOp.Average, ReduceOp.Sum)
 """Horovod's reducescatter reduces with Sum or Average; anything else (Adasum, Min, Max, Product) is refused."""

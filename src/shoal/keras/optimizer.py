@@ -102,17 +102,20 @@ def make_reducer(
     scale_local_gradients: bool,
     device_dense: str = "",
     device_sparse: str = "",
+    keras2: bool = False,
 ) -> Any:
-    """An object whose ``reduce(gradients, variables)`` reduces over the ranks on Keras's backend, with
-    ``local_sources`` (variables whose gradients stay local) and ``aggregation`` (a factor on the result)."""
-    if backend() == "torch":
+    """An object whose ``reduce(gradients, variables)`` reduces over the ranks on Keras's backend (TensorFlow for
+    Keras 2), with ``local_sources`` (variables whose gradients stay local) and ``aggregation`` (a factor on the
+    result)."""
+    if not keras2 and backend() == "torch":
         spec = ReduceSpec.for_gradients(op, gradient_predivide_factor)
         compression = compression or default_compression().none
         return _TorchGradientReducer(compression, spec, process_set, scale_local_gradients)
+    from shoal.tf_ops.compression import Compression as TFCompression
     from shoal.tf_ops.gradient_tape import GradientReducer
 
     return GradientReducer(
-        compression or default_compression().none,
+        compression or TFCompression.none,
         sparse_as_dense,
         op,
         gradient_predivide_factor,
@@ -239,6 +242,9 @@ def DistributedOptimizer(
         raise ValueError(f"backward_passes_per_step must be an int >= 1, got {backward_passes_per_step!r}")
     if is_distributed(optimizer):
         return optimizer
+    if num_groups != 0:
+        warnings.warn("num_groups is deprecated; use groups", DeprecationWarning, stacklevel=2)
+        groups = groups if groups is not None else num_groups
     if keras2:
         return _keras2_distributed(
             optimizer,
@@ -248,7 +254,6 @@ def DistributedOptimizer(
             gradient_predivide_factor,
             op,
             passes,
-            num_groups,
             groups,
             process_set,
             scale_local_gradients,
@@ -269,7 +274,7 @@ def DistributedOptimizer(
             op,
             backward_passes_per_step,
             average_aggregated_gradients,
-            num_groups,
+            0,  # already folded into groups above
             groups,
             process_set,
             scale_local_gradients,
@@ -285,9 +290,6 @@ def DistributedOptimizer(
             dynamic_growth_steps=optimizer.dynamic_growth_steps,
             name=name or optimizer.name,
         )
-    if num_groups != 0:
-        warnings.warn("num_groups is deprecated; use groups", DeprecationWarning, stacklevel=2)
-        groups = groups if groups is not None else num_groups
     config = optimizer.get_config()
     own_steps = config.get("gradient_accumulation_steps") or 1
     if backward_passes_per_step > 1:
@@ -327,7 +329,6 @@ def _keras2_distributed(
     gradient_predivide_factor: float,
     op: int,
     backward_passes_per_step: int,
-    num_groups: int,
     groups: Any,
     process_set: ProcessSet,
     scale_local_gradients: bool,
@@ -344,23 +345,17 @@ def _keras2_distributed(
         raise NotImplementedError(
             "backward_passes_per_step > 1 with a Keras 2 optimizer: accumulate in your train step, or use Keras 3"
         )
-    if num_groups != 0:
-        warnings.warn("num_groups is deprecated; use groups", DeprecationWarning, stacklevel=3)
-        groups = groups if groups is not None else num_groups
-    from shoal.tf_ops.compression import Compression as TFCompression
-    from shoal.tf_ops.gradient_tape import GradientReducer
-
-    reducer = GradientReducer(
-        compression or TFCompression.none,
+    reducer = make_reducer(
+        compression,
         sparse_as_dense,
         op,
         gradient_predivide_factor,
-        0,
         groups,
         process_set,
         scale_local_gradients,
         device_dense,
         device_sparse,
+        keras2=True,
     )
     base = optimizer.__class__
     cls: Any = type(base.__name__, (_Keras2DistributedMethods, base), {"__module__": base.__module__})

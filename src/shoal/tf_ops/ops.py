@@ -22,18 +22,12 @@ import torch
 from shoal.core import basics, objects, requests, rules, session
 from shoal.core.process_sets import ProcessSet, global_process_set
 from shoal.core.requests import Call
-from shoal.core.rules import Kind, ReduceOp, ReduceSpec
+from shoal.core.rules import Adasum, Average, Kind, ReduceOp, ReduceSpec, Sum
+from shoal.core.rules import Max as Max
+from shoal.core.rules import Min as Min
+from shoal.core.rules import Product as Product
 from shoal.tf_ops.compression import Compression, Compressor
 from shoal.tf_ops.errors import as_tf_error
-
-Average, Sum, Adasum, Min, Max, Product = (
-    ReduceOp.Average,
-    ReduceOp.Sum,
-    ReduceOp.Adasum,
-    ReduceOp.Min,
-    ReduceOp.Max,
-    ReduceOp.Product,
-)
 
 _last_op: dict[int, Any] = {}
 """Per graph: the last collective op created in it (the next one runs after it)."""

@@ -17,7 +17,12 @@ from shoal.core import requests
 from shoal.core import session as handles
 from shoal.core.process_sets import ProcessSet, global_process_set
 from shoal.core.requests import Call
-from shoal.core.rules import Kind, ReduceOp, ReduceSpec, resolve_op
+from shoal.core.rules import Adasum as Adasum  # Horovod's names, re-exported: hvd.Sum ...
+from shoal.core.rules import Average, Kind, ReduceOp, ReduceSpec, resolve_op
+from shoal.core.rules import Max as Max
+from shoal.core.rules import Min as Min
+from shoal.core.rules import Product as Product
+from shoal.core.rules import Sum as Sum
 from shoal.torch.autograd import (
     AllgatherFunction,
     AllreduceFunction,
@@ -29,15 +34,6 @@ from shoal.torch.autograd import (
     ReducescatterFunction,
 )
 from shoal.torch.compression import Compression, Compressor
-
-Average, Sum, Adasum, Min, Max, Product = (
-    ReduceOp.Average,
-    ReduceOp.Sum,
-    ReduceOp.Adasum,
-    ReduceOp.Min,
-    ReduceOp.Max,
-    ReduceOp.Product,
-)
 
 
 def _check_tensor(tensor: Any, what: str) -> torch.Tensor:
