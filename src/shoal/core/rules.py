@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import enum
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -41,11 +42,14 @@ __all__ = [
     "Sum",
     "check_alltoall_splits",
     "check_reducescatter_op",
+    "divides_local_gradients",
     "dtypes_for",
+    "exchanges_gradients",
     "gradient_op",
     "gradient_scale",
     "is_gradient_root",
     "resolve_op",
+    "split_gradients",
     "split_groups",
 ]
 
@@ -127,6 +131,27 @@ def split_groups(items: list[Item], count: int) -> list[list[Item]]:
         groups.append(items[start:stop])
         start = stop
     return [group for group in groups if group]
+
+
+def split_gradients(grads: Sequence[object | None], is_local: Sequence[bool]) -> tuple[list[int], list[int]]:
+    """Horovod's partial distribution: the indices of the gradients to exchange, and of those that stay on this rank
+    (``register_local_source``/``register_local_var``, ``local_layers``). Missing gradients (None) are in neither."""
+    pairs = list(zip(grads, is_local, strict=True))
+    shared = [index for index, (grad, local) in enumerate(pairs) if grad is not None and not local]
+    kept = [index for index, (grad, local) in enumerate(pairs) if grad is not None and local]
+    return shared, kept
+
+
+def exchanges_gradients(members: int, included: bool, elastic: bool = False) -> bool:
+    """Whether this rank exchanges gradients: it belongs to the set and others do too. An elastic job always does
+    (a compiled step is traced once, and the job's size may change between its runs)."""
+    return included and (members > 1 or elastic)
+
+
+def divides_local_gradients(scale_local_gradients: bool, exchanging: bool) -> bool:
+    """Horovod's ``scale_local_gradients``: local gradients are divided by the set's size when the others are
+    exchanged (averaged), so that both kinds stay on the same scale."""
+    return scale_local_gradients and exchanging
 
 
 def check_reducescatter_op(op: ReduceOp) -> None:

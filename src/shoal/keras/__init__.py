@@ -1,4 +1,4 @@
-"""``import shoal.keras as hvd``: Horovod's Keras API for Keras 3, on Shoal's engine.
+"""``import shoal.keras as hvd``: Horovod's Keras API for Keras 3 and Keras 2 (``tf_keras``), on Shoal's engine.
 
 Works with Keras 3 on the TensorFlow backend (``import shoal.tensorflow.keras as hvd`` is the same module, as
 ``horovod.tensorflow.keras``) and on the torch backend (``KERAS_BACKEND=torch``: gradients are torch tensors and

@@ -22,7 +22,7 @@ from typing import Any
 import keras
 
 from shoal.core.process_sets import ProcessSet, global_process_set
-from shoal.core.rules import ReduceOp, ReduceSpec
+from shoal.core.rules import ReduceOp, ReduceSpec, divides_local_gradients, exchanges_gradients, split_gradients
 from shoal.keras.flavour import is_keras2, keras2_module
 
 Average, Sum = ReduceOp.Average, ReduceOp.Sum
@@ -68,9 +68,8 @@ class _TorchGradientReducer:
 
         out = list(grads)
         members = self.process_set.size()
-        local = self.local_sources
-        shared = [i for i, (g, v) in enumerate(zip(grads, variables, strict=True)) if g is not None and id(v) not in local]
-        exchange = members > 1 and self.process_set.included()
+        shared, local = split_gradients(grads, [id(v) in self.local_sources for v in variables])
+        exchange = exchanges_gradients(members, self.process_set.included())
         if exchange and shared:
             reduced = hvd.grouped_allreduce(
                 [grads[i] for i in shared],
@@ -85,10 +84,10 @@ class _TorchGradientReducer:
         elif self.aggregation != 1.0:
             for index in shared:
                 out[index] = grads[index] * self.aggregation
-        local_scale = self.aggregation / (members if self.scale_local_gradients and exchange else 1)
-        for index, (grad, variable) in enumerate(zip(grads, variables, strict=True)):
-            if grad is not None and id(variable) in local and local_scale != 1.0:
-                out[index] = grad * local_scale
+        local_scale = self.aggregation / (members if divides_local_gradients(self.scale_local_gradients, exchange) else 1)
+        if local_scale != 1.0:
+            for index in local:
+                out[index] = grads[index] * local_scale
         return out
 
 

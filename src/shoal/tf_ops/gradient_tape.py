@@ -15,7 +15,7 @@ from typing import Any
 import tensorflow as tf
 
 from shoal.core.process_sets import ProcessSet, global_process_set
-from shoal.core.rules import ReduceSpec, split_groups
+from shoal.core.rules import ReduceSpec, divides_local_gradients, exchanges_gradients, split_gradients, split_groups
 from shoal.runtime import elastic_rendezvous
 from shoal.tf_ops.compression import Compression, Compressor
 from shoal.tf_ops.ops import Average, grouped_allreduce, size_op
@@ -45,7 +45,6 @@ class GradientReducer:
             raise ValueError("groups must be a list of lists of variables or an int > 0")
         self.compression = compression
         self.sparse_as_dense = sparse_as_dense
-        self.op = op
         self.groups = groups
         self.process_set = process_set
         self.scale_local_gradients = scale_local_gradients
@@ -63,23 +62,20 @@ class GradientReducer:
         """The reduced gradients, in order; None stays None; local sources are only scaled."""
         grads = [tf.convert_to_tensor(g) if self.sparse_as_dense and isinstance(g, tf.IndexedSlices) else g for g in grads]
         results = list(grads)
-        shared = [
-            i
-            for i, (g, s) in enumerate(zip(grads, sources, strict=True))
-            if g is not None and _ref(s) not in self.local_sources
-        ]
+        shared, local = split_gradients(grads, [_ref(s) in self.local_sources for s in sources])
         # Decided while tracing: in an elastic job the size may change between runs of the same graph, so there
         # the exchange is always traced (a no-op at size 1) and local gradients use the size read at run time.
         elastic = elastic_rendezvous.is_elastic_worker()
         members = self.process_set.size()
-        if self.process_set.included() and (members > 1 or elastic):
+        exchanging = exchanges_gradients(members, self.process_set.included(), elastic)
+        if exchanging:
             for chunk in self._chunks(shared, sources) if shared else []:
                 reduced = grouped_allreduce(
                     [grads[i] for i in chunk],
                     device_dense=self.device_dense,
                     device_sparse=self.device_sparse,
                     compression=self.compression,
-                    op=self.op,
+                    op=self.spec.op,
                     prescale_factor=self.spec.prescale,
                     postscale_factor=self.spec.aggregated(self.aggregation).postscale,
                     process_set=self.process_set,
@@ -89,9 +85,7 @@ class GradientReducer:
         elif self.aggregation != 1.0:
             for index in shared:
                 results[index] = _scaled(grads[index], lambda dtype: tf.constant(self.aggregation, dtype))
-        mine = self.local_sources
-        local = [i for i, (g, s) in enumerate(zip(grads, sources, strict=True)) if g is not None and _ref(s) in mine]
-        divide = self.scale_local_gradients and (members > 1 or elastic)
+        divide = divides_local_gradients(self.scale_local_gradients, exchanging)
         if local and (divide or self.aggregation != 1.0):
 
             def scale(dtype: Any) -> Any:
