@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 import torch
 
 from shoal.comm.store import secret_namespace
-from shoal.core import requests, session
+from shoal.core import requests
 from shoal.core.rules import Kind
 from shoal.exceptions import HorovodInternalError, HostsUpdatedInterrupt, WorkerRemovedError
 from shoal.log import get_logger
@@ -62,7 +62,7 @@ class State:
             newest = elastic_rendezvous.current_round(ctx.job_store, keys)
         call = requests.Call(Kind.BROADCAST, root_rank=0)
         newest_round = torch.tensor([newest], dtype=torch.int64)
-        newest = int(session.synchronize(requests.submit(call, [newest_round], "elastic.check_host_updates"))[0])
+        newest = int(requests.run(call, [newest_round], "elastic.check_host_updates")[0])
         if newest > ctx.generation:
             get_logger().info("workers joined or left (round %d -> %d); re-forming at this commit", ctx.generation, newest)
             raise HostsUpdatedInterrupt(skip_sync=False)

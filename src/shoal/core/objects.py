@@ -8,19 +8,10 @@ from typing import Any
 
 import torch
 
-from shoal.core import requests, session
+from shoal.core import requests
 from shoal.core.basics import rank
 from shoal.core.process_sets import ProcessSet, global_process_set
 from shoal.core.rules import Kind
-
-
-def _broadcast(tensor: torch.Tensor, root_rank: int, name: str, process_set: ProcessSet) -> torch.Tensor:
-    call = requests.Call(Kind.BROADCAST, process_set, root_rank=root_rank)
-    return session.synchronize(requests.submit(call, [tensor], name))
-
-
-def _allgather(tensor: torch.Tensor, name: str, process_set: ProcessSet) -> torch.Tensor:
-    return session.synchronize(requests.submit(requests.Call(Kind.ALLGATHER, process_set), [tensor], name))
 
 
 def _to_bytes(obj: Any) -> torch.Tensor:
@@ -39,10 +30,11 @@ def broadcast_object(
     """Return ``root_rank``'s ``obj`` on every rank (pickled; the object need not exist on the other ranks)."""
     base = name or "broadcast_object"
     payload = _to_bytes(obj) if rank() == root_rank else torch.empty(0, dtype=torch.uint8)
-    length = _broadcast(torch.tensor([payload.numel()], dtype=torch.int64), root_rank, f"{base}.size", process_set)
+    call = requests.Call(Kind.BROADCAST, process_set, root_rank=root_rank)
+    length = requests.run(call, [torch.tensor([payload.numel()], dtype=torch.int64)], f"{base}.size")
     if rank() != root_rank:
         payload = torch.empty(int(length), dtype=torch.uint8)
-    data = _broadcast(payload, root_rank, f"{base}.data", process_set)
+    data = requests.run(call, [payload], f"{base}.data")
     return _from_bytes(data)
 
 
@@ -50,8 +42,9 @@ def allgather_object(obj: Any, name: str | None = None, process_set: ProcessSet 
     """Return every rank's ``obj``, in rank order."""
     base = name or "allgather_object"
     payload = _to_bytes(obj)
-    lengths = _allgather(torch.tensor([payload.numel()], dtype=torch.int64), f"{base}.size", process_set)
-    data = _allgather(payload, f"{base}.data", process_set)
+    call = requests.Call(Kind.ALLGATHER, process_set)
+    lengths = requests.run(call, [torch.tensor([payload.numel()], dtype=torch.int64)], f"{base}.size")
+    data = requests.run(call, [payload], f"{base}.data")
     objects, offset = [], 0
     for length in lengths.tolist():
         objects.append(_from_bytes(data[offset : offset + length]))

@@ -17,7 +17,7 @@ import torch
 
 from shoal.core import session
 from shoal.core.process_sets import ProcessSet, global_process_set, set_id_of
-from shoal.core.rules import ReduceSpec, check_alltoall_splits, check_reducescatter_op
+from shoal.core.rules import ReduceSpec, check_alltoall_splits, check_root_rank
 from shoal.engine.request import Kind, Request, RequestMeta
 
 
@@ -61,16 +61,11 @@ def _check_writable(tensor: torch.Tensor, kind: Kind) -> None:
 def _check_call(call: Call, tensor: torch.Tensor) -> None:
     """Horovod's argument rules that this rank can check alone, before anything is queued."""
     if call.kind == Kind.BROADCAST:
-        size = session.session().engine.size
-        if call.root_rank is None or not 0 <= call.root_rank < size:
-            raise ValueError(f"broadcast root_rank {call.root_rank} is not a rank of the job (0..{size - 1})")
+        check_root_rank(call.root_rank, session.session().engine.size)
     if call.kind in (Kind.ALLTOALL, Kind.REDUCESCATTER) and tensor.dim() == 0:
         raise ValueError(f"{call.kind.value} needs a tensor with at least one dimension")
     if call.kind == Kind.ALLTOALL:
         check_alltoall_splits(call.splits, tensor.shape[0], call.process_set.size())
-    if call.kind == Kind.REDUCESCATTER:
-        assert call.spec is not None
-        check_reducescatter_op(call.spec.op)
 
 
 def build_meta(call: Call, tensor: torch.Tensor, name: str) -> RequestMeta:
@@ -140,6 +135,11 @@ def submit(
         names = [f"{base}.{i}" for i in range(len(tensors))] if grouped else [base]
     requests = [build(call, tensor, n) for tensor, n in zip(tensors, names, strict=True)]
     return session.submit(requests, as_list if grouped else first)
+
+
+def run(call: Call, tensors: Sequence[torch.Tensor], name: str | None = None, grouped: bool = False) -> Any:
+    """``submit`` and wait: the one result, or the list for a group (what every blocking form of an op is)."""
+    return session.synchronize(submit(call, tensors, name, grouped=grouped))
 
 
 def submit_control(kind: Kind, process_set: ProcessSet = global_process_set) -> int:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from shoal.engine.request import Kind, ReduceOp
-from shoal.engine.validation import MOVABLE_DTYPES, REDUCING_DTYPES, dtypes_for
+from shoal.engine.validation import MOVABLE_DTYPES, REDUCESCATTER_OPS, REDUCING_DTYPES, dtypes_for
 from shoal.exceptions import CollectiveMismatchError, HorovodInternalError, NotInitializedError, UnsupportedOperationError
 
 __all__ = [
@@ -41,7 +41,7 @@ __all__ = [
     "Select",
     "Sum",
     "check_alltoall_splits",
-    "check_reducescatter_op",
+    "check_root_rank",
     "divides_local_gradients",
     "dtypes_for",
     "exchanges_gradients",
@@ -64,9 +64,6 @@ Average, Sum, Adasum, Min, Max, Product = (
     ReduceOp.Product,
 )
 """Horovod's names for the reduce ops, as every front end exports them (``hvd.Sum``)."""
-
-REDUCESCATTER_OPS = (ReduceOp.Average, ReduceOp.Sum)
-"""Horovod's reducescatter reduces with Sum or Average; anything else (Adasum, Min, Max, Product) is refused."""
 
 
 def resolve_op(op: int | None, average: bool | None) -> ReduceOp:
@@ -154,10 +151,14 @@ def divides_local_gradients(scale_local_gradients: bool, exchanging: bool) -> bo
     return scale_local_gradients and exchanging
 
 
-def check_reducescatter_op(op: ReduceOp) -> None:
-    """Horovod refuses reducescatter with any op but Sum and Average (its torch front end with RuntimeError)."""
-    if op not in REDUCESCATTER_OPS:
-        raise UnsupportedOperationError(f"reducescatter supports Average and Sum, not {op.name}")
+def check_root_rank(root_rank: int | None, size: int) -> None:
+    """A broadcast's root is a global rank of the job.
+
+    Raises:
+        ValueError: it is not (Horovod's TensorFlow: ``InvalidArgumentError``).
+    """
+    if root_rank is None or not 0 <= root_rank < size:
+        raise ValueError(f"broadcast root_rank {root_rank} is not a rank of the job (0..{size - 1})")
 
 
 def check_alltoall_splits(splits: tuple[int, ...] | None, rows: int, members: int) -> None:

@@ -19,7 +19,7 @@ from shoal.engine.negotiation import Response
 from shoal.engine.request import DATA_KINDS, Kind, ReduceOp, Request, RequestMeta
 from shoal.engine.stall import CollectiveWatch
 from shoal.engine.timeline import Timeline
-from shoal.engine.validation import bit_view
+from shoal.engine.validation import REDUCING_DTYPES
 from shoal.exceptions import CollectiveMismatchError
 from shoal.log import get_logger
 
@@ -42,6 +42,18 @@ class ProcessSetState:
 
     members: tuple[int, ...]
     group: Any
+
+
+_BIT_TWINS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+"""A signed integer of each width: the bits of any fixed-width dtype travel as it, unchanged."""
+
+
+def bit_view(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` as a dtype the transport moves: itself for a reducing dtype, else its bits as a signed integer of
+    the same width (the same memory; ``.view(dtype)`` turns the result back, bit for bit)."""
+    if str(tensor.dtype).removeprefix("torch.") in REDUCING_DTYPES:
+        return tensor
+    return tensor.view(_BIT_TWINS[tensor.element_size()])
 
 
 def _dtype(meta: RequestMeta) -> torch.dtype:

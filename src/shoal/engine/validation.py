@@ -33,9 +33,6 @@ REDUCING_DTYPES = (
 averages of complex tensors are computed on their real and imaginary parts). Unsigned 16/32/64-bit integers and
 float8 have no reduction kernels in gloo, so reductions refuse them."""
 
-_BIT_TWINS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-"""A signed integer of each width: the bits of any fixed-width dtype travel as it, unchanged."""
-
 _EXTRA_MOVABLE = (
     "uint16",
     "uint32",
@@ -60,20 +57,13 @@ def dtypes_for(kind: Kind) -> tuple[str, ...]:
     return MOVABLE_DTYPES if kind in _MOVING else REDUCING_DTYPES
 
 
-def bit_view(tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor`` as a dtype the transport moves: itself for a reducing dtype, else its bits as a signed integer of
-    the same width (the same memory; ``.view(dtype)`` turns the result back, bit for bit)."""
-    if str(tensor.dtype).removeprefix("torch.") in REDUCING_DTYPES:
-        return tensor
-    return tensor.view(_BIT_TWINS[tensor.element_size()])
-
-
 DEVICE_TYPES = ("cpu", "cuda")
 """gloo serves CPU tensors, NCCL CUDA tensors."""
 
 _REDUCING = (Kind.ALLREDUCE, Kind.REDUCESCATTER)
 _FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
-_REDUCESCATTER_OPS = (ReduceOp.Average, ReduceOp.Sum)
+REDUCESCATTER_OPS = (ReduceOp.Average, ReduceOp.Sum)
+"""Horovod's reducescatter reduces with Sum or Average; anything else (Adasum, Min, Max, Product) is refused."""
 _COMPLEX_OPS = (ReduceOp.Average, ReduceOp.Sum)
 _BOOL_OPS = (ReduceOp.Min, ReduceOp.Max, ReduceOp.Product)
 """Logical AND (Min, Product) and OR (Max). A sum or an average of booleans has no boolean answer."""
@@ -112,7 +102,7 @@ def check_request(meta: RequestMeta) -> None:
     if meta.op is None or meta.op not in _OP_VALUES:
         raise ValueError(f"{what}: unknown reduce op {meta.op}")
     op = ReduceOp(meta.op)
-    if meta.kind == Kind.REDUCESCATTER and op not in _REDUCESCATTER_OPS:
+    if meta.kind == Kind.REDUCESCATTER and op not in REDUCESCATTER_OPS:
         raise UnsupportedOperationError(f"{what}: reducescatter supports Average and Sum, not {op.name}")
     if op == ReduceOp.Adasum and meta.dtype not in _FLOAT_DTYPES:
         raise TypeError(f"{what}: Adasum combines floating-point tensors only ({', '.join(_FLOAT_DTYPES)}), not {meta.dtype}")

@@ -14,7 +14,7 @@ import keras
 import numpy as np
 import torch
 
-from shoal.core import basics, requests, session
+from shoal.core import basics, requests
 from shoal.core.rules import Kind, ReduceOp, ReduceSpec
 from shoal.keras.flavour import build_optimizer, is_variable, keras2_module, optimizer_variables, tf_keras_is_keras2, to_numpy
 
@@ -31,7 +31,7 @@ def broadcast_variables(variables: Sequence[Any], root_rank: int) -> None:
         return
     values = [torch.from_numpy(variable_value(v)) for v in variables]
     call = requests.Call(Kind.BROADCAST, root_rank=root_rank, in_place=True)
-    session.synchronize(requests.submit(call, values, "keras.broadcast_variables", grouped=True))
+    requests.run(call, values, "keras.broadcast_variables", grouped=True)
     for variable, value in zip(variables, values, strict=True):
         variable.assign(value.numpy())
 
@@ -89,7 +89,7 @@ class MetricAverageCallback(KerasCallback):
         names = sorted(k for k, v in logs.items() if np.ndim(v) == 0 and np.issubdtype(np.asarray(v).dtype, np.number))
         values = torch.tensor([float(logs[k]) for k in names], dtype=torch.float64)
         call = requests.Call(Kind.ALLREDUCE, spec=ReduceSpec(ReduceOp.Average))
-        averaged = session.synchronize(requests.submit(call, [values], f"keras.metrics.{epoch}.{len(names)}"))
+        averaged = requests.run(call, [values], f"keras.metrics.{epoch}.{len(names)}")
         for name, value in zip(names, averaged.tolist(), strict=True):
             logs[name] = value
 

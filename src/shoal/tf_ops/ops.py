@@ -19,7 +19,7 @@ import numpy as np
 import tensorflow as tf
 import torch
 
-from shoal.core import basics, objects, requests, rules, session
+from shoal.core import basics, objects, requests, rules
 from shoal.core.process_sets import ProcessSet, global_process_set
 from shoal.core.requests import Call
 from shoal.core.rules import Adasum, Average, Kind, ReduceOp, ReduceSpec, Sum
@@ -111,22 +111,16 @@ def _failed_precondition_unless_empty(message: Any) -> Any:
     return tf.cond(tf.equal(message, ""), lambda: tf.constant(""), fail)
 
 
-def _run(call: Call, tensors: list[torch.Tensor], name: str | None, grouped: bool = False) -> Any:
-    """Submit through the core and wait: the engine's result for one tensor, or the list for a group."""
-    return session.synchronize(requests.submit(call, tensors, name, grouped=grouped))
-
-
 def _reduce_call(kind: Kind, op: int, prescale: float, postscale: float, process_set: ProcessSet) -> Call:
     return Call(kind, process_set, ReduceSpec(ReduceOp(op), prescale, postscale))
 
 
 def _check_root(root_rank: int) -> None:
     """Found where the op is built, as Horovod's op does, in every mode."""
-    size = basics.size()
-    if not 0 <= int(root_rank) < size:
-        raise tf.errors.InvalidArgumentError(
-            None, None, f"broadcast received invalid root rank {root_rank}; it must be a rank of the job (0..{size - 1})"
-        )
+    try:
+        rules.check_root_rank(int(root_rank), basics.size())
+    except ValueError as error:
+        raise as_tf_error(error) from error
 
 
 def _gradient(kind: Kind, grads: list[Any], forward: dict[str, Any], name: str | None) -> list[Any]:
@@ -169,7 +163,7 @@ def _allreduce_dense(tensor: Any, op: int, prescale: float, postscale: float, na
 
     @tf.custom_gradient
     def forward(x: Any) -> Any:
-        (y,) = _bridge(lambda ts: [_run(call, ts, name)], [x], [x.dtype])
+        (y,) = _bridge(lambda ts: [requests.run(call, ts, name)], [x], [x.dtype])
         y.set_shape(x.shape)
 
         def grad(dy: Any) -> Any:
@@ -271,7 +265,7 @@ def _grouped_allreduce_dense(
 
     @tf.custom_gradient
     def forward(*xs: Any) -> Any:
-        ys = _bridge(lambda ts: list(_run(call, ts, name, grouped=True)), xs, [x.dtype for x in xs])
+        ys = _bridge(lambda ts: list(requests.run(call, ts, name, grouped=True)), xs, [x.dtype for x in xs])
         for y, x in zip(ys, xs, strict=True):
             y.set_shape(x.shape)
 
@@ -296,7 +290,7 @@ def allgather(
 
     @tf.custom_gradient
     def forward(x: Any) -> Any:
-        (y,) = _bridge(lambda ts: [_run(call, ts, name)], [x], [x.dtype])
+        (y,) = _bridge(lambda ts: [requests.run(call, ts, name)], [x], [x.dtype])
         y.set_shape(tf.TensorShape([None]).concatenate(x.shape[1:]))
 
         def grad(dy: Any) -> Any:
@@ -331,7 +325,7 @@ def broadcast(
 
     @tf.custom_gradient
     def forward(x: Any) -> Any:
-        (y,) = _bridge(lambda ts: [_run(call, ts, name)], [x], [x.dtype])
+        (y,) = _bridge(lambda ts: [requests.run(call, ts, name)], [x], [x.dtype])
         y.set_shape(x.shape)
 
         def grad(dy: Any) -> Any:
@@ -374,7 +368,7 @@ def alltoall(
     def forward(x: Any, s: Any) -> Any:
         def compute(ts: list[torch.Tensor]) -> list[torch.Tensor]:
             chosen = None if splits is None else tuple(int(count) for count in ts[1].tolist())
-            out, received = _run(Call(Kind.ALLTOALL, process_set, splits=chosen), [ts[0]], name)
+            out, received = requests.run(Call(Kind.ALLTOALL, process_set, splits=chosen), [ts[0]], name)
             return [out, received.to(torch.int32)]
 
         received, received_splits = _bridge(compute, [x, s], [x.dtype, tf.int32])
@@ -417,7 +411,7 @@ def _reducescatter(tensor: Any, op: int, name: str | None, process_set: ProcessS
 
     @tf.custom_gradient
     def forward(x: Any) -> Any:
-        (y,) = _bridge(lambda ts: [_run(call, ts, name)], [x], [x.dtype])
+        (y,) = _bridge(lambda ts: [requests.run(call, ts, name)], [x], [x.dtype])
         y.set_shape(tf.TensorShape([None]).concatenate(x.shape[1:]))
 
         def grad(dy: Any) -> Any:
@@ -457,7 +451,7 @@ def broadcast_variables(
     if tf.executing_eagerly():
         _check_root(root_rank)
         call = Call(Kind.BROADCAST, process_set, root_rank=int(root_rank))
-        values = [_run(call, [_to_torch(tf.convert_to_tensor(v))], None) for v in variables]
+        values = [requests.run(call, [_to_torch(tf.convert_to_tensor(v))], None) for v in variables]
         for variable, value in zip(variables, values, strict=True):
             variable.assign(_to_tf(value))
         return None

@@ -12,14 +12,10 @@ from typing import Any
 
 import torch
 
-from shoal.core import requests, rules, session
+from shoal.core import requests, rules
 from shoal.core.basics import rank
 from shoal.core.process_sets import ProcessSet
 from shoal.core.rules import Kind, ReduceOp, ReduceSpec, Select
-
-
-def _run(call: requests.Call, tensors: list[torch.Tensor], name: str | None, grouped: bool) -> Any:
-    return session.synchronize(requests.submit(call, tensors, name, grouped=grouped))
 
 
 def _own_rows(reduced: torch.Tensor, rows: torch.Tensor, process_set: ProcessSet, count: int) -> torch.Tensor:
@@ -44,7 +40,7 @@ def _backward(kind: Kind, ctx: Any, grads: tuple[torch.Tensor, ...]) -> list[tor
     else:
         carried = [AlltoallFunction.apply(scaled[0], ctx.received, None, process_set)[0]]
     if rule.select == Select.OWN_ROWS:
-        counts = _run(requests.Call(Kind.ALLGATHER, process_set), [torch.tensor([ctx.rows])], None, grouped=False)
+        counts = requests.run(requests.Call(Kind.ALLGATHER, process_set), [torch.tensor([ctx.rows])], None, grouped=False)
         carried = [
             _own_rows(value, counts[:, index], process_set, count)
             for index, (value, count) in enumerate(zip(carried, ctx.rows, strict=True))
@@ -68,7 +64,7 @@ class AllreduceFunction(torch.autograd.Function):
     ) -> torch.Tensor:
         _remember(ctx, process_set, op, prescale, postscale)
         call = requests.Call(Kind.ALLREDUCE, process_set, ReduceSpec(ReduceOp(op), prescale, postscale))
-        return _run(call, [tensor], name, grouped=False)
+        return requests.run(call, [tensor], name, grouped=False)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
@@ -84,7 +80,7 @@ class GroupedAllreduceFunction(torch.autograd.Function):
     ) -> tuple[torch.Tensor, ...]:
         _remember(ctx, process_set, op, prescale, postscale)
         call = requests.Call(Kind.ALLREDUCE, process_set, ReduceSpec(ReduceOp(op), prescale, postscale))
-        return tuple(_run(call, list(tensors), name, grouped=True))
+        return tuple(requests.run(call, list(tensors), name, grouped=True))
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
@@ -103,7 +99,7 @@ class AllgatherFunction(torch.autograd.Function):
     def forward(ctx: Any, tensor: torch.Tensor, name: str | None, process_set: ProcessSet) -> torch.Tensor:
         _remember(ctx, process_set)
         _remember_rows(ctx, (tensor,))
-        return _run(requests.Call(Kind.ALLGATHER, process_set), [tensor], name, grouped=False)
+        return requests.run(requests.Call(Kind.ALLGATHER, process_set), [tensor], name, grouped=False)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
@@ -117,7 +113,7 @@ class GroupedAllgatherFunction(torch.autograd.Function):
     def forward(ctx: Any, name: str | None, process_set: ProcessSet, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         _remember(ctx, process_set)
         _remember_rows(ctx, tensors)
-        return tuple(_run(requests.Call(Kind.ALLGATHER, process_set), list(tensors), name, grouped=True))
+        return tuple(requests.run(requests.Call(Kind.ALLGATHER, process_set), list(tensors), name, grouped=True))
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
@@ -131,7 +127,7 @@ class BroadcastFunction(torch.autograd.Function):
     def forward(ctx: Any, tensor: torch.Tensor, root_rank: int, name: str | None, process_set: ProcessSet) -> Any:
         _remember(ctx, process_set)
         ctx.root_rank = root_rank
-        return _run(requests.Call(Kind.BROADCAST, process_set, root_rank=root_rank), [tensor], name, grouped=False)
+        return requests.run(requests.Call(Kind.BROADCAST, process_set, root_rank=root_rank), [tensor], name, grouped=False)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
@@ -147,7 +143,7 @@ class AlltoallFunction(torch.autograd.Function):
     ) -> Any:
         _remember(ctx, process_set)
         call = requests.Call(Kind.ALLTOALL, process_set, splits=splits)
-        output, received = _run(call, [tensor], name, grouped=False)
+        output, received = requests.run(call, [tensor], name, grouped=False)
         ctx.received = tuple(int(count) for count in received.tolist())
         ctx.mark_non_differentiable(received)
         return output, received
@@ -166,7 +162,7 @@ class ReducescatterFunction(torch.autograd.Function):
     ) -> Any:
         _remember(ctx, process_set, op, prescale, postscale)
         call = requests.Call(Kind.REDUCESCATTER, process_set, ReduceSpec(ReduceOp(op), prescale, postscale))
-        return _run(call, [tensor], name, grouped=False)
+        return requests.run(call, [tensor], name, grouped=False)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
@@ -182,7 +178,7 @@ class GroupedReducescatterFunction(torch.autograd.Function):
     ) -> tuple[torch.Tensor, ...]:
         _remember(ctx, process_set, op, prescale, postscale)
         call = requests.Call(Kind.REDUCESCATTER, process_set, ReduceSpec(ReduceOp(op), prescale, postscale))
-        return tuple(_run(call, list(tensors), name, grouped=True))
+        return tuple(requests.run(call, list(tensors), name, grouped=True))
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
