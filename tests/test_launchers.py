@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from conftest import SHOALRUN, clean_env, free_port, needs_netns
+from shoal.runner.launcher import forwarded_env
 
 # One write per line, so that launchers which forward raw output chunks (mpirun) cannot interleave lines.
 PRINT_TOPOLOGY = (
@@ -128,11 +129,19 @@ def test_slurm_environment() -> None:
     assert run_all(envs) == ["0 2 0 2 0 1", "1 2 1 2 0 1"]
 
 
-def test_two_host_run_over_ssh(loopback_sshd: tuple[int, Path]) -> None:
+def test_two_host_run_over_ssh_from_a_venv_with_a_bare_python(loopback_sshd: tuple[int, Path]) -> None:
+    """The remote worker is the bare word ``python``: only the forwarded PATH makes it this venv's interpreter (the
+    ssh login's own PATH has no ``python`` with torch), as horovodrun forwards the caller's environment."""
     port, key = loopback_sshd
     env = clean_env()
+    env["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), "/usr/bin", "/bin"])
     env["SHOAL_TEST_MARK"] = "forwarded"
-    code = PRINT_TOPOLOGY + "; import os; print(os.environ.get('SHOAL_TEST_MARK'), os.getcwd(), flush=True)"
+    env["MY_OWN_SETTING"] = "kept"
+    env["CUDA_VISIBLE_DEVICES"] = "7"  # this host's devices; never a remote host's
+    code = (
+        PRINT_TOPOLOGY + "; import os; g = os.environ.get; "
+        "print(g('SHOAL_TEST_MARK'), g('MY_OWN_SETTING'), g('CUDA_VISIBLE_DEVICES'), sys.prefix, os.getcwd(), flush=True)"
+    )
     args = [
         "-np",
         "2",
@@ -147,14 +156,39 @@ def test_two_host_run_over_ssh(loopback_sshd: tuple[int, Path]) -> None:
         "--ssh-strict-host-key-checking",
         "no",
     ]  # a throwaway sshd whose port (and key) change every run
-    result = subprocess.run(
-        [*SHOALRUN, *args, sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
-    )
+    result = subprocess.run([*SHOALRUN, *args, "python", "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     lines = sorted(result.stdout.splitlines())
     # Two hosts, one rank each: local rank 0 on both, so the cross communicator spans both hosts.
     assert lines[0] == "[0]<stdout>:0 2 0 1 0 2" and lines[2] == "[1]<stdout>:1 2 0 1 1 2"
-    assert lines[3] == f"[1]<stdout>:forwarded {os.getcwd()}"
+    assert lines[1] == f"[0]<stdout>:forwarded kept 7 {sys.prefix} {os.getcwd()}"
+    assert lines[3] == f"[1]<stdout>:forwarded kept None {sys.prefix} {os.getcwd()}"
+
+
+def test_remote_workers_get_the_environment_but_no_shell_functions_devices_or_secret() -> None:
+    environ = {
+        "PATH": "/venv/bin:/usr/bin",
+        "VIRTUAL_ENV": "/venv",
+        "LD_LIBRARY_PATH": "/opt/lib",
+        "MY_SETTING": "1",
+        "BASH_FUNC_module%%": "() { :; }",
+        "OLDPWD": "/elsewhere",
+        "CUDA_VISIBLE_DEVICES": "0,1",
+        "SHOAL_SECRET": "old",
+        "HOROVOD_SECRET_KEY": "old",
+        "SSH_AUTH_SOCK": "/tmp/agent",
+        "NOT_ASKED": "here",
+    }
+    env = forwarded_env(environ, ["EXTRA=2", "NOT_ASKED", "ABSENT"])
+    assert env == {
+        "PATH": "/venv/bin:/usr/bin",
+        "VIRTUAL_ENV": "/venv",
+        "LD_LIBRARY_PATH": "/opt/lib",
+        "MY_SETTING": "1",
+        "NOT_ASKED": "here",
+        "EXTRA": "2",
+        "PYTHONUNBUFFERED": "1",
+    }
 
 
 @needs_netns

@@ -109,8 +109,8 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         default=[],
         metavar="NAME[=VALUE]",
-        help="forward this environment variable to remote workers (repeatable, as mpirun -x); SHOAL_*, HOROVOD_*, "
-        "PYTHONPATH and a few thread/NCCL/gloo settings are forwarded without it",
+        help="set this variable for remote workers, with its value here or the one given (repeatable, as mpirun -x); "
+        "remote workers get the rest of shoalrun's environment anyway, as with horovodrun",
     )
     hosts.add_argument(
         "--start-timeout", type=float, default=30.0, help="seconds the workers may take to rendezvous (default 30)"

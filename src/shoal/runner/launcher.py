@@ -32,14 +32,21 @@ TERMINATE_GRACE_S = 2.0
 SERVER_EXIT_GRACE_S = 5.0
 """Once every worker finished, how long dedicated parameter servers get to leave on their own."""
 
-_FORWARDED_PREFIXES = ("SHOAL_", "HOROVOD_", "NCCL_", "GLOO_", "TORCH_")
-_FORWARDED_NAMES = ("PYTHONPATH", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "CUDA_VISIBLE_DEVICES")
+_NOT_FORWARDED_PREFIXES = ("BASH_FUNC_", "SSH_")
+_NOT_FORWARDED_NAMES = frozenset(
+    {"OLDPWD", "CUDA_VISIBLE_DEVICES", "SHOAL_SECRET", "HOROVOD_SECRET_KEY", "HOSTNAME", "PWD", "SHLVL", "_"}
+)
 
 
 def forwarded_env(environ: Mapping[str, str], requested: list[str]) -> dict[str, str]:
-    """What remote workers get from shoalrun's environment: Shoal's, Horovod's, NCCL/gloo/torch settings, a few
-    thread and path variables, and each ``-x NAME`` (its value here) or ``-x NAME=VALUE``; nothing else."""
-    env = {k: v for k, v in environ.items() if k.startswith(_FORWARDED_PREFIXES) or k in _FORWARDED_NAMES}
+    """What remote workers get from shoalrun's environment: all of it, as horovodrun forwards it (``PATH``,
+    ``VIRTUAL_ENV``, ``LD_LIBRARY_PATH`` and the user's own settings), except exported shell functions
+    (``BASH_FUNC_*``), ``OLDPWD``, ``CUDA_VISIBLE_DEVICES`` (each host has its own devices), any secret (the job
+    sends its own), and what describes this shell's session rather than the job (``HOSTNAME``, ``PWD``, ``SHLVL``,
+    ``_``, ``SSH_*``); then each ``-x NAME`` (its value here) or ``-x NAME=VALUE``."""
+    env = {
+        k: v for k, v in environ.items() if not k.startswith(_NOT_FORWARDED_PREFIXES) and k not in _NOT_FORWARDED_NAMES
+    }
     env.setdefault("PYTHONUNBUFFERED", "1")
     for item in requested:
         name, equals, value = item.partition("=")  # names were checked when the flags were parsed
