@@ -52,7 +52,7 @@ print(json.dumps({"rank": hvd.rank(), "size": hvd.size(), "weights": round(total
 # Command -> (the test that runs it, as file::function; words its source must contain).
 COVERED: dict[str, tuple[str, list[str]]] = {
     "shoalrun -np 8 -H a:4,b:4 python train.py": (
-        "test_launchers.py::test_two_host_run_over_ssh",
+        "test_launchers.py::test_two_host_run_over_ssh_from_a_venv_with_a_bare_python",
         ["-H", "127.0.0.2"],
     ),  # a, b: placeholders for real hosts
     "shoalrun -np 2 python -m shoal.bench.allreduce": (

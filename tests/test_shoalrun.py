@@ -197,7 +197,7 @@ def test_sigkill_of_shoalrun_still_leaves_no_orphans(worker_env: dict[str, str],
 
 def test_horovodrun_flag_meanings(tmp_path: Path) -> None:
     from shoal.runner.cli import parse_args
-    from shoal.runner.launcher import build_slots, knob_env
+    from shoal.runner.launcher import build_slots
 
     args = parse_args(
         [
@@ -219,7 +219,7 @@ def test_horovodrun_flag_meanings(tmp_path: Path) -> None:
         ]
     )
     assert len(build_slots(args)) == 2 and args.min_np == 2 and args.network_interface == "lo"
-    env = knob_env(args)
+    env = args.worker_env()
     assert env["SHOAL_LOG_LEVEL"] == "debug" and env["SHOAL_HIERARCHICAL_ALLREDUCE"] == "0"
     assert env["SHOAL_COLLECTIVE_TIMEOUT_SECONDS"] == "900.0"
     assert "SHOAL_CACHE_CAPACITY" not in env  # horovodrun's --disable-cache is about its own check cache
@@ -233,7 +233,6 @@ def test_prefix_output_with_timestamp(worker_env: dict[str, str]) -> None:
 
 def test_config_file_sets_knobs_and_flags_win(tmp_path: Path) -> None:
     from shoal.runner.cli import parse_args
-    from shoal.runner.launcher import knob_env
 
     config = tmp_path / "horovod.yaml"
     config.write_text(
@@ -246,7 +245,7 @@ def test_config_file_sets_knobs_and_flags_win(tmp_path: Path) -> None:
         autotune: {enabled: false, log_file: x.csv}
     """)
     )
-    env = knob_env(parse_args(["--config-file", str(config), "--cycle-time-ms", "5", "-np", "1", "true"]))
+    env = parse_args(["--config-file", str(config), "--cycle-time-ms", "5", "-np", "1", "true"]).worker_env()
     assert env["SHOAL_FUSION_THRESHOLD"] == str(32 * 1024 * 1024) and env["SHOAL_CYCLE_TIME"] == "5.0"  # flag wins
     assert env["SHOAL_CACHE_CAPACITY"] == "512" and env["SHOAL_HIERARCHICAL_ALLREDUCE"] == "0"
     assert env["SHOAL_TIMELINE_MARK_CYCLES"] == "1" and env["SHOAL_STALL_CHECK_TIME_SECONDS"] == "30.0"

@@ -24,6 +24,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from shoal.config.worker import JobAddress, SlotInfo
+
 _FAILURE_GRACE_S = 10.0
 """Once one rank failed, how long the others get to finish (or fail) on their own before they are killed."""
 
@@ -83,17 +85,7 @@ def _rank_main(fn: Callable[..., Any], args: Sequence[Any], env: Mapping[str, st
 
 def rank_env(rank: int, size: int, addr: str, port: int, secret: str) -> dict[str, str]:
     """The environment shoalrun gives rank ``rank`` of a single-host job of ``size``."""
-    env = {
-        "SHOAL_RENDEZVOUS_ADDR": addr,
-        "SHOAL_RENDEZVOUS_PORT": str(port),
-        "SHOAL_SECRET": secret,
-        "SHOAL_HOSTNAME": "localhost",
-    }
-    for name, value in (("RANK", rank), ("SIZE", size), ("LOCAL_RANK", rank), ("LOCAL_SIZE", size)):
-        env[f"SHOAL_{name}"] = env[f"HOROVOD_{name}"] = str(value)
-    for name, value in (("CROSS_RANK", 0), ("CROSS_SIZE", 1)):
-        env[f"SHOAL_{name}"] = env[f"HOROVOD_{name}"] = str(value)
-    return env
+    return {**JobAddress(addr, port, secret).to_env(), **SlotInfo("localhost", rank, size, rank, size, 0, 1).to_env()}
 
 
 def _kill_group(pid: int | None) -> None:

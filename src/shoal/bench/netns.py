@@ -17,7 +17,7 @@ import subprocess
 import sys
 from dataclasses import dataclass, field
 
-from shoal.runner.cli import build_parser
+from shoal.config import LaunchConfig
 from shoal.runner.hosts import HostSlots, assign_slots
 from shoal.runner.launcher import Job
 
@@ -115,13 +115,14 @@ def main(argv: list[str] | None = None) -> int:
         hosts.create()
         names = [f"host{i}" for i in range(args.hosts)]
         slots = assign_slots([HostSlots(name, args.ranks_per_host) for name in names], args.hosts * args.ranks_per_host)
-        job_args = build_parser().parse_args(["-np", str(len(slots)), "--num-servers", str(args.num_servers), *command])
+        config = LaunchConfig(num_proc=len(slots), num_servers=args.num_servers, command=command)
+        config.check()
         # Each rank starts inside its host's namespace, with gloo bound to that namespace's shaped link.
         prefixes = {
             name: ["ip", "netns", "exec", hosts.namespace(i), "env", f"GLOO_SOCKET_IFNAME={hosts.device(i)}"]
             for i, name in enumerate(names)
         }
-        return Job(job_args, slots, local_prefixes=prefixes, rendezvous_addr=hosts.gateway()).run()
+        return Job(config, slots, local_prefixes=prefixes, rendezvous_addr=hosts.gateway()).run()
     except RuntimeError as error:
         print(f"shoal.bench.netns: {error}", file=sys.stderr)
         return 1

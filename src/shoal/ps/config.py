@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shoal.config import env_int, env_str
+from shoal.config import WorkerSettings, worker_settings
 
 MODES = ("bsp", "ssp", "async")
-DEFAULT_STALENESS = 1
+DEFAULT_STALENESS = WorkerSettings.ps_staleness
 
 
 @dataclass(frozen=True)
@@ -39,11 +39,12 @@ class PSConfig:
 
 def resolve_config(mode: str | None = None, staleness: int | None = None) -> PSConfig:
     """Defaults < environment (``SHOAL_PS_MODE``, ``SHOAL_PS_STALENESS``, ``SHOAL_NUM_SERVERS``) < arguments."""
-    chosen_mode = mode if mode is not None else (env_str("PS_MODE") or "bsp").lower()
-    chosen_staleness = staleness if staleness is not None else env_int("PS_STALENESS", DEFAULT_STALENESS)
+    settings = worker_settings()
+    chosen_mode = mode if mode is not None else settings.ps_mode.lower()
+    chosen_staleness = staleness if staleness is not None else settings.ps_staleness
     return PSConfig(chosen_mode, chosen_staleness, configured_servers())
 
 
 def configured_servers() -> int:
     """Dedicated servers in this job (``SHOAL_NUM_SERVERS``), 0 when none."""
-    return env_int("NUM_SERVERS", 0)
+    return worker_settings().num_servers

@@ -15,7 +15,7 @@ from typing import Any
 
 from shoal.comm.p2p import PeerGroup, arrive_and_wait, connect_job_store
 from shoal.comm.store import prefix_store
-from shoal.config import env_float
+from shoal.config import env_float, worker_settings
 from shoal.log import get_logger
 from shoal.ps.client import PSClient, exiting_on_error
 from shoal.ps.config import PSConfig
@@ -23,7 +23,6 @@ from shoal.ps.consistency import PullRecorder
 from shoal.ps.server import ShardServer, WorkerLostError
 from shoal.runtime import context
 
-_DEFAULT_START_TIMEOUT_S = 30.0
 _CLOSE_TIMEOUT_S = 600.0
 """How long shutdown() waits for the other workers to leave this worker's co-located server."""
 
@@ -66,7 +65,7 @@ def connect(config: PSConfig) -> tuple[PSClient, Any]:
 
 def _join(config: PSConfig, current: Any) -> _Connection:
     worker, workers = current.topology.rank, current.topology.size
-    timeout_s = env_float("START_TIMEOUT", _DEFAULT_START_TIMEOUT_S)
+    timeout_s = worker_settings().start_timeout
     if config.dedicated:
         if _served_generations:
             raise ValueError(

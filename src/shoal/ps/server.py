@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from shoal.comm.p2p import PeerGroup, PeerLostError, arrive_and_wait, connect_job_store
-from shoal.config import env_float, env_int, env_str
+from shoal.config import env_int, env_str, worker_settings
 from shoal.log import get_logger
 from shoal.ps.consistency import PieceClocks, PullRecorder
 from shoal.ps.messages import (
@@ -272,7 +272,7 @@ def main() -> None:
     if env_str("PS_ROLE") != "server":
         sys.exit("shoal.ps.server: SHOAL_PS_ROLE=server is not set; shoalrun --num-servers starts this module")
     index = env_int("PS_SERVER_INDEX", -1)
-    servers = env_int("NUM_SERVERS", 0)
+    servers = worker_settings().num_servers
     workers = env_int("PS_NUM_WORKERS", 0)
     if not 0 <= index < servers or workers < 1:
         sys.exit(
@@ -281,7 +281,7 @@ def main() -> None:
         )
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))  # the launcher ends an idle server when the job ends
     torch.set_num_threads(1)
-    timeout_s = env_float("START_TIMEOUT", 30.0)
+    timeout_s = worker_settings().start_timeout
     store = connect_job_store(
         os.environ["SHOAL_RENDEZVOUS_ADDR"], int(os.environ["SHOAL_RENDEZVOUS_PORT"]), os.environ.get("SHOAL_SECRET"), timeout_s
     )

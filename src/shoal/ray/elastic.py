@@ -22,8 +22,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
+from shoal.config import LaunchConfig
 from shoal.runner.api import _dumps
-from shoal.runner.cli import parse_args
 from shoal.runner.discovery import HostDiscovery
 from shoal.runner.elastic_driver import ElasticJob
 from shoal.runner.hosts import HostSlots, SlotInfo
@@ -145,9 +145,15 @@ class RayElasticJob(ElasticJob):
     """Shoal's elastic driver with Ray's nodes as hosts and actors as the way to start workers."""
 
     def __init__(
-        self, args: Any, ray: Any, nodes: RayNodes, cpus_per_worker: float, gpus_per_worker: float, **job_options: Any
+        self,
+        config: LaunchConfig,
+        ray: Any,
+        nodes: RayNodes,
+        cpus_per_worker: float,
+        gpus_per_worker: float,
+        **job_options: Any,
     ) -> None:
-        super().__init__(args, [], discovery=nodes, **job_options)
+        super().__init__(config, [], discovery=nodes, **job_options)
         self._ray = ray
         self._nodes = nodes
         self._cpus = cpus_per_worker
@@ -278,18 +284,20 @@ class ElasticRayExecutor:
         if not self._ray.is_initialized():
             self._ray.init()
 
-    def _args(self) -> Any:
-        flags = ["-np", str(self.min_workers), "--min-np", str(self.min_workers)]
-        if self.max_workers is not None:
-            flags += ["--max-np", str(self.max_workers)]
-        if self.reset_limit is not None:
-            flags += ["--reset-limit", str(self.reset_limit)]
-        flags += ["--elastic-timeout", str(self.elastic_timeout), "--start-timeout", str(self.timeout_s)]
-        if self.verbose:
-            flags.append("--verbose")
-        args = parse_args([*flags, "python", "-m", "shoal.runner.task"])
-        args.host_discovery_script = "<Ray's nodes>"  # hosts come and go: the driver watches the discovery
-        return args
+    def _config(self) -> LaunchConfig:
+        config = LaunchConfig(
+            num_proc=self.min_workers,
+            min_np=self.min_workers,
+            max_np=self.max_workers,
+            reset_limit=self.reset_limit,
+            elastic_timeout=self.elastic_timeout,
+            start_timeout=self.timeout_s,
+            verbose=bool(self.verbose),
+            command=["python", "-m", "shoal.runner.task"],
+        )
+        config.check()
+        config.host_discovery_script = "<Ray's nodes>"  # hosts come and go: the driver watches the discovery
+        return config
 
     def run(
         self,
@@ -323,7 +331,7 @@ class ElasticRayExecutor:
                     results[worker.worker_id] = pickle.loads(view.get(elastic_result_key(worker.worker_id)))
 
         job = RayElasticJob(
-            self._args(),
+            self._config(),
             ray,
             nodes,
             self.cpus_per_slot,

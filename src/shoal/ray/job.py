@@ -9,8 +9,9 @@ from typing import Any
 
 from shoal.comm.shm import job_token, remove_job_segments
 from shoal.comm.store import host_store
-from shoal.runner.hosts import SlotInfo, place_ranks
-from shoal.runner.launcher import slot_env
+from shoal.config import LaunchConfig
+from shoal.config.worker import JobAddress, SlotInfo
+from shoal.runner.hosts import place_ranks
 
 
 def import_ray() -> Any:
@@ -46,13 +47,11 @@ class RayJobStore:
         """Every rank's environment when rank r runs on ``nodes_in_rank_order[r]``."""
         slots: list[SlotInfo] = place_ranks(nodes_in_rank_order)
         common = {
-            "SHOAL_RENDEZVOUS_ADDR": self.address,
-            "SHOAL_RENDEZVOUS_PORT": str(self.port),
-            "SHOAL_SECRET": self.secret,
-            "SHOAL_START_TIMEOUT": str(self.timeout_s),
+            **JobAddress(self.address, self.port, self.secret).to_env(),
+            **LaunchConfig(start_timeout=self.timeout_s).worker_env(),
             "PYTHONUNBUFFERED": "1",
         }
-        return [{**common, **slot_env(slot), **dict(extra or {})} for slot in slots]
+        return [{**common, **slot.to_env(), **dict(extra or {})} for slot in slots]
 
     def close(self) -> None:
         """Stop the store (idempotent) and unlink shared memory a worker on this node left behind."""

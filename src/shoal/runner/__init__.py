@@ -5,29 +5,29 @@ from __future__ import annotations
 import shlex
 import subprocess
 import sys
-from typing import Any
 
+from shoal.config import LaunchConfig
 from shoal.runner.cli import parse_args
 from shoal.runner.hosts import HostSpecError, is_local_host
 from shoal.runner.launcher import Job, build_slots, requested_hosts, ssh_argv
 
 
-def check_build(args: Any) -> str:
+def check_build(config: LaunchConfig) -> str:
     """``shoalrun --check-build``: the environment report, then, with -H or --hostfile, each remote host's check."""
     from shoal.runner.env_report import report
 
     lines = [report()]
-    if args.hosts or args.hostfile:
+    if config.hosts or config.hostfile:
         try:
-            hosts = requested_hosts(args)
+            hosts = requested_hosts(config)
         except HostSpecError as error:
             return f"{lines[0]}\nhosts: {error}"
         for host in hosts:
-            lines.append(f"host {host.hostname}: {check_host(args, host.hostname)}")
+            lines.append(f"host {host.hostname}: {check_host(config, host.hostname)}")
     return "\n".join(lines)
 
 
-def check_host(args: Any, hostname: str, timeout_s: float = 20.0) -> str:
+def check_host(config: LaunchConfig, hostname: str, timeout_s: float = 20.0) -> str:
     """Whether ``hostname`` is reachable over ssh and has the same Shoal and torch as this machine."""
     import torch
 
@@ -36,7 +36,7 @@ def check_host(args: Any, hostname: str, timeout_s: float = 20.0) -> str:
     if is_local_host(hostname):
         return "this machine"
     probe = "import shoal, torch; print(shoal.__version__, torch.__version__)"
-    command = ssh_argv(args, hostname, f"{shlex.quote(sys.executable)} -c {shlex.quote(probe)}")
+    command = ssh_argv(config, hostname, f"{shlex.quote(sys.executable)} -c {shlex.quote(probe)}")
     try:
         result = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, stdin=subprocess.DEVNULL)
     except subprocess.TimeoutExpired:
@@ -52,30 +52,31 @@ def check_host(args: Any, hostname: str, timeout_s: float = 20.0) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """shoalrun's entry point; returns the exit code (a failed worker's code, 2 for bad flags)."""
-    args = parse_args(argv)
-    if args.check_build:
-        print(check_build(args))
+    config = parse_args(argv)
+    if config.check_build:
+        print(check_build(config))
         return 0
-    if args.elastic:
+    if config.elastic:
         from shoal.runner.elastic_driver import ElasticJob, elastic_hosts
 
         try:
-            hosts = elastic_hosts(args)
-            if args.num_proc is None:
-                args.num_proc = min(sum(h.slots for h in hosts), args.max_np)
-            if args.min_np is None:
-                args.min_np = args.num_proc
-            return ElasticJob(args, hosts).run()
+            hosts = elastic_hosts(config)
+            assert config.max_np is not None, "set by LaunchConfig.check()"
+            if config.num_proc is None:
+                config.num_proc = min(sum(h.slots for h in hosts), config.max_np)
+            if config.min_np is None:
+                config.min_np = config.num_proc
+            return ElasticJob(config, hosts).run()
         except (HostSpecError, ValueError) as error:
             print(f"shoalrun: error: {error}", file=sys.stderr)
             return 2
     try:
-        slots = build_slots(args)
+        slots = build_slots(config)
     except HostSpecError as error:
         print(f"shoalrun: error: {error}", file=sys.stderr)
         return 2
     try:
-        job = Job(args, slots)
+        job = Job(config, slots)
     except ValueError as error:
         print(f"shoalrun: error: {error}", file=sys.stderr)
         return 2

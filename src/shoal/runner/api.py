@@ -7,7 +7,7 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from shoal.runner.cli import parse_args
+from shoal.config import LaunchConfig
 from shoal.runner.launcher import Job, build_slots
 from shoal.runner.task import PAYLOAD_KEY, result_key, task_prefix
 
@@ -76,32 +76,27 @@ def run(
     """
     if use_mpi:
         raise NotImplementedError("shoal.run(use_mpi=True): Shoal has no MPI controller; it runs over gloo/NCCL")
-    count = num_proc if num_proc is not None else np
-    flags: list[str] = []
-    if count is not None:
-        flags += ["-np", str(count)]
-    for flag, value in (
-        ("-H", hosts),
-        ("--hostfile", hostfile),
-        ("-p", ssh_port),
-        ("-i", ssh_identity_file),
-        ("--start-timeout", start_timeout),
-        ("--output-filename", output_filename),
-    ):
-        if value is not None:
-            flags += [flag, str(value)]
     interfaces = list(network_interfaces or []) + ([network_interface] if network_interface else [])
-    if interfaces:
-        flags += ["--network-interface", ",".join(interfaces)]
-    if verbose:
-        flags.append("--verbose")
+    config = LaunchConfig(
+        num_proc=num_proc if num_proc is not None else np,
+        hosts=hosts,
+        hostfile=hostfile,
+        ssh_port=ssh_port,
+        ssh_identity_file=ssh_identity_file,
+        network_interface=",".join(interfaces) or None,
+        output_filename=output_filename,
+        verbose=bool(verbose),
+        command=[executable or sys.executable, "-m", "shoal.runner.task"],
+    )
+    if start_timeout is not None:
+        config.start_timeout = start_timeout
     try:
-        parsed = parse_args([*flags, executable or sys.executable, "-m", "shoal.runner.task"])
-    except SystemExit as exit_error:  # argparse's way of saying the flags are wrong (it printed why)
-        raise ValueError(f"shoal.run: invalid arguments ({' '.join(flags)})") from exit_error
+        config.check()
+    except ValueError as error:
+        raise ValueError(f"shoal.run: {error}") from None
     payload = _dumps((func, tuple(args), dict(kwargs or {})))
     results: dict[int, tuple[str, Any]] = {}
-    slots = build_slots(parsed)
+    slots = build_slots(config)
 
     def publish(store: Any) -> None:
         store.with_prefix(task_prefix(job.secret)).set(PAYLOAD_KEY, payload)
@@ -112,7 +107,7 @@ def run(
             if view.check([result_key(slot.rank)]):
                 results[slot.rank] = pickle.loads(view.get(result_key(slot.rank)))
 
-    job = Job(parsed, slots, extra_env=dict(env or {}), on_store=publish, on_finish=collect)
+    job = Job(config, slots, extra_env=dict(env or {}), on_store=publish, on_finish=collect)
     code = job.run()
     failures = [f"rank {rank} raised:\n{value}" for rank, (status, value) in sorted(results.items()) if status != "ok"]
     if failures:

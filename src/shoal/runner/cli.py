@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import shoal
+from shoal.config import EngineConfig, LaunchConfig, Setting, env_name, settings
 from shoal.runner.config_file import apply_config, load_config
+
+ENGINE_DEST = "engine:"
+"""Where the parser puts an ``EngineConfig`` field's flag: ``ENGINE_DEST + field name``."""
 
 FLAG_HINTS = {
     "--mpi": "Shoal has no MPI controller; it always runs over gloo (and NCCL for CUDA tensors): drop the flag",
@@ -57,282 +61,123 @@ class _OneLineErrorParser(argparse.ArgumentParser):
         sys.exit(2)
 
 
-def environment_item(item: str) -> str:
-    """``-x NAME`` or ``-x NAME=VALUE``, with NAME a valid environment variable name."""
-    name = item.partition("=")[0]
-    if not name.isidentifier():
-        raise argparse.ArgumentTypeError(f"{name!r} is not an environment variable name")
-    return item
+def _help(setting: Setting, engine: bool) -> str:
+    """The flag's help: the knob's, its environment name, and its default when it has one worth showing."""
+    text = setting.knob.help
+    if setting.knob.env is not None:
+        text += f" ({env_name(setting.knob.env)})"
+    shows_default = setting.default is not None and not isinstance(setting.default, (list, set))
+    if setting.kind is not bool and (shows_default or setting.knob.shown_default is not None):
+        shown = setting.default_text()
+        if setting.knob.flag_scale != 1 and setting.knob.shown_default is None:
+            shown = f"{setting.default / setting.knob.flag_scale:g}"
+        text += f" (default {shown})"
+    return text
 
 
-def parse_rank_filter(text: str) -> set[int]:
-    """``--ranks-filter 0,2-3`` as a set of ranks; a bad value is a one-line argparse error."""
-    ranks: set[int] = set()
-    for part in text.split(","):
-        first, _, last = part.strip().partition("-")
-        try:
-            ranks.update(range(int(first), int(last or first) + 1))
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"cannot read {part!r}; expected ranks like 0,2-3") from None
-    return ranks
+def _add_setting(target: Any, setting: Setting, engine: bool) -> None:
+    """Add one knob's flags: engine settings default to None (not given: the workers keep their environment's)."""
+    knob_info = setting.knob
+    dest = ENGINE_DEST + setting.name if engine else setting.name
+    default = None if engine else setting.default
+    if setting.kind is bool:
+        if knob_info.off_flags:
+            exclusive = target.add_mutually_exclusive_group()
+            exclusive.add_argument(*knob_info.flags, dest=dest, action="store_const", const=True, help=_help(setting, engine))
+            exclusive.add_argument(*knob_info.off_flags, dest=dest, action="store_const", const=False, help=knob_info.off_help)
+            target.set_defaults(**{dest: default})
+            return
+        if knob_info.flags:
+            target.add_argument(
+                *knob_info.flags, dest=dest, action="store_const", const=True, default=default, help=_help(setting, engine)
+            )
+        for hidden in knob_info.hidden_flags:
+            const = not knob_info.flags  # an alias of a flag-less setting turns it on; a negation turns it off
+            target.add_argument(hidden, dest=dest, action="store_const", const=const, default=default, help=argparse.SUPPRESS)
+        return
+    options: dict[str, Any] = {
+        "dest": dest,
+        "default": default,
+        "help": _help(setting, engine),
+        "type": knob_info.flag_type or setting.kind,
+    }
+    if knob_info.choices is not None:
+        options["choices"] = knob_info.choices
+    else:
+        options["metavar"] = knob_info.metavar or knob_info.flags[-1].lstrip("-").upper().replace("-", "_")
+    if setting.kind is list:
+        options.update(action="append", default=None)
+    target.add_argument(*knob_info.flags, **options)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """Return shoalrun's argument parser (the flag set is frozen by a test)."""
+    """shoalrun's parser, made from ``LaunchConfig``'s and ``EngineConfig``'s knobs (the flag set is frozen by a
+    test); engine flags land in ``ENGINE_DEST + field``."""
     parser = _OneLineErrorParser(
         prog="shoalrun",
         description="Launch a Shoal (or Horovod-style) training job: local workers directly, remote ones over ssh.",
         epilog="Example: shoalrun -np 4 -H a:2,b:2 python train.py",
     )
     parser.add_argument("-v", "--version", action="version", version=f"shoalrun {shoal.__version__}")
-    parser.add_argument("-np", "--num-proc", dest="num_proc", type=int, help="number of worker processes")
-    parser.add_argument(
-        "-cb", "--check-build", action="store_true", help="show which frameworks and backends are available, then exit"
-    )
-    hosts = parser.add_argument_group("hosts")
-    hosts.add_argument("-H", "--hosts", help="comma-separated host:slots list; default localhost:NP")
-    hosts.add_argument("-hostfile", "--hostfile", help="file with one 'host slots=N' (or host:N) per line")
-    hosts.add_argument("-p", "--ssh-port", type=int, help="ssh port on the remote hosts")
-    hosts.add_argument("-i", "--ssh-identity-file", help="ssh identity (private key) file")
-    hosts.add_argument(
-        "--ssh-strict-host-key-checking",
-        choices=["yes", "accept-new", "no"],
-        default="accept-new",
-        help="ssh's StrictHostKeyChecking for remote hosts (default accept-new: a new host's key is recorded, a "
-        "changed key is refused)",
-    )
-    hosts.add_argument(
-        "-x",
-        "--env",
-        dest="forward_env",
-        type=environment_item,
-        action="append",
-        default=[],
-        metavar="NAME[=VALUE]",
-        help="set this variable for remote workers, with its value here or the one given (repeatable, as mpirun -x); "
-        "remote workers get the rest of shoalrun's environment anyway, as with horovodrun",
-    )
-    hosts.add_argument(
-        "--start-timeout", type=float, default=30.0, help="seconds the workers may take to rendezvous (default 30)"
-    )
-    hosts.add_argument(
-        "--network-interface",
-        "--network-interfaces",
-        dest="network_interface",
-        help="network interface(s), comma-separated, whose address remote workers use to reach the rendezvous",
-    )
-    hosts.add_argument(
-        "--slots-per-host",
-        type=int,
-        help="slots of every host listed without ':N' in -H, a hostfile or discovery output (default 1)",
-    )
-    hosts.add_argument(
-        "--gloo",
-        action="store_true",
-        help="accepted for horovodrun compatibility; Shoal always uses gloo (and NCCL for CUDA tensors)",
-    )
-    hosts.add_argument(
-        "--horovod-compat",
-        action="store_true",
-        help="run unmodified Horovod scripts: `import horovod.torch as hvd` (and every horovod.* module) resolves to "
-        "Shoal in the workers; nothing is installed, and a real Horovod on the path is refused",
-    )
-    elastic = parser.add_argument_group(
-        "elastic training (any of these flags makes the job elastic: it survives workers that die or join)"
-    )
-    elastic.add_argument(
-        "--min-np", "--min-num-proc", dest="min_np", type=int, help="fewest workers the job may run with (default: -np)"
-    )
-    elastic.add_argument(
-        "--max-np",
-        "--max-num-proc",
-        dest="max_np",
-        type=int,
-        help="most workers the job may grow to (default: every slot offered)",
-    )
-    elastic.add_argument(
-        "--host-discovery-script",
-        help="executable polled every second; prints the available hosts, one 'host:slots' per line",
-    )
-    elastic.add_argument(
-        "--elastic-timeout",
-        type=float,
-        default=600.0,
-        help="seconds to wait for at least --min-np workers before failing the job (default 600)",
-    )
-    elastic.add_argument(
-        "--reset-limit", type=int, help="fail the job once it would re-form more than this many times (default: no limit)"
-    )
-    servers = parser.add_argument_group("parameter server (for DistributedOptimizer(..., comm='ps'))")
-    servers.add_argument(
-        "--num-servers",
-        type=int,
-        default=0,
-        help="start this many dedicated parameter-server processes beside the workers (default 0: co-located "
-        "server shards inside the workers)",
-    )
-    parser.add_argument(
-        "--config-file",
-        help="horovodrun's YAML config file (params, timeline, stall_check, library_options, logging); flags on the "
-        "command line win over it (needs PyYAML)",
-    )
-    output = parser.add_argument_group("output")
-    output.add_argument(
-        "--output-filename", help="directory; each rank's stdout and stderr also go to DIR/rank.N/{stdout,stderr}"
-    )
-    output.add_argument("--verbose", action="store_true", help="print what shoalrun does (hosts, rendezvous, commands)")
-    output.add_argument(
-        "--ranks-filter",
-        type=parse_rank_filter,
-        metavar="RANKS",
-        help="show only these ranks' output, e.g. 0 or 0,2-3 (as torchrun's --local-ranks-filter); every rank's "
-        "output still goes to --output-filename",
-    )
-    output.add_argument(
-        "-prefix-timestamp",
-        "--prefix-output-with-timestamp",
-        dest="prefix_timestamp",
-        action="store_true",
-        help="prefix every output line with the time it arrived, as horovodrun does",
-    )
-    output.add_argument(
-        "--log-level",
-        type=str.upper,
-        choices=["TRACE", "DEBUG", "INFO", "WARNING", "ERROR", "FATAL"],
-        help="Shoal log level in the workers (SHOAL_LOG_LEVEL; any case)",
-    )
-    for flag in ("--log-with-timestamp", "--log-without-timestamp", "--log-hide-timestamp", "--no-log-hide-timestamp"):
-        output.add_argument(flag, action="store_true", help=argparse.SUPPRESS)  # horovodrun's; Shoal logs no time
-    tuning = parser.add_argument_group("engine tuning (passed to the workers as environment variables)")
-    tuning.add_argument("--timeline-filename", help="write a Chrome-trace timeline of the engine to this file (SHOAL_TIMELINE)")
-    tuning.add_argument("--timeline-mark-cycles", action="store_true", help="mark engine cycles in the timeline")
-    tuning.add_argument("--no-timeline-mark-cycles", dest="timeline_mark_cycles", action="store_false", help=argparse.SUPPRESS)
-    tuning.add_argument("--fusion-threshold-mb", type=float, help="tensor fusion buffer size in MiB (SHOAL_FUSION_THRESHOLD)")
-    tuning.add_argument("--cycle-time-ms", type=float, help="engine cycle time in ms (SHOAL_CYCLE_TIME)")
-    tuning.add_argument(
-        "--hierarchical-allreduce",
-        action="store_true",
-        help="allreduce through shared memory within each host, torch.distributed between hosts "
-        "(SHOAL_HIERARCHICAL_ALLREDUCE; on by default whenever a host runs several ranks)",
-    )
-    tuning.add_argument(
-        "--no-hierarchical-allreduce",
-        action="store_true",
-        help="never use shared memory within hosts; every allreduce goes over gloo (SHOAL_HIERARCHICAL_ALLREDUCE=0)",
-    )
-    tuning.add_argument("--cache-capacity", type=int, help="response cache capacity; 0 disables it (SHOAL_CACHE_CAPACITY)")
-    tuning.add_argument(
-        "--disable-cache",
-        action="store_true",
-        help="horovodrun's: skip its cached host and NIC checks; Shoal keeps no such cache, so this changes nothing "
-        "(the response cache is --cache-capacity 0)",
-    )
-    tuning.add_argument("--no-stall-check", action="store_true", help="disable the stall inspector")
-    tuning.add_argument(
-        "--autotune",
-        action="store_true",
-        help="tune fusion threshold, cycle time, gradient bucket, response cache and hierarchical allreduce while "
-        "training, by Bayesian optimisation (SHOAL_AUTOTUNE; needs optuna: pip install 'shoal[autotune]')",
-    )
-    tuning.add_argument("--no-autotune", dest="autotune", action="store_false", help=argparse.SUPPRESS)
-    tuning.add_argument("--autotune-log-file", help="CSV of every autotune sample, written by rank 0")
-    tuning.add_argument("--autotune-warmup-samples", type=int, help="samples at the defaults that are not scored (3)")
-    tuning.add_argument("--autotune-steps-per-sample", type=int, help="engine cycles that moved data per autotune sample (10)")
-    tuning.add_argument(
-        "--autotune-bayes-opt-max-samples", type=int, help="scored samples before the best setting is frozen (20)"
-    )
-    tuning.add_argument(
-        "--autotune-gaussian-process-noise",
-        type=float,
-        help="0 treats the score as deterministic, anything up to 1 as noisy (0.8)",
-    )
-    tuning.add_argument("--stall-check", dest="no_stall_check", action="store_false", help=argparse.SUPPRESS)
-    tuning.add_argument(
-        "--gloo-timeout-seconds",
-        type=float,
-        help="how long one engine collective may block before it fails (SHOAL_COLLECTIVE_TIMEOUT_SECONDS)",
-    )
-    tuning.add_argument(
-        "--stall-check-warning-time-seconds",
-        type=float,
-        help="warn about a stalled tensor after this long (default 60)",
-    )
-    tuning.add_argument(
-        "--stall-check-shutdown-time-seconds",
-        type=float,
-        help="fail the job when a tensor stalls this long (default: never)",
-    )
+    groups: dict[str, Any] = {"": parser}
+    for cls, engine in ((LaunchConfig, False), (EngineConfig, True)):
+        for setting in settings(cls):
+            if setting.knob.flags or setting.knob.hidden_flags:
+                group = setting.knob.group
+                if group not in groups:
+                    groups[group] = parser.add_argument_group(group)
+                _add_setting(groups[group], setting, engine)
     parser.add_argument("command", nargs=argparse.REMAINDER, help="the command each worker runs")
     return parser
 
 
-def _check_elastic(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """Validate the elastic flags and fill in their defaults (-np, --min-np and --max-np from one another)."""
-    if args.host_discovery_script and (args.hosts or args.hostfile):
-        parser.error("use either --host-discovery-script or -H/--hostfile, not both")
-    for name in ("num_proc", "min_np", "max_np"):
-        value = getattr(args, name)
-        if value is not None and value < 1:
-            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {value}")
-    if args.num_proc is None:
-        args.num_proc = args.min_np
-    if args.num_proc is None and not (args.hosts or args.hostfile):
-        parser.error("an elastic job needs -np or --min-np")
-    if args.min_np is None and args.num_proc is not None:
-        args.min_np = args.num_proc  # else from the hosts' slots, once they are known (shoal.runner.main)
-    if args.num_proc is not None and args.min_np is not None and args.num_proc < args.min_np:
-        parser.error(f"-np {args.num_proc} is smaller than --min-np {args.min_np}")
-    if args.max_np is not None and args.max_np < max(args.min_np or 0, args.num_proc or 0):
-        parser.error(f"--max-np {args.max_np} is smaller than -np/--min-np")
-    if args.max_np is None:
-        args.max_np = 1 << 30  # bounded by the slots the hosts offer
-    if args.elastic_timeout <= 0:
-        parser.error(f"--elastic-timeout must be > 0, got {args.elastic_timeout}")
-    if args.reset_limit is not None and args.reset_limit < 0:
-        parser.error(f"--reset-limit must be >= 0, got {args.reset_limit}")
+def flag_value(setting: Setting, value: Any) -> Any:
+    """A flag's (or config-file key's) value as the field holds it: scaled, and of the field's type."""
+    if setting.knob.flag_scale != 1:
+        return setting.kind(value * setting.knob.flag_scale)
+    return value
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    """Parse and validate shoalrun's flags; bad flags print one line and exit 2."""
+def config_from_namespace(args: argparse.Namespace) -> LaunchConfig:
+    """The parsed flags as a ``LaunchConfig`` (not yet checked)."""
+    config = LaunchConfig(command=list(args.command))
+    for setting in settings(LaunchConfig):
+        if hasattr(args, setting.name):
+            value = getattr(args, setting.name)
+            setattr(config, setting.name, [] if value is None and setting.kind is list else value)
+    for setting in settings(EngineConfig):
+        value = getattr(args, ENGINE_DEST + setting.name, None)
+        if value is not None:
+            config.engine[setting.name] = flag_value(setting, value)
+    return config
+
+
+def parse_args(argv: list[str] | None = None) -> LaunchConfig:
+    """Parse and check shoalrun's flags (and ``--config-file``) into a ``LaunchConfig``; bad flags print one line
+    and exit 2."""
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command and args.command[0] == "--":
         args.command = args.command[1:]
-    if args.config_file:
+    config = config_from_namespace(args)
+    if config.config_file:
         tokens = list(sys.argv[1:] if argv is None else argv)
-        flags = tokens[: len(tokens) - len(args.command)]
+        flags = tokens[: len(tokens) - len(config.command)]
         given = {
-            action.dest
+            action.dest.removeprefix(ENGINE_DEST)
             for action in parser._actions
             if any(t == o or t.startswith(o + "=") for t in flags for o in action.option_strings)
         }
         try:
-            apply_config(args, load_config(args.config_file), given)
+            apply_config(config, load_config(config.config_file), given)
         except ValueError as error:
             parser.error(str(error))
-    if args.check_build:
-        return args
-    if not args.command:
+    if config.check_build:
+        return config
+    if not config.command:
         parser.error("no command given; usage: shoalrun -np N [flags] command [args ...]")
-    if args.hosts and args.hostfile:
-        parser.error("use either -H/--hosts or --hostfile, not both")
-    if args.hierarchical_allreduce and args.no_hierarchical_allreduce:
-        parser.error("use either --hierarchical-allreduce or --no-hierarchical-allreduce, not both")
-    if args.slots_per_host is not None and args.slots_per_host < 1:
-        parser.error(f"--slots-per-host must be >= 1, got {args.slots_per_host}")
-    args.elastic = any(getattr(args, n) is not None for n in ("min_np", "max_np", "host_discovery_script", "reset_limit"))
-    if args.num_servers < 0:
-        parser.error(f"--num-servers must be >= 0, got {args.num_servers}")
-    if args.elastic:
-        if args.num_servers:
-            parser.error("--num-servers cannot be combined with elastic flags (a server's shard cannot move yet)")
-        _check_elastic(parser, args)
-    elif args.num_proc is None and not (args.hosts or args.hostfile):
-        parser.error("-np is required when no hosts are given")
-    if args.start_timeout <= 0:
-        parser.error(f"--start-timeout must be > 0, got {args.start_timeout}")
-    for name in ("fusion_threshold_mb", "cycle_time_ms", "cache_capacity"):
-        value = getattr(args, name)
-        if value is not None and value < 0:
-            parser.error(f"--{name.replace('_', '-')} must be >= 0, got {value}")
-    return args
+    try:
+        config.check()
+    except ValueError as error:
+        parser.error(str(error))
+    return config

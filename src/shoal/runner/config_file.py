@@ -15,73 +15,48 @@ the default) and refused otherwise, as is any key horovodrun does not know: a ty
 
 from __future__ import annotations
 
-import argparse
 from collections.abc import Callable
 from typing import Any
 
-Setter = Callable[[argparse.Namespace, Any], None]
+from shoal.config import EngineConfig, LaunchConfig, Setting, settings
 
 
-def _set(dest: str, kind: type = float) -> Setter:
-    def apply(args: argparse.Namespace, value: Any) -> None:
-        setattr(args, dest, kind(value))
-
-    return apply
-
-
-def _hierarchical(args: argparse.Namespace, value: Any) -> None:
-    args.hierarchical_allreduce, args.no_hierarchical_allreduce = bool(value), not bool(value)
-
-
-def _log_level(args: argparse.Namespace, value: Any) -> None:
-    args.log_level = str(value).upper()
-
-
-def _unsupported(what: str, harmless: Callable[[Any], bool] = lambda v: not v) -> Setter:
-    def apply(args: argparse.Namespace, value: Any) -> None:
+def _unsupported(what: str, harmless: Callable[[Any], bool] = lambda v: not v) -> Callable[[Any], None]:
+    def check(value: Any) -> None:
         if not harmless(value):
             raise ValueError(f"{what} is not supported by shoalrun (remove it from the config file)")
 
-    return apply
+    return check
 
 
-_SECTIONS: dict[str, dict[str, tuple[str, Setter]]] = {
-    "params": {
-        "fusion_threshold_mb": ("fusion_threshold_mb", _set("fusion_threshold_mb")),
-        "cycle_time_ms": ("cycle_time_ms", _set("cycle_time_ms")),
-        "cache_capacity": ("cache_capacity", _set("cache_capacity", int)),
-        "hierarchical_allreduce": ("hierarchical_allreduce", _hierarchical),
-        "hierarchical_allgather": ("", _unsupported("params.hierarchical_allgather")),
-        "torus_allreduce": ("", _unsupported("params.torus_allreduce")),
-    },
-    "autotune": {
-        "enabled": ("autotune", _set("autotune", bool)),
-        "log_file": ("autotune_log_file", _set("autotune_log_file", str)),
-        "warmup_samples": ("autotune_warmup_samples", _set("autotune_warmup_samples", int)),
-        "steps_per_sample": ("autotune_steps_per_sample", _set("autotune_steps_per_sample", int)),
-        "bayes_opt_max_samples": ("autotune_bayes_opt_max_samples", _set("autotune_bayes_opt_max_samples", int)),
-        "gaussian_process_noise": ("autotune_gaussian_process_noise", _set("autotune_gaussian_process_noise")),
-    },
-    "timeline": {
-        "filename": ("timeline_filename", _set("timeline_filename", str)),
-        "mark_cycles": ("timeline_mark_cycles", _set("timeline_mark_cycles", bool)),
-    },
-    "stall_check": {
-        "enabled": ("no_stall_check", lambda args, value: setattr(args, "no_stall_check", not value)),
-        "warning_time_seconds": ("stall_check_warning_time_seconds", _set("stall_check_warning_time_seconds")),
-        "shutdown_time_seconds": ("stall_check_shutdown_time_seconds", _set("stall_check_shutdown_time_seconds")),
-    },
-    "library_options": {
-        "gloo_timeout_seconds": ("gloo_timeout_seconds", _set("gloo_timeout_seconds")),
-        "mpi_threads_disable": ("", _unsupported("library_options.mpi_threads_disable")),
-        "num_nccl_streams": ("", _unsupported("library_options.num_nccl_streams", lambda v: v in (None, 0, 1))),
-        "thread_affinity": ("", _unsupported("library_options.thread_affinity", lambda v: v in (None, 0))),
-    },
-    "logging": {
-        "level": ("log_level", _log_level),
-        "with_timestamp": ("", _unsupported("logging.with_timestamp", lambda v: True)),
-    },
+_UNSUPPORTED: dict[str, Callable[[Any], None]] = {
+    "params.hierarchical_allgather": _unsupported("params.hierarchical_allgather"),
+    "params.torus_allreduce": _unsupported("params.torus_allreduce"),
+    "library_options.mpi_threads_disable": _unsupported("library_options.mpi_threads_disable"),
+    "library_options.num_nccl_streams": _unsupported("library_options.num_nccl_streams", lambda v: v in (None, 0, 1)),
+    "library_options.thread_affinity": _unsupported("library_options.thread_affinity", lambda v: v in (None, 0)),
+    "logging.with_timestamp": _unsupported("logging.with_timestamp", lambda v: True),
 }
+"""horovodrun's keys for what Shoal does not have: accepted when they ask for nothing."""
+
+
+def _keys() -> dict[str, tuple[Setting, bool]]:
+    """Every config-file key that sets a knob: ``section.key`` -> (the setting, whether it is an engine setting)."""
+    keys: dict[str, tuple[Setting, bool]] = {}
+    for cls, engine in ((LaunchConfig, False), (EngineConfig, True)):
+        for setting in settings(cls):
+            if setting.knob.config_key is not None:
+                keys[setting.knob.config_key] = (setting, engine)
+    return keys
+
+
+def _value(setting: Setting, value: Any) -> Any:
+    """A config-file value as the field holds it (in the flag's unit, scaled; negated for ``stall_check.enabled``)."""
+    if setting.kind is bool:
+        return not bool(value) if setting.knob.inverted else bool(value)
+    read = setting.knob.flag_type or setting.kind
+    converted = read(value)
+    return setting.kind(converted * setting.knob.flag_scale) if setting.knob.flag_scale != 1 else converted
 
 
 def load_config(path: str) -> dict[str, Any]:
@@ -102,32 +77,40 @@ def load_config(path: str) -> dict[str, Any]:
     return config
 
 
-def apply_config(args: argparse.Namespace, config: dict[str, Any], given: set[str]) -> None:
-    """Set ``args`` from ``config`` except the destinations in ``given`` (flags on the command line win).
+def apply_config(config: LaunchConfig, file: dict[str, Any], given: set[str]) -> None:
+    """Set ``config`` from ``file`` except the settings named in ``given`` (flags on the command line win).
 
     Raises:
         ValueError: an unknown section or key, an unsupported setting, or a value of the wrong type.
     """
-    controller = config.get("controller")
+    controller = file.get("controller")
     if controller is not None and str(controller).lower() != "gloo":
         raise ValueError(f"controller {controller!r} is not supported by shoalrun; Shoal runs over gloo (and NCCL)")
-    for section, values in config.items():
+    keys = _keys()
+    sections = dict.fromkeys(k.partition(".")[0] for k in (*keys, *_UNSUPPORTED))
+    for section, values in file.items():
         if section == "controller":
             continue
-        known = _SECTIONS.get(section)
-        if known is None:
-            raise ValueError(f"unknown config file section {section!r} (known: controller, {', '.join(_SECTIONS)})")
+        if section not in sections:
+            raise ValueError(f"unknown config file section {section!r} (known: controller, {', '.join(sections)})")
         if not isinstance(values, dict):
             raise ValueError(f"config file section {section!r} must be a mapping")
         for key, value in values.items():
-            if key not in known:
-                raise ValueError(f"unknown key {section}.{key} in the config file (known: {', '.join(known)})")
-            dest, setter = known[key]
-            if dest and dest in given:
+            name = f"{section}.{key}"
+            if name in _UNSUPPORTED:
+                _UNSUPPORTED[name](value)
+                continue
+            if name not in keys:
+                known = [k.partition(".")[2] for k in (*keys, *_UNSUPPORTED) if k.startswith(section + ".")]
+                raise ValueError(f"unknown key {name} in the config file (known: {', '.join(known)})")
+            setting, engine = keys[name]
+            if setting.name in given:
                 continue
             try:
-                setter(args, value)
-            except (TypeError, ValueError) as error:
-                if "not supported" in str(error):
-                    raise
-                raise ValueError(f"config file {section}.{key}: bad value {value!r}") from None
+                converted = _value(setting, value)
+            except (TypeError, ValueError):
+                raise ValueError(f"config file {name}: bad value {value!r}") from None
+            if engine:
+                config.engine[setting.name] = converted
+            else:
+                setattr(config, setting.name, converted)

@@ -17,17 +17,17 @@ more, then ends everything with a non-zero exit. ``--reset-limit`` bounds how ma
 
 from __future__ import annotations
 
-import argparse
 import signal
 import sys
 import time
 from dataclasses import dataclass
 from typing import Any
 
+from shoal.config import LaunchConfig
 from shoal.runner.discovery import HostDiscovery, progress_period
 from shoal.runner.hosts import HostSlots, SlotInfo, place_ranks
 from shoal.runner.launcher import Job, Worker, _describe_status, requested_hosts
-from shoal.runtime.elastic_rendezvous import ELASTIC_ID_ENV, ELASTIC_TIMEOUT_ENV, REMOVED, ElasticKeys
+from shoal.runtime.elastic_rendezvous import ELASTIC_ID_ENV, REMOVED, ElasticKeys
 
 _READY_SETTLE_S = 0.2
 """A worker asking for a new round usually saw a peer die; give the driver a moment to see the exit too."""
@@ -53,19 +53,22 @@ class ElasticJob(Job):
 
     def __init__(
         self,
-        args: argparse.Namespace,
+        config: LaunchConfig,
         static_hosts: list[HostSlots],
         discovery: HostDiscovery | None = None,
         **job_options: Any,
     ) -> None:
         """An elastic job over the static hosts (or those the discovery script prints, or ``discovery`` finds:
         shoal.ray passes Ray's nodes); ``job_options`` go to ``Job`` (rendezvous address, store callbacks)."""
+        if config.num_proc is None or config.min_np is None or config.max_np is None:
+            raise ValueError("an elastic job needs -np, --min-np and --max-np (LaunchConfig.check() fills them in)")
         if discovery is None:
-            discovery = HostDiscovery(static_hosts, args.host_discovery_script, default_slots=args.slots_per_host or 1)
+            discovery = HostDiscovery(static_hosts, config.host_discovery_script, default_slots=config.slots_per_host or 1)
         discovery.start()
         # Only used to choose the rendezvous address: hosts discovered later may be remote, so then listen on all.
         known = [SlotInfo(h.hostname, 0, 1, 0, 1, 0, 1) for h in discovery.hosts()]
-        super().__init__(args, slots=known, bind_all=args.host_discovery_script is not None, **job_options)
+        super().__init__(config, slots=known, bind_all=config.host_discovery_script is not None, **job_options)
+        self.num_proc, self.min_np, self.max_np = config.num_proc, config.min_np, config.max_np
         self.discovery = discovery
         self.elastic: list[ElasticWorker] = []
         self.excluded_hosts: set[str] = set()
@@ -93,7 +96,7 @@ class ElasticJob(Job):
         # the real rank comes from each round's assignment.
         label = self._spawned - 1
         slot = SlotInfo(hostname, label, label + 1, 0, 1, 0, 1)
-        env = {ELASTIC_ID_ENV: worker_id, ELASTIC_TIMEOUT_ENV: str(self.args.elastic_timeout)}
+        env = {ELASTIC_ID_ENV: worker_id}  # the elastic timeout comes with every worker's settings
         process = self._spawn(slot, env)
         self.workers.append(process)
         self.elastic.append(ElasticWorker(worker_id, hostname, process))
@@ -134,16 +137,16 @@ class ElasticJob(Job):
         """Members that stay (rank order kept, so rank 0 has trained), then newcomers ready to rendezvous."""
         assert self._store is not None and self._keys is not None
         slots = {h.hostname: h.slots for h in self.discovery.hosts()}
-        stay = [w for w in self._alive("member") if w.hostname in slots or not self.args.host_discovery_script]
+        stay = [w for w in self._alive("member") if w.hostname in slots or not self.config.host_discovery_script]
         stay.sort(key=lambda w: w.rank if w.rank is not None else 0)
-        if self.args.host_discovery_script:  # a host that offers fewer slots keeps its lowest-ranked workers
+        if self.config.host_discovery_script:  # a host that offers fewer slots keeps its lowest-ranked workers
             kept: dict[str, int] = {}
             for worker in list(stay):
                 kept[worker.hostname] = kept.get(worker.hostname, 0) + 1
                 if kept[worker.hostname] > slots[worker.hostname]:
                     stay.remove(worker)
         ready = [w for w in self._alive("starting") if self._store.check([self._keys.ready(w.worker_id)])]
-        return (stay + ready)[: self.args.max_np]
+        return (stay + ready)[: self.max_np]
 
     def _wants_new_round(self) -> str | None:
         """Why a new round is needed now, or None."""
@@ -158,7 +161,7 @@ class ElasticJob(Job):
                 if now - self._ready_seen_at >= _READY_SETTLE_S:
                     return f"worker {worker.worker_id} asked to re-form the job"
                 return None
-        if self.args.host_discovery_script:
+        if self.config.host_discovery_script:
             slots = {h.hostname: h.slots for h in self.discovery.hosts()}
             members = self._alive("member")
             if any(w.hostname not in slots for w in members):
@@ -222,15 +225,16 @@ class ElasticJob(Job):
     def _launch(self) -> int:
         from shoal.comm.store import secret_namespace
 
-        args = self.args
-        if not self.discovery.wait_for_slots(args.min_np, args.elastic_timeout, self.excluded_hosts):
+        config = self.config
+        if not self.discovery.wait_for_slots(self.min_np, config.elastic_timeout, self.excluded_hosts):
             return self._fail(
-                f"fewer than --min-np {args.min_np} slots were available within --elastic-timeout {args.elastic_timeout:.0f} s"
+                f"fewer than --min-np {self.min_np} slots were available within --elastic-timeout "
+                f"{config.elastic_timeout:.0f} s"
             )
         self._store_thread.join()  # the driver writes rounds into the store from the start
         if self._store_error is None:
             self._keys = ElasticKeys(secret_namespace(self.secret))
-            self._fill_slots(min(args.num_proc, args.max_np))
+            self._fill_slots(min(self.num_proc, self.max_np))
             self._publish_round(self._alive("starting"))
         while True:
             interrupted = self._interrupted()  # a signal, or the store could not be hosted
@@ -261,7 +265,7 @@ class ElasticJob(Job):
                 self.resets += 1  # rounds superseded before they formed do not count against --reset-limit
             return
         # A member starting up may still be importing torch: --start-timeout on top of --elastic-timeout.
-        bound = self.args.elastic_timeout + self.args.start_timeout
+        bound = self.config.elastic_timeout + self.config.start_timeout
         now = time.monotonic()
         waited = now - self._round_published_at
         period = progress_period(bound)
@@ -294,43 +298,43 @@ class ElasticJob(Job):
         self._round_published_at = time.monotonic()  # its exit is a failure like any other, handled by _reap
 
     def _maybe_reform(self) -> int | None:
-        args = self.args
+        config = self.config
         self._watch_round()
-        if args.host_discovery_script:
-            self._fill_slots(args.max_np)
+        if config.host_discovery_script:
+            self._fill_slots(self.max_np)
         reason = self._wants_new_round()
         if reason is None:
             return None
         members = self._next_members()
         if any(w.joined for w in self.elastic) and not any(m.joined for m in members):
             return self._fail("every worker that held the training state is gone; newcomers cannot continue from it")
-        if len(members) < args.min_np:
+        if len(members) < self.min_np:
             now = time.monotonic()
             if self._below_min_since is None:
                 self._below_min_since = now
                 print(
-                    f"shoalrun: {len(members)} worker(s) left, fewer than --min-np {args.min_np}; waiting up "
-                    f"to --elastic-timeout {args.elastic_timeout:.0f} s for more hosts",
+                    f"shoalrun: {len(members)} worker(s) left, fewer than --min-np {self.min_np}; waiting up "
+                    f"to --elastic-timeout {config.elastic_timeout:.0f} s for more hosts",
                     file=sys.stderr,
                     flush=True,
                 )
-            if now - self._below_min_since >= args.elastic_timeout:
+            if now - self._below_min_since >= config.elastic_timeout:
                 return self._fail(
-                    f"only {len(members)} worker(s) remain, fewer than --min-np {args.min_np}, and no "
-                    f"host offered more slots within --elastic-timeout {args.elastic_timeout:.0f} s"
+                    f"only {len(members)} worker(s) remain, fewer than --min-np {self.min_np}, and no "
+                    f"host offered more slots within --elastic-timeout {config.elastic_timeout:.0f} s"
                 )
-            if now - max(self._below_min_since, self._progress_said) >= progress_period(args.elastic_timeout):
+            if now - max(self._below_min_since, self._progress_said) >= progress_period(config.elastic_timeout):
                 self._progress_said = now
-                left = args.elastic_timeout - (now - self._below_min_since)
+                left = config.elastic_timeout - (now - self._below_min_since)
                 print(
-                    f"shoalrun: still {len(members)} worker(s), fewer than --min-np {args.min_np}; {left:.0f} s "
+                    f"shoalrun: still {len(members)} worker(s), fewer than --min-np {self.min_np}; {left:.0f} s "
                     "left for hosts to offer more",
                     file=sys.stderr,
                     flush=True,
                 )
             return None
-        if args.reset_limit is not None and self.resets >= args.reset_limit:
-            return self._fail(f"the job needs to re-form ({reason}) but --reset-limit {args.reset_limit} is reached")
+        if config.reset_limit is not None and self.resets >= config.reset_limit:
+            return self._fail(f"the job needs to re-form ({reason}) but --reset-limit {config.reset_limit} is reached")
         self._below_min_since = None
         self._reset_reason = None
         self._ready_seen_at = None
@@ -343,6 +347,6 @@ class ElasticJob(Job):
         return None
 
 
-def elastic_hosts(args: argparse.Namespace) -> list[HostSlots]:
+def elastic_hosts(config: LaunchConfig) -> list[HostSlots]:
     """The static hosts of an elastic job (empty when a discovery script provides them)."""
-    return [] if args.host_discovery_script else requested_hosts(args)
+    return [] if config.host_discovery_script else requested_hosts(config)

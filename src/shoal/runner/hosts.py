@@ -8,7 +8,7 @@ import socket
 from dataclasses import dataclass
 from pathlib import Path
 
-from shoal.runtime.launch_env import SlotInfo
+from shoal.config.worker import SlotInfo
 
 
 class HostSpecError(ValueError):

@@ -6,7 +6,6 @@ signalled at once. Remote slots go through the system OpenSSH client, wrapped by
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import secrets
@@ -23,6 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from shoal.compat import HOROVOD_SHIM_PATH
+from shoal.config import LaunchConfig
+from shoal.config.worker import JobAddress
 from shoal.runner.hosts import HostSlots, SlotInfo, assign_slots, is_local_host, parse_hostfile, parse_hosts
 from shoal.runner.output import OutputPump
 from shoal.runner.rendezvous_address import pick_rendezvous_address
@@ -44,9 +45,7 @@ def forwarded_env(environ: Mapping[str, str], requested: list[str]) -> dict[str,
     (``BASH_FUNC_*``), ``OLDPWD``, ``CUDA_VISIBLE_DEVICES`` (each host has its own devices), any secret (the job
     sends its own), and what describes this shell's session rather than the job (``HOSTNAME``, ``PWD``, ``SHLVL``,
     ``_``, ``SSH_*``); then each ``-x NAME`` (its value here) or ``-x NAME=VALUE``."""
-    env = {
-        k: v for k, v in environ.items() if not k.startswith(_NOT_FORWARDED_PREFIXES) and k not in _NOT_FORWARDED_NAMES
-    }
+    env = {k: v for k, v in environ.items() if not k.startswith(_NOT_FORWARDED_PREFIXES) and k not in _NOT_FORWARDED_NAMES}
     env.setdefault("PYTHONUNBUFFERED", "1")
     for item in requested:
         name, equals, value = item.partition("=")  # names were checked when the flags were parsed
@@ -57,7 +56,7 @@ def forwarded_env(environ: Mapping[str, str], requested: list[str]) -> dict[str,
     return env
 
 
-def ssh_argv(args: argparse.Namespace, hostname: str, remote_cmd: str) -> list[str]:
+def ssh_argv(config: LaunchConfig, hostname: str, remote_cmd: str) -> list[str]:
     """The ssh command that runs ``remote_cmd`` on ``hostname`` with shoalrun's ssh flags."""
     # Keep-alives make a vanished host end its ssh client (so shoalrun sees the worker fail) within ~15 s.
     argv = [
@@ -65,7 +64,7 @@ def ssh_argv(args: argparse.Namespace, hostname: str, remote_cmd: str) -> list[s
         "-o",
         "BatchMode=yes",
         "-o",
-        f"StrictHostKeyChecking={args.ssh_strict_host_key_checking}",
+        f"StrictHostKeyChecking={config.ssh_strict_host_key_checking}",
         "-o",
         "LogLevel=ERROR",
         "-o",
@@ -73,73 +72,11 @@ def ssh_argv(args: argparse.Namespace, hostname: str, remote_cmd: str) -> list[s
         "-o",
         "ServerAliveCountMax=3",
     ]
-    if args.ssh_port:
-        argv += ["-p", str(args.ssh_port)]
-    if args.ssh_identity_file:
-        argv += ["-i", args.ssh_identity_file]
+    if config.ssh_port:
+        argv += ["-p", str(config.ssh_port)]
+    if config.ssh_identity_file:
+        argv += ["-i", config.ssh_identity_file]
     return [*argv, "--", hostname, remote_cmd]  # "--": a host name can never be read as an ssh option
-
-
-def knob_env(args: argparse.Namespace) -> dict[str, str]:
-    """The engine knobs given as flags, as the SHOAL_ environment variables the workers read."""
-    env: dict[str, str] = {"SHOAL_START_TIMEOUT": str(args.start_timeout)}
-    if args.timeline_filename:
-        env["SHOAL_TIMELINE"] = os.path.abspath(args.timeline_filename)
-    if args.timeline_mark_cycles:
-        env["SHOAL_TIMELINE_MARK_CYCLES"] = "1"
-    if args.fusion_threshold_mb is not None:
-        env["SHOAL_FUSION_THRESHOLD"] = str(int(args.fusion_threshold_mb * 1024 * 1024))
-    if args.cycle_time_ms is not None:
-        env["SHOAL_CYCLE_TIME"] = str(args.cycle_time_ms)
-    if args.hierarchical_allreduce:
-        env["SHOAL_HIERARCHICAL_ALLREDUCE"] = "1"
-    if args.cache_capacity is not None:
-        env["SHOAL_CACHE_CAPACITY"] = str(args.cache_capacity)
-    if args.no_hierarchical_allreduce:
-        env["SHOAL_HIERARCHICAL_ALLREDUCE"] = "0"
-    if args.autotune:
-        env["SHOAL_AUTOTUNE"] = "1"
-    for flag, name in (
-        ("autotune_log_file", "AUTOTUNE_LOG"),
-        ("autotune_warmup_samples", "AUTOTUNE_WARMUP_SAMPLES"),
-        ("autotune_steps_per_sample", "AUTOTUNE_STEPS_PER_SAMPLE"),
-        ("autotune_bayes_opt_max_samples", "AUTOTUNE_BAYES_OPT_MAX_SAMPLES"),
-        ("autotune_gaussian_process_noise", "AUTOTUNE_GAUSSIAN_PROCESS_NOISE"),
-    ):
-        value = getattr(args, flag)
-        if value is not None:
-            env[f"SHOAL_{name}"] = os.path.abspath(value) if flag == "autotune_log_file" else str(value)
-    if args.gloo_timeout_seconds is not None:
-        env["SHOAL_COLLECTIVE_TIMEOUT_SECONDS"] = str(args.gloo_timeout_seconds)
-    if args.no_stall_check:
-        env["SHOAL_STALL_CHECK_DISABLE"] = "1"
-    if args.stall_check_warning_time_seconds is not None:
-        env["SHOAL_STALL_CHECK_TIME_SECONDS"] = str(args.stall_check_warning_time_seconds)
-    if args.stall_check_shutdown_time_seconds is not None:
-        env["SHOAL_STALL_SHUTDOWN_TIME_SECONDS"] = str(args.stall_check_shutdown_time_seconds)
-    if args.log_level:
-        env["SHOAL_LOG_LEVEL"] = args.log_level.lower()
-    if args.num_servers:
-        env["SHOAL_NUM_SERVERS"] = str(args.num_servers)
-    return env
-
-
-def slot_env(slot: SlotInfo) -> dict[str, str]:
-    """The rank and topology variables of one worker, under both the SHOAL_ and HOROVOD_ names."""
-    values = {
-        "RANK": slot.rank,
-        "SIZE": slot.size,
-        "LOCAL_RANK": slot.local_rank,
-        "LOCAL_SIZE": slot.local_size,
-        "CROSS_RANK": slot.cross_rank,
-        "CROSS_SIZE": slot.cross_size,
-        "HOSTNAME": slot.hostname,
-    }
-    env = {}
-    for name, value in values.items():
-        env[f"SHOAL_{name}"] = str(value)
-        env[f"HOROVOD_{name}"] = str(value)
-    return env
 
 
 @dataclass
@@ -194,7 +131,7 @@ class Job:
 
     def __init__(
         self,
-        args: argparse.Namespace,
+        config: LaunchConfig,
         slots: list[SlotInfo],
         local_prefixes: dict[str, list[str]] | None = None,
         rendezvous_addr: str | None = None,
@@ -206,7 +143,7 @@ class Job:
         """A job over ``slots``.
 
         Args:
-            args: shoalrun's parsed flags.
+            config: the job, as shoalrun's flags, ``shoal.run`` or a driver describe it.
             slots: where every rank runs.
             local_prefixes: hosts to start on this machine anyway, each under an argv prefix (the network-namespace
                 emulator uses ``ip netns exec <ns>``); other hosts are local or reached over ssh.
@@ -218,15 +155,15 @@ class Job:
         """
         self._on_store, self._on_finish = on_store, on_finish
         self._said_threads = False
-        self.shown_ranks: set[int] | None = args.ranks_filter
-        self.args = args
+        self.shown_ranks: set[int] | None = config.ranks_filter
+        self.config = config
         self.slots = slots
         self.local_prefixes = local_prefixes or {}
         self.extra_env = extra_env or {}
         self.secret = secrets.token_hex(16)
         self.all_local = all(self._is_local(s.hostname) for s in slots) and not self.local_prefixes and not bind_all
         remote_hosts = [s.hostname for s in slots if not self._is_local(s.hostname)]
-        self.rendezvous_addr = rendezvous_addr or pick_rendezvous_address(remote_hosts, args.network_interface)
+        self.rendezvous_addr = rendezvous_addr or pick_rendezvous_address(remote_hosts, config.network_interface)
         self._listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         # The store listens only on the address the workers are told (loopback for an all-local job), not on every
@@ -259,7 +196,7 @@ class Job:
         return threads
 
     def _verbose(self, message: str) -> None:
-        if self.args.verbose:
+        if self.config.verbose:
             print(f"shoalrun: {message}", file=sys.stderr, flush=True)
 
     def _host_store(self) -> None:
@@ -272,7 +209,7 @@ class Job:
                 self.rendezvous_addr,
                 self.rendezvous_port,
                 self.secret,
-                self.args.start_timeout,
+                self.config.start_timeout,
                 listen_fd=self._listener.detach(),
             )
             if self._on_store is not None:
@@ -282,13 +219,9 @@ class Job:
 
     def _job_env(self) -> dict[str, str]:
         """What every process of the job gets: the rendezvous, the secret and the knobs (no rank: servers have none)."""
-        env = {
-            "SHOAL_RENDEZVOUS_ADDR": self.rendezvous_addr,
-            "SHOAL_RENDEZVOUS_PORT": str(self.rendezvous_port),
-            "SHOAL_SECRET": self.secret,
-        }
-        env.update(knob_env(self.args))
-        if self.args.horovod_compat:
+        env = JobAddress(self.rendezvous_addr, self.rendezvous_port, self.secret).to_env()
+        env.update(self.config.worker_env())
+        if self.config.horovod_compat:
             env["PYTHONPATH"] = os.pathsep.join(p for p in (HOROVOD_SHIM_PATH, os.environ.get("PYTHONPATH")) if p)
         return env
 
@@ -296,7 +229,7 @@ class Job:
         """The Shoal environment of one process: the job's, its rank's (not for a server), then extras."""
         extra = self._job_env()
         if server_index is None:
-            extra.update(slot_env(slot))
+            extra.update(slot.to_env())
         extra.update(self.extra_env)
         extra.update(worker_env or {})
         return extra
@@ -309,7 +242,7 @@ class Job:
         command: list[str] | None = None,
     ) -> Worker:
         extra = self._worker_env(slot, worker_env, server_index)
-        command = command or self.args.command
+        command = command or self.config.command
         if self._is_local(slot.hostname):
             env = dict(os.environ)
             env.setdefault("PYTHONUNBUFFERED", "1")
@@ -322,12 +255,12 @@ class Job:
         else:
             # The environment (the secret included) travels over ssh's standard input, never on a command line that
             # every local user can read in /proc/<pid>/cmdline; shoal.runner.remote reads it before starting.
-            remote_env = {**forwarded_env(os.environ, self.args.forward_env), **extra}
+            remote_env = {**forwarded_env(os.environ, self.config.forward_env), **extra}
             remote_cmd = (
                 f"cd {shlex.quote(os.getcwd())} && exec {shlex.quote(sys.executable)} -m shoal.runner.remote "
                 f"--env-from-stdin -- {shlex.join(command)}"
             )
-            argv = ssh_argv(self.args, slot.hostname, remote_cmd)
+            argv = ssh_argv(self.config, slot.hostname, remote_cmd)
             env = dict(os.environ)
             stdin = subprocess.PIPE
         shown = argv if self._is_local(slot.hostname) else [*argv[:-1], "<remote command>"]
@@ -355,12 +288,12 @@ class Job:
         ):
             assert stream is not None
             log_path = None
-            if self.args.output_filename:
-                rank_dir = Path(self.args.output_filename) / directory
+            if self.config.output_filename:
+                rank_dir = Path(self.config.output_filename) / directory
                 rank_dir.mkdir(parents=True, exist_ok=True)
                 log_path = rank_dir / stream_name
             visible = server_index is not None or self.shown_ranks is None or slot.rank in self.shown_ranks
-            pump = OutputPump(stream, sink, self._sink_lock, tag, stream_name, log_path, self.args.prefix_timestamp, visible)
+            pump = OutputPump(stream, sink, self._sink_lock, tag, stream_name, log_path, self.config.prefix_timestamp, visible)
             pump.start()
             worker.pumps.append(pump)
         return worker
@@ -441,7 +374,7 @@ class Job:
 
     def _spawn_servers(self) -> None:
         """Start ``--num-servers`` dedicated parameter servers, spread over the job's hosts in turn."""
-        count = self.args.num_servers
+        count = self.config.num_servers
         if not count:
             return
         from shoal.ps.launch import server_processes
@@ -513,17 +446,18 @@ class LaunchError(RuntimeError):
     """shoalrun could not start a worker."""
 
 
-def build_slots(args: argparse.Namespace) -> list[SlotInfo]:
+def build_slots(config: LaunchConfig) -> list[SlotInfo]:
     """Hosts from -H or --hostfile (default localhost), filled in order with -np ranks."""
-    hosts = requested_hosts(args)
-    num_proc = args.num_proc if args.num_proc is not None else sum(h.slots for h in hosts)
+    hosts = requested_hosts(config)
+    num_proc = config.num_proc if config.num_proc is not None else sum(h.slots for h in hosts)
     return assign_slots(hosts, num_proc)
 
 
-def requested_hosts(args: argparse.Namespace) -> list[HostSlots]:
+def requested_hosts(config: LaunchConfig) -> list[HostSlots]:
     """The hosts given by -H or --hostfile, else ``localhost`` with -np slots."""
-    if args.hosts:
-        return parse_hosts(args.hosts, args.slots_per_host or 1)
-    if args.hostfile:
-        return parse_hostfile(args.hostfile, args.slots_per_host or 1)
-    return [HostSlots("localhost", args.num_proc)]
+    if config.hosts:
+        return parse_hosts(config.hosts, config.slots_per_host or 1)
+    if config.hostfile:
+        return parse_hostfile(config.hostfile, config.slots_per_host or 1)
+    assert config.num_proc is not None, "checked by LaunchConfig.check()"
+    return [HostSlots("localhost", config.num_proc)]

@@ -13,7 +13,8 @@ import sys
 import traceback
 
 from shoal.comm.store import connect_job_store, secret_namespace
-from shoal.config import env_float
+from shoal.config import worker_settings
+from shoal.config.worker import JobAddress, SlotInfo
 from shoal.runtime.elastic_rendezvous import ELASTIC_ID_ENV
 
 PAYLOAD_KEY = "payload"
@@ -36,15 +37,14 @@ def task_prefix(secret: str | None) -> str:
 
 def main() -> int:
     """Run the job's function on this rank; exit 0 when it returned, 1 when it raised."""
-    secret = os.environ.get("SHOAL_SECRET")
+    address, slot = JobAddress.from_env(os.environ), SlotInfo.from_env(os.environ)
+    if address is None or slot is None:
+        print("shoal.runner.task: not started by shoal.run (no rendezvous address or rank)", file=sys.stderr)
+        return 2
     store = connect_job_store(
-        os.environ["SHOAL_RENDEZVOUS_ADDR"],
-        int(os.environ["SHOAL_RENDEZVOUS_PORT"]),
-        secret,
-        env_float("START_TIMEOUT", 30.0),
-        prefix=task_prefix(secret),
+        address.addr, address.port, address.secret, worker_settings().start_timeout, prefix=task_prefix(address.secret)
     )
-    rank = int(os.environ["SHOAL_RANK"])
+    rank = slot.rank
     elastic_id = os.environ.get(ELASTIC_ID_ENV)  # an elastic worker: its rank is known only to the driver
     try:
         func, args, kwargs = pickle.loads(store.get(PAYLOAD_KEY))

@@ -20,15 +20,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shoal.comm import process_group, store
-from shoal.config import env_float
+from shoal.config import worker_settings
 from shoal.exceptions import HorovodInternalError
 from shoal.log import get_logger
 from shoal.runtime import elastic_rendezvous
 from shoal.runtime.launch_env import LaunchInfo, detect_launch
 from shoal.runtime.topology import Topology, build_topology
 from shoal.runtime.watchdog import start_launcher_watchdog
-
-DEFAULT_START_TIMEOUT_S = 30.0
 
 
 @dataclass
@@ -92,7 +90,7 @@ def init() -> Context:
         if _context is not None:
             return _context
         launch = detect_launch(os.environ)
-        timeout_s = env_float("START_TIMEOUT", DEFAULT_START_TIMEOUT_S)
+        timeout_s = worker_settings().start_timeout
         job_store = store.connect_store(launch, timeout_s)
         if elastic_rendezvous.is_elastic_worker():
             launch, scoped_store, generation = _join_elastic_round(launch, job_store)
@@ -158,19 +156,10 @@ def _join_elastic_round(launch: LaunchInfo, job_store: Any) -> tuple[LaunchInfo,
     """Take this worker's place in the driver's newest round; its rank and size come from there, not the env."""
     global _elastic_round
     keys = elastic_rendezvous.ElasticKeys(store.secret_namespace(launch.secret))
-    timeout_s = env_float("ELASTIC_TIMEOUT", 600.0) + 30.0
+    timeout_s = worker_settings().elastic_timeout + 30.0
     worker_id = os.environ[elastic_rendezvous.ELASTIC_ID_ENV]
     assignment, round_number = elastic_rendezvous.join_round(job_store, keys, worker_id, _elastic_round, timeout_s)
     _elastic_round = round_number
-    for name, value in (
-        ("RANK", assignment.rank),
-        ("SIZE", assignment.size),
-        ("LOCAL_RANK", assignment.local_rank),
-        ("LOCAL_SIZE", assignment.local_size),
-        ("CROSS_RANK", assignment.cross_rank),
-        ("CROSS_SIZE", assignment.cross_size),
-    ):
-        os.environ[f"SHOAL_{name}"] = os.environ[f"HOROVOD_{name}"] = str(value)
     launch = dataclasses.replace(
         launch, rank=assignment.rank, size=assignment.size, local_rank=assignment.local_rank, host_key=assignment.hostname
     )

@@ -19,13 +19,11 @@ import os
 import time
 from typing import Any
 
+from shoal.config.worker import SlotInfo
 from shoal.exceptions import ElasticRendezvousError, WorkerRemovedError
-from shoal.runtime.launch_env import SlotInfo
 
 ELASTIC_ID_ENV = "SHOAL_ELASTIC_ID"
 """Set by the elastic driver: the worker's identity across rounds (its rank changes, this does not)."""
-ELASTIC_TIMEOUT_ENV = "SHOAL_ELASTIC_TIMEOUT"
-"""Set by the elastic driver: how long a worker waits for a round to form before giving up."""
 REMOVED = "removed"
 _POLL_S = 0.02
 

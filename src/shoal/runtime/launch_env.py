@@ -10,35 +10,14 @@ OpenMPI's mpirun (``OMPI_COMM_WORLD_*``), PMI-based MPIs (``PMI_RANK``/``PMIX_RA
 from __future__ import annotations
 
 import hashlib
-import json
 import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from shoal.config.worker import JobAddress, SlotInfo
 from shoal.runtime.slurm import hostnames
 
-
-@dataclass(frozen=True)
-class SlotInfo:
-    """Where one rank runs and its place in the topology, as shoalrun hands it to the worker (through the
-    environment, or, in an elastic round, through the store as JSON)."""
-
-    hostname: str
-    rank: int
-    size: int
-    local_rank: int
-    local_size: int
-    cross_rank: int
-    cross_size: int
-
-    def to_json(self) -> str:
-        """The form the elastic driver writes into the store."""
-        return json.dumps(self.__dict__, sort_keys=True)
-
-    @classmethod
-    def from_json(cls, text: str) -> SlotInfo:
-        """Parse what the elastic driver wrote."""
-        return cls(**json.loads(text))
+__all__ = ["LaunchInfo", "SlotInfo", "detect_launch", "first_slurm_host"]
 
 
 @dataclass(frozen=True)
@@ -99,17 +78,18 @@ def first_slurm_host(nodelist: str) -> str:
     return hostnames(nodelist)[0]
 
 
-def _from_shoalrun(env: Mapping[str, str]) -> LaunchInfo:
+def _from_shoalrun(env: Mapping[str, str], slot: SlotInfo) -> LaunchInfo:
+    address = JobAddress.from_env(env)
     return LaunchInfo(
         launcher="shoalrun",
-        rank=_int(env, "SHOAL_RANK"),
-        size=_int(env, "SHOAL_SIZE"),
-        local_rank=_optional_int(env, "SHOAL_LOCAL_RANK"),
-        host_key=env.get("SHOAL_HOSTNAME") or socket.gethostname(),
-        store_addr=env.get("SHOAL_RENDEZVOUS_ADDR"),
-        store_port=_optional_int(env, "SHOAL_RENDEZVOUS_PORT"),
+        rank=slot.rank,
+        size=slot.size,
+        local_rank=slot.local_rank if slot.local_rank >= 0 else None,
+        host_key=slot.hostname or socket.gethostname(),
+        store_addr=address.addr if address else None,
+        store_port=address.port if address else None,
         store_hosted_by_launcher=True,
-        secret=env.get("SHOAL_SECRET"),
+        secret=address.secret if address else None,
     )
 
 
@@ -207,8 +187,9 @@ def _from_slurm(env: Mapping[str, str]) -> LaunchInfo:
 
 def detect_launch(env: Mapping[str, str]) -> LaunchInfo:
     """Return what the launcher that started this process said, or a size-1 job when there was none."""
-    if "SHOAL_RANK" in env:
-        return _from_shoalrun(env)
+    slot = SlotInfo.from_env(env)
+    if slot is not None:
+        return _from_shoalrun(env, slot)
     if "TORCHELASTIC_RUN_ID" in env or ("RANK" in env and "WORLD_SIZE" in env and "MASTER_ADDR" in env):
         return _from_torchrun(env)
     if "OMPI_COMM_WORLD_RANK" in env:

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from shoal.config import env_int
+from shoal.config import worker_settings
 from shoal.core import basics
 from shoal.core import session as handles
 from shoal.core.process_sets import ProcessSet, global_process_set
@@ -28,8 +28,6 @@ from shoal.torch.layer_comm.schemes import gradient_request_name
 from shoal.torch.optimizer_class import computed_too_often, is_mixed_with, mix_into
 
 __all__ = ["DistributedOptimizer", "drop_unfinished_step", "plan_report"]
-
-DEFAULT_BUCKET_BYTES = 2 * 1024 * 1024
 
 
 class _ComputeMarks:
@@ -409,7 +407,7 @@ def DistributedOptimizer(
         raise ValueError(f"comm must be one of {', '.join(COMM_CHOICES)}, got {comm!r}")
     ps_config = resolve_config(ps_mode, ps_staleness)
     if bucket_bytes is None:
-        bucket_bytes = env_int("BUCKET_BYTES", DEFAULT_BUCKET_BYTES)
+        bucket_bytes = worker_settings().bucket_bytes
     if bucket_bytes < 0:
         raise ValueError(f"bucket_bytes must be >= 0, got {bucket_bytes}")
     handles.engine()  # raises Horovod's ValueError before init()

@@ -1,0 +1,66 @@
+"""Every setting Shoal reads, declared once: the engine's (``EngineConfig``), a worker's (``WorkerSettings``) and a
+job's (``LaunchConfig``), with the helpers that read them from the environment. ``python -m shoal.config`` prints
+the knobs table of docs/knobs.md, which a test keeps equal to these declarations."""
+
+from __future__ import annotations
+
+from shoal.config.engine import EngineConfig
+from shoal.config.env import (
+    Knob,
+    Setting,
+    env_bool,
+    env_float,
+    env_int,
+    env_name,
+    env_str,
+    from_env,
+    knob,
+    markdown_rows,
+    settings,
+)
+from shoal.config.launch import LaunchConfig
+from shoal.config.worker import WorkerSettings, worker_settings
+
+KNOB_CLASSES = (EngineConfig, WorkerSettings, LaunchConfig)
+"""The classes whose knobs make docs/knobs.md, in the table's order."""
+
+#: The knob names (without prefix) that Shoal reads; both prefixes are accepted.
+KNOB_NAMES = tuple(dict.fromkeys(s.knob.env for cls in KNOB_CLASSES for s in settings(cls) if s.knob.env is not None))
+
+#: The per-worker names that shoalrun sets, each under both prefixes.
+WORKER_ENV_NAMES = ("RANK", "SIZE", "LOCAL_RANK", "LOCAL_SIZE", "CROSS_RANK", "CROSS_SIZE", "HOSTNAME")
+
+#: What shoalrun sets for a dedicated parameter-server process, on top of the rendezvous names and NUM_SERVERS.
+PS_SERVER_ENV_NAMES = ("SHOAL_PS_ROLE", "SHOAL_PS_SERVER_INDEX", "SHOAL_PS_NUM_WORKERS")
+
+#: Rendezvous names that shoalrun sets (SHOAL_ prefix only).
+RENDEZVOUS_ENV_NAMES = ("SHOAL_RENDEZVOUS_ADDR", "SHOAL_RENDEZVOUS_PORT", "SHOAL_SECRET")
+
+
+def knobs_table() -> str:
+    """docs/knobs.md's table, made from the declarations."""
+    return "\n".join(markdown_rows(*KNOB_CLASSES))
+
+
+__all__ = [
+    "KNOB_CLASSES",
+    "KNOB_NAMES",
+    "PS_SERVER_ENV_NAMES",
+    "RENDEZVOUS_ENV_NAMES",
+    "WORKER_ENV_NAMES",
+    "EngineConfig",
+    "Knob",
+    "LaunchConfig",
+    "Setting",
+    "WorkerSettings",
+    "env_bool",
+    "env_float",
+    "env_int",
+    "env_name",
+    "env_str",
+    "from_env",
+    "knob",
+    "knobs_table",
+    "settings",
+    "worker_settings",
+]

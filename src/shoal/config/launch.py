@@ -1,0 +1,275 @@
+"""``LaunchConfig``: one typed description of a job, as shoalrun's flags, ``shoal.run`` and the Ray and elastic
+drivers give it. Every field is a ``knob``: its flags, environment name, config-file key, type, default and help are
+declared here once; shoalrun's parser is made from these fields, and ``worker_env`` from their environment names.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from shoal.config.engine import MIB, EngineConfig
+from shoal.config.env import env_name, from_env, knob, knob_from, settings, to_env
+from shoal.config.worker import WorkerSettings
+
+_HOSTS = "hosts"
+_ELASTIC = "elastic training (any of these flags makes the job elastic: it survives workers that die or join)"
+_SERVERS = "parameter server (for DistributedOptimizer(..., comm='ps'))"
+_OUTPUT = "output"
+_TUNING = "engine tuning (passed to the workers as environment variables)"
+UNBOUNDED_NP = 1 << 30
+"""``max_np`` when not given: bounded by the slots the hosts offer."""
+LOG_LEVELS = ("TRACE", "DEBUG", "INFO", "WARNING", "ERROR", "FATAL")
+
+
+def environment_item(item: str) -> str:
+    """``-x NAME`` or ``-x NAME=VALUE``, with NAME a valid environment variable name."""
+    name = item.partition("=")[0]
+    if not name.isidentifier():
+        raise argparse.ArgumentTypeError(f"{name!r} is not an environment variable name")
+    return item
+
+
+def parse_rank_filter(text: str) -> set[int]:
+    """``--ranks-filter 0,2-3`` as a set of ranks; a bad value is a one-line argparse error."""
+    ranks: set[int] = set()
+    for part in text.split(","):
+        first, _, last = part.strip().partition("-")
+        try:
+            ranks.update(range(int(first), int(last or first) + 1))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"cannot read {part!r}; expected ranks like 0,2-3") from None
+    return ranks
+
+
+@dataclass
+class LaunchConfig:
+    """What a job is: its command, hosts, elastic bounds, output and the engine settings its workers get.
+
+    ``engine`` holds the ``EngineConfig`` fields given explicitly (by flag, config file or caller); the workers read
+    them from their environment, over their own environment layer. ``check()`` validates and fills in the elastic
+    defaults; shoalrun turns its ``ValueError`` into a one-line usage error.
+    """
+
+    num_proc: int | None = knob(None, "number of worker processes", flags=("-np", "--num-proc"))
+    check_build: bool = knob(
+        False, "show which frameworks and backends are available, then exit", flags=("-cb", "--check-build")
+    )
+    hosts: str | None = knob(
+        None, "comma-separated host:slots list; default localhost:NP", flags=("-H", "--hosts"), group=_HOSTS
+    )
+    hostfile: str | None = knob(
+        None, "file with one 'host slots=N' (or host:N) per line", flags=("-hostfile", "--hostfile"), group=_HOSTS
+    )
+    ssh_port: int | None = knob(None, "ssh port on the remote hosts", flags=("-p", "--ssh-port"), group=_HOSTS)
+    ssh_identity_file: str | None = knob(
+        None, "ssh identity (private key) file", flags=("-i", "--ssh-identity-file"), group=_HOSTS
+    )
+    ssh_strict_host_key_checking: str = knob(
+        "accept-new",
+        "ssh's StrictHostKeyChecking for remote hosts (accept-new: a new host's key is recorded, a changed key is refused)",
+        flags=("--ssh-strict-host-key-checking",),
+        choices=("yes", "accept-new", "no"),
+        group=_HOSTS,
+    )
+    forward_env: list[str] = knob(
+        [],
+        "set this variable for remote workers, with its value here or the one given (repeatable, as mpirun -x); "
+        "remote workers get the rest of shoalrun's environment anyway, as with horovodrun",
+        flags=("-x", "--env"),
+        flag_type=environment_item,
+        metavar="NAME[=VALUE]",
+        group=_HOSTS,
+    )
+    start_timeout: float = knob_from(WorkerSettings, "start_timeout", flags=("--start-timeout",), group=_HOSTS)
+    network_interface: str | None = knob(
+        None,
+        "network interface(s), comma-separated, whose address remote workers use to reach the rendezvous",
+        flags=("--network-interface", "--network-interfaces"),
+        group=_HOSTS,
+    )
+    slots_per_host: int | None = knob(
+        None,
+        "slots of every host listed without ':N' in -H, a hostfile or discovery output",
+        flags=("--slots-per-host",),
+        group=_HOSTS,
+        shown_default="1",
+    )
+    gloo: bool = knob(
+        False,
+        "accepted for horovodrun compatibility; Shoal always uses gloo (and NCCL for CUDA tensors)",
+        flags=("--gloo",),
+        group=_HOSTS,
+    )
+    horovod_compat: bool = knob(
+        False,
+        "run unmodified Horovod scripts: `import horovod.torch as hvd` (and every horovod.* module) resolves to Shoal "
+        "in the workers; nothing is installed, and a real Horovod on the path is refused",
+        flags=("--horovod-compat",),
+        group=_HOSTS,
+    )
+    min_np: int | None = knob(
+        None, "fewest workers the job may run with", flags=("--min-np", "--min-num-proc"), group=_ELASTIC, shown_default="-np"
+    )
+    max_np: int | None = knob(
+        None,
+        "most workers the job may grow to",
+        flags=("--max-np", "--max-num-proc"),
+        group=_ELASTIC,
+        shown_default="every slot offered",
+    )
+    host_discovery_script: str | None = knob(
+        None,
+        "executable polled every second; prints the available hosts, one 'host:slots' per line",
+        flags=("--host-discovery-script",),
+        group=_ELASTIC,
+    )
+    elastic_timeout: float = knob_from(WorkerSettings, "elastic_timeout", flags=("--elastic-timeout",), group=_ELASTIC)
+    reset_limit: int | None = knob(
+        None,
+        "fail the job once it would re-form more than this many times",
+        flags=("--reset-limit",),
+        group=_ELASTIC,
+        shown_default="no limit",
+    )
+    num_servers: int = knob_from(WorkerSettings, "num_servers", flags=("--num-servers",), group=_SERVERS)
+    config_file: str | None = knob(
+        None,
+        "horovodrun's YAML config file (params, timeline, stall_check, library_options, logging); flags on the command "
+        "line win over it (needs PyYAML)",
+        flags=("--config-file",),
+    )
+    output_filename: str | None = knob(
+        None,
+        "directory; each rank's stdout and stderr also go to DIR/rank.N/{stdout,stderr}",
+        flags=("--output-filename",),
+        group=_OUTPUT,
+    )
+    verbose: bool = knob(False, "print what shoalrun does (hosts, rendezvous, commands)", flags=("--verbose",), group=_OUTPUT)
+    ranks_filter: set[int] | None = knob(
+        None,
+        "show only these ranks' output, e.g. 0 or 0,2-3 (as torchrun's --local-ranks-filter); every rank's output "
+        "still goes to --output-filename",
+        flags=("--ranks-filter",),
+        flag_type=parse_rank_filter,
+        metavar="RANKS",
+        group=_OUTPUT,
+        shown_default="all",
+    )
+    prefix_timestamp: bool = knob(
+        False,
+        "prefix every output line with the time it arrived, as horovodrun does",
+        flags=("-prefix-timestamp", "--prefix-output-with-timestamp"),
+        group=_OUTPUT,
+    )
+    log_level: str | None = knob_from(
+        WorkerSettings,
+        "log_level",
+        flags=("--log-level",),
+        choices=LOG_LEVELS,
+        flag_type=str.upper,
+        group=_OUTPUT,
+        config_key="logging.level",
+        env_lower=True,
+    )
+    log_timestamp: bool = knob(
+        False,
+        "horovodrun's; Shoal's log lines carry no time, so these change nothing",
+        hidden_flags=("--log-with-timestamp", "--log-without-timestamp", "--log-hide-timestamp", "--no-log-hide-timestamp"),
+        group=_OUTPUT,
+    )
+    disable_cache: bool = knob(
+        False,
+        "horovodrun's: skip its cached host and NIC checks; Shoal keeps no such cache, so this changes nothing (the "
+        "response cache is --cache-capacity 0)",
+        flags=("--disable-cache",),
+        group=_TUNING,
+    )
+    command: list[str] = dataclasses.field(default_factory=list)
+    """What each worker runs."""
+    engine: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """``EngineConfig`` fields given explicitly, by name; the rest stay the workers' environment or defaults."""
+    elastic: bool = False
+    """Set by ``check()``: an elastic flag was given, so the job survives workers that die or join."""
+
+    def check(self) -> None:
+        """Validate, and fill in the elastic defaults (-np, --min-np and --max-np from one another).
+
+        Raises:
+            ValueError: what is wrong, naming the flag.
+        """
+        if self.hosts and self.hostfile:
+            raise ValueError("use either -H/--hosts or --hostfile, not both")
+        if self.slots_per_host is not None and self.slots_per_host < 1:
+            raise ValueError(f"--slots-per-host must be >= 1, got {self.slots_per_host}")
+        if self.num_servers < 0:
+            raise ValueError(f"--num-servers must be >= 0, got {self.num_servers}")
+        if self.start_timeout <= 0:
+            raise ValueError(f"--start-timeout must be > 0, got {self.start_timeout}")
+        self._check_engine()
+        self.elastic = any(v is not None for v in (self.min_np, self.max_np, self.host_discovery_script, self.reset_limit))
+        if self.elastic:
+            if self.num_servers:
+                raise ValueError("--num-servers cannot be combined with elastic flags (a server's shard cannot move yet)")
+            self._check_elastic()
+        elif self.num_proc is None and not (self.hosts or self.hostfile):
+            raise ValueError("-np is required when no hosts are given")
+        elif self.num_proc is not None and self.num_proc < 1:
+            raise ValueError(f"-np must be >= 1, got {self.num_proc}")
+
+    def _check_engine(self) -> None:
+        """The engine settings as the workers will see them (over this process's environment) must be valid."""
+        unknown = set(self.engine) - {s.name for s in settings(EngineConfig)}
+        if unknown:
+            raise ValueError(f"unknown engine settings: {', '.join(sorted(unknown))}")
+        for name, flag, scale in (
+            ("fusion_threshold_bytes", "--fusion-threshold-mb", MIB),
+            ("cycle_time_ms", "--cycle-time-ms", 1),
+            ("cache_capacity", "--cache-capacity", 1),
+        ):
+            value = self.engine.get(name)
+            if value is not None and value < 0:
+                raise ValueError(f"{flag} must be >= 0, got {value / scale:g}")
+        try:
+            from_env(EngineConfig, **self.engine)
+        except ValueError as error:
+            raise ValueError(f"engine settings: {error}") from None
+
+    def _check_elastic(self) -> None:
+        if self.host_discovery_script and (self.hosts or self.hostfile):
+            raise ValueError("use either --host-discovery-script or -H/--hostfile, not both")
+        for flag, value in (("-np", self.num_proc), ("--min-np", self.min_np), ("--max-np", self.max_np)):
+            if value is not None and value < 1:
+                raise ValueError(f"{flag} must be >= 1, got {value}")
+        if self.num_proc is None:
+            self.num_proc = self.min_np
+        if self.num_proc is None and not (self.hosts or self.hostfile):
+            raise ValueError("an elastic job needs -np or --min-np")
+        if self.min_np is None and self.num_proc is not None:
+            self.min_np = self.num_proc  # else from the hosts' slots, once they are known (shoal.runner.main)
+        if self.num_proc is not None and self.min_np is not None and self.num_proc < self.min_np:
+            raise ValueError(f"-np {self.num_proc} is smaller than --min-np {self.min_np}")
+        if self.max_np is not None and self.max_np < max(self.min_np or 0, self.num_proc or 0):
+            raise ValueError(f"--max-np {self.max_np} is smaller than -np/--min-np")
+        if self.max_np is None:
+            self.max_np = UNBOUNDED_NP
+        if self.elastic_timeout <= 0:
+            raise ValueError(f"--elastic-timeout must be > 0, got {self.elastic_timeout}")
+        if self.reset_limit is not None and self.reset_limit < 0:
+            raise ValueError(f"--reset-limit must be >= 0, got {self.reset_limit}")
+
+    def worker_env(self) -> dict[str, str]:
+        """The settings every process of the job gets as SHOAL_ variables: the launcher's own (start timeout, log
+        level, ...) and each engine setting given explicitly."""
+        env: dict[str, str] = {}
+        for setting in settings(LaunchConfig):
+            value = getattr(self, setting.name)
+            if setting.knob.env is not None and value is not None:
+                env[env_name(setting.knob.env)] = to_env(setting, value)
+        for setting in settings(EngineConfig):
+            value = self.engine.get(setting.name)
+            if setting.knob.env is not None and value is not None:
+                env[env_name(setting.knob.env)] = to_env(setting, value)
+        return env

@@ -1,0 +1,118 @@
+"""Settings a worker reads from its environment outside the engine: what shoalrun passes (start timeout, log level,
+dedicated servers) and what the optimizer and planner take (gradient bucket, calibration file, PS consistency)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from shoal.config.engine import MIB
+from shoal.config.env import HOROVOD_PREFIX, env_name, from_env, knob, parse_value
+
+
+@dataclass(frozen=True)
+class WorkerSettings:
+    """Read once per process with ``worker_settings()``; shoalrun's flags for the same names reuse these fields."""
+
+    start_timeout: float = knob(30.0, "seconds the workers may take to rendezvous", env="START_TIMEOUT")
+    elastic_timeout: float = knob(
+        600.0, "elastic jobs: seconds to wait for at least --min-np workers before failing the job", env="ELASTIC_TIMEOUT"
+    )
+    log_level: str | None = knob(
+        None, "Shoal's log level in the workers: debug, info, warning or error", env="LOG_LEVEL", shown_default="warning"
+    )
+    num_servers: int = knob(
+        0,
+        "dedicated parameter-server processes beside the workers (0: co-located server shards inside the workers)",
+        env="NUM_SERVERS",
+    )
+    bucket_bytes: int = knob(
+        2 * MIB,
+        "DistributedOptimizer's gradient bucket; 0 sends each gradient alone",
+        env="BUCKET_BYTES",
+        shown_default="2 MiB",
+    )
+    calibration_file: str | None = knob(
+        None,
+        "comm='auto': keep the α–β calibration in this JSON file (read if present, else measured and written)",
+        env="CALIBRATION_FILE",
+    )
+    ps_mode: str = knob("bsp", "parameter-server consistency: bsp, ssp or async", env="PS_MODE")
+    ps_staleness: int = knob(1, "how many steps a worker may run ahead of the slowest under ssp", env="PS_STALENESS")
+
+
+def worker_settings() -> WorkerSettings:
+    """This process's ``WorkerSettings``: the defaults under its SHOAL_ (or HOROVOD_) environment."""
+    return from_env(WorkerSettings)
+
+
+_IDENTITY = ("RANK", "SIZE", "LOCAL_RANK", "LOCAL_SIZE", "CROSS_RANK", "CROSS_SIZE")
+"""A worker's place in the job, each written under both prefixes (horovodrun scripts read ``HOROVOD_RANK``)."""
+
+
+@dataclass(frozen=True)
+class SlotInfo:
+    """Where one rank runs and its place in the topology: the one form of a worker's identity. The launcher, the
+    test harness and Ray write it with ``to_env``, a worker reads it with ``from_env``, and an elastic round carries
+    it through the store as JSON."""
+
+    hostname: str
+    rank: int
+    size: int
+    local_rank: int
+    local_size: int
+    cross_rank: int
+    cross_size: int
+
+    def to_env(self) -> dict[str, str]:
+        """The worker's identity as environment variables, under the SHOAL_ and HOROVOD_ names."""
+        values = (self.rank, self.size, self.local_rank, self.local_size, self.cross_rank, self.cross_size)
+        env: dict[str, str] = {}
+        for name, value in (*zip(_IDENTITY, map(str, values), strict=True), ("HOSTNAME", self.hostname)):
+            env[env_name(name)] = env[HOROVOD_PREFIX + name] = value
+        return env
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str]) -> SlotInfo | None:
+        """What ``to_env`` wrote, or None when this process was not started with a Shoal identity. Only the rank and
+        size are required; a missing local or cross value is -1 (derived from the ranks' hosts at ``init``)."""
+        if env.get(env_name("RANK")) is None:
+            return None
+        values = [parse_value(name, env[env_name(name)], int) if env.get(env_name(name)) else -1 for name in _IDENTITY]
+        if min(values[:2]) < 0:
+            raise ValueError(f"{env_name('RANK')} and {env_name('SIZE')} must both be set, got {values[:2]}")
+        return cls(env.get(env_name("HOSTNAME")) or "", *values)
+
+    def to_json(self) -> str:
+        """The form the elastic driver writes into the store."""
+        return json.dumps(self.__dict__, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> SlotInfo:
+        """Parse what the elastic driver wrote."""
+        return cls(**json.loads(text))
+
+
+@dataclass(frozen=True)
+class JobAddress:
+    """Where a job's rendezvous store is and the secret that opens it: the same for every process of the job."""
+
+    addr: str
+    port: int
+    secret: str | None
+
+    def to_env(self) -> dict[str, str]:
+        """As the environment of a worker (or dedicated server) of the job."""
+        env = {env_name("RENDEZVOUS_ADDR"): self.addr, env_name("RENDEZVOUS_PORT"): str(self.port)}
+        if self.secret is not None:
+            env[env_name("SECRET")] = self.secret
+        return env
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str]) -> JobAddress | None:
+        """What ``to_env`` wrote, or None when no rendezvous address is set."""
+        addr, port = env.get(env_name("RENDEZVOUS_ADDR")), env.get(env_name("RENDEZVOUS_PORT"))
+        if not addr or not port:
+            return None
+        return cls(addr, int(parse_value("RENDEZVOUS_PORT", port, int)), env.get(env_name("SECRET")))
