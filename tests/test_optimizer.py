@@ -302,15 +302,21 @@ def _step_after_synchronize() -> list[str]:
 
     hvd.init()
     model = Net()
-    optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    plain = torch.optim.SGD(model.parameters(), lr=0.1)
+    optimizer = hvd.DistributedOptimizer(plain)
     nn.functional.mse_loss(model(torch.ones(2, 8)), torch.zeros(2, 4)).backward()
     optimizer.synchronize()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         optimizer.step()
+    # Whatever the step did, the user's optimizer holds only the exchange and Horovod's names; the exchange has no
+    # __dict__ to grow.
+    added = sorted(set(vars(optimizer)) - set(vars(plain)))
+    exchange = optimizer._shoal_exchange  # type: ignore[attr-defined]
+    slotted = [str(hasattr(exchange, "__dict__"))]
     names = sorted(optimizer._parameter_names.values())  # type: ignore[attr-defined]
     named = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters())
-    return [str(w.message) for w in caught] + names + sorted(named._parameter_names.values())  # type: ignore[attr-defined]
+    return [str(w.message) for w in caught] + added + slotted + names + sorted(named._parameter_names.values())  # type: ignore[attr-defined]
 
 
 def test_step_after_synchronize_warns_and_parameter_names_exist_without_named_parameters() -> None:
@@ -318,5 +324,6 @@ def test_step_after_synchronize_warns_and_parameter_names_exist_without_named_pa
     assert out[0].startswith(
         "optimizer.step() called without optimizer.skip_synchronize() context after optimizer.synchronize()."
     )
-    assert out[1:5] == ["allreduce.noname.0.0", "allreduce.noname.0.1", "allreduce.noname.0.2", "allreduce.noname.0.3"]
-    assert out[5:] == ["fc1.bias", "fc1.weight", "fc2.bias", "fc2.weight"]
+    assert out[1:4] == ["_parameter_names", "_shoal_exchange", "False"]
+    assert out[4:8] == ["allreduce.noname.0.0", "allreduce.noname.0.1", "allreduce.noname.0.2", "allreduce.noname.0.3"]
+    assert out[8:] == ["fc1.bias", "fc1.weight", "fc2.bias", "fc2.weight"]

@@ -1,0 +1,447 @@
+"""The gradient exchanges behind ``DistributedOptimizer``: each step's state and work, kept off the user's optimizer.
+
+A ``GradientExchange`` owns one step of wait-free backprop (Poseidon): a post-accumulate-grad hook per parameter
+counts its backward passes, and the moment a gradient is final it joins a bucket (or its group) that is submitted
+as one asynchronous in-place allreduce, so the engine reduces late layers while earlier ones are still in backprop.
+``wait()`` finishes the step (the gradients are then reduced in place); ``reset()`` forgets it.
+
+``AdasumExchange`` is Horovod's delta optimizer on the same frame: the hook takes the parameter's local optimizer
+step at once and starts the Adasum of the delta; ``apply()`` sets each parameter to its old value plus the
+combined delta.
+
+Both keep their state in ``__slots__``; the optimizer mixins (``optimizer.py``) are Horovod's surface and delegate.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+
+from shoal.core import session as handles
+from shoal.core.process_sets import ProcessSet
+from shoal.core.rules import ReduceOp, ReduceSpec
+from shoal.torch import functions
+from shoal.torch.compression import Compression, Compressor
+from shoal.torch.layer_comm.schemes import gradient_request_name
+from shoal.torch.optimizer_class import computed_too_often
+
+
+def parameter_names(
+    param_groups: list[dict[str, Any]], named_parameters: Iterable[tuple[str, torch.Tensor]] | None, adasum: bool = False
+) -> dict[int, str]:
+    """Every parameter's name by ``id``: from ``named_parameters`` (checked: unique, and covering every parameter of
+    the optimizer), else Horovod's names for unnamed ones (``allreduce.noname.<group>.<index>``; the Adasum
+    optimizer numbers them by position alone, ``allreduce.noname.<index>``)."""
+    params = [p for group in param_groups for p in group["params"]]
+    if named_parameters is None:
+        if adasum:
+            trainable = [p for p in params if p.requires_grad]
+            return {id(p): f"allreduce.noname.{i}" for i, p in enumerate(trainable)}
+        return {
+            id(p): f"allreduce.noname.{i}.{j}" for i, group in enumerate(param_groups) for j, p in enumerate(group["params"])
+        }
+    pairs = list(named_parameters)
+    names = [name for name, _ in pairs]
+    if len(set(names)) != len(names):
+        duplicates = sorted({n for n in names if names.count(n) > 1})
+        raise ValueError(f"named_parameters has duplicate names: {duplicates}")
+    by_id = {id(p): name for name, p in pairs}
+    unnamed = [i for i, p in enumerate(params) if id(p) not in by_id and (p.requires_grad or not adasum)]
+    if unnamed:
+        raise ValueError(
+            "named_parameters was given, but the optimizer has parameters that are not in it "
+            f"(positions {unnamed[:5]}{'...' if len(unnamed) > 5 else ''}); pass model.named_parameters() "
+            "for the same model the optimizer was built on"
+        )
+    return {id(p): by_id[id(p)] for p in params if id(p) in by_id}
+
+
+class _ComputeMarks:
+    """The optimizer's spans on the timeline's compute row, written only while a timeline is open.
+
+    FORWARD runs from ``zero_grad()`` (or the end of the previous ``step()``) to the first final gradient, so it
+    holds data loading, the forward pass, the loss and backward up to that gradient; BACKWARD runs from the first
+    final gradient to the last (the span in which reductions start, overlapping the rest of backprop);
+    SYNCHRONIZE is the wait for the reduced gradients; UPDATE the local optimizer's step.
+    """
+
+    __slots__ = ("_first", "_last", "_since")
+
+    def __init__(self) -> None:
+        self._since: float | None = None
+        self._first: float | None = None
+        self._last = 0.0
+
+    @staticmethod
+    def _timeline() -> Any:
+        current = handles.current_session()
+        return None if current is None else current.engine.timeline
+
+    def gradient(self) -> None:
+        timeline = self._timeline()
+        if timeline is None:
+            return
+        now = timeline.now_us()
+        if self._first is None:
+            self._first = now
+            if self._since is not None and self._since <= now:
+                timeline.compute("FORWARD", self._since, now)
+        self._last = now
+
+    @contextlib.contextmanager
+    def span(self, name: str) -> Iterator[None]:
+        timeline = self._timeline()
+        if timeline is None:
+            yield
+            return
+        if name == "SYNCHRONIZE" and self._first is not None:
+            timeline.compute("BACKWARD", self._first, self._last)
+            self._first = None
+        start = timeline.now_us()
+        try:
+            yield
+        finally:
+            timeline.compute(name, start, timeline.now_us())
+
+    def step_ended(self) -> None:
+        timeline = self._timeline()
+        self._since = None if timeline is None else timeline.now_us()
+        self._first = None
+
+
+class _Exchange:
+    """What both exchanges share: the parameters and their names, a hook each, and the count of backward passes."""
+
+    __slots__ = ("_counts", "_hooks", "advice", "names", "params", "passes")
+
+    def __init__(self, params: list[torch.Tensor], names: dict[int, str], passes: int, advice: str) -> None:
+        if passes < 1:
+            raise ValueError(f"backward_passes_per_step must be >= 1, got {passes}")
+        self.params = params
+        self.names = names
+        self.passes = passes
+        self.advice = advice
+        """What the error for a gradient computed too often suggests."""
+        self._counts: dict[int, int] = dict.fromkeys(map(id, params), 0)
+        self._hooks: list[Any] = []
+
+    def attach(self) -> None:
+        """Register the hooks: from now on every final gradient reaches ``on_grad``."""
+        self._hooks = [p.register_post_accumulate_grad_hook(self.on_grad) for p in self.params]
+
+    def on_grad(self, param: torch.Tensor) -> None:
+        """A gradient was accumulated: once it has all ``passes`` backward passes, start exchanging it."""
+        self._before_count(param)
+        key = id(param)
+        if self._started(key):
+            raise computed_too_often(self.names[key], self.passes, self.advice)
+        self._counts[key] += 1
+        if self._counts[key] == self.passes:
+            self._counts[key] = 0
+            self._ready(param)
+
+    def reset(self) -> None:
+        """Forget this step's passes."""
+        self._counts = dict.fromkeys(self._counts, 0)
+
+    def _before_count(self, param: torch.Tensor) -> None:
+        """Called first for every gradient."""
+
+    def _started(self, key: int) -> bool:
+        raise NotImplementedError
+
+    def _ready(self, param: torch.Tensor) -> None:
+        raise NotImplementedError
+
+
+class GradientExchange(_Exchange):
+    """One step of averaging (or summing) gradients across ranks, overlapping backprop."""
+
+    __slots__ = (
+        "_bucket",
+        "_bucket_size",
+        "_densified",
+        "_group_ready",
+        "_in_flight",
+        "_sparse",
+        "_submitted",
+        "bucket_bytes",
+        "compression",
+        "group_of",
+        "groups",
+        "marks",
+        "member",
+        "op",
+        "process_set",
+        "router",
+        "skip_synchronize",
+        "sparse_as_dense",
+        "spec",
+        "synchronized",
+    )
+
+    def __init__(
+        self,
+        params: list[torch.Tensor],
+        names: dict[int, str],
+        compression: type[Compressor],
+        passes: int,
+        op: ReduceOp,
+        gradient_predivide_factor: float,
+        groups: list[list[torch.Tensor]] | None,
+        sparse_as_dense: bool,
+        process_set: ProcessSet,
+        bucket_bytes: int,
+    ) -> None:
+        super().__init__(
+            params,
+            names,
+            passes,
+            "call optimizer.step() (or synchronize()) between backward passes, or raise backward_passes_per_step to "
+            "accumulate locally",
+        )
+        if op not in (ReduceOp.Average, ReduceOp.Sum, ReduceOp.Adasum):  # Adasum here: a world of one rank
+            raise ValueError(f"DistributedOptimizer supports op=Average or Sum, not {ReduceOp(op).name}")
+        self.op = ReduceOp(op)
+        self.spec = ReduceSpec.for_gradients(op, gradient_predivide_factor)
+        self.compression = compression
+        self.sparse_as_dense = sparse_as_dense
+        self.process_set = process_set
+        self.groups = [list(group) for group in groups or []]
+        self.group_of = {id(p): index for index, group in enumerate(self.groups) for p in group}
+        self.bucket_bytes = bucket_bytes
+        self.router: Any = None
+        """The per-layer communication (``LayerRouter``), set by ``DistributedOptimizer`` right after."""
+        self.marks = _ComputeMarks()
+        # As in Horovod, a rank outside the optimizer's process set exchanges nothing: step() is the local one.
+        self.member = process_set.included()
+        self.skip_synchronize = False
+        """Inside ``optimizer.skip_synchronize()``: ``step()`` does not wait."""
+        self.synchronized = False
+        """``wait()`` ran and no gradient arrived since (the user called ``synchronize()`` before ``step()``)."""
+        self._bucket: list[torch.Tensor] = []
+        self._bucket_size = 0
+        self._submitted: set[int] = set()
+        self._group_ready: dict[int, set[int]] = {}
+        self._in_flight: list[tuple[int, list[torch.Tensor], list[torch.Tensor], list[Any]]] = []
+        self._sparse: list[torch.Tensor] = []
+        self._densified: dict[int, int] = {}
+        """Parameters whose sparse gradient was reduced densely (sparse_as_dense), with its sparse dimensions: sparse
+        again after the exchange."""
+
+    @property
+    def pending(self) -> bool:
+        """Gradients of this step are being (or waiting to be) reduced."""
+        return bool(self._submitted or self._bucket)
+
+    def attach(self) -> None:
+        if self.member:
+            super().attach()
+
+    # ----- hooks: start each reduction as soon as its gradient is final -----
+
+    def _before_count(self, param: torch.Tensor) -> None:
+        self.marks.gradient()
+
+    def _started(self, key: int) -> bool:
+        return key in self._submitted
+
+    def _ready(self, param: torch.Tensor) -> None:
+        key = id(param)
+        if self.router.takes(param):  # its scheme sends it (SFB's factors, the parameter server)
+            self._submitted.add(key)
+            return
+        group = self.group_of.get(key)
+        if group is not None:
+            ready = self._group_ready.setdefault(group, set())
+            ready.add(key)
+            if len(ready) == len(self.groups[group]):
+                self._submit(self.groups[group])
+                self._group_ready.pop(group, None)
+            return
+        self._bucket.append(param)
+        self._bucket_size += param.numel() * param.element_size()
+        if self._bucket_size >= self._bucket_limit():
+            self.flush()
+
+    def _bucket_limit(self) -> int:
+        """The bucket size: autotune's choice while it runs (or once frozen), else the optimizer's own."""
+        tuned = handles.engine().tuned_bucket_bytes
+        return self.bucket_bytes if tuned is None else tuned
+
+    def flush(self) -> None:
+        """Submit the gradients waiting in the bucket."""
+        if self._bucket:
+            self._submit(self._bucket)
+        self._bucket, self._bucket_size = [], 0
+
+    def _grad(self, param: torch.Tensor) -> torch.Tensor:
+        if param.grad is None:
+            param.grad = torch.zeros_like(param)
+        elif param.grad.is_sparse and self.sparse_as_dense:
+            self._densified[id(param)] = param.grad.sparse_dim()
+            param.grad = param.grad.to_dense()
+        return param.grad
+
+    def _submit(self, params: list[torch.Tensor]) -> None:
+        """Start reducing these parameters' gradients together, each under its parameter's name."""
+        dense: list[torch.Tensor] = []
+        for param in params:
+            self._submitted.add(id(param))
+            (self._sparse if self._grad(param).is_sparse else dense).append(param)
+        if not dense:
+            return
+        compressors = [self.compressor(p) for p in dense]
+        with self._cast_span(compressors):
+            packed = [c.compress(self._grad(p)) for c, p in zip(compressors, dense, strict=True)]
+        names = [gradient_request_name(self.names[id(p)]) for p in dense]
+        handle = functions.allreduce_named_async_(
+            [c for c, _ in packed], names, self.op, self.spec.prescale, self.spec.postscale, self.process_set
+        )
+        self._in_flight.append((handle, dense, [c for c, _ in packed], [ctx for _, ctx in packed]))
+
+    # ----- the end of a step -----
+
+    def wait(self) -> None:
+        """Finish the step: submit what never started (so no rank hangs), wait, and leave every gradient reduced."""
+        if not self.member:
+            self.synchronized = True
+            return
+        with self.marks.span("SYNCHRONIZE"):
+            self._finish()
+        self.reset()
+        self.synchronized = True
+
+    def _finish(self) -> None:
+        self.flush()
+        layers = self.router.layers()
+        missing = [p for p in self.params if id(p) not in self._submitted]
+        for layer in layers:
+            self._submitted.update(id(p) for p in layer.claim_missing(missing))
+        missing = [p for p in self.params if id(p) not in self._submitted]
+        if missing:  # no gradient this step here (or a layer that fell back): stand in, so no rank ever hangs
+            self._submit(missing)
+        for layer in reversed(layers):  # backward's order: the last layers' exchanges were the first to leave
+            layer.finish(average=self.op == ReduceOp.Average)
+        for handle, params, compressed_list, contexts in self._in_flight:
+            handles.synchronize(handle)
+            compressors = [self.compressor(p) for p in params]
+            with self._cast_span(compressors):
+                for param, compressor, compressed, ctx in zip(params, compressors, compressed_list, contexts, strict=True):
+                    if compressed is not param.grad:
+                        assert param.grad is not None
+                        param.grad.copy_(compressor.decompress(compressed, ctx))
+        for param in self._sparse:
+            param.grad = self._sparse_allreduce(param.grad, self.names[id(param)])
+        for param in self.params:
+            # As Horovod does: a gradient that was sparse is sparse again (SparseAdam refuses dense ones).
+            if id(param) in self._densified and param.grad is not None:
+                param.grad = param.grad.to_sparse(self._densified[id(param)])
+
+    def _sparse_allreduce(self, grad: torch.Tensor | None, name: str) -> torch.Tensor:
+        """Sparse gradients: allgather indices and values, then sum duplicates (averaging if op is Average)."""
+        assert grad is not None
+        op = ReduceOp.Average if self.op == ReduceOp.Average else ReduceOp.Sum  # Adasum on one rank: a sum
+        result = functions.sparse_allreduce_async(grad, gradient_request_name(name), op, self.process_set)
+        return result().coalesce()
+
+    def reset(self, discard: bool = False) -> None:
+        """Forget this step. ``discard``: it never finished (elastic recovery after a failed collective), so also
+        drop the reductions in flight, the layers' exchanges and the gradients."""
+        if discard:
+            for entry in self._in_flight:
+                handles.discard(entry[0])
+            for layer in self.router.layers():
+                layer.reset()
+            for param in self.params:
+                param.grad = None
+            self.synchronized = False
+            self.marks.step_ended()
+        super().reset()
+        self._in_flight.clear()
+        self._sparse.clear()
+        self._densified.clear()
+        self._submitted.clear()
+        self._group_ready.clear()
+        self._bucket, self._bucket_size = [], 0
+
+    def _cast_span(self, compressors: list[type[Compressor]]) -> contextlib.AbstractContextManager[None]:
+        """A CAST span on the timeline's compute row around casts (nothing to mark without one)."""
+        if all(c is Compression.none for c in compressors):
+            return contextlib.nullcontext()
+        return self.marks.span("CAST")
+
+    def compressor(self, param: torch.Tensor) -> type[Compressor]:
+        """The buckets' compressor for ``param``: its layer scheme's (fp16/bf16), else the optimizer's."""
+        return self.router.compressor(param) or self.compression
+
+
+class AdasumExchange(_Exchange):
+    """Horovod's Adasum delta optimizer: each parameter steps locally when its gradient is final, and the deltas are
+    combined across ranks with Adasum."""
+
+    __slots__ = ("_handles", "_starts", "compression", "optimizer")
+
+    def __init__(
+        self, optimizer: Any, params: list[torch.Tensor], names: dict[int, str], compression: type[Compressor], passes: int
+    ) -> None:
+        super().__init__(params, names, passes, "increase backward_passes_per_step")
+        self.optimizer = optimizer
+        """The wrapped optimizer, whose own class's ``step`` makes each parameter's local update."""
+        self.compression = compression
+        self._starts = {id(p): torch.zeros_like(p, requires_grad=False) for p in params}
+        self._handles: dict[int, tuple[torch.Tensor, int, Any, torch.Tensor]] = {}
+
+    @property
+    def pending(self) -> bool:
+        """Deltas of this step are being combined."""
+        return bool(self._handles)
+
+    def _started(self, key: int) -> bool:
+        return key in self._handles
+
+    def _ready(self, param: torch.Tensor) -> None:
+        """Step this parameter alone, turn it into its delta, and start the Adasum of the deltas."""
+        key = id(param)
+        start = self._starts[key]
+        groups = self.optimizer.param_groups
+        stashed = [group["params"] for group in groups]
+        for group in groups:
+            group["params"] = [p for p in group["params"] if p is param]
+        try:
+            start.copy_(param.detach())
+            with torch.no_grad():
+                self.optimizer._shoal_base.step(self.optimizer)
+                param.sub_(start)
+        finally:
+            for group, params in zip(groups, stashed, strict=True):
+                group["params"] = params
+        compressed, ctx = self.compression.compress(param.detach())
+        handle = functions.allreduce_async_(compressed, name=gradient_request_name(self.names[key]), op=ReduceOp.Adasum)
+        self._handles[key] = (param, handle, ctx, compressed)
+
+    def apply(self) -> None:
+        """Exchange any delta not started yet (no gradient this step), then set old value + combined delta."""
+        for param in self.params:
+            if id(param) not in self._handles:
+                if param.grad is None:
+                    param.grad = torch.zeros_like(param)
+                self._ready(param)
+        for key, (param, handle, ctx, _) in list(self._handles.items()):
+            delta = self.compression.decompress(handles.synchronize(handle), ctx)
+            start = self._starts[key]
+            with torch.no_grad():
+                start.add_(delta.to(start.dtype))
+                param.copy_(start)
+        self.reset()
+
+    def reset(self, discard: bool = False) -> None:
+        """Forget this step (``discard``: it never finished, so drop the exchanges in flight too)."""
+        if discard:
+            for entry in self._handles.values():
+                handles.discard(entry[1])
+        super().reset()
+        self._handles.clear()
