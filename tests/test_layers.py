@@ -180,3 +180,27 @@ def test_every_module_imports_on_its_own() -> None:
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.strip() == "all imported", result.stdout[-5000:]
+
+
+def test_no_function_is_over_a_hundred_lines() -> None:
+    long = []
+    for name, path in modules().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                assert node.end_lineno is not None
+                if node.end_lineno - node.lineno + 1 > 100:
+                    long.append(f"{name}.{node.name}: {node.end_lineno - node.lineno + 1} lines")
+    assert not long, long
+
+
+def test_only_the_config_package_spells_a_shoal_variable() -> None:
+    """Every SHOAL_ name is made in shoal.config (``env_name``, the knob fields, ``SlotInfo``), so renaming or adding
+    one touches one place."""
+    spelled = [
+        f"{path.relative_to(SOURCE)}:{number}"
+        for name, path in modules().items()
+        if not name.startswith("shoal.config")
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        if "SHOAL_" in line
+    ]
+    assert not spelled, spelled

@@ -97,6 +97,47 @@ def _kill_group(pid: int | None) -> None:
         pass
 
 
+def _collect(
+    processes: list[Any], connections: list[Any], timeout_s: float, failure_grace_s: float
+) -> tuple[list[RankOutcome], set[int], float | None]:
+    """Wait for every rank's outcome until the timeout (or the grace after a first failure); returns the outcomes,
+    the ranks still running, and when the first failure was seen."""
+    size = len(processes)
+    outcomes = [RankOutcome(rank) for rank in range(size)]
+    deadline = time.monotonic() + timeout_s
+    first_failure: float | None = None
+    pending = set(range(size))
+    while pending:
+        now = time.monotonic()
+        limit = deadline if first_failure is None else min(deadline, first_failure + failure_grace_s)
+        if now >= limit:
+            break
+        ready = multiprocessing.connection.wait(
+            [connections[r] for r in pending] + [processes[r].sentinel for r in pending], timeout=limit - now
+        )
+        for rank in list(pending):
+            if connections[rank] in ready:
+                try:
+                    status, payload = pickle.loads(connections[rank].recv_bytes())
+                except EOFError:
+                    status, payload = "died", None
+                if status == "ok":
+                    outcomes[rank].result = payload
+                elif status == "error":
+                    outcomes[rank].error = payload
+                processes[rank].join(timeout=10)
+            elif processes[rank].sentinel in ready and not connections[rank].poll():
+                processes[rank].join()
+            else:
+                continue
+            outcomes[rank].exitcode = processes[rank].exitcode
+            pending.discard(rank)
+            failed = outcomes[rank].error is not None or outcomes[rank].exitcode != 0
+            if failed and first_failure is None:
+                first_failure = time.monotonic()
+    return outcomes, pending, first_failure
+
+
 def run_ranks(
     fn: Callable[..., Any],
     size: int,
@@ -145,41 +186,8 @@ def run_ranks(
         sender.close()
         processes.append(process)
         connections.append(receiver)
-    outcomes = [RankOutcome(rank) for rank in range(size)]
-    deadline = time.monotonic() + timeout_s
-    first_failure: float | None = None
-    pending = set(range(size))
     try:
-        while pending:
-            now = time.monotonic()
-            limit = deadline if first_failure is None else min(deadline, first_failure + failure_grace_s)
-            if now >= limit:
-                break
-            ready = multiprocessing.connection.wait(
-                [connections[r] for r in pending] + [processes[r].sentinel for r in pending], timeout=limit - now
-            )
-            for rank in list(pending):
-                if connections[rank] in ready:
-                    try:
-                        status, payload = pickle.loads(connections[rank].recv_bytes())
-                    except EOFError:
-                        status, payload = "died", None
-                    if status == "ok":
-                        outcomes[rank].result = payload
-                    elif status == "error":
-                        outcomes[rank].error = payload
-                    processes[rank].join(timeout=10)
-                    outcomes[rank].exitcode = processes[rank].exitcode
-                    pending.discard(rank)
-                elif processes[rank].sentinel in ready and not connections[rank].poll():
-                    processes[rank].join()
-                    outcomes[rank].exitcode = processes[rank].exitcode
-                    pending.discard(rank)
-                else:
-                    continue
-                failed = outcomes[rank].error is not None or outcomes[rank].exitcode != 0
-                if failed and first_failure is None:
-                    first_failure = time.monotonic()
+        outcomes, pending, first_failure = _collect(processes, connections, timeout_s, failure_grace_s)
     finally:
         for process in processes:
             _kill_group(process.pid)

@@ -21,6 +21,7 @@ import tempfile
 import time
 from collections import Counter
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -28,6 +29,7 @@ from torch import nn
 import shoal.torch as hvd
 from shoal.bench import add_json_flag, emit
 from shoal.comm.baselines import wrap_ddp
+from shoal.config import env_name
 from shoal.plan.planner import median_error
 from shoal.plan.schemes import Scheme
 from shoal.predict.models import build, parameter_count
@@ -227,8 +229,8 @@ def _report_bound(result: dict[str, object], key: str, what: str, runs: list[flo
     return best
 
 
-def main(argv: list[str] | None = None) -> None:
-    """Parse flags, run the phases, print the JSON line."""
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    """The benchmark's flags."""
     parser = argparse.ArgumentParser(prog="python -m shoal.bench.train", description=__doc__.split("\n")[0])
     parser.add_argument("--model", choices=["cnn", "mlp", "transformer"], default="mlp")
     parser.add_argument("--compare", choices=["ddp", "none"], default="ddp", help="baseline to run in the same invocation")
@@ -252,7 +254,86 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--autotune-samples", type=int, default=12, help="scored autotune samples (default 12)")
     add_json_flag(parser)
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+@dataclass
+class Phases:
+    """What one invocation measured, for rank 0's report."""
+
+    shoal: list[float]
+    ddp: list[float]
+    bound: list[float]
+    lockstep: list[float]
+    solo_ips: float
+    reduce_s: float
+    profile: list[str]
+    tuned: tuple[float, int] | None
+    settings: list[object]
+
+
+def _report(args: argparse.Namespace, phases: Phases) -> None:
+    """Print the figures and the JSON line (rank 0)."""
+    model, _ = build(args.model)
+    shoal_ips = max(phases.shoal)
+    print(
+        f"model {args.model} ({parameter_count(model) / 1e6:.1f}M parameters), {hvd.size()} workers, "
+        f"batch {args.batch_size} per worker, comm {args.comm}"
+    )
+    print(f"shoal: {', '.join(f'{v:.1f}' for v in phases.shoal)} img/s")
+    result: dict[str, object] = {
+        "bench": "train",
+        "model": args.model,
+        "world": hvd.size(),
+        "comm": args.comm,
+        "shoal_ips": round(shoal_ips, 1),
+    }
+    if args.comm == Scheme.PS:  # co-located (a server thread in every worker) unless shoalrun started servers
+        config = resolve_config()
+        result["ps_mode"] = config.mode
+        result["ps_servers"] = config.num_servers if config.dedicated else hvd.size()
+        result["ps_dedicated"] = config.dedicated
+    plan = last_plan()
+    if args.comm == AUTO and plan is not None:
+        error = median_error(plan.plans)
+        result["plan_median_error"] = round(error, 3) if error is not None else None
+        result["plan_choices"] = dict(Counter(p.choice for p in plan.plans))
+        result["plan_refits"] = plan.refits
+    if phases.ddp:
+        print(f"ddp:   {', '.join(f'{v:.1f}' for v in phases.ddp)} img/s")
+        result["ddp_ips"] = round(max(phases.ddp), 1)
+        result["ratio"] = round(shoal_ips / max(phases.ddp), 3)
+    if phases.tuned is not None:
+        print(f"autotuned: {phases.tuned[0]:.1f} img/s after {phases.tuned[1]} tuning steps (settings {phases.settings})")
+        result["autotuned_ips"] = round(phases.tuned[0], 1)
+        result["autotune_ratio"] = round(phases.tuned[0] / shoal_ips, 3)
+        result["autotune_settings"] = phases.settings
+    bound_ips = _report_bound(result, "bound", "bound (all ranks, no communication)", phases.bound, shoal_ips)
+    if phases.lockstep:
+        what = "lockstep bound (no gradient bytes, ranks meet after each backward)"
+        _report_bound(result, "lockstep", what, phases.lockstep, shoal_ips)
+    # With every core busy computing, the reduction cannot hide: the best step is then the bound's plus one
+    # bare reduction of all gradients (a figure, not an upper limit, where cores are left free).
+    step_s = hvd.size() * args.batch_size / bound_ips
+    no_overlap_ips = hvd.size() * args.batch_size / (step_s + phases.reduce_s)
+    print(
+        f"bare Average allreduce of all gradients: {phases.reduce_s * 1e3:.2f} ms; bound step {step_s * 1e3:.2f} ms; "
+        f"without overlap {no_overlap_ips:.1f} img/s, Shoal {shoal_ips / no_overlap_ips:.1%} of that"
+    )
+    result["bare_reduce_ms"] = round(phases.reduce_s * 1e3, 3)
+    result["no_overlap_ips"] = round(no_overlap_ips, 1)
+    print(f"solo (1 process, no communication): {phases.solo_ips:.1f} img/s")
+    result["solo_ips"] = round(phases.solo_ips, 1)
+    if phases.profile:
+        print("profile (one more Shoal phase, timed with a timeline on every rank):")
+        for line in phases.profile:
+            print(f"  {line}")
+    emit(result, args.json)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Parse flags, run the phases, print the JSON line."""
+    args = _parse(argv)
     torch.set_num_threads(1)
     hvd.init()
     batches = _batches(args.model, args.batch_size, 4)
@@ -282,7 +363,7 @@ def main(argv: list[str] | None = None) -> None:
     settings: list[object] = []
     if args.autotune:  # re-init under autotune, in the same invocation as the default-settings rounds above
         hvd.shutdown()
-        os.environ.update(SHOAL_AUTOTUNE="1", SHOAL_AUTOTUNE_BAYES_OPT_MAX_SAMPLES=str(args.autotune_samples))
+        os.environ.update({env_name("AUTOTUNE"): "1", env_name("AUTOTUNE_BAYES_OPT_MAX_SAMPLES"): str(args.autotune_samples)})
         hvd.init()
         tuned = run_autotuned(args, batches)
         from shoal.core import session as handles
@@ -291,61 +372,7 @@ def main(argv: list[str] | None = None) -> None:
         settings = [engine.config.fusion_threshold_bytes, round(engine.config.cycle_time_ms, 3), engine.tuned_bucket_bytes]
         shoal_runs.append(run_shoal(args, batches))  # the defaults once more, after tuning, as a drift check
     if hvd.rank() == 0:
-        model, _ = build(args.model)
-        shoal_ips = max(shoal_runs)
-        print(
-            f"model {args.model} ({parameter_count(model) / 1e6:.1f}M parameters), {hvd.size()} workers, "
-            f"batch {args.batch_size} per worker, comm {args.comm}"
-        )
-        print(f"shoal: {', '.join(f'{v:.1f}' for v in shoal_runs)} img/s")
-        result: dict[str, object] = {
-            "bench": "train",
-            "model": args.model,
-            "world": hvd.size(),
-            "comm": args.comm,
-            "shoal_ips": round(shoal_ips, 1),
-        }
-        if args.comm == Scheme.PS:  # co-located (a server thread in every worker) unless shoalrun started servers
-            config = resolve_config()
-            result["ps_mode"] = config.mode
-            result["ps_servers"] = config.num_servers if config.dedicated else hvd.size()
-            result["ps_dedicated"] = config.dedicated
-        plan = last_plan()
-        if args.comm == AUTO and plan is not None:
-            error = median_error(plan.plans)
-            result["plan_median_error"] = round(error, 3) if error is not None else None
-            result["plan_choices"] = dict(Counter(p.choice for p in plan.plans))
-            result["plan_refits"] = plan.refits
-        if ddp_runs:
-            print(f"ddp:   {', '.join(f'{v:.1f}' for v in ddp_runs)} img/s")
-            result["ddp_ips"] = round(max(ddp_runs), 1)
-            result["ratio"] = round(shoal_ips / max(ddp_runs), 3)
-        if tuned is not None:
-            print(f"autotuned: {tuned[0]:.1f} img/s after {tuned[1]} tuning steps (settings {settings})")
-            result["autotuned_ips"] = round(tuned[0], 1)
-            result["autotune_ratio"] = round(tuned[0] / shoal_ips, 3)
-            result["autotune_settings"] = settings
-        bound_ips = _report_bound(result, "bound", "bound (all ranks, no communication)", bound_runs, shoal_ips)
-        if lockstep_runs:
-            what = "lockstep bound (no gradient bytes, ranks meet after each backward)"
-            _report_bound(result, "lockstep", what, lockstep_runs, shoal_ips)
-        # With every core busy computing, the reduction cannot hide: the best step is then the bound's plus one
-        # bare reduction of all gradients (a figure, not an upper limit, where cores are left free).
-        step_s = hvd.size() * args.batch_size / bound_ips
-        no_overlap_ips = hvd.size() * args.batch_size / (step_s + reduce_s)
-        print(
-            f"bare Average allreduce of all gradients: {reduce_s * 1e3:.2f} ms; bound step {step_s * 1e3:.2f} ms; "
-            f"without overlap {no_overlap_ips:.1f} img/s, Shoal {shoal_ips / no_overlap_ips:.1%} of that"
-        )
-        result["bare_reduce_ms"] = round(reduce_s * 1e3, 3)
-        result["no_overlap_ips"] = round(no_overlap_ips, 1)
-        print(f"solo (1 process, no communication): {solo_ips:.1f} img/s")
-        result["solo_ips"] = round(solo_ips, 1)
-        if profile:
-            print("profile (one more Shoal phase, timed with a timeline on every rank):")
-            for line in profile:
-                print(f"  {line}")
-        emit(result, args.json)
+        _report(args, Phases(shoal_runs, ddp_runs, bound_runs, lockstep_runs, solo_ips, reduce_s, profile, tuned, settings))
     hvd.shutdown()
 
 

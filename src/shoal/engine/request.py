@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import enum
-import itertools
 import threading
 import time
 from dataclasses import dataclass, field
@@ -70,9 +69,6 @@ class RequestMeta:
         return count * getattr(torch, self.dtype).itemsize
 
 
-_handle_ids = itertools.count(1)
-
-
 @dataclass
 class Request:
     """A user's request, as the submitting rank holds it until completion."""
@@ -82,7 +78,6 @@ class Request:
     """The input, made contiguous."""
     output: torch.Tensor | None
     """Where the result lands: the user's tensor for in-place forms, else a new tensor (may be resized)."""
-    handle_id: int = field(default_factory=lambda: next(_handle_ids))
     submitted_at: float = field(default_factory=time.monotonic)
     done: threading.Event = field(default_factory=threading.Event)
     result: Any = None

@@ -289,15 +289,6 @@ def DistributedOptimizer(
             dynamic_growth_steps=optimizer.dynamic_growth_steps,
             name=name or optimizer.name,
         )
-    config = optimizer.get_config()
-    own_steps = config.get("gradient_accumulation_steps") or 1
-    if backward_passes_per_step > 1:
-        if own_steps not in (1, backward_passes_per_step):
-            raise ValueError(
-                f"backward_passes_per_step={backward_passes_per_step} but the optimizer accumulates "
-                f"gradient_accumulation_steps={own_steps}: set one of them"
-            )
-        config["gradient_accumulation_steps"] = backward_passes_per_step
     reducer = make_reducer(
         compression,
         sparse_as_dense,
@@ -309,8 +300,24 @@ def DistributedOptimizer(
         device_dense,
         device_sparse,
     )
-    if backward_passes_per_step > 1 and not average_aggregated_gradients:
-        reducer.aggregation = float(backward_passes_per_step)  # Keras applies the mean; Horovod the sum
+    return _keras3_distributed(optimizer, name, reducer, backward_passes_per_step, average_aggregated_gradients)
+
+
+def _keras3_distributed(optimizer: Any, name: str | None, reducer: Any, passes: int, average_aggregated: bool) -> Any:
+    """A Keras 3 optimizer of ``optimizer``'s class, rebuilt from its config, that reduces with ``reducer``;
+    ``passes`` > 1 is Keras's own ``gradient_accumulation_steps`` (summed, as Horovod does, unless
+    ``average_aggregated``)."""
+    config = optimizer.get_config()
+    own_steps = config.get("gradient_accumulation_steps") or 1
+    if passes > 1:
+        if own_steps not in (1, passes):
+            raise ValueError(
+                f"backward_passes_per_step={passes} but the optimizer accumulates "
+                f"gradient_accumulation_steps={own_steps}: set one of them"
+            )
+        config["gradient_accumulation_steps"] = passes
+    if passes > 1 and not average_aggregated:
+        reducer.aggregation = float(passes)  # Keras applies the mean; Horovod the sum
     base = optimizer.__class__
     cls: Any = type(base.__name__, (_DistributedMethods, base), {"__module__": base.__module__})
     if name is not None:
