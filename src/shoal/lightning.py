@@ -101,7 +101,7 @@ class ShoalStrategy(ParallelStrategy):
         compression: ``hvd.Compression.none`` (default) or ``hvd.Compression.fp16``/``bf16``.
         comm: Shoal's per-layer scheme: ``allreduce`` (default), ``fp16``, ``bf16``, ``sfb``, ``auto``, ``ps``.
         comm_overrides: a scheme per module name or type (see ``shoal.torch.DistributedOptimizer``).
-        bucket_bytes: gradient bucket size (default ``SHOAL_BUCKET_BYTES`` or 2 MiB).
+        bucket_bytes: gradient bucket size (default: the ``BUCKET_BYTES`` knob or 2 MiB).
         op: ``hvd.Average`` (default), ``hvd.Sum`` or ``hvd.Adasum``.
         sparse_as_dense: reduce sparse gradients as dense tensors.
         """

@@ -1,17 +1,17 @@
-"""Shoal's logger: one ``logging`` logger named ``shoal``, its level set by ``SHOAL_LOG_LEVEL``."""
+"""Shoal's logger: one ``logging`` logger named ``shoal``, its level set by the ``LOG_LEVEL`` knob (docs/knobs.md)."""
 
 from __future__ import annotations
 
 import logging
 
-from shoal.config import worker_settings
+from shoal.config import env_name, worker_settings
 
 _LEVELS = {"trace": logging.DEBUG, "debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING}
 _LEVELS.update({"error": logging.ERROR, "fatal": logging.CRITICAL, "critical": logging.CRITICAL})
 
 
 def get_logger() -> logging.Logger:
-    """Return the ``shoal`` logger, configured once from ``SHOAL_LOG_LEVEL`` (default ``warning``)."""
+    """Return the ``shoal`` logger, configured once from the ``LOG_LEVEL`` knob (default ``warning``)."""
     logger = logging.getLogger("shoal")
     if not logger.handlers:
         handler = logging.StreamHandler()
@@ -20,6 +20,6 @@ def get_logger() -> logging.Logger:
         logger.propagate = False
         level_name = (worker_settings().log_level or "warning").lower()
         if level_name not in _LEVELS:
-            raise ValueError(f"SHOAL_LOG_LEVEL must be one of {sorted(_LEVELS)}, got {level_name!r}")
+            raise ValueError(f"{env_name('LOG_LEVEL')} must be one of {sorted(_LEVELS)}, got {level_name!r}")
         logger.setLevel(_LEVELS[level_name])
     return logger

@@ -1,7 +1,7 @@
 """Rendezvous benchmark: how long ``init()`` takes with torch's open TCPStore and with Shoal's authenticated store.
 
 Run: ``python -m shoal.bench.rendezvous [--worlds 2,4] [--repeats 3]``. For each world size and each store, it
-starts that many local ranks with a torchrun-style environment (rank 0 hosts the store; with ``SHOAL_SECRET`` set
+starts that many local ranks with a torchrun-style environment (rank 0 hosts the store; with the job's ``SECRET`` set
 it is Shoal's authenticated store, without it torch's TCPStore), lets every rank import torch first, then starts
 ``init()`` on all ranks at the same instant. A row reports the slowest rank's first ``init()`` (store, gloo group,
 engine) and the median of 5 ``shutdown()``/``init()`` cycles after it, median over repeats. Last line, one JSON:
@@ -22,6 +22,7 @@ import sys
 import time
 
 from shoal.bench import add_json_flag, emit
+from shoal.config import PREFIX, env_name
 
 
 def _worker(start_at: float, reinits: int) -> None:
@@ -59,7 +60,7 @@ def measure(world: int, authenticated: bool, reinits: int, import_grace_s: float
     start_at = time.time() + import_grace_s
     processes = []
     for rank in range(world):
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("SHOAL_", "HOROVOD_", "OMPI_", "PMI_", "SLURM_"))}
+        env = {k: v for k, v in os.environ.items() if not k.startswith((PREFIX, "HOROVOD_", "OMPI_", "PMI_", "SLURM_"))}
         env.update(
             RANK=str(rank),
             WORLD_SIZE=str(world),
@@ -67,10 +68,10 @@ def measure(world: int, authenticated: bool, reinits: int, import_grace_s: float
             LOCAL_WORLD_SIZE=str(world),
             MASTER_ADDR="127.0.0.1",
             MASTER_PORT=port,
-            SHOAL_LOG_LEVEL="error",
         )
+        env[env_name("LOG_LEVEL")] = "error"
         if authenticated:
-            env["SHOAL_SECRET"] = secret
+            env[env_name("SECRET")] = secret
         command = [sys.executable, "-m", "shoal.bench.rendezvous", "--worker", str(start_at), "--reinits", str(reinits)]
         processes.append(subprocess.Popen(command, env=env, stdout=subprocess.PIPE, text=True))
     results = []

@@ -31,6 +31,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from shoal.config import env_name
 from shoal.log import get_logger
 
 _MAGIC = b"SHOAL-STORE-1"
@@ -144,7 +145,7 @@ def _client_handshake(sock: socket.socket, secret: bytes, where: str) -> _Channe
         proof = _recv_exact(sock, _MAC_BYTES)
     except (ConnectionError, OSError) as error:
         raise StoreAuthError(
-            f"rendezvous refused by {where}: this process's SHOAL_SECRET does not match the job's secret"
+            f"rendezvous refused by {where}: this process's {env_name('SECRET')} does not match the job's secret"
         ) from error
     if not hmac.compare_digest(proof, _mac(secret, b"server", challenge, nonce)):
         raise StoreAuthError(f"the store at {where} does not hold the job secret (another process holds the port?)")
@@ -486,5 +487,5 @@ def connect(host: str, port: int, secret: str, timeout_s: float = 300.0, prefix:
         torch.distributed.DistNetworkError: nothing answered within ``timeout_s``.
     """
     if not secret:
-        raise ValueError("an authenticated store needs the job secret (SHOAL_SECRET)")
+        raise ValueError(f"an authenticated store needs the job secret ({env_name('SECRET')})")
     return StoreView(_RemoteBackend(host, port, secret.encode(), timeout_s), timeout_s, prefix.encode())

@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 from shoal.comm import auth_store
 from shoal.comm.auth_store import AuthStoreServer, StoreAuthError, StoreView
+from shoal.config import env_name
 from shoal.log import get_logger
 
 _AUTH_ADDRESS_KEY = "shoal/auth_store_address"
@@ -47,7 +48,7 @@ def connect_job_store(addr: str, port: int, secret: str | None, timeout_s: float
     """A client of the job's authenticated store (the job's processes other than its host), keys under ``prefix``."""
     if not secret:
         raise RuntimeError(
-            "shoal: rendezvous refused: SHOAL_SECRET is not set in this process, so it cannot join a shoalrun job"
+            f"shoal: rendezvous refused: {env_name('SECRET')} is not set in this process, so it cannot join a shoalrun job"
         )
     try:
         return auth_store.connect(addr, port, secret, timeout_s, prefix)
@@ -58,9 +59,9 @@ def connect_job_store(addr: str, port: int, secret: str | None, timeout_s: float
 def connect_store(info: Any, timeout_s: float) -> dist.Store:
     """Connect to (or, for rank 0 of a launcher without a store, host) the job's store.
 
-    With a job secret (always under shoalrun; under torchrun, mpirun or srun when ``SHOAL_SECRET`` is set in every
-    rank's environment) the store is authenticated. Without one, torch's TCPStore is used and the first ``init()``
-    warns that anyone who reaches the port can read and steer the job.
+    With a job secret (always under shoalrun; under torchrun, mpirun or srun when the same ``SECRET``, see
+    docs/security.md, is set in every rank's environment) the store is authenticated. Without one, torch's TCPStore
+    is used and the first ``init()`` warns that anyone who reaches the port can read and steer the job.
 
     Raises:
         RuntimeError: when the store cannot be reached in time, or when this process does not hold the
@@ -127,12 +128,14 @@ def _warn_unauthenticated(info: Any) -> None:
     if not _warned_open and info.rank == 0:
         _warned_open = True
         get_logger().warning(
-            "the rendezvous store at %s:%s is unauthenticated (%s without SHOAL_SECRET): anyone who reaches that port "
-            "can read and steer this job. Set the same random SHOAL_SECRET in every rank's environment to "
+            "the rendezvous store at %s:%s is unauthenticated (%s without %s): anyone who reaches that port "
+            "can read and steer this job. Set the same random %s in every rank's environment to "
             "authenticate it (see docs/security.md).",
             info.store_addr,
             info.store_port,
             info.launcher,
+            env_name("SECRET"),
+            env_name("SECRET"),
         )
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from shoal.config.engine import EngineConfig
 from shoal.config.env import (
+    PREFIX,
     Knob,
     Setting,
     env_bool,
@@ -19,7 +20,16 @@ from shoal.config.env import (
     settings,
 )
 from shoal.config.launch import LaunchConfig
-from shoal.config.worker import WorkerSettings, worker_settings
+from shoal.config.worker import (
+    ELASTIC_ID_ENV,
+    LAUNCHER_PID_ENV,
+    JobAddress,
+    ServerIdentity,
+    SlotInfo,
+    WorkerSettings,
+    job_secret,
+    worker_settings,
+)
 
 KNOB_CLASSES = (EngineConfig, WorkerSettings, LaunchConfig)
 """The classes whose knobs make docs/knobs.md, in the table's order."""
@@ -31,10 +41,10 @@ KNOB_NAMES = tuple(dict.fromkeys(s.knob.env for cls in KNOB_CLASSES for s in set
 WORKER_ENV_NAMES = ("RANK", "SIZE", "LOCAL_RANK", "LOCAL_SIZE", "CROSS_RANK", "CROSS_SIZE", "HOSTNAME")
 
 #: What shoalrun sets for a dedicated parameter-server process, on top of the rendezvous names and NUM_SERVERS.
-PS_SERVER_ENV_NAMES = ("SHOAL_PS_ROLE", "SHOAL_PS_SERVER_INDEX", "SHOAL_PS_NUM_WORKERS")
+PS_SERVER_ENV_NAMES = tuple(env_name(n) for n in ("PS_ROLE", "PS_SERVER_INDEX", "PS_NUM_WORKERS"))
 
 #: Rendezvous names that shoalrun sets (SHOAL_ prefix only).
-RENDEZVOUS_ENV_NAMES = ("SHOAL_RENDEZVOUS_ADDR", "SHOAL_RENDEZVOUS_PORT", "SHOAL_SECRET")
+RENDEZVOUS_ENV_NAMES = tuple(env_name(n) for n in ("RENDEZVOUS_ADDR", "RENDEZVOUS_PORT", "SECRET"))
 
 
 def knobs_table() -> str:
@@ -43,15 +53,21 @@ def knobs_table() -> str:
 
 
 __all__ = [
+    "ELASTIC_ID_ENV",
     "KNOB_CLASSES",
     "KNOB_NAMES",
+    "LAUNCHER_PID_ENV",
+    "PREFIX",
     "PS_SERVER_ENV_NAMES",
     "RENDEZVOUS_ENV_NAMES",
     "WORKER_ENV_NAMES",
     "EngineConfig",
+    "JobAddress",
     "Knob",
     "LaunchConfig",
+    "ServerIdentity",
     "Setting",
+    "SlotInfo",
     "WorkerSettings",
     "env_bool",
     "env_float",
@@ -59,6 +75,7 @@ __all__ = [
     "env_name",
     "env_str",
     "from_env",
+    "job_secret",
     "knob",
     "knobs_table",
     "settings",

@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from shoal.config.engine import MIB
-from shoal.config.env import HOROVOD_PREFIX, env_name, from_env, knob, parse_value
+from shoal.config.env import HOROVOD_PREFIX, env_int, env_name, env_str, from_env, knob, parse_value
 
 
 @dataclass(frozen=True)
@@ -116,3 +116,43 @@ class JobAddress:
         if not addr or not port:
             return None
         return cls(addr, int(parse_value("RENDEZVOUS_PORT", port, int)), env.get(env_name("SECRET")))
+
+
+def job_secret(env: Mapping[str, str]) -> str | None:
+    """The job's rendezvous secret (``SHOAL_SECRET``) in ``env``, or None when it is not set."""
+    return env.get(env_name("SECRET"))
+
+
+LAUNCHER_PID_ENV = env_name("LAUNCHER_PID")
+"""Set by shoalrun (and Ray's elastic driver) for the workers it starts: its own pid, so a worker can end itself
+when its launcher is gone."""
+ELASTIC_ID_ENV = env_name("ELASTIC_ID")
+"""Set by the elastic driver: the worker's identity across rounds (its rank changes, this does not)."""
+
+
+@dataclass(frozen=True)
+class ServerIdentity:
+    """A dedicated parameter-server process's place in the job: shoalrun writes it with ``to_env`` (beside the
+    job's ``JobAddress``), ``python -m shoal.ps.server`` reads it with ``from_env``."""
+
+    index: int
+    num_servers: int
+    num_workers: int
+
+    def to_env(self) -> dict[str, str]:
+        """As the server's environment: ``SHOAL_PS_ROLE=server`` and its index, the servers and the workers."""
+        return {
+            env_name("PS_ROLE"): "server",
+            env_name("PS_SERVER_INDEX"): str(self.index),
+            env_name("NUM_SERVERS"): str(self.num_servers),
+            env_name("PS_NUM_WORKERS"): str(self.num_workers),
+        }
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str]) -> ServerIdentity | None:
+        """What ``to_env`` wrote (each name read as a knob, ``SHOAL_`` or ``HOROVOD_``), or None when this process is
+        not a dedicated server (``PS_ROLE`` is not ``server``). A missing index reads as -1 and a missing count as 0,
+        for the caller to reject; a value that does not parse raises ``ValueError``."""
+        if env_str("PS_ROLE", env) != "server":
+            return None
+        return cls(env_int("PS_SERVER_INDEX", -1, env), env_int("NUM_SERVERS", 0, env), env_int("PS_NUM_WORKERS", 0, env))

@@ -36,7 +36,7 @@ class TunedSettings:
     fusion_threshold_bytes: int
     cycle_time_ms: float
     bucket_bytes: int | None
-    """None: the optimizer keeps its own (SHOAL_BUCKET_BYTES or its argument)."""
+    """None: the optimizer keeps its own (the ``BUCKET_BYTES`` knob or its argument)."""
     cache_enabled: bool = True
     hierarchical: bool = True
 
@@ -59,7 +59,7 @@ class TunedSettings:
 
 @dataclass
 class AutotuneConfig:
-    """horovodrun's autotune options (SHOAL_AUTOTUNE_* / HOROVOD_AUTOTUNE_*)."""
+    """horovodrun's autotune options (the ``AUTOTUNE_*`` knobs, docs/knobs.md)."""
 
     log_file: str | None = None
     warmup_samples: int = 3

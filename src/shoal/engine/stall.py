@@ -8,6 +8,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
+from shoal.config import env_name
 from shoal.log import get_logger
 
 PendingReport = list[tuple[int, str, float]]
@@ -123,11 +124,12 @@ class CollectiveWatch:
                 get_logger().warning(
                     "Stall inspector: rank %d has been blocked for %.0f s in %s: another rank's engine is not taking "
                     "part (it may be inside a call that holds the GIL, stopped, or still running a long transfer). "
-                    "The transport gives up after %.0f s (SHOAL_COLLECTIVE_TIMEOUT_SECONDS).",
+                    "The transport gives up after %.0f s (%s).",
                     self.rank,
                     waited,
                     what,
                     self.transport_timeout_s,
+                    env_name("COLLECTIVE_TIMEOUT_SECONDS"),
                 )
             if self.shutdown_time_s > 0 and waited >= self.shutdown_time_s and not shut:
                 shut = True

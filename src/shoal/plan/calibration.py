@@ -90,7 +90,7 @@ def timed_calls(fn: Callable[[], object], repeats: int) -> tuple[float, float, f
 
 
 def calibration_to_json(calibration: Calibration) -> str:
-    """Serialise a calibration (for ``SHOAL_CALIBRATION_FILE``)."""
+    """Serialise a calibration (for the ``CALIBRATION_FILE`` knob, docs/knobs.md)."""
     lines = {name: list(line) for name, line in calibration.lines.items()}
     links = {name: list(line) for name, line in calibration.links.items()}
     raw: dict[str, object] = {"lines": lines, "flops_per_s": calibration.flops_per_s, "links": links}

@@ -38,7 +38,7 @@ from shoal.ps.sharding import Piece, build_shard_plan
 
 _CLOSE_WAIT_S = 60.0
 _STALL_CHECK_S = 60.0
-"""Default period of the warnings about a slow server (SHOAL_STALL_CHECK_TIME_SECONDS, as the engine's)."""
+"""Default period of the warnings about a slow server (``STALL_CHECK_TIME_SECONDS``, as the engine's; docs/knobs.md)."""
 
 
 class ParameterServerError(RuntimeError):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shoal.config import WorkerSettings, worker_settings
+from shoal.config import WorkerSettings, env_name, worker_settings
 
 MODES = ("bsp", "ssp", "async")
 DEFAULT_STALENESS = WorkerSettings.ps_staleness
@@ -20,8 +20,8 @@ class PSConfig:
     staleness: int = DEFAULT_STALENESS
     """The SSP bound s (ignored by the other modes)."""
     num_servers: int = 0
-    """Dedicated server processes (``SHOAL_NUM_SERVERS``, set by ``shoalrun --num-servers``); 0 runs one server
-    shard as a thread inside every worker (co-located, S = P)."""
+    """Dedicated server processes (the ``NUM_SERVERS`` knob, docs/knobs.md, set by ``shoalrun --num-servers``); 0 runs
+    one server shard as a thread inside every worker (co-located, S = P)."""
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -29,7 +29,7 @@ class PSConfig:
         if self.staleness < 0:
             raise ValueError(f"ps_staleness must be >= 0, got {self.staleness}")
         if self.num_servers < 0:
-            raise ValueError(f"SHOAL_NUM_SERVERS must be >= 0, got {self.num_servers}")
+            raise ValueError(f"{env_name('NUM_SERVERS')} must be >= 0, got {self.num_servers}")
 
     @property
     def dedicated(self) -> bool:
@@ -38,7 +38,7 @@ class PSConfig:
 
 
 def resolve_config(mode: str | None = None, staleness: int | None = None) -> PSConfig:
-    """Defaults < environment (``SHOAL_PS_MODE``, ``SHOAL_PS_STALENESS``, ``SHOAL_NUM_SERVERS``) < arguments."""
+    """Defaults < environment (the ``PS_MODE``, ``PS_STALENESS`` and ``NUM_SERVERS`` knobs, docs/knobs.md) < arguments."""
     settings = worker_settings()
     chosen_mode = mode if mode is not None else settings.ps_mode.lower()
     chosen_staleness = staleness if staleness is not None else settings.ps_staleness
@@ -46,5 +46,5 @@ def resolve_config(mode: str | None = None, staleness: int | None = None) -> PSC
 
 
 def configured_servers() -> int:
-    """Dedicated servers in this job (``SHOAL_NUM_SERVERS``), 0 when none."""
+    """Dedicated servers in this job (the ``NUM_SERVERS`` knob), 0 when none."""
     return worker_settings().num_servers

@@ -1,10 +1,9 @@
 """Join this job's parameter-server group, once per process and ``hvd.init()``, and leave it at ``shutdown()``.
 
-Group ranks 0..P-1 are the workers' clients and P..P+S-1 the servers. With dedicated servers
-(``SHOAL_NUM_SERVERS`` = S > 0) the group lives in the job's rendezvous store, which the server processes reach
-too. Co-located (S = P), every worker also hosts server i as rank P+i, in a second gloo group object of its own,
-served by a background thread; the group is then scoped to this ``hvd.init()``'s store, so a later ``init()``
-starts clean.
+Group ranks 0..P-1 are the workers' clients and P..P+S-1 the servers. With dedicated servers (the ``NUM_SERVERS``
+knob = S > 0, docs/knobs.md) the group lives in the job's rendezvous store, which the server processes reach too.
+Co-located (S = P), every worker also hosts server i as rank P+i, in a second gloo group object of its own, served by
+a background thread; the group is then scoped to this ``hvd.init()``'s store, so a later ``init()`` starts clean.
 """
 
 from __future__ import annotations
@@ -15,7 +14,7 @@ from typing import Any
 
 from shoal.comm.p2p import PeerGroup, arrive_and_wait, connect_job_store
 from shoal.comm.store import prefix_store
-from shoal.config import env_float, worker_settings
+from shoal.config import JobAddress, env_float, env_name, worker_settings
 from shoal.log import get_logger
 from shoal.ps.client import PSClient, exiting_on_error
 from shoal.ps.config import PSConfig
@@ -70,16 +69,17 @@ def _join(config: PSConfig, current: Any) -> _Connection:
         if _served_generations:
             raise ValueError(
                 "the dedicated parameter servers served this job's first hvd.init() and left at its shutdown(); "
-                "a later init() cannot use them (use co-located servers, SHOAL_NUM_SERVERS unset, to re-init)"
+                f"a later init() cannot use them (use co-located servers, {env_name('NUM_SERVERS')} unset, to re-init)"
             )
         _served_generations.add(current.generation)
         servers = config.num_servers
-        store = connect_job_store(
-            os.environ["SHOAL_RENDEZVOUS_ADDR"],
-            int(os.environ["SHOAL_RENDEZVOUS_PORT"]),
-            os.environ.get("SHOAL_SECRET"),
-            timeout_s,
-        )
+        address = JobAddress.from_env(os.environ)
+        if address is None:
+            raise ValueError(
+                f"dedicated parameter servers ({env_name('NUM_SERVERS')} = {servers}) need the job's rendezvous store, "
+                f"but {env_name('RENDEZVOUS_ADDR')} and {env_name('RENDEZVOUS_PORT')} are not both set"
+            )
+        store = connect_job_store(address.addr, address.port, address.secret, timeout_s)
         group = PeerGroup(store, worker, workers + servers)
         arrive_and_wait(store, "arrived", workers + servers, timeout_s, f"worker {worker}")
         client = PSClient(group, worker, workers, servers, dedicated=True)
@@ -125,8 +125,9 @@ def close() -> None:
         if connection.thread.is_alive():
             get_logger().error(
                 "shoal.ps: this worker's co-located server still serves workers that have not left after %.0f s "
-                "(SHOAL_COLLECTIVE_TIMEOUT_SECONDS); leaving anyway, and they will see it go",
+                "(%s); leaving anyway, and they will see it go",
                 limit_s,
+                env_name("COLLECTIVE_TIMEOUT_SECONDS"),
             )
     if connection.client.error is not None:
         get_logger().warning("shoal.ps: left the parameter-server group after: %s", connection.client.error)

@@ -1,13 +1,13 @@
 """What a launcher needs to start dedicated parameter servers (``shoalrun --num-servers S``).
 
-Contract (all values strings):
+Contract (all values strings; every name below is written without Shoal's prefix, see docs/knobs.md):
 
-* every **worker** gets, on top of its usual environment, ``SHOAL_NUM_SERVERS=S`` (``worker_env``);
+* every **worker** gets, on top of its usual environment, ``NUM_SERVERS=S`` (``worker_env``);
 * server i (0 <= i < S) runs ``[python, "-m", "shoal.ps.server"]`` with the launcher's rendezvous variables
-  (``SHOAL_RENDEZVOUS_ADDR``, ``SHOAL_RENDEZVOUS_PORT``, ``SHOAL_SECRET``: the same values the workers get) plus
-  ``SHOAL_PS_ROLE=server``, ``SHOAL_PS_SERVER_INDEX=i``, ``SHOAL_NUM_SERVERS=S`` and ``SHOAL_PS_NUM_WORKERS=P``
-  (``server_processes``); it must not get ``SHOAL_RANK`` (it is not a Horovod rank). Knobs such as
-  ``SHOAL_START_TIMEOUT`` and ``SHOAL_LOG_LEVEL`` pass through as for workers.
+  (``JobAddress``: ``RENDEZVOUS_ADDR``, ``RENDEZVOUS_PORT``, ``SECRET``, the same values the workers get) plus its
+  ``ServerIdentity``: ``PS_ROLE=server``, ``PS_SERVER_INDEX=i``, ``NUM_SERVERS=S`` and ``PS_NUM_WORKERS=P``
+  (``server_processes``); it must not get ``RANK`` (it is not a Horovod rank). Knobs such as ``START_TIMEOUT`` and
+  ``LOG_LEVEL`` pass through as for workers.
 
 A server waits (unbounded) for the P workers to reach their first ``comm="ps"`` optimizer, serves until every worker
 said goodbye at ``hvd.shutdown()`` (or exit), and exits 0. When a worker vanishes it tells the other workers which
@@ -22,6 +22,8 @@ from __future__ import annotations
 import sys
 from collections.abc import Mapping
 
+from shoal.config import RENDEZVOUS_ENV_NAMES, ServerIdentity, env_name
+
 SERVER_MODULE = "shoal.ps.server"
 
 
@@ -33,8 +35,8 @@ def server_processes(
     Args:
         num_servers: S (>= 1).
         num_workers: P, the number of Horovod ranks of the job.
-        rendezvous_env: ``SHOAL_RENDEZVOUS_ADDR``, ``SHOAL_RENDEZVOUS_PORT`` and ``SHOAL_SECRET`` as given to the
-            workers (other entries are copied too, e.g. knobs).
+        rendezvous_env: the job's rendezvous variables (``RENDEZVOUS_ADDR``, ``RENDEZVOUS_PORT`` and ``SECRET``, as
+            ``JobAddress.to_env`` writes them) as given to the workers (other entries are copied too, e.g. knobs).
         python: the interpreter to run the servers with.
 
     Returns:
@@ -42,18 +44,17 @@ def server_processes(
     """
     if num_servers < 1 or num_workers < 1:
         raise ValueError(f"need at least one server and one worker, got {num_servers} and {num_workers}")
-    missing = [n for n in ("SHOAL_RENDEZVOUS_ADDR", "SHOAL_RENDEZVOUS_PORT", "SHOAL_SECRET") if n not in rendezvous_env]
+    missing = [n for n in RENDEZVOUS_ENV_NAMES if n not in rendezvous_env]
     if missing:
         raise ValueError(f"dedicated parameter servers need the job's rendezvous variables; missing {missing}")
     processes = []
     for index in range(num_servers):
         env = dict(rendezvous_env)
-        env.update(worker_env(num_servers))
-        env.update({"SHOAL_PS_ROLE": "server", "SHOAL_PS_SERVER_INDEX": str(index), "SHOAL_PS_NUM_WORKERS": str(num_workers)})
+        env.update(ServerIdentity(index, num_servers, num_workers).to_env())
         processes.append(([python, "-m", SERVER_MODULE], env))
     return processes
 
 
 def worker_env(num_servers: int) -> dict[str, str]:
     """What every worker gets on top of its usual environment when the job has dedicated servers."""
-    return {"SHOAL_NUM_SERVERS": str(num_servers)}
+    return {env_name("NUM_SERVERS"): str(num_servers)}

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from shoal.comm.p2p import PeerGroup, PeerLostError, arrive_and_wait, connect_job_store
-from shoal.config import env_int, env_str, worker_settings
+from shoal.config import JobAddress, ServerIdentity, env_name, worker_settings
 from shoal.log import get_logger
 from shoal.ps.consistency import PieceClocks, PullRecorder
 from shoal.ps.messages import (
@@ -269,22 +269,25 @@ class ShardServer:
 
 def main() -> None:
     """``python -m shoal.ps.server``: serve one shard as a dedicated process (environment: ``shoal.ps.launch``)."""
-    if env_str("PS_ROLE") != "server":
-        sys.exit("shoal.ps.server: SHOAL_PS_ROLE=server is not set; shoalrun --num-servers starts this module")
-    index = env_int("PS_SERVER_INDEX", -1)
-    servers = worker_settings().num_servers
-    workers = env_int("PS_NUM_WORKERS", 0)
+    identity = ServerIdentity.from_env(os.environ)
+    if identity is None:
+        sys.exit(f"shoal.ps.server: {env_name('PS_ROLE')}=server is not set; shoalrun --num-servers starts this module")
+    index, servers, workers = identity.index, identity.num_servers, identity.num_workers
     if not 0 <= index < servers or workers < 1:
         sys.exit(
-            f"shoal.ps.server: bad environment: SHOAL_PS_SERVER_INDEX={index} SHOAL_NUM_SERVERS={servers} "
-            f"SHOAL_PS_NUM_WORKERS={workers}"
+            f"shoal.ps.server: bad environment: {env_name('PS_SERVER_INDEX')}={index} {env_name('NUM_SERVERS')}={servers} "
+            f"{env_name('PS_NUM_WORKERS')}={workers}"
+        )
+    address = JobAddress.from_env(os.environ)
+    if address is None:
+        sys.exit(
+            f"shoal.ps.server: {env_name('RENDEZVOUS_ADDR')} and {env_name('RENDEZVOUS_PORT')} are not both set; "
+            "shoalrun --num-servers starts this module"
         )
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))  # the launcher ends an idle server when the job ends
     torch.set_num_threads(1)
     timeout_s = worker_settings().start_timeout
-    store = connect_job_store(
-        os.environ["SHOAL_RENDEZVOUS_ADDR"], int(os.environ["SHOAL_RENDEZVOUS_PORT"]), os.environ.get("SHOAL_SECRET"), timeout_s
-    )
+    store = connect_job_store(address.addr, address.port, address.secret, timeout_s)
     server = build_dedicated_server(store, workers, servers, index)
     try:
         server.serve()

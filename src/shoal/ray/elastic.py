@@ -22,7 +22,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
-from shoal.config import LaunchConfig
+from shoal.config import LAUNCHER_PID_ENV, LaunchConfig
 from shoal.runner.api import _dumps
 from shoal.runner.discovery import HostDiscovery
 from shoal.runner.elastic_driver import ElasticJob
@@ -84,7 +84,7 @@ class WorkerProcessActor:
 
     def start(self, module_args: Sequence[str], env: Mapping[str, str]) -> int:
         """Run ``python -m ...`` with this node's interpreter and the job's environment; its exit code."""
-        environment = {**os.environ, **env, "SHOAL_LAUNCHER_PID": str(os.getpid())}
+        environment = {**os.environ, **env, LAUNCHER_PID_ENV: str(os.getpid())}
         self.process = subprocess.Popen(
             [sys.executable, *module_args], env=environment, start_new_session=True, preexec_fn=_die_with_parent
         )

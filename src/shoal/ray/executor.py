@@ -20,7 +20,7 @@ class RaySettings:
     """Horovod's ``MiniSettings``: what the executor needs beyond the worker counts."""
 
     timeout_s: float = 30.0
-    """How long workers wait for each other at rendezvous (``SHOAL_START_TIMEOUT``)."""
+    """How long workers wait for each other at rendezvous (as the ``START_TIMEOUT`` knob, docs/knobs.md)."""
     placement_group_timeout_s: float = 100.0
     """How long ``start()`` waits for Ray to reserve the workers' resources."""
     ssh_identity_file: str | None = None

@@ -51,9 +51,10 @@ class ShoalConfig(BackendConfig):
     """Ray Train's configuration for a Shoal backend."""
 
     timeout_s: float = 60.0
-    """How long the workers wait for each other at ``hvd.init()`` (``SHOAL_START_TIMEOUT``)."""
+    """How long the workers wait for each other at ``hvd.init()`` (as the ``START_TIMEOUT`` knob, docs/knobs.md)."""
     env: Mapping[str, str] | None = None
-    """More environment for every worker (Shoal's knobs, e.g. ``{"SHOAL_FUSION_THRESHOLD": "..."}``)."""
+    """More environment for every worker (Shoal's knobs under their full names, e.g.
+    ``{shoal.config.env_name("FUSION_THRESHOLD"): "..."}``; docs/knobs.md)."""
 
     @property
     def backend_cls(self) -> type[Backend]:

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from shoal.compat import HOROVOD_SHIM_PATH
-from shoal.config import LaunchConfig
+from shoal.config import LAUNCHER_PID_ENV, LaunchConfig, env_name
 from shoal.config.worker import JobAddress
 from shoal.runner.hosts import HostSlots, SlotInfo, assign_slots, is_local_host, parse_hostfile, parse_hosts
 from shoal.runner.output import OutputPump
@@ -35,7 +35,7 @@ SERVER_EXIT_GRACE_S = 5.0
 
 _NOT_FORWARDED_PREFIXES = ("BASH_FUNC_", "SSH_")
 _NOT_FORWARDED_NAMES = frozenset(
-    {"OLDPWD", "CUDA_VISIBLE_DEVICES", "SHOAL_SECRET", "HOROVOD_SECRET_KEY", "HOSTNAME", "PWD", "SHLVL", "_"}
+    {"OLDPWD", "CUDA_VISIBLE_DEVICES", env_name("SECRET"), "HOROVOD_SECRET_KEY", "HOSTNAME", "PWD", "SHLVL", "_"}
 )
 
 
@@ -249,7 +249,7 @@ class Job:
             env.update(extra)
             if "OMP_NUM_THREADS" not in env:
                 env["OMP_NUM_THREADS"] = str(self._threads_per_worker(slot.hostname))
-            env["SHOAL_LAUNCHER_PID"] = str(os.getpid())  # lets a worker end itself if shoalrun is SIGKILLed
+            env[LAUNCHER_PID_ENV] = str(os.getpid())  # lets a worker end itself if shoalrun is SIGKILLed
             argv = [*self.local_prefixes.get(slot.hostname, []), *command]
             stdin: int = subprocess.DEVNULL
         else:

@@ -19,11 +19,9 @@ import os
 import time
 from typing import Any
 
-from shoal.config.worker import SlotInfo
+from shoal.config.worker import ELASTIC_ID_ENV, SlotInfo
 from shoal.exceptions import ElasticRendezvousError, WorkerRemovedError
 
-ELASTIC_ID_ENV = "SHOAL_ELASTIC_ID"
-"""Set by the elastic driver: the worker's identity across rounds (its rank changes, this does not)."""
 REMOVED = "removed"
 _POLL_S = 0.02
 

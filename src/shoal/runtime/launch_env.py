@@ -1,6 +1,6 @@
 """Work out who started this process and where the rendezvous is, from the environment alone.
 
-Supported launchers, tried in this order: shoalrun (``SHOAL_RANK``), torchrun (``TORCHELASTIC_RUN_ID`` or
+Supported launchers, tried in this order: shoalrun (a ``SlotInfo`` identity), torchrun (``TORCHELASTIC_RUN_ID`` or
 ``RANK`` + ``WORLD_SIZE`` + ``MASTER_ADDR``; named ``kubernetes`` in a Kubeflow PyTorchJob pod without torchrun),
 OpenMPI's mpirun (``OMPI_COMM_WORLD_*``), PMI-based MPIs (``PMI_RANK``/``PMIX_RANK``), Slurm's srun
 (``SLURM_PROCID``; node lists such as ``gpu[01-04]-ib`` expanded by ``shoal.runtime.slurm``), and a plain process
@@ -14,7 +14,7 @@ import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from shoal.config.worker import JobAddress, SlotInfo
+from shoal.config.worker import JobAddress, SlotInfo, job_secret
 from shoal.runtime.slurm import hostnames
 
 __all__ = ["LaunchInfo", "SlotInfo", "detect_launch", "first_slurm_host"]
@@ -106,7 +106,7 @@ def _from_torchrun(env: Mapping[str, str]) -> LaunchInfo:
         store_addr=env.get("MASTER_ADDR"),
         store_port=_optional_int(env, "MASTER_PORT"),
         store_hosted_by_launcher=env.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
-        secret=env.get("SHOAL_SECRET"),
+        secret=job_secret(env),
     )
 
 
@@ -148,7 +148,7 @@ def _from_openmpi(env: Mapping[str, str]) -> LaunchInfo:
         host_key=socket.gethostname(),
         store_addr=addr,
         store_port=port,
-        secret=env.get("SHOAL_SECRET"),
+        secret=job_secret(env),
     )
 
 
@@ -165,7 +165,7 @@ def _from_pmi(env: Mapping[str, str]) -> LaunchInfo:
         host_key=socket.gethostname(),
         store_addr=addr,
         store_port=port,
-        secret=env.get("SHOAL_SECRET"),
+        secret=job_secret(env),
     )
 
 
@@ -181,7 +181,7 @@ def _from_slurm(env: Mapping[str, str]) -> LaunchInfo:
         host_key=env.get("SLURMD_NODENAME") or socket.gethostname(),
         store_addr=env.get("MASTER_ADDR") or first_slurm_host(nodelist),
         store_port=port,
-        secret=env.get("SHOAL_SECRET"),
+        secret=job_secret(env),
     )
 
 

@@ -1,8 +1,9 @@
 """End a worker whose shoalrun died without being able to end it (SIGKILL, OOM killer).
 
 shoalrun ends its workers itself on every exit it can handle; a SIGKILL'ed launcher cannot. A worker started by
-it directly learns its pid (``SHOAL_LAUNCHER_PID``) and, once initialized, checks its parent twice a second: when
-the launcher is gone, the worker ends its own process group (itself and anything it started), leaving no orphans.
+it directly learns its pid (``shoal.config.LAUNCHER_PID_ENV``) and, once initialized, checks its parent twice a
+second: when the launcher is gone, the worker ends its own process group (itself and anything it started), leaving
+no orphans.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import signal
 import threading
 import time
 
+from shoal.config.worker import LAUNCHER_PID_ENV
 from shoal.log import get_logger
 
 _started = False
@@ -21,7 +23,7 @@ _POLL_S = 0.5
 def start_launcher_watchdog() -> bool:
     """Start the watchdog once per process, if shoalrun is this process's direct parent; returns whether it runs."""
     global _started
-    raw = os.environ.get("SHOAL_LAUNCHER_PID")
+    raw = os.environ.get(LAUNCHER_PID_ENV)
     if _started or not raw or not raw.isdigit() or os.getppid() != int(raw):
         return _started
     launcher = int(raw)

@@ -1,7 +1,7 @@
-"""Reading Shoal timelines (Chrome-trace JSON written by ``SHOAL_TIMELINE``): merge, summary, plot.
+"""Reading Shoal timelines (Chrome-trace JSON written under the ``TIMELINE`` knob, docs/knobs.md): merge, summary, plot.
 
 Open a timeline itself in Perfetto (https://ui.perfetto.dev) or chrome://tracing. ``python -m shoal.timeline merge
-A.json B.json -o all.json`` puts per-rank files (``SHOAL_TIMELINE=tl-{rank}.json``) on one clock;
+A.json B.json -o all.json`` puts per-rank files (the ``TIMELINE`` knob set to ``tl-{rank}.json``) on one clock;
 ``summary FILE...`` condenses one or more files; ``plot FILE -o OUT.png`` draws one rank's rows.
 """
 

@@ -19,7 +19,7 @@ def main(argv: list[str] | None = None) -> None:
     drawing.add_argument("--tensors", type=int, default=20, help="tensor rows to draw (default 20)")
     drawing.add_argument("--rank", type=int, default=None, help="the rank to draw (default: the lowest)")
     drawing.add_argument("--steps", type=int, default=None, help="draw only the last N optimizer steps")
-    merging = commands.add_parser("merge", help="put per-rank files (SHOAL_TIMELINE=tl-{rank}.json) on one clock")
+    merging = commands.add_parser("merge", help="put per-rank files (the TIMELINE knob set to tl-{rank}.json) on one clock")
     merging.add_argument("files", nargs="+")
     merging.add_argument("-o", "--output", required=True)
     args = parser.parse_args(argv)

@@ -153,7 +153,7 @@ def DistributedOptimizer(
     and hyperparameters. Arguments follow ``horovod.torch.DistributedOptimizer``; ``groups`` is a list of parameter
     lists reduced together (or, as in Horovod, an int meaning ``num_groups``).
 
-    ``bucket_bytes`` (Shoal's addition; default ``SHOAL_BUCKET_BYTES`` or 2 MiB) batches gradients that become
+    ``bucket_bytes`` (Shoal's addition; default: the ``BUCKET_BYTES`` knob or 2 MiB) batches gradients that become
     ready one after another until this many bytes are waiting, then submits them together: each submission costs
     a negotiation cycle and a collective, which on CPU outweighs the overlap won by sending every small gradient
     alone. 0 submits every gradient the moment it is ready (pure wait-free backprop).
@@ -168,7 +168,7 @@ def DistributedOptimizer(
     hook pushes each gradient to the servers that own its pieces, the servers run this optimizer's class and
     hyperparameters (SGD or Adam/AdamW), and ``step()`` pulls the fresh values into ``p.data``. ``ps_mode`` is
     ``"bsp"`` (default; the same update as allreduce), ``"ssp"`` (stale synchronous, bound ``ps_staleness``) or
-    ``"async"``; the environment fallbacks are ``SHOAL_PS_MODE`` and ``SHOAL_PS_STALENESS``. The servers are
+    ``"async"``; the environment fallbacks are the ``PS_MODE`` and ``PS_STALENESS`` knobs (docs/knobs.md). The servers are
     dedicated processes under ``shoalrun --num-servers S``, otherwise a thread in every worker (co-located).
     """
     if comm not in COMM_CHOICES:

@@ -136,7 +136,7 @@ def _cast_allreduce(tensor: torch.Tensor, wire: torch.dtype, name: str) -> None:
 
 
 def job_calibration() -> Calibration:
-    """The job's calibration: from ``SHOAL_CALIBRATION_FILE`` when that file exists, else measured once per job.
+    """The job's calibration: from the ``CALIBRATION_FILE`` knob's file when it exists, else measured once per job.
 
     With a file path that does not exist yet, rank 0 writes the measured calibration there, so later jobs on the
     same network can skip the probes (or a user can edit it to override the measurement). Collective: every rank
@@ -162,7 +162,7 @@ def job_calibration() -> Calibration:
 
 
 def keep_calibration(calibration: Calibration) -> None:
-    """Make ``calibration`` the job's (and rank 0 writes it to ``SHOAL_CALIBRATION_FILE`` when that is set)."""
+    """Make ``calibration`` the job's (and rank 0 writes it to the ``CALIBRATION_FILE`` knob's file when that is set)."""
     ctx = context.current()
     ctx.set_part(_PART, calibration)
     path = worker_settings().calibration_file
