@@ -52,11 +52,29 @@ class MultiRankError(AssertionError):
         self.outcomes = outcomes
 
 
+_PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "shoal.torch"]
+"""What the forkserver imports once, so that no rank pays for it: torch, and torch._dynamo, which torch imports
+lazily the first time an optimizer is built (a second of CPU per rank otherwise)."""
+
+
+def preload(*modules: str) -> None:
+    """Import ``modules`` once in the forkserver every rank is forked from (e.g. ``"tensorflow"``, five seconds of
+    CPU per rank otherwise). Call before the first ``run_ranks``; ranks that need a fresh interpreter (another Keras
+    backend than the preloaded one) pass ``fresh=True``.
+
+    Raises:
+        RuntimeError: the forkserver has already started.
+    """
+    if _context is not None:
+        raise RuntimeError("shoal.testing.preload() must come before the first run_ranks()")
+    _PRELOAD.extend(m for m in modules if m not in _PRELOAD)
+
+
 def _forkserver() -> Any:
     global _context
     if _context is None:
         _context = multiprocessing.get_context("forkserver")
-        _context.set_forkserver_preload(["torch", "torch.distributed", "shoal.torch"])
+        _context.set_forkserver_preload(list(_PRELOAD))
     return _context
 
 
@@ -146,6 +164,7 @@ def run_ranks(
     timeout_s: float = 60.0,
     rank_env_overrides: Mapping[int, Mapping[str, str]] | None = None,
     failure_grace_s: float = _FAILURE_GRACE_S,
+    fresh: bool = False,
 ) -> list[Any]:
     """Run ``fn(*args)`` on ``size`` ranks and return the results in rank order.
 
@@ -157,6 +176,8 @@ def run_ranks(
         timeout_s: hard limit for the whole run; past it every rank is killed and the call fails.
         rank_env_overrides: extra environment for particular ranks (to give one rank a wrong secret, say).
         failure_grace_s: once a rank failed, how long the others may still run before they are killed.
+        fresh: start each rank in a new interpreter instead of forking the preloaded server (slower; for ranks
+            whose environment must be read at import, such as another ``KERAS_BACKEND`` than the preloaded one).
 
     Returns:
         ``fn``'s return value on each rank.
@@ -166,7 +187,7 @@ def run_ranks(
     """
     from shoal.comm.store import host_store
 
-    context = _forkserver()
+    context = multiprocessing.get_context("spawn") if fresh else _forkserver()
     secret = secrets.token_hex(16)
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
