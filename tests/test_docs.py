@@ -15,6 +15,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 import textwrap
 from pathlib import Path
 from typing import Any
@@ -370,3 +371,19 @@ def test_readme_shoal_run_example(tmp_path: Path) -> None:
     header = "from train_module import train_fn\nconfig = {'value': 7}\n"
     script.write_text(header + block + "\nprint(results)\n")
     assert run(f"python {script}", tmp_path, timeout=120).strip().splitlines()[-1] == "[[0, 2, 7], [1, 2, 7]]"
+
+
+def test_make_demo_installs_only_what_the_demo_needs() -> None:
+    """``make demo`` installs the examples extra (scikit-learn, tqdm), not ``[dev]`` with TensorFlow, Ray and
+    Lightning; ``make -n`` prints what it would run without running it."""
+    with tempfile.TemporaryDirectory() as empty:
+        result = subprocess.run(
+            ["make", "-n", "-f", str(REPO / "Makefile"), f"VENV={empty}/venv", "demo"],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+    assert result.returncode == 0, result.stderr
+    assert "pip install --quiet -e '.[examples]'" in result.stdout and "torch==2.13.0" in result.stdout
+    assert "[dev]" not in result.stdout

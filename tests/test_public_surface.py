@@ -128,6 +128,7 @@ SHOALRUN_FLAGS = {
     "--no-hierarchical-allreduce",
     "--stall-check",
     "--gloo-timeout-seconds",
+    "--idle-cycle-time-ms",
     "--config-file",
     "--ranks-filter",
     "--autotune",

@@ -63,8 +63,13 @@ class EngineConfig:
         group=_TUNING,
         config_key="params.cycle_time_ms",
     )
-    idle_cycle_time_ms: float = 20.0
-    """How often an idle engine still joins a cycle, so that a rank with work never waits longer than this."""
+    idle_cycle_time_ms: float = knob(
+        20.0,
+        "how often an idle engine still joins a cycle, ms: a rank with new work waits at most this long for idle peers",
+        env="IDLE_CYCLE_TIME",
+        flags=("--idle-cycle-time-ms",),
+        group=_TUNING,
+    )
     cache_capacity: int = knob(
         1024,
         "response cache entries; 0 disables the cache",
