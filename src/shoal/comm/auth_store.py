@@ -28,11 +28,15 @@ import struct
 import threading
 import time
 from datetime import timedelta
-
-import torch.distributed as dist
+from typing import TYPE_CHECKING
 
 from shoal.config import env_name
 from shoal.log import get_logger
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
+
+    from shoal.comm.torch_store import StoreView
 
 _MAGIC = b"SHOAL-STORE-1"
 _NONCE_BYTES = 32
@@ -285,8 +289,15 @@ class AuthStoreServer:
             sock.close()
 
     def local_store(self, timeout_s: float = 300.0) -> StoreView:
-        """A ``Store`` over this server's data for the hosting process itself (no socket, no handshake)."""
+        """A torch ``Store`` over this server's data for the hosting process itself (no socket, no handshake)."""
+        from shoal.comm.torch_store import StoreView
+
         return StoreView(_LocalBackend(self.values), timeout_s, server=self)
+
+    def local_view(self, timeout_s: float = 300.0) -> KeyValueView:
+        """The same data as ``local_store`` without importing torch: what shoalrun, which starts no collective,
+        reads and writes."""
+        return KeyValueView(_LocalBackend(self.values), timeout_s, server=self)
 
     def close(self) -> None:
         """Stop accepting and close every connection."""
@@ -311,6 +322,8 @@ def _as_bytes(value: str | bytes | bytearray | list[int]) -> bytes:
 
 
 def _timeout_error(keys: list[bytes], timeout_s: float) -> RuntimeError:
+    import torch.distributed as dist  # torch's error class, as torch's own stores raise (only on this path)
+
     names = ", ".join(k.decode(errors="replace") for k in keys)
     return dist.DistStoreError(f"wait timeout after {timeout_s * 1000:.0f}ms, keys: {names}")
 
@@ -352,6 +365,8 @@ class _RemoteBackend:
                 break
             except OSError as error:
                 if time.monotonic() >= deadline:
+                    import torch.distributed as dist
+
                     raise dist.DistNetworkError(f"cannot reach the rendezvous store at {self.where}: {error}") from error
                 time.sleep(0.05)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -378,6 +393,8 @@ class _RemoteBackend:
             raise
         self._idle.put(channel)
         if not reply:
+            import torch.distributed as dist
+
             raise dist.DistStoreError(f"empty reply from the rendezvous store at {self.where}")
         return reply[0], _unpack_fields(reply[1:])
 
@@ -391,13 +408,9 @@ class _RemoteBackend:
                 continue
 
 
-class StoreView(dist.Store):
-    """torch's ``Store`` interface over a backend (local or remote), every key under ``prefix``.
-
-    A Python store handed to torch must stay referenced from Python for as long as torch uses it (pybind keeps
-    only the C++ half alive): clones and prefixed views are therefore kept by the view they came from, and
-    ``shoal.comm.store.prefix_store`` asks for a prefixed view instead of wrapping in torch's PrefixStore.
-    """
+class KeyValueView:
+    """torch's ``Store`` interface over a backend (local or remote), every key under ``prefix``, in plain Python;
+    ``shoal.comm.torch_store.StoreView`` is the same class as a torch ``Store`` (which gloo takes)."""
 
     def __init__(
         self,
@@ -410,17 +423,17 @@ class StoreView(dist.Store):
         self._backend = backend
         self._timeout_s = timeout_s
         self._prefix = prefix
-        self._views: list[StoreView] = []
+        self._views: list[KeyValueView] = []
         self.server = server
         """For the hosting process's view: the server it belongs to (``close()`` stops it)."""
 
-    def with_prefix(self, prefix: str) -> StoreView:
-        """A view of this store whose keys all live under ``prefix`` (sharing its connections)."""
-        view = StoreView(self._backend, self._timeout_s, self._prefix + prefix.encode(), self.server)
+    def with_prefix(self, prefix: str) -> Self:
+        """A view of this store whose keys all live under ``prefix`` (sharing its connections), of the same class."""
+        view = type(self)(self._backend, self._timeout_s, self._prefix + prefix.encode(), self.server)
         self._views.append(view)
         return view
 
-    def clone(self) -> StoreView:
+    def clone(self) -> Self:
         """Another view of the same store (torch clones a store for each thread that uses it)."""
         return self.with_prefix("")
 
@@ -451,6 +464,8 @@ class StoreView(dist.Store):
         if status == _TIMEOUT:
             raise _timeout_error([wanted], self._timeout_s)
         if status != _OK:
+            import torch.distributed as dist
+
             raise dist.DistStoreError(f"key {key!r} vanished while being read")
         return fields[0]
 
@@ -488,4 +503,6 @@ def connect(host: str, port: int, secret: str, timeout_s: float = 300.0, prefix:
     """
     if not secret:
         raise ValueError(f"an authenticated store needs the job secret ({env_name('SECRET')})")
+    from shoal.comm.torch_store import StoreView
+
     return StoreView(_RemoteBackend(host, port, secret.encode(), timeout_s), timeout_s, prefix.encode())

@@ -28,10 +28,12 @@ from typing import Any
 
 import torch
 
+from shoal.comm.names import SEGMENT_PREFIX, SHM_DIR
+from shoal.comm.names import job_token as job_token  # re-exported: shm is where the segments are made
+from shoal.comm.names import remove_job_segments as remove_job_segments
 from shoal.log import get_logger
 
-SEGMENT_PREFIX = "shoal-"
-_SHM_DIR = "/dev/shm"
+_SHM_DIR = SHM_DIR
 _CONTROL_LINE_INT64 = 8  # one 64-byte cache line per rank, so ranks never write the same line
 _HEADER_BYTES = 4096
 _SPIN_BEFORE_YIELD = 64
@@ -63,28 +65,6 @@ _LARGE_CHUNK_ELEMENTS = 64 * 1024
 
 class SharedMemoryError(RuntimeError):
     """A local peer died or stopped answering during a shared-memory collective."""
-
-
-def job_token(secret: str | None) -> str:
-    """The per-job part of segment names; shoalrun derives the same token from the secret to clean up."""
-    return hashlib.sha256(secret.encode()).hexdigest()[:12] if secret else "nojob"
-
-
-def remove_job_segments(token: str) -> list[str]:
-    """Unlink every segment of job ``token`` left in /dev/shm (shoalrun calls this when a job ends)."""
-    removed: list[str] = []
-    try:
-        names = os.listdir(_SHM_DIR)
-    except OSError:
-        return removed
-    for name in names:
-        if name.startswith(f"{SEGMENT_PREFIX}{token}-"):
-            try:
-                os.unlink(os.path.join(_SHM_DIR, name))
-                removed.append(name)
-            except OSError:
-                pass
-    return removed
 
 
 def _pid_alive(pid: int) -> bool:

@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-import hashlib
 from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
 
 from shoal.comm import auth_store
-from shoal.comm.auth_store import AuthStoreServer, StoreAuthError, StoreView
+from shoal.comm.auth_store import AuthStoreServer, StoreAuthError
+from shoal.comm.names import secret_namespace as secret_namespace  # re-exported for the workers
+from shoal.comm.torch_store import StoreView
 from shoal.config import env_name
 from shoal.log import get_logger
 
@@ -19,13 +20,6 @@ _warned_open = False
 _job_stores: dict[tuple[str, int, str | None, int], dist.Store] = {}
 """The job's store, by address: it outlives init()/shutdown() (a rank-0-hosted store would otherwise close under
 peers still using it, and its port could not be bound again), as shoalrun's and torchrun's stores do."""
-
-
-def secret_namespace(secret: str | None) -> str:
-    """Key prefix derived from the secret (kept so that jobs sharing an open store stay apart)."""
-    if secret is None:
-        return "shoal/open"
-    return "shoal/" + hashlib.sha256(secret.encode()).hexdigest()[:16]
 
 
 def host_store(addr: str, port: int, secret: str, timeout_s: float, listen_fd: int | None = None) -> StoreView:

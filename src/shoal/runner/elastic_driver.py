@@ -223,7 +223,7 @@ class ElasticJob(Job):
             self.discovery.stop()
 
     def _launch(self) -> int:
-        from shoal.comm.store import secret_namespace
+        from shoal.comm.names import secret_namespace
 
         config = self.config
         if not self.discovery.wait_for_slots(self.min_np, config.elastic_timeout, self.excluded_hosts):

@@ -200,18 +200,14 @@ class Job:
             print(f"shoalrun: {message}", file=sys.stderr, flush=True)
 
     def _host_store(self) -> None:
-        # torch takes seconds to import; doing it here overlaps with the workers' own start-up.
+        # shoalrun never imports torch (seconds of CPU the workers need at start-up): its view of the store is the
+        # plain-Python one.
         try:
-            from shoal.comm.store import host_store
+            from shoal.comm.auth_store import AuthStoreServer
 
-            # The store takes ownership of the listening socket and closes it when it is destroyed.
-            self._store = host_store(
-                self.rendezvous_addr,
-                self.rendezvous_port,
-                self.secret,
-                self.config.start_timeout,
-                listen_fd=self._listener.detach(),
-            )
+            # The server takes ownership of the listening socket and closes it when it is closed.
+            server = AuthStoreServer(self.secret, self.rendezvous_addr, self.rendezvous_port, listen_fd=self._listener.detach())
+            self._store = server.local_view(self.config.start_timeout)
             if self._on_store is not None:
                 self._on_store(self._store)
         except BaseException as error:  # reported by the supervisor loop, which ends the job
@@ -343,6 +339,8 @@ class Job:
                 self._store_thread.join(timeout=60)
             if self._on_finish is not None and self._store is not None:
                 self._on_finish(self._store)
+            if self._store is not None:
+                self._store.close()  # stops the server: every worker has ended
             self._store = None
             if self._listener.fileno() != -1:  # the store never took it over
                 self._listener.close()
@@ -386,7 +384,7 @@ class Job:
 
     def _remove_shared_memory(self) -> None:
         """Workers unlink their segments once attached; this catches one that died while setting up."""
-        from shoal.comm.shm import job_token, remove_job_segments
+        from shoal.comm.names import job_token, remove_job_segments
 
         removed = remove_job_segments(job_token(self.secret))
         if removed:

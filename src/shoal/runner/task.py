@@ -12,7 +12,7 @@ import pickle
 import sys
 import traceback
 
-from shoal.comm.store import connect_job_store, secret_namespace
+from shoal.comm.names import secret_namespace
 from shoal.config import worker_settings
 from shoal.config.worker import JobAddress, SlotInfo
 from shoal.runtime.elastic_rendezvous import ELASTIC_ID_ENV
@@ -41,6 +41,8 @@ def main() -> int:
     if address is None or slot is None:
         print("shoal.runner.task: not started by shoal.run (no rendezvous address or rank)", file=sys.stderr)
         return 2
+    from shoal.comm.store import connect_job_store
+
     store = connect_job_store(
         address.addr, address.port, address.secret, worker_settings().start_timeout, prefix=task_prefix(address.secret)
     )
