@@ -204,3 +204,13 @@ def test_only_the_config_package_spells_a_shoal_variable() -> None:
         if "SHOAL_" in line
     ]
     assert not spelled, spelled
+
+
+def test_shoalrun_imports_no_torch() -> None:
+    """The launcher, its store and its clean-up are plain Python: torch's import is seconds of CPU that the
+    workers, starting at the same moment on the same cores, need."""
+    modules = ["shoal.runner", "shoal.runner.elastic_driver", "shoal.runner.api", "shoal.comm.auth_store", "shoal.comm.names"]
+    code = f"import importlib, sys\nfor m in {modules!r}: importlib.import_module(m)\nprint('torch' in sys.modules)"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=clean_env())
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "False"
