@@ -14,6 +14,8 @@ import torch
 import shoal.torch as hvd
 from shoal.testing import run_ranks
 
+pytestmark = pytest.mark.check  # the quick tier: make check
+
 
 def numpy_adasum(parts: list[np.ndarray]) -> np.ndarray:
     level = [p.astype(np.float64) for p in parts]

@@ -18,6 +18,8 @@ import shoal.torch as hvd
 from shoal.engine.executor import split_rows
 from shoal.testing import run_ranks
 
+pytestmark = pytest.mark.check  # the quick tier: make check
+
 # op name -> factor on sum_r L_r whose gradient Horovod's backward computes
 FACTORS: dict[str, Callable[[int], float]] = {
     "allreduce_sum_scaled": lambda n: 1.0,

@@ -9,6 +9,8 @@ import torch
 import shoal.torch as hvd
 from shoal.testing import run_ranks
 
+pytestmark = pytest.mark.check  # the quick tier: make check
+
 DTYPES = ["uint8", "int8", "int16", "int32", "int64", "float16", "bfloat16", "float32", "float64"]
 OPS = {"Average": hvd.Average, "Sum": hvd.Sum, "Min": hvd.Min, "Max": hvd.Max, "Product": hvd.Product}
 

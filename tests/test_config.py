@@ -14,6 +14,8 @@ from shoal.config.worker import JobAddress, SlotInfo
 from shoal.runner.cli import parse_args
 from shoal.runtime.launch_env import detect_launch
 
+pytestmark = pytest.mark.check  # the quick tier: make check
+
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "knobs.md"
 
 

@@ -551,6 +551,7 @@ def _front_ends() -> list[str]:
 ENV = {"TF_CPP_MIN_LOG_LEVEL": "2"}
 
 
+@pytest.mark.check
 @pytest.mark.timeout(240)
 def test_matrix_on_two_ranks() -> None:
     front_ends = _front_ends()

@@ -16,6 +16,8 @@ from shoal.runner.hosts import HostSlots, HostSpecError
 from shoal.runtime.elastic_rendezvous import REMOVED, ElasticKeys, join_round
 from shoal.runtime.launch_env import SlotInfo
 
+pytestmark = pytest.mark.check  # the quick tier: make check
+
 
 @pytest.mark.parametrize(
     ("flags", "message"),

@@ -16,6 +16,8 @@ from shoal.core import session as handles
 from shoal.engine.timeline import load_timeline
 from shoal.testing import MultiRankError, run_ranks
 
+pytestmark = pytest.mark.check  # the quick tier: make check
+
 
 def _reverse_order() -> list[list[float]]:
     hvd.init()

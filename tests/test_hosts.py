@@ -8,6 +8,8 @@ import pytest
 
 from shoal.runner.hosts import HostSlots, HostSpecError, assign_slots, is_local_host, parse_hostfile, parse_hosts
 
+pytestmark = pytest.mark.check  # the quick tier: make check
+
 
 def test_parse_hosts_with_and_without_slots() -> None:
     assert parse_hosts("a:4,b:2,c") == [HostSlots("a", 4), HostSlots("b", 2), HostSlots("c", 1)]

@@ -9,6 +9,8 @@ import pytest
 from shoal.runtime.launch_env import detect_launch, first_slurm_host
 from shoal.runtime.topology import build_topology
 
+pytestmark = pytest.mark.check  # the quick tier: make check
+
 
 def test_plain_process_is_a_world_of_one() -> None:
     info = detect_launch({})

@@ -8,8 +8,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from conftest import REPO, clean_env
 
+pytestmark = pytest.mark.check  # the quick tier: make check
 SOURCE = REPO / "src" / "shoal"
 
 

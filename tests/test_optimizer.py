@@ -14,6 +14,8 @@ from torch import nn
 import shoal.torch as hvd
 from shoal.testing import run_ranks
 
+pytestmark = pytest.mark.check  # the quick tier: make check
+
 BATCH = 4
 STEPS = 3
 ATOL = 1e-5

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import pytest
+
 import shoal.torch as hvd
 from shoal.config import KNOB_NAMES, RENDEZVOUS_ENV_NAMES, WORKER_ENV_NAMES
 from shoal.runner.cli import build_parser
 
+pytestmark = pytest.mark.check  # the quick tier: make check
 COLLECTIVE_NAMES = {
     "Adasum",
     "Average",

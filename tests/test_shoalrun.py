@@ -15,6 +15,8 @@ import pytest
 
 from conftest import SHOALRUN, process_alive
 
+pytestmark = pytest.mark.check  # the quick tier: make check
+
 
 def shoalrun(args: list[str], env: dict[str, str], timeout: float = 60) -> subprocess.CompletedProcess[str]:
     return subprocess.run(SHOALRUN + args, env=env, capture_output=True, text=True, timeout=timeout)

@@ -20,6 +20,8 @@ from shoal.engine.stall import CollectiveWatch
 from shoal.engine.validation import MOVABLE_DTYPES, REDUCING_DTYPES, check_request
 from shoal.exceptions import UnsupportedOperationError
 
+pytestmark = pytest.mark.check  # the quick tier: make check
+
 
 def meta(dtype: str = "float32", kind: Kind = Kind.ALLREDUCE, op: ReduceOp | None = ReduceOp.Sum, **fields: Any) -> RequestMeta:
     return RequestMeta(
