@@ -52,6 +52,10 @@ def test_every_engine_flag_reaches_the_workers_engine_config() -> None:
 
 
 def test_an_engine_setting_not_given_stays_the_workers_own() -> None:
+    # A switch turned off is not written either (as horovodrun): the workers' own environment decides.
+    off = parse_args(["--no-autotune", "--stall-check", "--no-timeline-mark-cycles", "-np", "1", "true"]).worker_env()
+    assert not {"SHOAL_AUTOTUNE", "SHOAL_STALL_CHECK_DISABLE", "SHOAL_TIMELINE_MARK_CYCLES"} & set(off)
+    assert parse_args(["--no-hierarchical-allreduce", "-np", "1", "true"]).worker_env()["SHOAL_HIERARCHICAL_ALLREDUCE"] == "0"
     env = parse_args(["-np", "1", "true"]).worker_env()
     names = {s.knob.env for s in settings(EngineConfig)}
     assert not any(name.removeprefix("SHOAL_") in names for name in env)

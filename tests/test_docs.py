@@ -152,6 +152,8 @@ COVERED: dict[str, tuple[str, list[str]]] = {
 }
 CI_ITSELF = {
     "make test": ".ci/run runs it (this suite is its last step)",
+    "make check": "make test runs the same lint and every test it runs (those marked check); "
+    "test_make_targets_install_and_run_what_they_say checks what it runs",
 }
 NEEDS_A_CLUSTER = {
     "kubectl apply -f docs/kubernetes/pytorchjob.yaml": (
@@ -373,17 +375,26 @@ def test_readme_shoal_run_example(tmp_path: Path) -> None:
     assert run(f"python {script}", tmp_path, timeout=120).strip().splitlines()[-1] == "[[0, 2, 7], [1, 2, 7]]"
 
 
-def test_make_demo_installs_only_what_the_demo_needs() -> None:
+def test_make_targets_install_and_run_what_they_say() -> None:
     """``make demo`` installs the examples extra (scikit-learn, tqdm), not ``[dev]`` with TensorFlow, Ray and
-    Lightning; ``make -n`` prints what it would run without running it."""
-    with tempfile.TemporaryDirectory() as empty:
-        result = subprocess.run(
-            ["make", "-n", "-f", str(REPO / "Makefile"), f"VENV={empty}/venv", "demo"],
-            cwd=REPO,
-            capture_output=True,
-            text=True,
-            timeout=30,
-        )
-    assert result.returncode == 0, result.stderr
-    assert "pip install --quiet -e '.[examples]'" in result.stdout and "torch==2.13.0" in result.stdout
-    assert "[dev]" not in result.stdout
+    Lightning; ``make check`` lints and runs the tests marked ``check``. ``make -n`` prints what a target would run
+    without running it."""
+
+    def planned(target: str) -> str:
+        with tempfile.TemporaryDirectory() as empty:
+            result = subprocess.run(
+                ["make", "-n", "-f", str(REPO / "Makefile"), f"VENV={empty}/venv", target],
+                cwd=REPO,
+                capture_output=True,
+                text=True,
+                timeout=30,
+            )
+        assert result.returncode == 0, result.stderr
+        return result.stdout
+
+    demo = planned("demo")
+    assert "pip install --quiet -e '.[examples]'" in demo and "torch==2.13.0" in demo
+    assert "[dev]" not in demo
+    check = planned("check")
+    assert "pip install --quiet -e '.[dev]'" in check and "ruff check" in check and "mypy" in check
+    assert "pytest -m check" in check

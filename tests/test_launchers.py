@@ -177,6 +177,8 @@ def test_remote_workers_get_the_environment_but_no_shell_functions_devices_or_se
         "SHOAL_SECRET": "old",
         "HOROVOD_SECRET_KEY": "old",
         "SSH_AUTH_SOCK": "/tmp/agent",
+        "HOME": "/home/here",
+        "XDG_RUNTIME_DIR": "/run/user/0",
         "NOT_ASKED": "here",
     }
     env = forwarded_env(environ, ["EXTRA=2", "NOT_ASKED", "ABSENT"])

@@ -28,6 +28,7 @@ from shoal.config.worker import (
     SlotInfo,
     WorkerSettings,
     job_secret,
+    worker_setting,
     worker_settings,
 )
 
@@ -79,5 +80,6 @@ __all__ = [
     "knob",
     "knobs_table",
     "settings",
+    "worker_setting",
     "worker_settings",
 ]

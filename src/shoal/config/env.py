@@ -190,6 +190,16 @@ def from_env(cls: type[Settings], env: Mapping[str, str] | None = None, **explic
     return cls(**values)
 
 
+def read_setting(cls: type, name: str, env: Mapping[str, str] | None = None) -> Any:
+    """One field of ``cls`` under the environment (its default when unset): a bad value of another setting never
+    gets in the way of reading this one."""
+    setting = next(s for s in settings(cls) if s.name == name)
+    raw = None if setting.knob.env is None else env_str(setting.knob.env, env)
+    if raw is None:
+        return setting.default
+    return raw if setting.kind is str else parse_value(setting.knob.env or name, raw, setting.kind)
+
+
 def to_env(setting: Setting, value: Any) -> str:
     """How a worker's environment carries ``value`` of ``setting`` (the inverse of ``from_env``)."""
     if isinstance(value, bool):

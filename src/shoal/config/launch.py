@@ -262,14 +262,13 @@ class LaunchConfig:
 
     def worker_env(self) -> dict[str, str]:
         """The settings every process of the job gets as SHOAL_ variables: the launcher's own (start timeout, log
-        level, ...) and each engine setting given explicitly."""
+        level, ...) and each engine setting given explicitly. A switch is written only when on (as horovodrun
+        does): ``--no-autotune`` or ``stall_check: {enabled: true}`` leave the workers' own environment alone."""
         env: dict[str, str] = {}
-        for setting in settings(LaunchConfig):
-            value = getattr(self, setting.name)
-            if setting.knob.env is not None and value is not None:
-                env[env_name(setting.knob.env)] = to_env(setting, value)
-        for setting in settings(EngineConfig):
-            value = self.engine.get(setting.name)
-            if setting.knob.env is not None and value is not None:
+        given = [(s, getattr(self, s.name)) for s in settings(LaunchConfig)]
+        given += [(s, self.engine.get(s.name)) for s in settings(EngineConfig)]
+        for setting, value in given:
+            switched_off = value is False and not setting.optional
+            if setting.knob.env is not None and value is not None and not switched_off:
                 env[env_name(setting.knob.env)] = to_env(setting, value)
         return env

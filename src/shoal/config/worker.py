@@ -6,9 +6,10 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from shoal.config.engine import MIB
-from shoal.config.env import HOROVOD_PREFIX, env_int, env_name, env_str, from_env, knob, parse_value
+from shoal.config.env import HOROVOD_PREFIX, env_int, env_name, env_str, from_env, knob, parse_value, read_setting
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,11 @@ class WorkerSettings:
 def worker_settings() -> WorkerSettings:
     """This process's ``WorkerSettings``: the defaults under its SHOAL_ (or HOROVOD_) environment."""
     return from_env(WorkerSettings)
+
+
+def worker_setting(name: str) -> Any:
+    """One of this process's ``WorkerSettings``, read alone (a malformed other setting does not stop it)."""
+    return read_setting(WorkerSettings, name)
 
 
 _IDENTITY = ("RANK", "SIZE", "LOCAL_RANK", "LOCAL_SIZE", "CROSS_RANK", "CROSS_SIZE")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shoal.config import WorkerSettings, env_name, worker_settings
+from shoal.config import WorkerSettings, env_name, worker_setting
 
 MODES = ("bsp", "ssp", "async")
 DEFAULT_STALENESS = WorkerSettings.ps_staleness
@@ -39,12 +39,11 @@ class PSConfig:
 
 def resolve_config(mode: str | None = None, staleness: int | None = None) -> PSConfig:
     """Defaults < environment (the ``PS_MODE``, ``PS_STALENESS`` and ``NUM_SERVERS`` knobs, docs/knobs.md) < arguments."""
-    settings = worker_settings()
-    chosen_mode = mode if mode is not None else settings.ps_mode.lower()
-    chosen_staleness = staleness if staleness is not None else settings.ps_staleness
+    chosen_mode = mode if mode is not None else str(worker_setting("ps_mode")).lower()
+    chosen_staleness = staleness if staleness is not None else int(worker_setting("ps_staleness"))
     return PSConfig(chosen_mode, chosen_staleness, configured_servers())
 
 
 def configured_servers() -> int:
     """Dedicated servers in this job (the ``NUM_SERVERS`` knob), 0 when none."""
-    return worker_settings().num_servers
+    return worker_setting("num_servers")

@@ -14,7 +14,7 @@ from typing import Any
 
 from shoal.comm.p2p import PeerGroup, arrive_and_wait, connect_job_store
 from shoal.comm.store import prefix_store
-from shoal.config import JobAddress, env_float, env_name, worker_settings
+from shoal.config import JobAddress, env_float, env_name, worker_setting
 from shoal.log import get_logger
 from shoal.ps.client import PSClient, exiting_on_error
 from shoal.ps.config import PSConfig
@@ -64,7 +64,7 @@ def connect(config: PSConfig) -> tuple[PSClient, Any]:
 
 def _join(config: PSConfig, current: Any) -> _Connection:
     worker, workers = current.topology.rank, current.topology.size
-    timeout_s = worker_settings().start_timeout
+    timeout_s = worker_setting("start_timeout")
     if config.dedicated:
         if _served_generations:
             raise ValueError(

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from shoal.comm.p2p import PeerGroup, PeerLostError, arrive_and_wait, connect_job_store
-from shoal.config import JobAddress, ServerIdentity, env_name, worker_settings
+from shoal.config import JobAddress, ServerIdentity, env_name, worker_setting
 from shoal.log import get_logger
 from shoal.ps.consistency import PieceClocks, PullRecorder
 from shoal.ps.messages import (
@@ -286,7 +286,7 @@ def main() -> None:
         )
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))  # the launcher ends an idle server when the job ends
     torch.set_num_threads(1)
-    timeout_s = worker_settings().start_timeout
+    timeout_s = worker_setting("start_timeout")
     store = connect_job_store(address.addr, address.port, address.secret, timeout_s)
     server = build_dedicated_server(store, workers, servers, index)
     try:

@@ -33,9 +33,10 @@ TERMINATE_GRACE_S = 2.0
 SERVER_EXIT_GRACE_S = 5.0
 """Once every worker finished, how long dedicated parameter servers get to leave on their own."""
 
-_NOT_FORWARDED_PREFIXES = ("BASH_FUNC_", "SSH_")
+_NOT_FORWARDED_PREFIXES = ("BASH_FUNC_", "SSH_", "XDG_")
 _NOT_FORWARDED_NAMES = frozenset(
     {"OLDPWD", "CUDA_VISIBLE_DEVICES", env_name("SECRET"), "HOROVOD_SECRET_KEY", "HOSTNAME", "PWD", "SHLVL", "_"}
+    | {"HOME", "USER", "LOGNAME", "MAIL", "DISPLAY", "DBUS_SESSION_BUS_ADDRESS", "KRB5CCNAME"}
 )
 
 
@@ -43,8 +44,10 @@ def forwarded_env(environ: Mapping[str, str], requested: list[str]) -> dict[str,
     """What remote workers get from shoalrun's environment: all of it, as horovodrun forwards it (``PATH``,
     ``VIRTUAL_ENV``, ``LD_LIBRARY_PATH`` and the user's own settings), except exported shell functions
     (``BASH_FUNC_*``), ``OLDPWD``, ``CUDA_VISIBLE_DEVICES`` (each host has its own devices), any secret (the job
-    sends its own), and what describes this shell's session rather than the job (``HOSTNAME``, ``PWD``, ``SHLVL``,
-    ``_``, ``SSH_*``); then each ``-x NAME`` (its value here) or ``-x NAME=VALUE``."""
+    sends its own), and what describes this shell's session and user on this host rather than the job
+    (``HOSTNAME``, ``PWD``, ``SHLVL``, ``_``, ``SSH_*``, ``XDG_*``, ``HOME``, ``USER``, ``LOGNAME``, ``MAIL``,
+    ``DISPLAY``, ``DBUS_SESSION_BUS_ADDRESS``, ``KRB5CCNAME``); then each ``-x NAME`` (its value here) or
+    ``-x NAME=VALUE``."""
     env = {k: v for k, v in environ.items() if not k.startswith(_NOT_FORWARDED_PREFIXES) and k not in _NOT_FORWARDED_NAMES}
     env.setdefault("PYTHONUNBUFFERED", "1")
     for item in requested:
@@ -337,11 +340,13 @@ class Job:
             # the interpreter exit under it aborts the process from C++. Wait for it, then drop the store.
             if self._store_thread.ident is not None:
                 self._store_thread.join(timeout=60)
-            if self._on_finish is not None and self._store is not None:
-                self._on_finish(self._store)
-            if self._store is not None:
-                self._store.close()  # stops the server: every worker has ended
-            self._store = None
+            try:
+                if self._on_finish is not None and self._store is not None:
+                    self._on_finish(self._store)
+            finally:
+                if self._store is not None:
+                    self._store.close()  # stops the server: every worker has ended
+                self._store = None
             if self._listener.fileno() != -1:  # the store never took it over
                 self._listener.close()
             self._remove_shared_memory()

@@ -13,7 +13,7 @@ import sys
 import traceback
 
 from shoal.comm.names import secret_namespace
-from shoal.config import worker_settings
+from shoal.config import worker_setting
 from shoal.config.worker import JobAddress, SlotInfo
 from shoal.runtime.elastic_rendezvous import ELASTIC_ID_ENV
 
@@ -44,7 +44,7 @@ def main() -> int:
     from shoal.comm.store import connect_job_store
 
     store = connect_job_store(
-        address.addr, address.port, address.secret, worker_settings().start_timeout, prefix=task_prefix(address.secret)
+        address.addr, address.port, address.secret, worker_setting("start_timeout"), prefix=task_prefix(address.secret)
     )
     rank = slot.rank
     elastic_id = os.environ.get(ELASTIC_ID_ENV)  # an elastic worker: its rank is known only to the driver

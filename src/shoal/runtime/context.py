@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shoal.comm import process_group, store
-from shoal.config import worker_settings
+from shoal.config import worker_setting
 from shoal.exceptions import HorovodInternalError
 from shoal.log import get_logger
 from shoal.runtime import elastic_rendezvous
@@ -90,7 +90,7 @@ def init() -> Context:
         if _context is not None:
             return _context
         launch = detect_launch(os.environ)
-        timeout_s = worker_settings().start_timeout
+        timeout_s = worker_setting("start_timeout")
         job_store = store.connect_store(launch, timeout_s)
         if elastic_rendezvous.is_elastic_worker():
             launch, scoped_store, generation = _join_elastic_round(launch, job_store)
@@ -156,7 +156,7 @@ def _join_elastic_round(launch: LaunchInfo, job_store: Any) -> tuple[LaunchInfo,
     """Take this worker's place in the driver's newest round; its rank and size come from there, not the env."""
     global _elastic_round
     keys = elastic_rendezvous.ElasticKeys(store.secret_namespace(launch.secret))
-    timeout_s = worker_settings().elastic_timeout + 30.0
+    timeout_s = worker_setting("elastic_timeout") + 30.0
     worker_id = os.environ[elastic_rendezvous.ELASTIC_ID_ENV]
     assignment, round_number = elastic_rendezvous.join_round(job_store, keys, worker_id, _elastic_round, timeout_s)
     _elastic_round = round_number

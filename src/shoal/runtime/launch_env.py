@@ -89,7 +89,7 @@ def _from_shoalrun(env: Mapping[str, str], slot: SlotInfo) -> LaunchInfo:
         store_addr=address.addr if address else None,
         store_port=address.port if address else None,
         store_hosted_by_launcher=True,
-        secret=address.secret if address else None,
+        secret=job_secret(env),
     )
 
 

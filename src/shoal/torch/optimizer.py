@@ -15,7 +15,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from shoal.config import worker_settings
+from shoal.config import worker_setting
 from shoal.core import basics
 from shoal.core import session as handles
 from shoal.core.process_sets import ProcessSet, global_process_set
@@ -175,7 +175,7 @@ def DistributedOptimizer(
         raise ValueError(f"comm must be one of {', '.join(COMM_CHOICES)}, got {comm!r}")
     ps_config = resolve_config(ps_mode, ps_staleness)
     if bucket_bytes is None:
-        bucket_bytes = worker_settings().bucket_bytes
+        bucket_bytes = worker_setting("bucket_bytes")
     if bucket_bytes < 0:
         raise ValueError(f"bucket_bytes must be >= 0, got {bucket_bytes}")
     handles.engine()  # raises Horovod's ValueError before init()

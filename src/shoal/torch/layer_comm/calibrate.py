@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import torch
 
-from shoal.config import worker_settings
+from shoal.config import worker_setting
 from shoal.core import session as handles
 from shoal.core.objects import broadcast_object
 from shoal.core.process_sets import ProcessSet, add_process_set, remove_process_set
@@ -146,7 +146,7 @@ def job_calibration() -> Calibration:
     cached: Calibration | None = ctx.part(_PART)
     if cached is not None:
         return cached
-    path = worker_settings().calibration_file
+    path = worker_setting("calibration_file")
     if path:
         loaded = None
         if ctx.topology.rank == 0 and os.path.exists(path):
@@ -165,7 +165,7 @@ def keep_calibration(calibration: Calibration) -> None:
     """Make ``calibration`` the job's (and rank 0 writes it to the ``CALIBRATION_FILE`` knob's file when that is set)."""
     ctx = context.current()
     ctx.set_part(_PART, calibration)
-    path = worker_settings().calibration_file
+    path = worker_setting("calibration_file")
     if path and ctx.topology.rank == 0:
         with open(path, "w") as handle:
             handle.write(calibration_to_json(calibration))
