@@ -29,9 +29,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     in every rank (five seconds of CPU each)."""
     import importlib.util
 
-    if importlib.util.find_spec("tensorflow") and any(item.path.name in _TENSORFLOW_TESTS for item in items):
-        from shoal.testing import preload
+    from shoal.testing import preload
 
+    if importlib.util.find_spec("tensorflow") and any(item.path.name in _TENSORFLOW_TESTS for item in items):
         os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
         preload("tensorflow")
 

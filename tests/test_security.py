@@ -113,7 +113,7 @@ def test_the_store_keeps_torch_store_semantics() -> None:
             client.wait(["missing"], timedelta(milliseconds=200))
         view = client.with_prefix("p/")
         view.set("k", "v")
-        assert client.get("p/k") == b"v" and server.local_store().get("p/k") == b"v"
+        assert client.get("p/k") == b"v" and server.local_view().get("p/k") == b"v"
         assert client.delete_key("a") and not client.check(["a"])
     finally:
         server.close()

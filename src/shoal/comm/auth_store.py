@@ -28,15 +28,13 @@ import struct
 import threading
 import time
 from datetime import timedelta
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from shoal.config import env_name
 from shoal.log import get_logger
 
 if TYPE_CHECKING:
     from typing_extensions import Self
-
-    from shoal.comm.torch_store import StoreView
 
 _MAGIC = b"SHOAL-STORE-1"
 _NONCE_BYTES = 32
@@ -288,16 +286,11 @@ class AuthStoreServer:
                 self._connections.discard(sock)
             sock.close()
 
-    def local_store(self, timeout_s: float = 300.0) -> StoreView:
-        """A torch ``Store`` over this server's data for the hosting process itself (no socket, no handshake)."""
-        from shoal.comm.torch_store import StoreView
-
-        return StoreView(_LocalBackend(self.values), timeout_s, server=self)
-
-    def local_view(self, timeout_s: float = 300.0) -> KeyValueView:
-        """The same data as ``local_store`` without importing torch: what shoalrun, which starts no collective,
-        reads and writes."""
-        return KeyValueView(_LocalBackend(self.values), timeout_s, server=self)
+    def local_view(self, timeout_s: float = 300.0, view: type[View] | None = None) -> View:
+        """A view of this server's data for the hosting process itself (no socket, no handshake): plain Python by
+        default (what shoalrun, which imports no torch, reads and writes), or of class ``view`` (``torch_store``'s
+        ``StoreView`` for a torch ``Store``)."""
+        return (view or KeyValueView)(_LocalBackend(self.values), timeout_s, server=self)  # type: ignore[return-value]
 
     def close(self) -> None:
         """Stop accepting and close every connection."""
@@ -494,7 +487,12 @@ class KeyValueView:
         return _read_int(self._request(_NUM_KEYS, [])[1][0])
 
 
-def connect(host: str, port: int, secret: str, timeout_s: float = 300.0, prefix: str = "") -> StoreView:
+View = TypeVar("View", bound=KeyValueView)
+
+
+def connect(
+    host: str, port: int, secret: str, timeout_s: float = 300.0, prefix: str = "", view: type[View] | None = None
+) -> View:
     """A client of the ``AuthStoreServer`` at ``host:port``, authenticated with ``secret``.
 
     Raises:
@@ -503,6 +501,5 @@ def connect(host: str, port: int, secret: str, timeout_s: float = 300.0, prefix:
     """
     if not secret:
         raise ValueError(f"an authenticated store needs the job secret ({env_name('SECRET')})")
-    from shoal.comm.torch_store import StoreView
-
-    return StoreView(_RemoteBackend(host, port, secret.encode(), timeout_s), timeout_s, prefix.encode())
+    backend = _RemoteBackend(host, port, secret.encode(), timeout_s)
+    return (view or KeyValueView)(backend, timeout_s, prefix.encode())  # type: ignore[return-value]

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from shoal.comm import auth_store
+from shoal.comm import torch_store
 from shoal.comm.auth_store import AuthStoreServer, StoreAuthError
 from shoal.comm.names import secret_namespace as secret_namespace  # re-exported for the workers
 from shoal.comm.torch_store import StoreView
@@ -35,7 +35,7 @@ def host_store(addr: str, port: int, secret: str, timeout_s: float, listen_fd: i
     Returns:
         This process's view of the store; ``close()`` stops the server.
     """
-    return AuthStoreServer(secret, addr, port, listen_fd=listen_fd).local_store(timeout_s)
+    return torch_store.local_store(AuthStoreServer(secret, addr, port, listen_fd=listen_fd), timeout_s)
 
 
 def connect_job_store(addr: str, port: int, secret: str | None, timeout_s: float, prefix: str = "") -> dist.Store:
@@ -45,7 +45,7 @@ def connect_job_store(addr: str, port: int, secret: str | None, timeout_s: float
             f"shoal: rendezvous refused: {env_name('SECRET')} is not set in this process, so it cannot join a shoalrun job"
         )
     try:
-        return auth_store.connect(addr, port, secret, timeout_s, prefix)
+        return torch_store.connect(addr, port, secret, timeout_s, prefix)
     except StoreAuthError as error:
         raise RuntimeError(f"shoal: {error}") from error
 

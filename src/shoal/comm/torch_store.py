@@ -9,8 +9,24 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from shoal.comm.auth_store import KeyValueView
+from shoal.comm.auth_store import AuthStoreServer, KeyValueView
+from shoal.comm.auth_store import connect as connect_view
 
 
 class StoreView(KeyValueView, dist.Store):
     """``KeyValueView``'s methods over a local or remote backend, as torch's ``Store`` interface."""
+
+
+def local_store(server: AuthStoreServer, timeout_s: float = 300.0) -> StoreView:
+    """A torch ``Store`` over ``server``'s data for the hosting process itself."""
+    return server.local_view(timeout_s, StoreView)
+
+
+def connect(host: str, port: int, secret: str, timeout_s: float = 300.0, prefix: str = "") -> StoreView:
+    """A torch ``Store`` client of the ``AuthStoreServer`` at ``host:port``, authenticated with ``secret``.
+
+    Raises:
+        StoreAuthError: the server refused this process's secret, or did not prove it holds the job secret.
+        torch.distributed.DistNetworkError: nothing answered within ``timeout_s``.
+    """
+    return connect_view(host, port, secret, timeout_s, prefix, StoreView)
