@@ -314,11 +314,17 @@ def _as_bytes(value: str | bytes | bytearray | list[int]) -> bytes:
     return bytes(value)
 
 
-def _timeout_error(keys: list[bytes], timeout_s: float) -> RuntimeError:
-    import torch.distributed as dist  # torch's error class, as torch's own stores raise (only on this path)
+def _store_error(message: str, network: bool = False) -> RuntimeError:
+    """torch's error class, as torch's own stores raise: imported only on these paths, so that a process that
+    starts no collective (shoalrun) never imports torch."""
+    import torch.distributed as dist
 
+    return dist.DistNetworkError(message) if network else dist.DistStoreError(message)
+
+
+def _timeout_error(keys: list[bytes], timeout_s: float) -> RuntimeError:
     names = ", ".join(k.decode(errors="replace") for k in keys)
-    return dist.DistStoreError(f"wait timeout after {timeout_s * 1000:.0f}ms, keys: {names}")
+    return _store_error(f"wait timeout after {timeout_s * 1000:.0f}ms, keys: {names}")
 
 
 class _LocalBackend:
@@ -358,9 +364,8 @@ class _RemoteBackend:
                 break
             except OSError as error:
                 if time.monotonic() >= deadline:
-                    import torch.distributed as dist
-
-                    raise dist.DistNetworkError(f"cannot reach the rendezvous store at {self.where}: {error}") from error
+                    message = f"cannot reach the rendezvous store at {self.where}: {error}"
+                    raise _store_error(message, network=True) from error
                 time.sleep(0.05)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         try:
@@ -386,9 +391,7 @@ class _RemoteBackend:
             raise
         self._idle.put(channel)
         if not reply:
-            import torch.distributed as dist
-
-            raise dist.DistStoreError(f"empty reply from the rendezvous store at {self.where}")
+            raise _store_error(f"empty reply from the rendezvous store at {self.where}")
         return reply[0], _unpack_fields(reply[1:])
 
     def __del__(self) -> None:
@@ -457,9 +460,7 @@ class KeyValueView:
         if status == _TIMEOUT:
             raise _timeout_error([wanted], self._timeout_s)
         if status != _OK:
-            import torch.distributed as dist
-
-            raise dist.DistStoreError(f"key {key!r} vanished while being read")
+            raise _store_error(f"key {key!r} vanished while being read")
         return fields[0]
 
     def add(self, key: str, amount: int) -> int:

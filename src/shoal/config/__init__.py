@@ -29,7 +29,6 @@ from shoal.config.worker import (
     WorkerSettings,
     job_secret,
     worker_setting,
-    worker_settings,
 )
 
 KNOB_CLASSES = (EngineConfig, WorkerSettings, LaunchConfig)
@@ -81,5 +80,4 @@ __all__ = [
     "knobs_table",
     "settings",
     "worker_setting",
-    "worker_settings",
 ]

@@ -12,6 +12,7 @@ Each knob is read under the ``SHOAL_`` name and, for scripts written for horovod
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import typing
 from collections.abc import Callable, Iterator, Mapping
@@ -137,6 +138,17 @@ class Setting:
     default: Any
     knob: Knob
 
+    def from_flag(self, value: Any) -> Any:
+        """A flag's (or config-file key's) value as the field holds it: scaled, and of the field's type."""
+        return self.kind(value * self.knob.flag_scale) if self.knob.flag_scale != 1 else value
+
+    def from_environment(self, env: Mapping[str, str] | None = None) -> Any:
+        """This setting's value in ``env`` (os.environ by default), parsed; None when unset."""
+        raw = None if self.knob.env is None else env_str(self.knob.env, env)
+        if raw is None or self.kind is str:
+            return raw
+        return parse_value(self.knob.env or self.name, raw, self.kind)
+
     def default_text(self) -> str:
         """The default as docs and ``--help`` show it."""
         if self.knob.shown_default is not None:
@@ -149,6 +161,16 @@ class Setting:
 
 def settings(cls: type) -> Iterator[Setting]:
     """The ``knob`` fields of dataclass ``cls``, in declaration order."""
+    return iter(_settings(cls))
+
+
+@functools.cache
+def _settings(cls: type) -> tuple[Setting, ...]:
+    """``settings``, worked out once per class (type hints are evaluated from strings)."""
+    return tuple(_declared(cls))
+
+
+def _declared(cls: type) -> Iterator[Setting]:
     hints = typing.get_type_hints(cls)
     for field in dataclasses.fields(cls):
         knob_info = field.metadata.get("knob")
@@ -181,11 +203,9 @@ def from_env(cls: type[Settings], env: Mapping[str, str] | None = None, **explic
     """``cls`` with its defaults overridden by the environment, then by ``explicit`` values."""
     values: dict[str, Any] = {}
     for setting in settings(cls):
-        if setting.knob.env is None or setting.name in explicit:
-            continue
-        raw = env_str(setting.knob.env, env)
-        if raw is not None:
-            values[setting.name] = parse_value(setting.knob.env, raw, setting.kind) if setting.kind is not str else raw
+        value = None if setting.name in explicit else setting.from_environment(env)
+        if value is not None:
+            values[setting.name] = value
     values.update(explicit)
     return cls(**values)
 
@@ -194,10 +214,8 @@ def read_setting(cls: type, name: str, env: Mapping[str, str] | None = None) -> 
     """One field of ``cls`` under the environment (its default when unset): a bad value of another setting never
     gets in the way of reading this one."""
     setting = next(s for s in settings(cls) if s.name == name)
-    raw = None if setting.knob.env is None else env_str(setting.knob.env, env)
-    if raw is None:
-        return setting.default
-    return raw if setting.kind is str else parse_value(setting.knob.env or name, raw, setting.kind)
+    value = setting.from_environment(env)
+    return setting.default if value is None else value
 
 
 def to_env(setting: Setting, value: Any) -> str:

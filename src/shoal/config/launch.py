@@ -10,7 +10,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from shoal.config.engine import MIB, EngineConfig
+from shoal.config.engine import EngineConfig
 from shoal.config.env import env_name, from_env, knob, knob_from, settings, to_env
 from shoal.config.worker import WorkerSettings
 
@@ -21,6 +21,8 @@ _OUTPUT = "output"
 _TUNING = "engine tuning (passed to the workers as environment variables)"
 UNBOUNDED_NP = 1 << 30
 """``max_np`` when not given: bounded by the slots the hosts offer."""
+_NON_NEGATIVE = ("fusion_threshold_bytes", "cycle_time_ms", "cache_capacity")
+"""Engine settings whose flag refuses a negative value with the flag's own name (the rest: EngineConfig's checks)."""
 LOG_LEVELS = ("TRACE", "DEBUG", "INFO", "WARNING", "ERROR", "FATAL")
 
 
@@ -224,14 +226,10 @@ class LaunchConfig:
         unknown = set(self.engine) - {s.name for s in settings(EngineConfig)}
         if unknown:
             raise ValueError(f"unknown engine settings: {', '.join(sorted(unknown))}")
-        for name, flag, scale in (
-            ("fusion_threshold_bytes", "--fusion-threshold-mb", MIB),
-            ("cycle_time_ms", "--cycle-time-ms", 1),
-            ("cache_capacity", "--cache-capacity", 1),
-        ):
-            value = self.engine.get(name)
-            if value is not None and value < 0:
-                raise ValueError(f"{flag} must be >= 0, got {value / scale:g}")
+        for setting in settings(EngineConfig):  # the flags horovodrun checks itself, named as it names them
+            value = self.engine.get(setting.name)
+            if setting.name in _NON_NEGATIVE and value is not None and value < 0:
+                raise ValueError(f"{setting.knob.flags[0]} must be >= 0, got {value / setting.knob.flag_scale:g}")
         try:
             from_env(EngineConfig, **self.engine)
         except ValueError as error:

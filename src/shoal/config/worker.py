@@ -9,12 +9,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from shoal.config.engine import MIB
-from shoal.config.env import HOROVOD_PREFIX, env_int, env_name, env_str, from_env, knob, parse_value, read_setting
+from shoal.config.env import HOROVOD_PREFIX, env_int, env_name, env_str, knob, parse_value, read_setting
 
 
 @dataclass(frozen=True)
 class WorkerSettings:
-    """Read once per process with ``worker_settings()``; shoalrun's flags for the same names reuse these fields."""
+    """Each read alone with ``worker_setting(name)``; shoalrun's flags for the same names reuse these fields."""
 
     start_timeout: float = knob(30.0, "seconds the workers may take to rendezvous", env="START_TIMEOUT")
     elastic_timeout: float = knob(
@@ -41,11 +41,6 @@ class WorkerSettings:
     )
     ps_mode: str = knob("bsp", "parameter-server consistency: bsp, ssp or async", env="PS_MODE")
     ps_staleness: int = knob(1, "how many steps a worker may run ahead of the slowest under ssp", env="PS_STALENESS")
-
-
-def worker_settings() -> WorkerSettings:
-    """This process's ``WorkerSettings``: the defaults under its SHOAL_ (or HOROVOD_) environment."""
-    return from_env(WorkerSettings)
 
 
 def worker_setting(name: str) -> Any:

@@ -131,13 +131,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def flag_value(setting: Setting, value: Any) -> Any:
-    """A flag's (or config-file key's) value as the field holds it: scaled, and of the field's type."""
-    if setting.knob.flag_scale != 1:
-        return setting.kind(value * setting.knob.flag_scale)
-    return value
-
-
 def config_from_namespace(args: argparse.Namespace) -> LaunchConfig:
     """The parsed flags as a ``LaunchConfig`` (not yet checked)."""
     config = LaunchConfig(command=list(args.command))
@@ -148,7 +141,7 @@ def config_from_namespace(args: argparse.Namespace) -> LaunchConfig:
     for setting in settings(EngineConfig):
         value = getattr(args, ENGINE_DEST + setting.name, None)
         if value is not None:
-            config.engine[setting.name] = flag_value(setting, value)
+            config.engine[setting.name] = setting.from_flag(value)
     return config
 
 

@@ -55,8 +55,7 @@ def _value(setting: Setting, value: Any) -> Any:
     if setting.kind is bool:
         return not bool(value) if setting.knob.inverted else bool(value)
     read = setting.knob.flag_type or setting.kind
-    converted = read(str(value) if setting.kind is str else value)
-    return setting.kind(converted * setting.knob.flag_scale) if setting.knob.flag_scale != 1 else converted
+    return setting.from_flag(read(str(value) if setting.kind is str else value))
 
 
 def load_config(path: str) -> dict[str, Any]:
