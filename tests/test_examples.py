@@ -110,6 +110,10 @@ def test_allreduce_benchmark_json_contract(tmp_path: Path) -> None:
     assert float(summary["memcpy_GBps"]) > 0  # type: ignore[arg-type]
     small = summary["small_tensors"]
     assert small["count"] == 256 and small["bytes_each"] == 16384 and small["speedup"] > 0  # type: ignore[index]
+    shared = summary["shared_gradients"]  # two ranks on one host: the arena row is there
+    assert shared["bytes"] == 40 * 10**6 and shared["arena_ms"] > 0 and shared["hier_ms"] > 0  # type: ignore[index]
+    implied = 2 * shared["arena_ms"] * summary["memcpy_GBps"] / 40  # type: ignore[index,operator]
+    assert shared["arena_bytes_moved_per_byte"] == pytest.approx(implied, abs=0.02)  # type: ignore[index]
     # ... and bench.plot draws it.
     plotted = subprocess.run(
         [sys.executable, "-m", "shoal.bench.plot", str(tmp_path / "allreduce.json"), "-o", str(tmp_path / "img")],

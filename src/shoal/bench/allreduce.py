@@ -3,9 +3,11 @@
 Run: ``shoalrun -np 2 python -m shoal.bench.allreduce [--max-mib 256] [--iterations 10]``.
 Prints a table, then (rank 0) one JSON line:
 ``{"bench":"allreduce","world":..,"rows":[{"bytes","shoal_ms","raw_ms","ratio","busbw_GBps","hier_ms",
-"hier_busbw_GBps"}],"memcpy_GBps":..,"small_tensors":{...},"empty_cycle_ms":..}``. ``ratio`` = raw_ms / shoal_ms
-(> 1: Shoal is faster). ``shoal_ms`` is Shoal's default path through the engine (negotiation included);
-``hier_ms`` is the bare hierarchical/shared-memory transport, present when several ranks share a host.
+"hier_busbw_GBps"}],"memcpy_GBps":..,"small_tensors":{...},"empty_cycle_ms":..,
+"shared_gradients":{"bytes","arena_ms","hier_ms","arena_bytes_moved_per_byte","hier_bytes_moved_per_byte"}}``.
+``ratio`` = raw_ms / shoal_ms (> 1: Shoal is faster). ``shoal_ms`` is Shoal's default path through the engine
+(negotiation included); ``hier_ms`` is the bare hierarchical/shared-memory transport, present when several ranks
+share a host, as is ``shared_gradients``: a 40 MB gradient reduced in the ranks' arenas, against the transport.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from shoal.comm.shm import create_local_group, job_token
 from shoal.core import session as handles
 from shoal.plan.calibration import median_seconds
 from shoal.runtime import context
+from shoal.torch import shared_grads
 
 
 def _timed_ms(fn: Callable[[], object], iterations: int) -> float:
@@ -116,6 +119,36 @@ def bench_sizes(max_bytes: int, iterations: int, hierarchical: HierarchicalAllre
     return rows
 
 
+def bench_shared_gradients(
+    hierarchical: HierarchicalAllreduce | None, limit_gbps: float, nbytes: int = 40 * 10**6
+) -> dict[str, float] | None:
+    """A 40 MB gradient reduced where it lies in the ranks' arenas (the optimizer's shared-gradient path), against
+    the bare shared-memory transport on the same bytes; each as the memory traffic per gradient byte and rank that
+    its time implies at the single-core copy bandwidth (a copy moves 2 bytes per byte: one read, one write)."""
+    site = handles.engine().arena_site()
+    if hierarchical is None or site is None:
+        return None
+    arena, failure = shared_grads.map_arenas(site, nbytes, "bench.arena")
+    if arena is None:
+        if hvd.rank() == 0:
+            print(f"shared-gradient arena unavailable: {failure}")
+        return None
+    count = nbytes // 4
+    arena.own()[:nbytes].view(torch.float32).fill_(1.0)
+    arena_ms = _max_ms(_timed_ms(lambda: arena.allreduce_range_(hierarchical.local, 0, torch.float32, count, "sum"), 5))
+    tensor = torch.ones(count)
+    hier_ms = _max_ms(_timed_ms(functools.partial(hierarchical.allreduce_, tensor, "sum"), 5))
+    arena.close()
+    copy_ms = nbytes / (limit_gbps * 1e9) * 1e3
+    return {
+        "bytes": nbytes,
+        "arena_ms": round(arena_ms, 3),
+        "hier_ms": round(hier_ms, 3),
+        "arena_bytes_moved_per_byte": round(2 * arena_ms / copy_ms, 2),
+        "hier_bytes_moved_per_byte": round(2 * hier_ms / copy_ms, 2),
+    }
+
+
 def bench_small_tensors(count: int = 256, bytes_each: int = 16384, repeats: int = 5) -> dict[str, float]:
     """``count`` tensors submitted asynchronously then synchronized, against one blocking raw allreduce each."""
     tensors = [torch.ones(bytes_each // 4) for _ in range(count)]
@@ -168,6 +201,7 @@ def main(argv: list[str] | None = None) -> None:
     rows = bench_sizes(args.max_mib * 1024 * 1024, args.iterations, hierarchical)
     small = bench_small_tensors()
     empty_cycle_ms = bench_empty_cycle(hierarchical)
+    shared = bench_shared_gradients(hierarchical, limit)
     if hvd.rank() == 0:
         print(f"memcpy limit: {limit:.2f} GB/s; empty negotiation cycle: {empty_cycle_ms:.4f} ms")
         print(
@@ -182,7 +216,14 @@ def main(argv: list[str] | None = None) -> None:
             "small_tensors": small,
             "empty_cycle_ms": round(empty_cycle_ms, 4),
             "empty_cycle_path": "shm" if hierarchical is not None else "gloo",
+            "shared_gradients": shared,
         }
+        if shared is not None:
+            print(
+                f"{shared['bytes'] / 1e6:.0f} MB gradient: in its arena {shared['arena_ms']:.2f} ms "
+                f"({shared['arena_bytes_moved_per_byte']:.2f} bytes moved per byte), through the shared-memory "
+                f"transport {shared['hier_ms']:.2f} ms ({shared['hier_bytes_moved_per_byte']:.2f})"
+            )
         emit(result, args.json)
     if hierarchical is not None:
         hierarchical.close()

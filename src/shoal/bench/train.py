@@ -10,7 +10,10 @@ all the gradient bytes with nothing else running, and ``no_overlap_ips`` the bou
 best a step can do when every core is busy computing, so the reduction cannot hide under backward.
 ``--lockstep-bound`` adds ``lockstep_ips`` and ``of_lockstep``: the bound with the ranks meeting after each backward
 pass (a one-element allreduce), as a synchronous job's ranks must, so that their memory-bound updates coincide.
-``--profile`` then times one more Shoal phase with a timeline and prints where a step's time goes.
+``--compare-copying`` adds ``copying_ips`` and ``shared_gain`` (= shoal_ips / copying_ips): a second Shoal job in
+the same rounds whose gradients are copied to be reduced instead of living in shared memory. ``--zero-grad zeros``
+makes every phase's ``zero_grad`` fill gradients with zeros instead of setting them to None. ``--profile`` then
+times one more Shoal phase with a timeline and prints where a step's time goes.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import shoal.torch as hvd
 from shoal.bench import add_json_flag, emit
 from shoal.comm.baselines import wrap_ddp
 from shoal.config import env_name
+from shoal.core import session as handles
 from shoal.plan.planner import median_error
 from shoal.plan.schemes import Scheme
 from shoal.predict.models import build, parameter_count
@@ -52,13 +56,15 @@ def _timed_steps(
     steps: int,
     sync: Callable[[], None],
     after_backward: Callable[[], None] | None = None,
+    set_to_none: bool = True,
 ) -> float:
-    """Seconds for ``steps`` training steps after ``warmup`` ones (the slowest rank's time when ``sync`` syncs)."""
+    """Seconds for ``steps`` training steps after ``warmup`` ones (the slowest rank's time when ``sync`` syncs);
+    each step starts with ``zero_grad(set_to_none)``."""
     loss_fn = nn.CrossEntropyLoss()
 
     def step(index: int) -> None:
         x, y = batches[index % len(batches)]
-        optimizer.zero_grad()
+        optimizer.zero_grad(set_to_none=set_to_none)
         loss_fn(model(x), y).backward()
         if after_backward is not None:
             after_backward()
@@ -96,11 +102,20 @@ def run_shoal(
     args: argparse.Namespace,
     batches: list[tuple[torch.Tensor, torch.Tensor]],
     job: tuple[nn.Module, torch.optim.Optimizer] | None = None,
+    shared_gradients: bool = True,
 ) -> float:
     """Images per second over all workers with Shoal's DistributedOptimizer: ``job``'s model and optimizer (a
-    training job that goes on from the previous phase), or new ones."""
+    training job that goes on from the previous phase), or new ones. ``shared_gradients=False``: the job's
+    gradients stay where autograd puts them (the setting is read when the job adopts them, after its first step)."""
     model, optimizer = job if job is not None else _shoal_model(args)
-    elapsed = _slowest(_timed_steps(model, optimizer, batches, args.warmup, args.steps, hvd.barrier))
+    config = handles.engine().config
+    setting, config.shared_gradients = config.shared_gradients, shared_gradients and config.shared_gradients
+    try:
+        elapsed = _slowest(
+            _timed_steps(model, optimizer, batches, args.warmup, args.steps, hvd.barrier, set_to_none=args.set_to_none)
+        )
+    finally:
+        config.shared_gradients = setting
     if args.comm == AUTO:
         hvd.plan_report()  # rank 0 prints it
     return hvd.size() * args.batch_size * args.steps / elapsed
@@ -112,7 +127,9 @@ def run_ddp(args: argparse.Namespace, batches: list[tuple[torch.Tensor, torch.Te
     model, _ = build(args.model)
     ddp_model = wrap_ddp(model)
     optimizer = torch.optim.SGD(ddp_model.parameters(), lr=0.01, momentum=0.9)
-    elapsed = _slowest(_timed_steps(ddp_model, optimizer, batches, args.warmup, args.steps, hvd.barrier))
+    elapsed = _slowest(
+        _timed_steps(ddp_model, optimizer, batches, args.warmup, args.steps, hvd.barrier, set_to_none=args.set_to_none)
+    )
     return hvd.size() * args.batch_size * args.steps / elapsed
 
 
@@ -121,11 +138,13 @@ def run_profiled(args: argparse.Namespace, batches: list[tuple[torch.Tensor, tor
     from shoal.timeline import hidden_share, load_trace, step_profile
 
     model, optimizer = _shoal_model(args)
-    _timed_steps(model, optimizer, batches, args.warmup, 0, hvd.barrier)  # warm up outside the timeline
+    _timed_steps(
+        model, optimizer, batches, args.warmup, 0, hvd.barrier, set_to_none=args.set_to_none
+    )  # warm up outside the timeline
     with tempfile.TemporaryDirectory(prefix="shoal-profile-") as directory:
         shared = hvd.broadcast_object(directory, root_rank=0, name="bench.train.profile_dir")  # one host: rank 0's
         hvd.start_timeline(os.path.join(shared, "tl-{rank}.json"))
-        _timed_steps(model, optimizer, batches, 0, args.steps, hvd.barrier)
+        _timed_steps(model, optimizer, batches, 0, args.steps, hvd.barrier, set_to_none=args.set_to_none)
         hvd.stop_timeline()
         hvd.barrier()
         lines: list[str] = []
@@ -161,7 +180,9 @@ def run_bound(args: argparse.Namespace, batches: list[tuple[torch.Tensor, torch.
     def meet() -> None:
         hvd.allreduce_(token, op=hvd.Sum, name="bench.train.lockstep")
 
-    elapsed = _timed_steps(model, optimizer, batches, args.warmup, args.steps, hvd.barrier, meet if lockstep else None)
+    elapsed = _timed_steps(
+        model, optimizer, batches, args.warmup, args.steps, hvd.barrier, meet if lockstep else None, args.set_to_none
+    )
     return hvd.size() * args.batch_size * args.steps / _slowest(elapsed)
 
 
@@ -186,7 +207,7 @@ def run_solo(args: argparse.Namespace, batches: list[tuple[torch.Tensor, torch.T
         torch.manual_seed(0)
         model, _ = build(args.model)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-        elapsed = _timed_steps(model, optimizer, batches, args.warmup, args.steps, lambda: None)
+        elapsed = _timed_steps(model, optimizer, batches, args.warmup, args.steps, lambda: None, set_to_none=args.set_to_none)
         ips = args.batch_size * args.steps / elapsed
     hvd.barrier()
     return ips
@@ -197,8 +218,6 @@ def run_autotuned(args: argparse.Namespace, batches: list[tuple[torch.Tensor, to
 
     Returns (images per second with the frozen setting, tuning steps it took).
     """
-    from shoal.core import session as handles
-
     torch.manual_seed(0)
     model, _ = build(args.model)
     optimizer = hvd.DistributedOptimizer(
@@ -212,11 +231,13 @@ def run_autotuned(args: argparse.Namespace, batches: list[tuple[torch.Tensor, to
         if hvd.allreduce(torch.tensor([frozen]), op=hvd.Min, name="bench.train.frozen").item() > 0:
             break
         x, y = batches[tuning_steps % len(batches)]
-        optimizer.zero_grad()
+        optimizer.zero_grad(set_to_none=args.set_to_none)
         loss_fn(model(x), y).backward()
         optimizer.step()
         tuning_steps += 1
-    elapsed = _slowest(_timed_steps(model, optimizer, batches, args.warmup, args.steps, hvd.barrier))
+    elapsed = _slowest(
+        _timed_steps(model, optimizer, batches, args.warmup, args.steps, hvd.barrier, set_to_none=args.set_to_none)
+    )
     return hvd.size() * args.batch_size * args.steps / elapsed, tuning_steps
 
 
@@ -253,8 +274,22 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         help="each round also time the lockstep bound: no gradient bytes, but the ranks meet after every backward",
     )
     parser.add_argument("--autotune-samples", type=int, default=12, help="scored autotune samples (default 12)")
+    parser.add_argument(
+        "--compare-copying",
+        action="store_true",
+        help="each round also time a second Shoal job whose gradients are copied to be reduced (no shared-memory "
+        "gradients): copying_ips, shared_gain",
+    )
+    parser.add_argument(
+        "--zero-grad",
+        choices=["none", "zeros"],
+        default="none",
+        help="every phase's zero_grad(): set gradients to None (torch's default) or fill them with zeros",
+    )
     add_json_flag(parser)
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    args.set_to_none = args.zero_grad == "none"
+    return args
 
 
 @dataclass
@@ -265,6 +300,7 @@ class Phases:
     ddp: list[float]
     bound: list[float]
     lockstep: list[float]
+    copying: list[float]
     solo_ips: float
     reduce_s: float
     profile: list[str]
@@ -286,6 +322,7 @@ def _report(args: argparse.Namespace, phases: Phases) -> None:
         "model": args.model,
         "world": hvd.size(),
         "comm": args.comm,
+        "zero_grad": args.zero_grad,
         "shoal_ips": round(shoal_ips, 1),
     }
     if args.comm == Scheme.PS:  # co-located (a server thread in every worker) unless shoalrun started servers
@@ -303,6 +340,10 @@ def _report(args: argparse.Namespace, phases: Phases) -> None:
         print(f"ddp:   {', '.join(f'{v:.1f}' for v in phases.ddp)} img/s")
         result["ddp_ips"] = round(max(phases.ddp), 1)
         result["ratio"] = round(shoal_ips / max(phases.ddp), 3)
+    if phases.copying:
+        print(f"copying gradients: {', '.join(f'{v:.1f}' for v in phases.copying)} img/s")
+        result["copying_ips"] = round(max(phases.copying), 1)
+        result["shared_gain"] = round(shoal_ips / max(phases.copying), 3)
     if phases.tuned is not None:
         print(f"autotuned: {phases.tuned[0]:.1f} img/s after {phases.tuned[1]} tuning steps (settings {phases.settings})")
         result["autotuned_ips"] = round(phases.tuned[0], 1)
@@ -337,12 +378,15 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(1)
     hvd.init()
     batches = _batches(args.model, args.batch_size, 4)
-    shoal_runs, ddp_runs, bound_runs, lockstep_runs = [], [], [], []
+    shoal_runs, ddp_runs, bound_runs, lockstep_runs, copying_runs = [], [], [], [], []
     # One Shoal training job across the rounds, as in real training: comm="auto" plans (and may refit) once, in the
     # first round, and later rounds run the plan it settled on.
     shoal_job = _shoal_model(args)
+    copying_job = _shoal_model(args) if args.compare_copying else None
     for round_number in range(args.rounds):  # alternating, so that a slow spell of the machine hits each alike
         shoal_runs.append(run_shoal(args, batches, shoal_job))
+        if copying_job is not None:
+            copying_runs.append(run_shoal(args, batches, copying_job, shared_gradients=False))
         if args.compare == "ddp":
             ddp_runs.append(run_ddp(args, batches))
         bound_runs.append(run_bound(args, batches))
@@ -351,8 +395,9 @@ def main(argv: list[str] | None = None) -> None:
         if hvd.rank() == 0:  # progress: each round as it ends
             ddp = f", ddp {ddp_runs[-1]:.1f}" if ddp_runs else ""
             lockstep = f", lockstep bound {lockstep_runs[-1]:.1f}" if lockstep_runs else ""
+            copying = f", copying gradients {copying_runs[-1]:.1f}" if copying_runs else ""
             print(
-                f"round {round_number + 1}/{args.rounds}: shoal {shoal_runs[-1]:.1f}{ddp}, no-communication bound "
+                f"round {round_number + 1}/{args.rounds}: shoal {shoal_runs[-1]:.1f}{copying}{ddp}, no-communication bound "
                 f"{bound_runs[-1]:.1f}{lockstep} img/s",
                 flush=True,
             )
@@ -366,13 +411,14 @@ def main(argv: list[str] | None = None) -> None:
         os.environ.update({env_name("AUTOTUNE"): "1", env_name("AUTOTUNE_BAYES_OPT_MAX_SAMPLES"): str(args.autotune_samples)})
         hvd.init()
         tuned = run_autotuned(args, batches)
-        from shoal.core import session as handles
-
         engine = handles.engine()
         settings = [engine.config.fusion_threshold_bytes, round(engine.config.cycle_time_ms, 3), engine.tuned_bucket_bytes]
         shoal_runs.append(run_shoal(args, batches))  # the defaults once more, after tuning, as a drift check
     if hvd.rank() == 0:
-        _report(args, Phases(shoal_runs, ddp_runs, bound_runs, lockstep_runs, solo_ips, reduce_s, profile, tuned, settings))
+        _report(
+            args,
+            Phases(shoal_runs, ddp_runs, bound_runs, lockstep_runs, copying_runs, solo_ips, reduce_s, profile, tuned, settings),
+        )
     hvd.shutdown()
 
 

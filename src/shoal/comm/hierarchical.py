@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from shoal.comm import collectives
+from shoal.comm.shared_arena import SharedArena
 from shoal.comm.shm import SharedMemoryGroup
 
 
@@ -28,6 +29,24 @@ class HierarchicalAllreduce:
     def allreduce_(self, tensor: torch.Tensor, reduction: str, finish: Callable[[torch.Tensor], None] | None = None) -> None:
         """Reduce a contiguous CPU tensor in place across every rank (sum, product, min, max or band); ``finish``
         runs on each rank's reduced slice before it is shared back (see ``SharedMemoryGroup.allreduce_``)."""
+        self.local.allreduce_(tensor, reduction, self._between_hosts(reduction), finish)
+
+    def allreduce_arena_(
+        self,
+        arena: SharedArena,
+        offset: int,
+        dtype: torch.dtype,
+        count: int,
+        reduction: str,
+        finish: Callable[[torch.Tensor], None] | None = None,
+    ) -> None:
+        """Reduce a range of every local rank's arena in place across every rank (``SharedArena.allreduce_range_``)."""
+        arena.allreduce_range_(self.local, offset, dtype, count, reduction, self._between_hosts(reduction), finish)
+
+    def _between_hosts(self, reduction: str) -> Callable[[torch.Tensor], None] | None:
+        """The step that reduces a rank's slice with the same local rank on the other hosts (None with one host)."""
+        if self.cross_size == 1:
+            return None
 
         def between_hosts(mine: torch.Tensor) -> None:
             if reduction == "band":
@@ -35,7 +54,7 @@ class HierarchicalAllreduce:
             else:
                 collectives.allreduce_(mine, reduction, self.cross_group)
 
-        self.local.allreduce_(tensor, reduction, between_hosts if self.cross_size > 1 else None, finish)
+        return between_hosts
 
     def close(self) -> None:
         """Release the shared-memory segment."""

@@ -22,6 +22,11 @@ def job_token(secret: str | None) -> str:
     return hashlib.sha256(secret.encode()).hexdigest()[:12] if secret else "nojob"
 
 
+def host_tag(host_key: str) -> str:
+    """The per-host part of segment names (a digest: host names may hold characters a file name must not)."""
+    return hashlib.sha256(host_key.encode()).hexdigest()[:8]
+
+
 def remove_job_segments(token: str) -> list[str]:
     """Unlink every segment of job ``token`` left in /dev/shm (shoalrun calls this when a job ends)."""
     removed: list[str] = []

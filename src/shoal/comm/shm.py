@@ -15,7 +15,6 @@ the segment is not used and collectives fall back to gloo.
 
 from __future__ import annotations
 
-import hashlib
 import mmap
 import os
 import platform
@@ -28,7 +27,7 @@ from typing import Any
 
 import torch
 
-from shoal.comm.names import SEGMENT_PREFIX, SHM_DIR
+from shoal.comm.names import SEGMENT_PREFIX, SHM_DIR, host_tag
 from shoal.comm.names import job_token as job_token  # re-exported: shm is where the segments are made
 from shoal.comm.names import remove_job_segments as remove_job_segments
 from shoal.log import get_logger
@@ -43,7 +42,7 @@ _LEFT = -1
 """The pid recorded for a rank that closed its side of the segment."""
 DEFAULT_SLOT_BYTES = 4 * 1024 * 1024
 
-_REDUCE_INTO: dict[str, Callable[[torch.Tensor, torch.Tensor], Any]] = {
+REDUCE_INTO: dict[str, Callable[[torch.Tensor, torch.Tensor], Any]] = {
     "sum": lambda acc, other: acc.add_(other) if acc.dtype != torch.bool else acc.logical_or_(other),
     "product": lambda acc, other: acc.mul_(other) if acc.dtype != torch.bool else acc.logical_and_(other),
     "min": lambda acc, other: torch.minimum(acc, other, out=acc),
@@ -75,7 +74,7 @@ def _pid_alive(pid: int) -> bool:
         return False
 
 
-def _check_segment_file(path: str, info: os.stat_result, size: int) -> None:
+def check_segment_file(path: str, info: os.stat_result, size: int) -> None:
     """Refuse a segment that is not a regular file of this user's, of exactly the size the job's settings give."""
     if not stat.S_ISREG(info.st_mode):
         raise SharedMemoryError(f"segment {path} is not a regular file")
@@ -119,7 +118,7 @@ class SharedMemoryGroup:
             if create:
                 os.posix_fallocate(fd, 0, size)  # ENOSPC now, instead of SIGBUS on first touch of a page
             else:
-                _check_segment_file(path, os.fstat(fd), size)
+                check_segment_file(path, os.fstat(fd), size)
             self._map = mmap.mmap(fd, size)
         finally:
             os.close(fd)
@@ -230,7 +229,7 @@ class SharedMemoryGroup:
                 elementwise step such as Average's scaling: each rank does its slice, 1/local_size of the work).
         """
         flat = tensor.view(-1)
-        reduce_into = _REDUCE_INTO[reduction]
+        reduce_into = REDUCE_INTO[reduction]
         step = self.chunk_elements(flat.dtype)
         total = flat.numel()
         for offset in range(0, total, step):
@@ -281,7 +280,7 @@ class SharedMemoryGroup:
             peers = [rank for rank in range(self.local_size) if rank != me]
             reduce_out = _REDUCE_OUT[reduction]
             reduce_out(chunk[start:stop], slots[peers[0]][start:stop], result)
-            reduce_into = _REDUCE_INTO[reduction]
+            reduce_into = REDUCE_INTO[reduction]
             for rank in peers[1:]:
                 reduce_into(result, slots[rank][start:stop])
             if between_hosts is not None:
@@ -310,7 +309,7 @@ class SharedMemoryGroup:
     def reduce_(self, tensor: torch.Tensor, reduction: str, root: int) -> None:
         """Reduce into local rank ``root``'s tensor (the others' tensors are left as they were)."""
         flat = tensor.view(-1)
-        reduce_into = _REDUCE_INTO[reduction]
+        reduce_into = REDUCE_INTO[reduction]
         step = self.chunk_elements(flat.dtype)
         for offset in range(0, flat.numel(), step):
             chunk = flat[offset : offset + step]
@@ -378,7 +377,7 @@ def create_local_group(
     the store, logged as a warning, and leaves collectives on gloo. ``purpose`` keeps separate segments apart
     (the engine's, a benchmark's).
     """
-    host = hashlib.sha256(host_key.encode()).hexdigest()[:8]
+    host = host_tag(host_key)
     key = f"shm/{purpose}/{host}"
     if local_rank == 0:
         verdict = "unavailable: this platform is not Linux x86-64 with /dev/shm"

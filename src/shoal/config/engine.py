@@ -48,6 +48,13 @@ class EngineConfig:
         config_key="params.hierarchical_allreduce",
         shown_default="automatic",
     )
+    shared_gradients: bool = knob(
+        True,
+        "DistributedOptimizer keeps CPU gradients in shared memory when the host's ranks reduce through it and the "
+        "user zeroes gradients in place (zero_grad(set_to_none=False)), so they are reduced where they lie, without "
+        "copies (from the third step on; see docs/architecture.md)",
+        env="SHARED_GRADIENTS",
+    )
     shm_slot_bytes: int = knob(
         4 * MIB,
         "shared-memory staging per local rank; larger tensors go through in chunks (4 MiB measured best here: a "

@@ -1,8 +1,10 @@
-"""Broadcast and allgather of arbitrary picklable Python objects, over the tensor collectives."""
+"""Broadcast and allgather of arbitrary picklable Python objects (and, for Shoal's own set-up, of JSON), over the tensor
+collectives."""
 
 from __future__ import annotations
 
 import io
+import json
 import pickle
 from typing import Any
 
@@ -48,5 +50,19 @@ def allgather_object(obj: Any, name: str | None = None, process_set: ProcessSet 
     objects, offset = [], 0
     for length in lengths.tolist():
         objects.append(_from_bytes(data[offset : offset + length]))
+        offset += length
+    return objects
+
+
+def allgather_json(obj: Any, name: str, process_set: ProcessSet = global_process_set) -> list[Any]:
+    """Every rank's JSON-able ``obj``, in rank order: what Shoal itself exchanges (never unpickled: a peer's bytes
+    run no code here). A peer's malformed bytes raise ``ValueError``."""
+    payload = torch.frombuffer(bytearray(json.dumps(obj, separators=(",", ":")).encode()), dtype=torch.uint8)
+    call = requests.Call(Kind.ALLGATHER, process_set)
+    lengths = requests.run(call, [torch.tensor([payload.numel()], dtype=torch.int64)], f"{name}.size")
+    data = requests.run(call, [payload], f"{name}.data")
+    objects, offset = [], 0
+    for length in lengths.tolist():
+        objects.append(json.loads(data[offset : offset + length].numpy().tobytes()))
         offset += length
     return objects

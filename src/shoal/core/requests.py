@@ -68,8 +68,9 @@ def _check_call(call: Call, tensor: torch.Tensor) -> None:
         check_alltoall_splits(call.splits, tensor.shape[0], call.process_set.size())
 
 
-def build_meta(call: Call, tensor: torch.Tensor, name: str) -> RequestMeta:
-    """What every rank must agree on for ``tensor``, after the checks this rank can make alone."""
+def build_meta(call: Call, tensor: torch.Tensor, name: str, shared: tuple[str, int] | None = None) -> RequestMeta:
+    """What every rank must agree on for ``tensor``, after the checks this rank can make alone (``shared``: the
+    arena range the tensor is, see ``RequestMeta.shared``)."""
     _check_call(call, tensor)
     spec = call.spec
     return RequestMeta(
@@ -85,12 +86,13 @@ def build_meta(call: Call, tensor: torch.Tensor, name: str) -> RequestMeta:
         postscale=1.0 if spec is None else float(spec.postscale),
         root=call.root_rank,
         splits=call.splits,
+        shared=shared,
     )
 
 
-def build(call: Call, tensor: torch.Tensor, name: str) -> Request:
+def build(call: Call, tensor: torch.Tensor, name: str, shared: tuple[str, int] | None = None) -> Request:
     """One ``Request`` for ``tensor``: the negotiated metadata, a contiguous input and where the result lands."""
-    meta = build_meta(call, tensor, name)
+    meta = build_meta(call, tensor, name, shared)
     detached = tensor.detach()
     contiguous = detached.contiguous()
     if call.kind not in (Kind.ALLREDUCE, Kind.BROADCAST):
@@ -120,6 +122,7 @@ def submit(
     name: str | None = None,
     grouped: bool = False,
     names: Sequence[str] | None = None,
+    shared: Sequence[tuple[str, int] | None] | None = None,
 ) -> int:
     """Queue ``tensors`` as one handle and return it; ``synchronize`` gives the one result, or the list (grouped).
 
@@ -129,11 +132,13 @@ def submit(
         name: the request's name, or for a group the base of ``<name>.<i>``; None: an automatic name.
         grouped: several tensors as one handle (fused together where they fit).
         names: each tensor's own name instead (the optimizer names gradients after their parameters).
+        shared: per tensor, the arena range it is (``RequestMeta.shared``), or None.
     """
     if names is None:
         base = auto_name(call.kind, name, call.process_set)
         names = [f"{base}.{i}" for i in range(len(tensors))] if grouped else [base]
-    requests = [build(call, tensor, n) for tensor, n in zip(tensors, names, strict=True)]
+    ranges = [None] * len(tensors) if shared is None else shared
+    requests = [build(call, tensor, n, r) for tensor, n, r in zip(tensors, names, ranges, strict=True)]
     return session.submit(requests, as_list if grouped else first)
 
 

@@ -17,12 +17,15 @@ from __future__ import annotations
 import gc
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from shoal.comm import collectives
 from shoal.comm.hierarchical import HierarchicalAllreduce, build_cross_groups
+from shoal.comm.names import host_tag
+from shoal.comm.shared_arena import SharedArena
 from shoal.comm.shm import create_local_group
 from shoal.engine.autotune import SETTINGS_WIRE_LENGTH, AutotuneConfig, Autotuner, TunedSettings, import_optuna
 from shoal.engine.config import EngineConfig
@@ -45,6 +48,18 @@ _WORD_MASK = (1 << 63) - 1
 """63 bits per int64 word, so that no word is negative and every bit means one cache id."""
 
 
+@dataclass(frozen=True)
+class ArenaSite:
+    """What a rank needs to create and check its host's shared-memory arenas."""
+
+    token: str
+    """The job's part of segment names."""
+    host: str
+    """The host's part of segment names."""
+    local_rank: int
+    local_size: int
+
+
 class EngineStoppedError(HorovodInternalError):
     """The engine is no longer running (shut down, or failed); no new request can be served."""
 
@@ -60,6 +75,9 @@ class Engine:
         # (DDP, a raw all_reduce) never interleave with the engine's collectives on the same connections.
         # Every group gets an explicit timeout (torch's default is 30 minutes); see EngineConfig.collective_timeout_s.
         self._world: Any = collectives.new_group(list(range(size)), config.transport_timeout_s)
+        self._job = job
+        self._host = host_tag(topology.host_of_rank[rank])
+        self._local = (topology.local_rank, topology.local_size)
         self.hierarchical = self._setup_hierarchical(topology, store, job)
         self.process_sets: dict[int, ProcessSetState] = {0: ProcessSetState(tuple(range(size)), self._world)}
         self.timeline: Timeline | None = None
@@ -156,6 +174,19 @@ class Engine:
         """The last execution of request ``name``: (its share by size of its batch's seconds, its elements, the
         fused batch's elements); None before it ran."""
         return self._executor.executions.get((process_set, name))
+
+    def arena_site(self) -> ArenaSite | None:
+        """Where this rank's shared-memory arenas live (``shoal.comm.shared_arena``); None when the engine reduces
+        without shared memory (one rank per host, hierarchical allreduce off or unavailable). Agreed by all ranks."""
+        if self.hierarchical is None:
+            return None
+        return ArenaSite(self._job, self._host, *self._local)
+
+    def register_arena(self, key: str, arena: SharedArena) -> None:
+        """From now on, allreduces that name ``key`` in ``RequestMeta.shared`` are ranges of ``arena``."""
+        if key in self._executor.arenas:
+            raise ValueError(f"shared arena {key!r} is already registered")
+        self._executor.arenas[key] = arena
 
     def stop(self, timeout_s: float | None = None) -> bool:
         """Ask every rank's engine to stop, fail what is pending, and wait for the thread to end.
@@ -284,6 +315,9 @@ class Engine:
             if hierarchical.cross_group is not None:
                 groups.append(hierarchical.cross_group)
         self.process_sets.clear()  # the executor shares this mapping
+        for arena in self._executor.arenas.values():
+            arena.close()
+        self._executor.arenas.clear()
         self._world = None
         for group in groups:
             try:
@@ -461,6 +495,7 @@ class Engine:
             for key in done:
                 self._in_flight.discard(key)
         in_progress = list(done.values())
+        self._executor.joined = frozenset(self._table.joined)
         try:
             for batch in plan_batches(responses, self.config.fusion_threshold_bytes, self.config.fusion_solo_bytes):
                 self._executor.run(batch, done)

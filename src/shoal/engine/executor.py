@@ -13,6 +13,7 @@ import torch
 
 from shoal.comm import collectives
 from shoal.comm.hierarchical import HierarchicalAllreduce
+from shoal.comm.shared_arena import SharedArena
 from shoal.engine import adasum
 from shoal.engine.fusion import FusedBatch
 from shoal.engine.negotiation import Response
@@ -20,7 +21,7 @@ from shoal.engine.request import DATA_KINDS, Kind, ReduceOp, Request, RequestMet
 from shoal.engine.stall import CollectiveWatch
 from shoal.engine.timeline import Timeline
 from shoal.engine.validation import REDUCING_DTYPES
-from shoal.exceptions import CollectiveMismatchError
+from shoal.exceptions import CollectiveMismatchError, HorovodInternalError
 from shoal.log import get_logger
 
 # gloo has no int16 kernels; such tensors travel as int32 (exact, and wraps the same way once cast back).
@@ -120,6 +121,10 @@ class Executor:
         self._timeline = timeline
         self.next_process_set_id = 1
         self.collective_calls = 0
+        self.joined: frozenset[int] = frozenset()
+        """The ranks that have joined (they stand in for collectives with zeros), as every rank knows them."""
+        self.arenas: dict[str, SharedArena] = {}
+        """This rank's registered shared-memory arenas by key (``RequestMeta.shared``), mapped with the host's peers'."""
         self.executions: dict[tuple[int, str], tuple[float, int, int]] = {}
         """Per data request, its last execution: (its share by size of its batch's seconds, its elements, the
         batch's elements). The planner compares these with its predictions. Written by the engine thread only; a
@@ -239,6 +244,10 @@ class Executor:
         meta = responses[0].meta
         dtype = _dtype(meta)
         wire = _WIRE_DTYPES.get(dtype, dtype)
+        arena = self._arena_of(responses, requests, state)
+        if arena is not None:
+            self._allreduce_in_arena(responses[0], requests[0], state, arena)
+            return
         inputs = [self._input(r, q) for r, q in zip(responses, requests, strict=True)]
         single_in_place = (
             len(responses) == 1 and requests[0] is not None and requests[0].output is requests[0].tensor and wire == dtype
@@ -290,6 +299,48 @@ class Executor:
             if request is not None:
                 request.complete(request.output)
         self._end(responses, "MEMCPY_OUT_FUSION_BUFFER")
+
+    def _arena_of(
+        self, responses: list[Response], requests: list[Request | None], state: ProcessSetState
+    ) -> SharedArena | None:
+        """The arena to reduce in place, when every member's request is the same range of a registered arena and the
+        shared-memory path is on; else None (the ordinary path, which is right for any tensor).
+
+        Every rank decides from the agreed response and settings alone, so all take the same path.
+        """
+        meta = responses[0].meta
+        if len(responses) != 1 or meta.shared is None or meta.prescale != 1.0 or meta.op == ReduceOp.Adasum:
+            return None
+        rank_metas = [responses[0].rank_metas[member] for member in state.members]
+        if self.joined.intersection(state.members) or any(m is None or m.shared != meta.shared for m in rank_metas):
+            return None  # a rank that joined (a cached response lists it still), or one whose gradient is elsewhere
+        request = requests[0]
+        if request is None or request.tensor is None or not self._uses_shared_memory(request.tensor, meta.process_set):
+            return None
+        arena = self.arenas.get(meta.shared[0])
+        if arena is None:
+            raise HorovodInternalError(f"allreduce '{meta.name}' names shared arena {meta.shared[0]!r}, not registered here")
+        return arena
+
+    def _allreduce_in_arena(
+        self, response: Response, request: Request | None, state: ProcessSetState, arena: SharedArena
+    ) -> None:
+        """Reduce a range of every local rank's arena in place: no fusion buffer, no copy in or out."""
+        meta = response.meta
+        assert request is not None and request.tensor is not None and meta.shared is not None
+        offset = meta.shared[1]
+        tensor = request.tensor
+        if tensor.data_ptr() != arena.own().data_ptr() + offset:
+            raise HorovodInternalError(f"allreduce '{meta.name}': the tensor is not its arena's range at byte {offset}")
+        assert self.hierarchical is not None and meta.op is not None
+        phase = self._reduce_phase(tensor, meta.process_set)
+        self._begin([response], phase)
+        op = ReduceOp(meta.op)
+        finish = _postscaler(op, meta.postscale, len(state.members))
+        with self._wire(f"allreduce '{meta.name}'"):
+            self.hierarchical.allreduce_arena_(arena, offset, tensor.dtype, tensor.numel(), _REDUCTIONS[op], finish)
+        self._end([response], phase)
+        request.complete(request.output)
 
     def _adasum_(self, buffer: torch.Tensor, sizes: list[int], state: ProcessSetState, name: str) -> None:
         """Adasum in place: gather every member's buffer, then combine each tensor's slices along the same tree on

@@ -18,8 +18,8 @@ class FusedBatch:
 
 
 def _fusion_key(response: Response) -> tuple[object, ...] | None:
-    if response.kind != Kind.ALLREDUCE or response.error is not None:
-        return None
+    if response.kind != Kind.ALLREDUCE or response.error is not None or response.meta.shared is not None:
+        return None  # an arena's range is reduced where it lies, alone
     meta = response.meta
     return (meta.dtype, meta.device, meta.op, meta.process_set, meta.prescale, meta.postscale)
 

@@ -57,6 +57,9 @@ class RequestMeta:
     device: str = "cpu"
     payload: tuple[int, ...] | None = None
     """Process-set management: the ranks of the set (add) or its id (remove)."""
+    shared: tuple[str, int] | None = None
+    """allreduce: the tensor is the range at this byte offset of the named shared-memory arena (the same range on
+    every rank of the host: see ``shoal.comm.shared_arena``); None for an ordinary tensor."""
 
     @property
     def nbytes(self) -> int:

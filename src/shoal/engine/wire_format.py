@@ -32,6 +32,7 @@ def encode_requests(metas: list[RequestMeta]) -> bytes:
             None if m.splits is None else list(m.splits),
             m.device,
             None if m.payload is None else list(m.payload),
+            None if m.shared is None else [m.shared[0], m.shared[1]],
         ]
         for m in metas
     ]
@@ -67,9 +68,9 @@ def _text(value: Any, what: str, limit: int = 64) -> str:
 
 
 def _decode_meta(row: Any) -> RequestMeta:
-    if not isinstance(row, list) or len(row) != 12:
-        raise ValueError("a request must be a list of 12 fields")
-    name, kind, process_set, dtype, shape, op, root, prescale, postscale, splits, device, payload = row
+    if not isinstance(row, list) or len(row) != 13:
+        raise ValueError("a request must be a list of 13 fields")
+    name, kind, process_set, dtype, shape, op, root, prescale, postscale, splits, device, payload, shared = row
     dims = _ints(shape, "shape")
     if len(dims) > _MAX_DIMS or any(d < 0 for d in dims):
         raise ValueError(f"invalid shape {dims}")
@@ -90,7 +91,17 @@ def _decode_meta(row: Any) -> RequestMeta:
         splits=None if splits is None else _ints(splits, "splits"),
         device=_text(device, "device"),
         payload=None if payload is None else _ints(payload, "payload"),
+        shared=None if shared is None else _shared(shared),
     )
+
+
+def _shared(value: Any) -> tuple[str, int]:
+    if not isinstance(value, list) or len(value) != 2:
+        raise ValueError("shared must be [arena, byte offset]")
+    offset = _int(value[1], "shared offset")
+    if offset < 0:
+        raise ValueError(f"invalid shared offset {offset}")
+    return _text(value[0], "shared arena"), offset
 
 
 def decode_requests(data: bytes, rank: int) -> list[RequestMeta]:

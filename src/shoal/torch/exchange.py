@@ -21,12 +21,13 @@ from typing import Any
 import torch
 
 from shoal.core import session as handles
-from shoal.core.process_sets import ProcessSet
+from shoal.core.process_sets import ProcessSet, set_id_of
 from shoal.core.rules import ReduceOp, ReduceSpec
-from shoal.torch import functions
+from shoal.torch import functions, shared_grads
 from shoal.torch.compression import Compression, Compressor
 from shoal.torch.layer_comm.schemes import gradient_request_name
 from shoal.torch.optimizer_class import computed_too_often
+from shoal.torch.shared_grads import SharedGradients
 
 
 def parameter_names(
@@ -57,6 +58,11 @@ def parameter_names(
             "for the same model the optimizer was built on"
         )
     return {id(p): by_id[id(p)] for p in params if id(p) in by_id}
+
+
+def _where(grad: torch.Tensor | None) -> int:
+    """Where a dense gradient's values lie (0: none, or sparse: never kept in place)."""
+    return 0 if grad is None or grad.is_sparse else grad.data_ptr()
 
 
 class _ComputeMarks:
@@ -166,6 +172,10 @@ class GradientExchange(_Exchange):
         "_densified",
         "_group_ready",
         "_in_flight",
+        "_kept",
+        "_moved",
+        "_order",
+        "_shared_tried",
         "_sparse",
         "_submitted",
         "bucket_bytes",
@@ -177,6 +187,7 @@ class GradientExchange(_Exchange):
         "op",
         "process_set",
         "router",
+        "shared",
         "skip_synchronize",
         "sparse_as_dense",
         "spec",
@@ -231,11 +242,21 @@ class GradientExchange(_Exchange):
         self._densified: dict[int, int] = {}
         """Parameters whose sparse gradient was reduced densely (sparse_as_dense), with its sparse dimensions: sparse
         again after the exchange."""
+        self.shared: SharedGradients | None = None
+        """The gradients in shared memory (``shared_grads``), adopted after a session's second step."""
+        self._shared_tried: Any = None
+        """The session in which adopting them was tried (once per session)."""
+        self._order: list[torch.Tensor] = []
+        """This step's parameters in the order their gradients became final (the arena's layout)."""
+        self._kept: tuple[Any, dict[int, int]] | None = None
+        """The session, and where each gradient was when its first step ended."""
+        self._moved = False
+        """A gradient was not accumulated where the previous step left it (zero_grad(set_to_none=True))."""
 
     @property
     def pending(self) -> bool:
         """Gradients of this step are being (or waiting to be) reduced."""
-        return bool(self._submitted or self._bucket)
+        return bool(self._submitted or self._bucket or (self.shared is not None and self.shared.pending))
 
     def attach(self) -> None:
         if self.member:
@@ -251,6 +272,15 @@ class GradientExchange(_Exchange):
 
     def _ready(self, param: torch.Tensor) -> None:
         key = id(param)
+        shared = self._shared()
+        if shared is None:
+            self._order.append(param)
+            if self._kept is not None and _where(param.grad) != self._kept[1].get(key):
+                self._moved = True
+        elif shared.holds(param):
+            self._submitted.add(key)
+            shared.ready(param)
+            return
         if self.router.takes(param):  # its scheme sends it (SFB's factors, the parameter server)
             self._submitted.add(key)
             return
@@ -312,11 +342,62 @@ class GradientExchange(_Exchange):
             return
         with self.marks.span("SYNCHRONIZE"):
             self._finish()
+        order = self._order
         self.reset()
+        self._adopt_shared(order)
         self.synchronized = True
+
+    def _shared(self) -> SharedGradients | None:
+        """The gradients in shared memory, while the engine that knows their arena runs (after a re-init they are
+        ordinary tensors until the next adoption)."""
+        shared = self.shared
+        if shared is not None and not shared.current():
+            self.shared = shared = None
+        return shared
+
+    def _adopt_shared(self, order: list[torch.Tensor]) -> None:
+        """After a session's second step, move the gradients into shared memory (every rank together; see
+        ``shared_grads``), if that step accumulated them where the first left them. ``order``: the parameters as
+        their gradients became final in this step."""
+        current = handles.current_session()
+        if self._shared() is not None or self._shared_tried is current or set_id_of(self.process_set) != 0:
+            return
+        if self._kept is None or self._kept[0] is not current:  # the session's first step: watch the next one
+            self._kept = (current, {id(p): _where(p.grad) for p in self.params})
+            self._moved = False
+            return
+        self._shared_tried, self._kept = current, None
+        seen = {id(p) for p in order}
+        ordered = [*order, *(p for p in reversed(self.params) if id(p) not in seen)]
+        candidates = [p for p in ordered if id(p) not in self.group_of and shared_grads.eligible(p)]
+        self.shared = shared_grads.adopt(
+            candidates, self.names, self.spec, self.process_set, self.bucket_bytes, self._shared_refusal(candidates)
+        )
+
+    def _shared_refusal(self, candidates: list[torch.Tensor]) -> str | None:
+        """Why this optimizer's gradients stay where autograd puts them, or None."""
+        if not handles.engine().config.shared_gradients:
+            return "switched off (shared_gradients)"
+        if self._moved:
+            return (
+                "gradients are set to None between steps (zero_grad(set_to_none=True), torch's default), so each would be "
+                "copied into shared memory, which costs more than reducing it in place saves; zero_grad(set_to_none=False) "
+                "keeps them in place"
+            )
+        if self.spec.prescale != 1.0:
+            return "gradient_predivide_factor is set"
+        if self.router.auto or self.router.layers():
+            return "per-layer communication (comm) is in use"
+        if any(self.compressor(p) is not Compression.none for p in candidates):
+            return "gradients are compressed"
+        return None
 
     def _finish(self) -> None:
         self.flush()
+        shared = self._shared()
+        if shared is not None:
+            self._submitted.update(id(p) for p in self.params if shared.holds(p))
+            shared.submit_rest()
         layers = self.router.layers()
         missing = [p for p in self.params if id(p) not in self._submitted]
         for layer in layers:
@@ -326,6 +407,8 @@ class GradientExchange(_Exchange):
             self._submit(missing)
         for layer in reversed(layers):  # backward's order: the last layers' exchanges were the first to leave
             layer.finish(average=self.op == ReduceOp.Average)
+        if shared is not None:
+            shared.wait()
         for handle, params, compressed_list, contexts in self._in_flight:
             handles.synchronize(handle)
             compressors = [self.compressor(p) for p in params]
@@ -361,6 +444,9 @@ class GradientExchange(_Exchange):
             self.synchronized = False
             self.marks.step_ended()
         super().reset()
+        if self.shared is not None:
+            self.shared.reset(discard)
+        self._order = []
         self._in_flight.clear()
         self._sparse.clear()
         self._densified.clear()
