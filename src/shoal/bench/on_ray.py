@@ -31,7 +31,9 @@ def train(model: str, batch_size: int, steps: int, warmup: int, rounds: int, ask
     hvd.init()
     hvd.barrier()
     ready = hvd.allreduce(torch.tensor([time.time()], dtype=torch.float64), op=hvd.Max, name="bench.on_ray.ready").item()
-    settings = argparse.Namespace(model=model, batch_size=batch_size, steps=steps, warmup=warmup, comm="allreduce")
+    settings = argparse.Namespace(
+        model=model, batch_size=batch_size, steps=steps, warmup=warmup, comm="allreduce", set_to_none=True
+    )
     batches = _batches(model, batch_size, 8)
     best = max(run_shoal(settings, batches) for _ in range(rounds))
     return {"ips": best, "start_s": ready - asked_at, "world": float(hvd.size())}
