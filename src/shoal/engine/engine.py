@@ -77,7 +77,6 @@ class Engine:
         self._world: Any = collectives.new_group(list(range(size)), config.transport_timeout_s)
         self._job = job
         self._host = host_tag(topology.host_of_rank[rank])
-        self._local = (topology.local_rank, topology.local_size)
         self.hierarchical = self._setup_hierarchical(topology, store, job)
         self.process_sets: dict[int, ProcessSetState] = {0: ProcessSetState(tuple(range(size)), self._world)}
         self.timeline: Timeline | None = None
@@ -180,7 +179,8 @@ class Engine:
         without shared memory (one rank per host, hierarchical allreduce off or unavailable). Agreed by all ranks."""
         if self.hierarchical is None:
             return None
-        return ArenaSite(self._job, self._host, *self._local)
+        local = self.hierarchical.local
+        return ArenaSite(self._job, self._host, local.local_rank, local.local_size)
 
     def register_arena(self, key: str, arena: SharedArena) -> None:
         """From now on, allreduces that name ``key`` in ``RequestMeta.shared`` are ranges of ``arena``."""
