@@ -87,6 +87,114 @@ def test_sfb_matches_the_allreduce_gradient(size: int, reuse: bool) -> None:
             np.testing.assert_allclose(result["weights"][name], value, atol=ATOL, err_msg=f"rank {rank} {name}")  # type: ignore[index]
 
 
+def _mixed_reuse(rows: int) -> dict[str, np.ndarray]:
+    """Rank 0 runs ``reused`` twice each step, the others once: every rank must allreduce that layer together."""
+    model, optimizer = _start("sfb", lr=0.1, momentum=0.9)
+    x, y = data(hvd.size(), rows)
+    part = slice(hvd.rank() * rows, (hvd.rank() + 1) * rows)
+    train(model, optimizer, x[:, part], y[:, part], reuse=hvd.rank() == 0)
+    return {k: v.numpy() for k, v in model.state_dict().items()}
+
+
+def mixed_reference(size: int, rows: int) -> dict[str, np.ndarray]:
+    """One process: each step's loss is the mean of the ranks' losses, rank 0's rows through ``reused`` twice."""
+    torch.manual_seed(0)
+    model = Mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    x, y = data(size, rows)
+    for step in range(x.shape[0]):
+        optimizer.zero_grad()
+        losses = [
+            nn.functional.mse_loss(model(x[step, r * rows : (r + 1) * rows], r == 0), y[step, r * rows : (r + 1) * rows])
+            for r in range(size)
+        ]
+        (sum(losses) / size).backward()
+        optimizer.step()
+    return {k: v.numpy() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_a_layer_run_twice_on_one_rank_only_is_allreduced_on_every_rank(size: int) -> None:
+    """The rank with two calls has no exact factors; the count its output gradients carry makes every rank fall back
+    to an allreduce of that layer, so none waits for factors that never come, and the weights match one process."""
+    expected = mixed_reference(size, 3)
+    for rank, weights in enumerate(run_ranks(_mixed_reuse, size, args=(3,), timeout_s=60)):
+        for name, value in expected.items():
+            np.testing.assert_allclose(weights[name], value, atol=ATOL, err_msg=f"rank {rank} {name}")
+
+
+class Tied(nn.Module):
+    """A language-model shape: the output layer's weight is the embedding's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(7, 6)
+        self.hidden = nn.Linear(6, 6)
+        self.out = nn.Linear(6, 7)
+        self.out.weight = self.embed.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.tanh(self.hidden(self.embed(tokens))))
+
+
+def _tied_tokens(size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(3)
+    return torch.randint(0, 7, (3, size * 4), generator=generator), torch.randint(0, 7, (3, size * 4), generator=generator)
+
+
+def _train_tied(model: Tied, optimizer: torch.optim.Optimizer, tokens: torch.Tensor, targets: torch.Tensor) -> None:
+    for step in range(tokens.shape[0]):
+        optimizer.zero_grad()
+        nn.functional.cross_entropy(model(tokens[step]), targets[step]).backward()
+        optimizer.step()
+
+
+def _tied_distributed() -> dict[str, object]:
+    import warnings
+
+    hvd.init()
+    torch.manual_seed(0)
+    model = Tied()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        optimizer = hvd.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.5), named_parameters=model.named_parameters(), model=model, comm="sfb"
+        )
+    tokens, targets = _tied_tokens(hvd.size())
+    part = slice(hvd.rank() * 4, (hvd.rank() + 1) * 4)
+    _train_tied(model, optimizer, tokens[:, part], targets[:, part])
+    sfb = sorted(layer.name for layer in optimizer._shoal_router.layers() if layer.scheme == Scheme.SFB)  # type: ignore[attr-defined]
+    return {
+        "weights": {k: v.numpy() for k, v in model.state_dict().items()},
+        "sfb": sfb,
+        "warnings": [str(w.message) for w in caught],
+    }
+
+
+def test_a_tied_weight_is_refused_sfb_with_a_warning_and_still_matches_one_process() -> None:
+    torch.manual_seed(0)
+    model = Tied()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    tokens, targets = _tied_tokens(2)
+    _train_tied(model, optimizer, tokens, targets)
+    expected = {k: v.numpy() for k, v in model.state_dict().items()}
+    for result in run_ranks(_tied_distributed, 2, timeout_s=60):
+        assert result["sfb"] == ["hidden"]
+        assert any("sfb is refused for 'out'" in w and "tied" in w for w in result["warnings"]), result["warnings"]  # type: ignore[attr-defined]
+        for name, value in expected.items():
+            np.testing.assert_allclose(result["weights"][name], value, atol=ATOL, err_msg=name)  # type: ignore[index]
+
+
+def test_the_planner_never_offers_sfb_for_a_tied_weight() -> None:
+    model = Tied()
+    plans = {p.name: p for p in build_plan(model, CALIBRATION, 2, {"hidden": 8, "out": 8})}
+    assert "sfb" in plans["hidden"].predicted_ms and "sfb" not in plans["out"].predicted_ms
+    assert plans["out"].choice != "sfb"
+    with pytest.warns(UserWarning, match="sfb is refused for 'out'"):
+        forced = {p.name: p for p in build_plan(model, CALIBRATION, 2, {"hidden": 8, "out": 8}, {"out": "sfb"})}
+    assert forced["out"].choice != "sfb" and not forced["out"].forced
+
+
 def _autograd_work_during_backward() -> dict[str, object]:
     model, optimizer = _start("sfb", lr=0.1)
     x, y = data(hvd.size(), 3)

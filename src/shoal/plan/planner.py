@@ -11,6 +11,7 @@ ranks), so every rank reaches the same plan.
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass, field
 
 from torch import nn
@@ -132,6 +133,26 @@ def spares_local_gradient(module: nn.Module) -> bool:
     return isinstance(module, nn.Linear) and bias is not None and bias.requires_grad
 
 
+def tied_parameters(model: nn.Module) -> set[int]:
+    """The ``id`` of every parameter that more than one module holds directly (tied weights, e.g. an embedding and
+    the output layer of a language model)."""
+    holders: dict[int, int] = {}
+    for module in model.modules():
+        for param in module.parameters(recurse=False):
+            holders[id(param)] = holders.get(id(param), 0) + 1
+    return {key for key, count in holders.items() if count > 1}
+
+
+def refuse_tied_sfb(name: str) -> None:
+    """Warn that a layer forced to ``sfb`` is allreduced instead because its weight is tied to another module's."""
+    warnings.warn(
+        f"sfb is refused for '{name}': another module holds the same weight (tied weights), and a gradient rebuilt "
+        "from this layer's factors would drop the other module's share; its gradients are allreduced instead",
+        UserWarning,
+        stacklevel=3,
+    )
+
+
 def predict_ps(calibration: Calibration, workers: int, servers: int, nbytes: int) -> float:
     """Poseidon's parameter-server cost for one layer: the busiest side's bytes times β, plus α per message.
 
@@ -186,13 +207,15 @@ def build_plan(
     for scheme in overrides.values():
         Scheme.parse(scheme, "comm_overrides")
     plans = []
+    tied = tied_parameters(model)
     for name, module in model.named_modules():
         params = [p for p in module.parameters(recurse=False) if p.requires_grad]
         if not params:
             continue
         nbytes = sum(p.numel() * p.element_size() for p in params)
         linear = None
-        if isinstance(module, nn.Linear) and name in rows:
+        is_tied = any(id(p) in tied for p in module.parameters(recurse=False))
+        if isinstance(module, nn.Linear) and name in rows and not is_tied:
             linear = (rows[name], module.out_features, module.in_features)
         spares = spares_local_gradient(module)
         predictions = predict(calibration, workers, nbytes, linear, params[0].element_size(), servers, spares)
@@ -208,6 +231,9 @@ def build_plan(
             plan.rebuild_flops = sfb_rebuild_flops(workers, linear)
             plan.spared_flops = sfb_spared_flops(linear) if spares else 0.0
         forced = forced_scheme(name, module, overrides)
+        if forced == Scheme.SFB and is_tied:
+            refuse_tied_sfb(name)
+            forced = None
         if forced is not None:
             if forced == Scheme.SFB and linear is None:
                 raise ValueError(f"comm_overrides forces sfb on '{name}', but it is not an nn.Linear that ran forward")

@@ -23,7 +23,15 @@ from shoal.core.process_sets import ProcessSet, global_process_set, set_id_of
 from shoal.log import get_logger
 from shoal.plan.calibration import Calibration
 from shoal.plan.drift import DriftMonitor, refit
-from shoal.plan.planner import LayerPlan, build_plan, forced_scheme, format_plan, keep_measured
+from shoal.plan.planner import (
+    LayerPlan,
+    build_plan,
+    forced_scheme,
+    format_plan,
+    keep_measured,
+    refuse_tied_sfb,
+    tied_parameters,
+)
 from shoal.plan.schemes import SCHEMES, Scheme
 from shoal.ps.client import PSSession
 from shoal.ps.config import PSConfig
@@ -203,6 +211,7 @@ class LayerRouter:
         """A scheme per module name (parameters of modules not named keep the plain allreduce)."""
         assert self.model is not None
         modules = dict(self.model.named_modules())
+        tied = tied_parameters(self.model)
         served: list[torch.Tensor] = []
         for name, scheme in schemes.items():
             params = [p for p in modules[name].parameters(recurse=False) if p.requires_grad]
@@ -211,6 +220,9 @@ class LayerRouter:
                 continue
             if scheme == Scheme.SFB and self.facts.passes > 1:
                 get_logger().info("sfb is off for '%s': backward_passes_per_step > 1 accumulates gradients", name)
+                continue
+            if scheme == Scheme.SFB and any(id(p) in tied for p in modules[name].parameters(recurse=False)):
+                refuse_tied_sfb(name)
                 continue
             if scheme != Scheme.ALLREDUCE:
                 comm = make_layer_comm(scheme, name, modules[name], params, self._wiring())

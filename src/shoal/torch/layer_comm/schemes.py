@@ -112,16 +112,13 @@ class SufficientFactors(LayerComm):
         return cls(name, module, params, wiring.process_set)
 
     def takes(self, param: torch.Tensor) -> bool:
-        return self.layer.usable  # else (forward ran twice) the buckets allreduce it this step
+        return True  # finish() rebuilds the gradients, or allreduces them when some rank ran the layer twice
 
     def claim_missing(self, missing: list[torch.Tensor]) -> list[torch.Tensor]:
-        return list(self.params) if self.layer.usable else []  # finish() sends empty factors if it did not run
+        return list(self.params)  # finish() sends empty factors if it did not run
 
     def finish(self, average: bool) -> None:
-        if self.layer.usable:
-            self.layer.finish(average)
-        else:
-            self.layer.drain()
+        self.layer.finish(average)
 
     def reset(self) -> None:
         self.layer.reset()

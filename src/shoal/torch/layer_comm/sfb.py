@@ -10,9 +10,14 @@ all of backward; the output gradients' allgather starts when backward reaches th
 Autograd would also compute this rank's own ``g_rᵀ x_r``, only for the rebuild to overwrite it: a matmul as large as
 the rebuild's share of it, for nothing. So while an SFB layer with a trainable bias runs forward, its weight is
 marked as not requiring a gradient (and marked back right after): autograd leaves the weight out of that call's
-graph, and the input and bias gradients flow as before. If the layer runs twice in a step (SFB's factors are then not
-exact and the optimizer allreduces the gradient instead), each call's weight gradient is summed from its own factors
-when backward reaches it, the matmul autograd skipped.
+graph, and the input and bias gradients flow as before.
+
+A layer that runs twice in a step on some rank has no exact factors there. Every rank must then allreduce the layer's
+gradients instead, together: the output gradients' allgather carries one more column, each row holding its rank's
+forward count, so every rank sees whether any ran the layer more than once and all take the same path. Where a call's
+weight gradient was left out of autograd's graph, it is summed from that call's own factors first. A weight that
+another module also holds (tied weights) is never given SFB: the rebuild would overwrite the other module's share of
+its gradient (``shoal.plan.planner.tied_parameters``).
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ class SufficientFactorLayer:
         "_hooks",
         "_input_handle",
         "_inputs",
+        "_own_grads",
         "_restore",
         "_rows",
         "calls",
@@ -60,6 +66,8 @@ class SufficientFactorLayer:
         self._grad_handle: int | None = None
         self._inputs: list[torch.Tensor | None] = []
         """Per call this step: its input rows when autograd skipped that call's weight gradient."""
+        self._own_grads: torch.Tensor | None = None
+        """This rank's output gradients when the layer ran once (its local weight gradient, should all fall back)."""
         self._restore = False
         """The weight was marked as not requiring a gradient for the call now running."""
         self._hooks = [
@@ -98,9 +106,12 @@ class SufficientFactorLayer:
         factor = grad.detach().reshape(-1, self.module.out_features)
         if self.calls == 1:
             if self._input_handle is not None and self._grad_handle is None:
-                self._send_output_grads(factor.contiguous())
+                self._own_grads = factor
+                self._send_output_grads(factor)
             return
-        # Called several times this step: the optimizer allreduces the gradient; add what autograd skipped.
+        # Called several times this step: one row tells every rank to allreduce instead; add what autograd skipped.
+        if self._grad_handle is None:
+            self._send_output_grads(factor.new_zeros(1, self.module.out_features))
         inputs = self._inputs[call] if call < len(self._inputs) else None
         if inputs is None:
             return
@@ -112,7 +123,9 @@ class SufficientFactorLayer:
             weight.grad.add_(local)
 
     def _send_output_grads(self, factor: torch.Tensor) -> None:
-        self._grad_handle = functions.allgather_async(factor, name=self.exchange_names[1], process_set=self.process_set)
+        """Allgather the output gradients with one more column: this rank's forward count in every row."""
+        counted = torch.cat([factor, factor.new_full((factor.shape[0], 1), float(self.calls))], dim=1)
+        self._grad_handle = functions.allgather_async(counted, name=self.exchange_names[1], process_set=self.process_set)
 
     @property
     def exchange_names(self) -> tuple[str, str]:
@@ -120,13 +133,9 @@ class SufficientFactorLayer:
         base = f"DistributedOptimizer.sfb.{self.name}"
         return f"{base}.input", f"{base}.output_grad"
 
-    @property
-    def usable(self) -> bool:
-        """True when this step's factors are exact: the layer ran forward once (or not at all)."""
-        return self.calls <= 1
-
     def finish(self, average: bool) -> None:
-        """Wait for the factors and write the rebuilt (averaged) gradients into ``.grad``.
+        """Wait for the factors and write the rebuilt (averaged) gradients into ``.grad``; or, when some rank ran the
+        layer more than once, allreduce the layer's gradients on every rank instead.
 
         A rank on which the layer did not run this step contributes zero rows, and one whose output took no part in
         the loss contributes zero output gradients, so the others never wait.
@@ -139,8 +148,17 @@ class SufficientFactorLayer:
             self._send_output_grads(torch.zeros(self._rows, self.module.out_features, dtype=dtype))
         assert self._grad_handle is not None
         inputs = handles.synchronize(self._input_handle)
-        output_grads = handles.synchronize(self._grad_handle)
+        counted = handles.synchronize(self._grad_handle)
         started = time.perf_counter()
+        if counted.shape[0] and float(counted[:, -1].max()) > 1:
+            self._allreduce_instead(average)
+        else:
+            self._rebuild(inputs, counted[:, :-1], average)
+        self.rebuild_seconds = time.perf_counter() - started
+        self.reset()
+
+    def _rebuild(self, inputs: torch.Tensor, output_grads: torch.Tensor, average: bool) -> None:
+        """The exact gradients from every rank's factors."""
         if average:  # scale the small K×M factor, not the M×N product: one pass over the gradient fewer
             output_grads = output_grads.mul(1.0 / self.process_set.size())
         weight = self.module.weight
@@ -160,17 +178,26 @@ class SufficientFactorLayer:
                 self.module.bias.grad = bias_grad.to(self.module.bias.dtype)
             else:
                 self.module.bias.grad.copy_(bias_grad)
-        self.rebuild_seconds = time.perf_counter() - started
-        self.reset()
 
-    def drain(self) -> None:
-        """Wait for an allgather this step started but will not use (the layer ran twice: its gradient is
-        allreduced instead), so that next step's exchange under the same name never meets it in flight; then
-        ``reset``."""
-        for handle in (self._input_handle, self._grad_handle):
-            if handle is not None:
-                handles.synchronize(handle)
-        self.reset()
+    def _allreduce_instead(self, average: bool) -> None:
+        """Some rank ran the layer more than once: its factors are not exact. Complete this rank's local gradients
+        (a single call whose weight gradient autograd skipped gets it from its own factors) and allreduce them."""
+        weight = self.module.weight
+        own_inputs = self._inputs[0] if self.calls == 1 and self._inputs else None
+        if own_inputs is not None and self._own_grads is not None:
+            local = self._own_grads.t().mm(own_inputs)
+            if weight.grad is None:
+                weight.grad = local.to(weight.dtype)
+            else:
+                weight.grad.add_(local)
+        grads = []
+        for param in self.parameters:
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
+            grads.append(param.grad)
+        op = functions.Average if average else functions.Sum
+        name = f"DistributedOptimizer.sfb.{self.name}.fallback"
+        functions.grouped_allreduce_(grads, name=name, op=op, process_set=self.process_set)
 
     def reset(self) -> None:
         """Forget this step's factors (called after every synchronize)."""
@@ -180,6 +207,7 @@ class SufficientFactorLayer:
         self.calls = 0
         self._rows = 0
         self._inputs = []
+        self._own_grads = None
         self._input_handle = None
         self._grad_handle = None
 
