@@ -211,15 +211,17 @@ def test_two_emulated_hosts_in_network_namespaces() -> None:
         "-c",
         code,
     ]
-    result = subprocess.run(command, env=clean_env(), capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0, result.stderr[-3000:]
-    lines = [line.split(":", 1)[1] for line in result.stdout.splitlines() if line.startswith("[")]
+    with subprocess.Popen(command, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as process:
+        stdout, stderr = process.communicate(timeout=120)
+    assert process.returncode == 0, stderr[-3000:]
+    lines = [line.split(":", 1)[1] for line in stdout.splitlines() if line.startswith("[")]
     topology = sorted(line for line in lines if not line.startswith("sum"))
     # rank size local_rank local_size cross_rank cross_size: two hosts of two ranks each
     assert topology == ["0 4 0 2 0 2", "1 4 1 2 0 2", "2 4 0 2 1 2", "3 4 1 2 1 2"]
     assert [line for line in lines if line.startswith("sum")] == ["sum [4.0, 4.0, 4.0]"] * 4
-    namespaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-    assert "h0" not in namespaces and "h1" not in namespaces  # torn down
+    namespaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
+    tag = f"sh{process.pid % 100000}"  # this run's names (EmulatedHosts.tag); other tests' runs may be up now
+    assert f"{tag}h0" not in namespaces and f"{tag}h1" not in namespaces  # torn down
 
 
 @needs_netns

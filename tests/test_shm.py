@@ -18,6 +18,7 @@ import torch
 import shoal.torch as hvd
 from shoal.comm import collectives
 from shoal.comm.shm import create_local_group, job_token
+from shoal.config.worker import job_secret
 from shoal.core import session as handles
 from shoal.runtime import context
 from shoal.testing import MultiRankError, run_ranks
@@ -150,8 +151,13 @@ def test_hierarchical_can_be_switched_off() -> None:
         assert path is None
 
 
-def _shm_files() -> set[str]:
-    return {name for name in os.listdir("/dev/shm") if name.startswith("shoal-")}
+def _job_segments(token: str) -> list[str]:
+    """The job's segments still in /dev/shm (by its token: other tests' jobs may run at the same time)."""
+    return [name for name in os.listdir("/dev/shm") if name.startswith(f"shoal-{token}-")]
+
+
+def _own_token() -> str:
+    return job_token(job_secret(os.environ))
 
 
 def _die_mid_collective() -> str:
@@ -164,12 +170,11 @@ def _die_mid_collective() -> str:
         while time.monotonic() - start < 30:
             hvd.allreduce_(big, name="big")
     except RuntimeError as error:
-        return str(error)
+        return f"{_own_token()} {error}"
     return "no error"
 
 
 def test_rank_killed_mid_collective_is_a_clear_error_and_leaves_no_segment() -> None:
-    before = _shm_files()
     with pytest.raises(MultiRankError) as failure:
         run_ranks(_die_mid_collective, 3, timeout_s=60)
     outcomes = failure.value.outcomes
@@ -177,15 +182,19 @@ def test_rank_killed_mid_collective_is_a_clear_error_and_leaves_no_segment() -> 
     for survivor in (0, 2):
         message = str(outcomes[survivor].result)
         assert "engine failed" in message and "died" in message, message
-    assert _shm_files() <= before
+    token = str(outcomes[0].result).split()[0]
+    assert len(token) == 12 and not _job_segments(token)
 
 
 def test_shoalrun_leaves_no_segment_after_a_sigkill() -> None:
-    before = _shm_files()
     code = textwrap.dedent(
         """
         import os, signal, torch, shoal.torch as hvd
+        from shoal.comm.names import job_token
+        from shoal.config.worker import job_secret
         hvd.init()
+        if hvd.rank() == 0:
+            print("token", job_token(job_secret(os.environ)), flush=True)
         big = torch.ones(1 << 20)
         for step in range(1000):
             if hvd.rank() == 1 and step == 5:
@@ -203,7 +212,8 @@ def test_shoalrun_leaves_no_segment_after_a_sigkill() -> None:
     )
     assert result.returncode == 128 + signal.SIGKILL, result.stderr[-2000:]
     assert "rank 1 on host localhost was killed by signal SIGKILL" in result.stderr
-    assert _shm_files() <= before
+    (token,) = [line.split()[-1] for line in result.stdout.splitlines() if line.startswith("[0]<stdout>:token ")]
+    assert len(token) == 12 and not _job_segments(token)
 
 
 def test_segment_layout_numbers() -> None:

@@ -11,6 +11,7 @@ printed, prefixed as shoalrun does. The namespaces, links and bridge are always 
 from __future__ import annotations
 
 import argparse
+import fcntl
 import os
 import shutil
 import subprocess
@@ -21,7 +22,15 @@ from shoal.config import LaunchConfig
 from shoal.runner.hosts import HostSlots, assign_slots
 from shoal.runner.launcher import Job
 
-_SUBNET = "10.77"
+_SUBNETS = range(77, 127)
+"""The second octet of the 10.x.0.0/16 networks tried, first free first: runs at the same time each take their own."""
+_LOCK = "/tmp/shoal-netns.lock"
+
+
+def _used_second_octets() -> set[int]:
+    """The x of every 10.x.y.z address the root namespace holds."""
+    listing = subprocess.run(["ip", "-o", "-4", "addr", "show"], capture_output=True, text=True).stdout
+    return {int(word.split(".")[1]) for word in listing.split() if word.startswith("10.") and word.count(".") == 3}
 
 
 def _run(*argv: str) -> None:
@@ -32,11 +41,13 @@ def _run(*argv: str) -> None:
 
 @dataclass
 class EmulatedHosts:
-    """Namespaces ``h0..hN-1`` with addresses 10.77.0.1.., a bridge at 10.77.0.254, links shaped to ``rate``."""
+    """Namespaces ``h0..hN-1`` with addresses 10.x.0.1.., a bridge at 10.x.0.254, links shaped to ``rate``; x is the
+    first of 77, 78, ... no address in the root namespace uses yet (so two runs at once never share a network)."""
 
     count: int
     rate: str
     tag: str = field(default_factory=lambda: f"sh{os.getpid() % 100000}")
+    subnet: str = "10.77"
     created_namespaces: list[str] = field(default_factory=list)
     bridge_created: bool = False
 
@@ -48,10 +59,10 @@ class EmulatedHosts:
         return f"{self.tag}h{index}"
 
     def address(self, index: int) -> str:
-        return f"{_SUBNET}.0.{index + 1}"
+        return f"{self.subnet}.0.{index + 1}"
 
     def gateway(self) -> str:
-        return f"{_SUBNET}.0.254"
+        return f"{self.subnet}.0.254"
 
     def _shape(self, prefix: list[str], device: str) -> None:
         _run(
@@ -62,7 +73,13 @@ class EmulatedHosts:
         """Build the bridge, the namespaces and their shaped links."""
         _run("ip", "link", "add", self.bridge, "type", "bridge")
         self.bridge_created = True
-        _run("ip", "addr", "add", f"{self.gateway()}/16", "dev", self.bridge)
+        with open(_LOCK, "a") as lock:  # choosing a free network and taking it is one step for concurrent runs
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            free = [x for x in _SUBNETS if x not in _used_second_octets()]
+            if not free:
+                raise RuntimeError(f"no free 10.x.0.0/16 network for emulated hosts among 10.{_SUBNETS[0]}-{_SUBNETS[-1]}")
+            self.subnet = f"10.{free[0]}"
+            _run("ip", "addr", "add", f"{self.gateway()}/16", "dev", self.bridge)
         _run("ip", "link", "set", self.bridge, "up")
         for index in range(self.count):
             namespace, outside, inside = self.namespace(index), f"{self.tag}v{index}", f"{self.tag}p{index}"
