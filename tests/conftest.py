@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -34,6 +36,29 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if importlib.util.find_spec("tensorflow") and any(item.path.name in _TENSORFLOW_TESTS for item in items):
         os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
         preload("tensorflow")
+
+
+@pytest.fixture(autouse=True)
+def _alone_or_together(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Under pytest-xdist (``make test`` runs two workers), a test marked ``alone`` runs while no other test does:
+    every test holds a shared lock, an ``alone`` one the exclusive lock. A gate in front stops new tests from starting
+    while an ``alone`` test waits for the running ones to finish."""
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    if run is None:  # one test at a time anyway
+        yield
+        return
+    alone = request.node.get_closest_marker("alone") is not None
+    base = os.path.join(tempfile.gettempdir(), f"shoal-tests-{run}")
+    with open(f"{base}.gate", "a") as gate, open(f"{base}.lock", "a") as lock:
+        fcntl.flock(gate, fcntl.LOCK_EX)
+        fcntl.flock(lock, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+        if not alone:
+            fcntl.flock(gate, fcntl.LOCK_UN)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+            fcntl.flock(gate, fcntl.LOCK_UN)
 
 
 def process_alive(pid: int) -> bool:

@@ -205,6 +205,9 @@ class ElasticJob(Job):
                 flush=True,
             )
             self._reset_reason = f"worker {worker.worker_id} failed"
+        if any(w.state == "finished" for w in self.elastic):
+            # A short last round may have formed since the loop last looked: its members are training, not waiting.
+            self._note_formed()
         if any(w.state == "finished" for w in self.elastic) and not any(w.joined for w in self._alive("member")):
             # Training is over; newcomers still waiting to join (or removed workers still leaving) are not needed.
             for worker in self._alive("starting", "removed", "member"):
@@ -251,18 +254,26 @@ class ElasticJob(Job):
                     return code
             time.sleep(0.05)
 
+    def _note_formed(self) -> bool:
+        """True once the current round has formed; its members are then marked as holding the state."""
+        if self._round_formed:
+            return True
+        if self._store is None or self._keys is None:
+            return False
+        state_key = self._keys.state(self.round)
+        if not (self._store.check([state_key]) and self._store.get(state_key) == b"formed"):
+            return False
+        self._round_formed = True
+        for member in self._round_members:
+            member.joined = True
+        if self.round > 1:
+            self.resets += 1  # rounds superseded before they formed do not count against --reset-limit
+        return True
+
     def _watch_round(self) -> None:
         """Mark members of a formed round as holding the state; end members that never arrive (wedged, partitioned)."""
         assert self._store is not None and self._keys is not None
-        if self._round_formed:
-            return
-        state_key = self._keys.state(self.round)
-        if self._store.check([state_key]) and self._store.get(state_key) == b"formed":
-            self._round_formed = True
-            for member in self._round_members:
-                member.joined = True
-            if self.round > 1:
-                self.resets += 1  # rounds superseded before they formed do not count against --reset-limit
+        if self._round_formed or self._note_formed():
             return
         # A member starting up may still be importing torch: --start-timeout on top of --elastic-timeout.
         bound = self.config.elastic_timeout + self.config.start_timeout
