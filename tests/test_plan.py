@@ -322,6 +322,7 @@ def _drifting(path: str) -> dict[str, object]:
     }
 
 
+@pytest.mark.alone  # refitted from measured times, then compared with measured times: a test beside it skews both
 def test_drift_from_a_wrong_calibration_triggers_one_recalibration(tmp_path: object) -> None:
     # A calibration file that claims every exchange takes a second: the first plan's predictions are far off what
     # training measures, so after 5 steps the ranks agree to refit it from the measurements, rewrite the file, and
