@@ -97,6 +97,8 @@ def test_allreduce_benchmark_json_contract(tmp_path: Path) -> None:
         "1",
         "--iterations",
         "3",
+        "--latency-iterations",
+        "50",
         "--json",
         str(tmp_path / "allreduce.json"),
     ]
@@ -107,6 +109,11 @@ def test_allreduce_benchmark_json_contract(tmp_path: Path) -> None:
     assert [row["bytes"] for row in rows] == [4096, 16384, 65536, 262144, 1048576]  # type: ignore[union-attr,index]
     for row in rows:  # type: ignore[union-attr]
         assert row["shoal_ms"] > 0 and row["raw_ms"] > 0 and row["ratio"] > 0  # type: ignore[index]
+        fixed_cost = ("latency_us", "transport_latency_us", "raw_latency_us")
+        if row["bytes"] in (4096, 65536):  # type: ignore[index]
+            assert all(row[key] > 0 for key in fixed_cost) and row["transport"] == "shm", row  # type: ignore[index]
+        else:
+            assert not any(key in row for key in fixed_cost), row  # type: ignore[operator]
     assert float(summary["memcpy_GBps"]) > 0  # type: ignore[arg-type]
     small = summary["small_tensors"]
     assert small["count"] == 256 and small["bytes_each"] == 16384 and small["speedup"] > 0  # type: ignore[index]

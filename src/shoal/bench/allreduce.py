@@ -8,6 +8,12 @@ Prints a table, then (rank 0) one JSON line:
 ``ratio`` = raw_ms / shoal_ms (> 1: Shoal is faster). ``shoal_ms`` is Shoal's default path through the engine
 (negotiation included); ``hier_ms`` is the bare hierarchical/shared-memory transport, present when several ranks
 share a host, as is ``shared_gradients``: a 40 MB gradient reduced in the ranks' arenas, against the transport.
+
+The 4 KiB and 64 KiB rows also carry the fixed cost, measured over ``--latency-iterations`` calls after 20 warm-up
+calls (a row's ``shoal_ms`` is the median of only ``--iterations``): ``latency_us``, the engine path (a cached request
+under its own name: submit, one negotiation cycle, the collective, the wake-up); ``transport_latency_us``, the bare
+transport the engine would use (``transport``: "shm" for ranks sharing a host, else "gloo"); ``raw_latency_us``, raw
+gloo ``all_reduce``. Each is the slowest rank's median.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ from __future__ import annotations
 import argparse
 import functools
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -76,6 +83,27 @@ def build_hierarchical() -> HierarchicalAllreduce | None:
     return HierarchicalAllreduce(local, None, 1) if local is not None else None
 
 
+LATENCY_SIZES = (4096, 65536)
+"""The small sizes whose rows carry the fixed cost (``latency_us`` and its two references)."""
+
+
+def bench_latency(tensor: torch.Tensor, hierarchical: HierarchicalAllreduce | None, iterations: int) -> dict[str, Any]:
+    """Median µs per call, slowest rank: the engine on a cached request, the bare transport, raw gloo."""
+
+    def median_us(fn: Callable[[], object]) -> float:
+        for _ in range(20):  # the first calls negotiate and fill the response cache
+            fn()
+        return round(_max_ms(_timed_ms(fn, iterations)) * 1e3, 1)
+
+    engine_us = median_us(functools.partial(hvd.allreduce_, tensor, op=hvd.Sum, name=f"latency.{tensor.numel() * 4}"))
+    raw_us = median_us(functools.partial(collectives.allreduce_, tensor, "sum", None))
+    if hierarchical is not None:
+        transport, transport_us = "shm", median_us(functools.partial(hierarchical.allreduce_, tensor, "sum"))
+    else:
+        transport, transport_us = "gloo", raw_us
+    return {"latency_us": engine_us, "transport_latency_us": transport_us, "transport": transport, "raw_latency_us": raw_us}
+
+
 _HEADER = f"{'bytes':>12} {'shoal ms':>10} {'raw ms':>10} {'ratio':>7} {'busbw GB/s':>11} {'hier ms':>9}"
 
 
@@ -87,7 +115,9 @@ def _print_row(row: dict[str, float]) -> None:
     )
 
 
-def bench_sizes(max_bytes: int, iterations: int, hierarchical: HierarchicalAllreduce | None) -> list[dict[str, float]]:
+def bench_sizes(
+    max_bytes: int, iterations: int, hierarchical: HierarchicalAllreduce | None, latency_iterations: int = 300
+) -> list[dict[str, Any]]:
     """Shoal's in-place allreduce (its default path), raw all_reduce, and the bare hierarchical transport.
 
     Rank 0 prints each size's row as soon as it is measured, so a long run shows its progress.
@@ -112,6 +142,8 @@ def bench_sizes(max_bytes: int, iterations: int, hierarchical: HierarchicalAllre
             hier_ms = _max_ms(_timed_ms(functools.partial(hierarchical.allreduce_, tensor, "sum"), count))
             row["hier_ms"] = round(hier_ms, 4)
             row["hier_busbw_GBps"] = round(_busbw(nbytes, hier_ms), 3)
+        if nbytes in LATENCY_SIZES:
+            row.update(bench_latency(tensor, hierarchical, latency_iterations))
         rows.append(row)
         if hvd.rank() == 0:
             _print_row(row)
@@ -192,18 +224,30 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m shoal.bench.allreduce", description=__doc__.split("\n")[0])
     parser.add_argument("--max-mib", type=int, default=256, help="largest message in MiB (default 256)")
     parser.add_argument("--iterations", type=int, default=10, help="timed iterations per size (default 10)")
+    parser.add_argument(
+        "--latency-iterations",
+        type=int,
+        default=300,
+        help="timed calls for the 4 KiB and 64 KiB fixed-cost fields (default 300)",
+    )
     add_json_flag(parser)
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     hvd.init()
     limit = memcpy_gbps()
     hierarchical = build_hierarchical()
-    rows = bench_sizes(args.max_mib * 1024 * 1024, args.iterations, hierarchical)
+    rows = bench_sizes(args.max_mib * 1024 * 1024, args.iterations, hierarchical, args.latency_iterations)
     small = bench_small_tensors()
     empty_cycle_ms = bench_empty_cycle(hierarchical)
     shared = bench_shared_gradients(hierarchical, limit)
     if hvd.rank() == 0:
         print(f"memcpy limit: {limit:.2f} GB/s; empty negotiation cycle: {empty_cycle_ms:.4f} ms")
+        for row in rows:
+            if "latency_us" in row:
+                print(
+                    f"fixed cost, {row['bytes']} B: engine {row['latency_us']:.1f} us, bare {row['transport']} "
+                    f"{row['transport_latency_us']:.1f} us, raw gloo {row['raw_latency_us']:.1f} us"
+                )
         print(
             f"{small['count']} x {small['bytes_each']} B: shoal {small['shoal_ms']:.2f} ms, "
             f"raw {small['raw_per_tensor_ms']:.3f} ms per tensor, speedup {small['speedup']:.1f}x"
