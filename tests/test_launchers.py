@@ -225,6 +225,7 @@ def test_two_emulated_hosts_in_network_namespaces() -> None:
 
 
 @needs_netns
+@pytest.mark.alone  # compares two measured bandwidths: a test beside it can slow the intra-host one below the link's
 def test_calibration_measures_each_link_class_when_hosts_hold_several_ranks() -> None:
     command = [
         sys.executable,
