@@ -95,7 +95,8 @@ def bench_latency(tensor: torch.Tensor, hierarchical: HierarchicalAllreduce | No
             fn()
         return round(_max_ms(_timed_ms(fn, iterations)) * 1e3, 1)
 
-    engine_us = median_us(functools.partial(hvd.allreduce_, tensor, op=hvd.Sum, name=f"latency.{tensor.numel() * 4}"))
+    name = f"latency.{tensor.numel() * tensor.element_size()}"  # its own cached request per size
+    engine_us = median_us(functools.partial(hvd.allreduce_, tensor, op=hvd.Sum, name=name))
     raw_us = median_us(functools.partial(collectives.allreduce_, tensor, "sum", None))
     if hierarchical is not None:
         transport, transport_us = "shm", median_us(functools.partial(hierarchical.allreduce_, tensor, "sum"))

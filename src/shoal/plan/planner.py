@@ -133,14 +133,18 @@ def spares_local_gradient(module: nn.Module) -> bool:
     return isinstance(module, nn.Linear) and bias is not None and bias.requires_grad
 
 
-def tied_parameters(model: nn.Module) -> set[int]:
-    """The ``id`` of every parameter that more than one module holds directly (tied weights, e.g. an embedding and
-    the output layer of a language model)."""
+def tied_modules(model: nn.Module) -> set[str]:
+    """The names of the modules that hold a parameter directly which another module also holds (tied weights, e.g.
+    an embedding and the output layer of a language model)."""
     holders: dict[int, int] = {}
     for module in model.modules():
         for param in module.parameters(recurse=False):
             holders[id(param)] = holders.get(id(param), 0) + 1
-    return {key for key, count in holders.items() if count > 1}
+    return {
+        name
+        for name, module in model.named_modules()
+        if any(holders[id(param)] > 1 for param in module.parameters(recurse=False))
+    }
 
 
 def refuse_tied_sfb(name: str) -> None:
@@ -207,14 +211,14 @@ def build_plan(
     for scheme in overrides.values():
         Scheme.parse(scheme, "comm_overrides")
     plans = []
-    tied = tied_parameters(model)
+    tied = tied_modules(model)
     for name, module in model.named_modules():
         params = [p for p in module.parameters(recurse=False) if p.requires_grad]
         if not params:
             continue
         nbytes = sum(p.numel() * p.element_size() for p in params)
         linear = None
-        is_tied = any(id(p) in tied for p in module.parameters(recurse=False))
+        is_tied = name in tied
         if isinstance(module, nn.Linear) and name in rows and not is_tied:
             linear = (rows[name], module.out_features, module.in_features)
         spares = spares_local_gradient(module)

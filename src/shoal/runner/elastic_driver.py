@@ -208,7 +208,8 @@ class ElasticJob(Job):
         if any(w.state == "finished" for w in self.elastic):
             # A short last round may have formed since the loop last looked: its members are training, not waiting.
             self._note_formed()
-        if any(w.state == "finished" for w in self.elastic) and not any(w.joined for w in self._alive("member")):
+            if any(w.joined for w in self._alive("member")):
+                return None  # members holding the state are still finishing their last steps
             # Training is over; newcomers still waiting to join (or removed workers still leaving) are not needed.
             for worker in self._alive("starting", "removed", "member"):
                 worker.process.signal_tree(signal.SIGTERM)
@@ -273,7 +274,7 @@ class ElasticJob(Job):
     def _watch_round(self) -> None:
         """Mark members of a formed round as holding the state; end members that never arrive (wedged, partitioned)."""
         assert self._store is not None and self._keys is not None
-        if self._round_formed or self._note_formed():
+        if self._note_formed():
             return
         # A member starting up may still be importing torch: --start-timeout on top of --elastic-timeout.
         bound = self.config.elastic_timeout + self.config.start_timeout

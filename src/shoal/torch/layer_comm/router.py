@@ -30,7 +30,7 @@ from shoal.plan.planner import (
     format_plan,
     keep_measured,
     refuse_tied_sfb,
-    tied_parameters,
+    tied_modules,
 )
 from shoal.plan.schemes import SCHEMES, Scheme
 from shoal.ps.client import PSSession
@@ -211,7 +211,7 @@ class LayerRouter:
         """A scheme per module name (parameters of modules not named keep the plain allreduce)."""
         assert self.model is not None
         modules = dict(self.model.named_modules())
-        tied = tied_parameters(self.model)
+        tied = tied_modules(self.model)
         served: list[torch.Tensor] = []
         for name, scheme in schemes.items():
             params = [p for p in modules[name].parameters(recurse=False) if p.requires_grad]
@@ -221,7 +221,7 @@ class LayerRouter:
             if scheme == Scheme.SFB and self.facts.passes > 1:
                 get_logger().info("sfb is off for '%s': backward_passes_per_step > 1 accumulates gradients", name)
                 continue
-            if scheme == Scheme.SFB and any(id(p) in tied for p in modules[name].parameters(recurse=False)):
+            if scheme == Scheme.SFB and name in tied:
                 refuse_tied_sfb(name)
                 continue
             if scheme != Scheme.ALLREDUCE:

@@ -17,7 +17,7 @@ gradients instead, together: the output gradients' allgather carries one more co
 forward count, so every rank sees whether any ran the layer more than once and all take the same path. Where a call's
 weight gradient was left out of autograd's graph, it is summed from that call's own factors first. A weight that
 another module also holds (tied weights) is never given SFB: the rebuild would overwrite the other module's share of
-its gradient (``shoal.plan.planner.tied_parameters``).
+its gradient (``shoal.plan.planner.tied_modules``).
 """
 
 from __future__ import annotations
@@ -113,10 +113,13 @@ class SufficientFactorLayer:
         if self._grad_handle is None:
             self._send_output_grads(factor.new_zeros(1, self.module.out_features))
         inputs = self._inputs[call] if call < len(self._inputs) else None
-        if inputs is None:
-            return
+        if inputs is not None:
+            self._add_local_weight_grad(factor, inputs)
+
+    def _add_local_weight_grad(self, output_grads: torch.Tensor, inputs: torch.Tensor) -> None:
+        """Add ``output_gradsᵀ inputs``, the weight gradient of a call autograd left out, to ``.grad``."""
         weight = self.module.weight
-        local = factor.t().mm(inputs)
+        local = output_grads.t().mm(inputs).to(weight.dtype)
         if weight.grad is None:
             weight.grad = local
         else:
@@ -130,8 +133,12 @@ class SufficientFactorLayer:
     @property
     def exchange_names(self) -> tuple[str, str]:
         """The engine request names of the two allgathers: the inputs, then the output gradients."""
-        base = f"DistributedOptimizer.sfb.{self.name}"
-        return f"{base}.input", f"{base}.output_grad"
+        return f"{self._request_base}.input", f"{self._request_base}.output_grad"
+
+    @property
+    def _request_base(self) -> str:
+        """What this layer's engine request names start with."""
+        return f"DistributedOptimizer.sfb.{self.name}"
 
     def finish(self, average: bool) -> None:
         """Wait for the factors and write the rebuilt (averaged) gradients into ``.grad``; or, when some rank ran the
@@ -182,22 +189,16 @@ class SufficientFactorLayer:
     def _allreduce_instead(self, average: bool) -> None:
         """Some rank ran the layer more than once: its factors are not exact. Complete this rank's local gradients
         (a single call whose weight gradient autograd skipped gets it from its own factors) and allreduce them."""
-        weight = self.module.weight
         own_inputs = self._inputs[0] if self.calls == 1 and self._inputs else None
         if own_inputs is not None and self._own_grads is not None:
-            local = self._own_grads.t().mm(own_inputs)
-            if weight.grad is None:
-                weight.grad = local.to(weight.dtype)
-            else:
-                weight.grad.add_(local)
+            self._add_local_weight_grad(self._own_grads, own_inputs)
         grads = []
         for param in self.parameters:
             if param.grad is None:
                 param.grad = torch.zeros_like(param)
             grads.append(param.grad)
         op = functions.Average if average else functions.Sum
-        name = f"DistributedOptimizer.sfb.{self.name}.fallback"
-        functions.grouped_allreduce_(grads, name=name, op=op, process_set=self.process_set)
+        functions.grouped_allreduce_(grads, name=f"{self._request_base}.fallback", op=op, process_set=self.process_set)
 
     def reset(self) -> None:
         """Forget this step's factors (called after every synchronize)."""
