@@ -55,6 +55,12 @@ class EngineConfig:
         "copies (from the third step on; see docs/architecture.md)",
         env="SHARED_GRADIENTS",
     )
+    one_round_cycles: bool = knob(
+        True,
+        "when the same small cached allreduces repeat, send their readiness with their data: one round trip per "
+        "call instead of two (see docs/architecture.md)",
+        env="ONE_ROUND_CYCLES",
+    )
     shm_slot_bytes: int = knob(
         4 * MIB,
         "shared-memory staging per local rank; larger tensors go through in chunks (4 MiB measured best here: a "

@@ -32,6 +32,7 @@ from shoal.engine.config import EngineConfig
 from shoal.engine.executor import Executor, ProcessSetState
 from shoal.engine.fusion import plan_batches
 from shoal.engine.negotiation import MessageTable, Response
+from shoal.engine.one_round import OneRound
 from shoal.engine.request import DATA_KINDS, Kind, Request, RequestMeta
 from shoal.engine.response_cache import ResponseCache
 from shoal.engine.stall import CollectiveWatch, StallInspector
@@ -123,7 +124,10 @@ class Engine:
         self._to_send: list[RequestMeta] = []
         self._shutdown_requested = False
         self._stopped: BaseException | None = None
+        self._one_round = OneRound(config.one_round_cycles and self._cache_enabled, size)
         self.cycles = 0
+        self.one_round_cycles = 0
+        """Cycles that sent a cached set's readiness with its data (``shoal.engine.one_round``)."""
         self._thread = threading.Thread(target=self._run, name="shoal-engine", daemon=True)
         self._thread.start()
 
@@ -414,7 +418,10 @@ class Engine:
         shutting_down = self._take_new_requests()
         now = time.monotonic()
         oldest = max((now - r.submitted_at for r in self._pending.values()), default=0.0)
-        words = self._bit_vector(shutting_down, self._stall.wants_check(oldest))
+        stall_wanted = self._stall.wants_check(oldest)
+        if self._one_round.armed is not None:
+            return self._speculative_cycle(self._one_round.armed, shutting_down or stall_wanted), None
+        words = self._bit_vector(shutting_down, stall_wanted)
         with self._watch.watching("the negotiation cycle"):
             if self.hierarchical is not None:
                 self.hierarchical.allreduce_(words, "band")
@@ -434,10 +441,53 @@ class Engine:
         if not flags & _FLAG_NO_STALL:
             stop = self._inspect_stalls()
         self._execute(responses)
+        self._follow(responses, flags == _ALL_FLAGS)
         timeline = self.timeline
         if timeline is not None:
             timeline.flush()
         return bool(responses), stop
+
+    def _follow(self, responses: list[Response], clean: bool) -> None:
+        """Tell the one-round bookkeeping what this ordinary cycle completed (agreed by every rank)."""
+        if not self._one_round.enabled:
+            return
+        settled = (self._autotune is None or self._autotune.frozen) and not self._table.joined
+        cache_ids = [self._cache.id_for_name(r.process_set, r.name) for r in responses]
+        fusion = (self.config.fusion_threshold_bytes, self.config.fusion_solo_bytes)
+        self._one_round.after_ordinary(responses, cache_ids, clean, settled, fusion)
+
+    def _speculative_cycle(self, armed: list[tuple[int, Response]], busy: bool) -> bool:
+        """One SUM allreduce of the armed set's data and counts (see ``shoal.engine.one_round``); True when some
+        request completed. ``busy``: this rank wants a stall check or a shutdown, which ordinary cycles carry."""
+        self.one_round_cycles += 1
+        responses = [response for _, response in armed]
+        keys = [(r.process_set, r.name) for r in responses]
+        ready = [self._pending_cached.get(key) == cache_id for key, (cache_id, _) in zip(keys, armed, strict=True)]
+        quiet = not busy and not self._to_send and len(self._pending) == sum(ready)
+        requests = [self._pending[key] if ok else None for key, ok in zip(keys, ready, strict=True)]
+        started = time.perf_counter()
+        buffer, counts = self._executor.speculate(responses, requests, [*map(int, ready), int(quiet)])
+        seconds = time.perf_counter() - started
+        delivered = [count == self.size for count in counts[:-1]]
+        if counts[-1] != self.size:
+            self._one_round.disarm()
+        done = [r for r, ok in zip(responses, delivered, strict=True) if ok]
+        timeline = self.timeline
+        for (cache_id, response), ok in zip(armed, delivered, strict=True):
+            if ok:
+                self._cache.touch(cache_id)
+                key = (response.process_set, response.name)
+                self._pending_cached.pop(key, None)
+                self._pending.pop(key, None)
+                if timeline is not None:
+                    timeline.end(response.name, f"NEGOTIATE_{response.kind.value.upper()}")
+        with self._lock:  # before completion wakes a waiter that may resubmit the same name at once
+            for response in done:
+                self._in_flight.discard((response.process_set, response.name))
+        self._executor.deliver(responses, requests, buffer, delivered, seconds)  # autotune, if on, is frozen here
+        if timeline is not None:
+            timeline.flush()
+        return bool(done)
 
     def _negotiate_new(self, cached: list[Response]) -> list[Response]:
         sending, self._to_send = self._to_send, []

@@ -342,6 +342,81 @@ class Executor:
         self._end([response], phase)
         request.complete(request.output)
 
+    # ----- the one-round cycle (see Engine._speculative_cycle) -----
+
+    def speculate(
+        self, responses: list[Response], requests: list[Request | None], control: list[int]
+    ) -> tuple[torch.Tensor, list[int]]:
+        """One SUM allreduce of these cached allreduces' data, zeros where ``requests`` has None, with ``control``
+        appended, on a copy (the inputs stay as they are, so a part that not every rank sent is simply dropped).
+
+        Returns the reduced buffer and the summed control values. A failure here is on the wire, or before it while
+        the peers are inside the collective: either way the engine must stop (``TransportError``).
+        """
+        first = responses[0]
+        meta = first.meta
+        state = self.process_sets[meta.process_set]
+        self._reached_wire = False
+        try:
+            inputs = [self._input(r, q).reshape(-1) for r, q in zip(responses, requests, strict=True)]
+            buffer = torch.cat([*inputs, torch.tensor(control, dtype=inputs[0].dtype)])
+            _scale_(buffer[: buffer.numel() - len(control)], meta.prescale)
+            self.collective_calls += 1
+            ready = [r for r, q in zip(responses, requests, strict=True) if q is not None]
+            self._begin(ready, "ALLREDUCE")
+            phase = self._reduce_phase(buffer, meta.process_set)
+            self._begin(ready, phase)
+            self._reduce_(buffer, "sum", meta.process_set, state, first.name)
+            self._end(ready, phase)
+        except TransportError:
+            raise
+        except Exception as error:
+            raise TransportError(f"one-round allreduce of '{first.name}' failed on rank {self.rank}: {error}") from error
+        return buffer, [int(value) for value in buffer[buffer.numel() - len(control) :].tolist()]
+
+    def deliver(
+        self,
+        responses: list[Response],
+        requests: list[Request | None],
+        buffer: torch.Tensor,
+        delivered: list[bool],
+        seconds: float,
+    ) -> None:
+        """Finish a one-round cycle: scale the parts every rank sent, copy them out and complete their requests; the
+        ready requests of the other parts close their timeline phase and stay pending."""
+        meta = responses[0].meta
+        assert meta.op is not None
+        members = len(self.process_sets[meta.process_set].members)
+        sizes = [math.prod(r.meta.shape) for r in responses]
+        pieces = buffer.split([*sizes, buffer.numel() - sum(sizes)])
+        kept = [(r, q, p) for r, q, p, ok in zip(responses, requests, pieces, delivered, strict=False) if ok and q is not None]
+        self._end([r for r, q, ok in zip(responses, requests, delivered, strict=True) if q is not None and not ok], "ALLREDUCE")
+        if not kept:
+            return
+        done = [r for r, _, _ in kept]
+        self._begin(done, "MEMCPY_OUT_FUSION_BUFFER")
+        try:
+            for _, request, piece in kept:
+                assert request is not None
+                if request.output is not None:
+                    _postscale_(piece, ReduceOp(meta.op), meta.postscale, members)
+                    request.output.view(-1).copy_(piece)
+        except Exception as error:
+            names = ", ".join(repr(r.name) for r in done)
+            message = f"Shoal could not complete allreduce of {names} on rank {self.rank}: {error}"
+            get_logger().error("%s", message)
+            for _, request, _ in kept:
+                assert request is not None
+                request.fail(RuntimeError(message))
+            return
+        finally:
+            self._end(done, "MEMCPY_OUT_FUSION_BUFFER")
+            self._end(done, "ALLREDUCE")
+        self._record_seconds(done, seconds)
+        for _, request, _ in kept:
+            assert request is not None
+            request.complete(request.output)
+
     def _adasum_(self, buffer: torch.Tensor, sizes: list[int], state: ProcessSetState, name: str) -> None:
         """Adasum in place: gather every member's buffer, then combine each tensor's slices along the same tree on
         every rank (identical float operations, so identical results). Moves members x the bytes of a ring
