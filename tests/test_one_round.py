@@ -145,3 +145,42 @@ def test_the_stall_inspector_still_ends_a_stall_while_armed() -> None:
     env = {"SHOAL_STALL_CHECK_TIME_SECONDS": "0.5", "SHOAL_STALL_SHUTDOWN_TIME_SECONDS": "1.5"}
     results = run_ranks(_stall_while_armed, 2, env=env)
     assert "Stall inspector" in results[0] and "'x'" in results[0]
+
+
+def _threads_block_and_submit_at_once() -> dict[str, object]:
+    """Three threads make blocking calls while a fourth keeps async requests in flight: one thread at a time runs
+    the cycles, and every call gets its own value."""
+    import threading
+
+    hvd.init()
+    rank = hvd.rank()
+    errors: list[str] = []
+
+    def blocking(index: int) -> None:
+        for step in range(25):
+            got = hvd.allreduce(torch.full((3,), float(rank + index + step)), name=f"b{index}", op=hvd.Sum)
+            want = float(sum(r + index + step for r in range(hvd.size())))
+            if got.tolist() != [want] * 3:
+                errors.append(f"b{index} step {step}: {got.tolist()} != {want}")
+
+    def asynchronous() -> None:
+        for step in range(25):
+            handles = [hvd.allreduce_async(torch.ones(2) * (rank + i), name=f"a{i}", op=hvd.Sum) for i in range(4)]
+            for i, handle in enumerate(handles):
+                got = hvd.synchronize(handle).tolist()
+                want = float(sum(r + i for r in range(hvd.size())))
+                if got != [want] * 2:
+                    errors.append(f"a{i} step {step}: {got} != {want}")
+
+    threads = [threading.Thread(target=blocking, args=(i,)) for i in range(3)] + [threading.Thread(target=asynchronous)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    return {"errors": errors, "alive": sum(t.is_alive() for t in threads), "caller_cycles": session.engine().caller_cycles}
+
+
+def test_blocking_calls_on_several_threads_run_cycles_one_at_a_time() -> None:
+    for result in run_ranks(_threads_block_and_submit_at_once, 2, timeout_s=90):
+        assert result["errors"] == [] and result["alive"] == 0
+        assert result["caller_cycles"] > 0  # the calling threads ran cycles themselves

@@ -123,6 +123,7 @@ def submit(
     grouped: bool = False,
     names: Sequence[str] | None = None,
     shared: Sequence[tuple[str, int] | None] | None = None,
+    blocking: bool = False,
 ) -> int:
     """Queue ``tensors`` as one handle and return it; ``synchronize`` gives the one result, or the list (grouped).
 
@@ -133,18 +134,19 @@ def submit(
         grouped: several tensors as one handle (fused together where they fit).
         names: each tensor's own name instead (the optimizer names gradients after their parameters).
         shared: per tensor, the arena range it is (``RequestMeta.shared``), or None.
+        blocking: the caller synchronizes at once (``session.submit``).
     """
     if names is None:
         base = auto_name(call.kind, name, call.process_set)
         names = [f"{base}.{i}" for i in range(len(tensors))] if grouped else [base]
     ranges = [None] * len(tensors) if shared is None else shared
     requests = [build(call, tensor, n, r) for tensor, n, r in zip(tensors, names, ranges, strict=True)]
-    return session.submit(requests, as_list if grouped else first)
+    return session.submit(requests, as_list if grouped else first, blocking)
 
 
 def run(call: Call, tensors: Sequence[torch.Tensor], name: str | None = None, grouped: bool = False) -> Any:
     """``submit`` and wait: the one result, or the list for a group (what every blocking form of an op is)."""
-    return session.synchronize(submit(call, tensors, name, grouped=grouped))
+    return session.synchronize(submit(call, tensors, name, grouped=grouped, blocking=True))
 
 
 def submit_control(kind: Kind, process_set: ProcessSet = global_process_set) -> int:

@@ -104,13 +104,14 @@ def engine() -> Engine:
     return session().engine
 
 
-def submit(requests: list[Request], finish: Callable[[list[Any]], Any]) -> int:
+def submit(requests: list[Request], finish: Callable[[list[Any]], Any], blocking: bool = False) -> int:
     """Queue requests as one handle; ``finish`` turns their results into what ``synchronize`` returns.
 
-    The engine validates the requests on this thread: a bad one raises here and nothing is queued.
+    The engine validates the requests on this thread: a bad one raises here and nothing is queued. ``blocking``:
+    the caller synchronizes at once, and runs the engine's cycles itself if no other thread is (``Engine.drive``).
     """
     current = session()
-    current.engine.submit(requests)
+    current.engine.submit(requests, wake=not blocking)
     return current.new_handle(_HandleEntry(requests, finish))
 
 
@@ -139,6 +140,7 @@ def synchronize(handle: int | Callable[[], Any]) -> Any:
         return handle()
     current = session()
     entry = _entry(handle)
+    current.engine.drive(entry.requests)
     for request in entry.requests:
         request.done.wait()
     with current.lock:

@@ -124,19 +124,26 @@ class Engine:
         self._to_send: list[RequestMeta] = []
         self._shutdown_requested = False
         self._stopped: BaseException | None = None
+        self._driver: str | None = None
+        """Who runs cycles now: "engine" (its thread), "caller" (a thread blocked on its own call), None; under _lock."""
+        self._ended = False
+        """A cycle failed or gave a stop verdict: no thread runs another; the engine thread releases the connections."""
         self._one_round = OneRound(config.one_round_cycles and self._cache_enabled, size)
         self.cycles = 0
         self.one_round_cycles = 0
+        self.caller_cycles = 0
+        """Cycles run by a thread blocked on its own call rather than by the engine thread (``drive``)."""
         """Cycles that sent a cached set's readiness with its data (``shoal.engine.one_round``)."""
         self._thread = threading.Thread(target=self._run, name="shoal-engine", daemon=True)
         self._thread.start()
 
     # ----- user-thread side -----
 
-    def submit(self, requests: list[Request]) -> None:
+    def submit(self, requests: list[Request], wake: bool = True) -> None:
         """Queue requests together (a grouped call lands in one cycle, hence one fused buffer).
 
-        Every request is checked here, on the caller's thread, before any is queued.
+        Every request is checked here, on the caller's thread, before any is queued. ``wake=False``: the caller
+        goes on to ``drive`` them itself, so the engine thread is not woken for them.
 
         Raises:
             TypeError: a dtype the engine cannot carry, or an op not defined for it (nothing is queued then).
@@ -157,7 +164,8 @@ class Engine:
                     )
             self._in_flight.update(keys)
             self._queue.extend(requests)
-            self._lock.notify()
+            if wake:
+                self._lock.notify_all()
         timeline = self.timeline
         if timeline is not None:
             for request in requests:
@@ -204,7 +212,7 @@ class Engine:
         """
         with self._lock:
             self._shutdown_requested = True
-            self._lock.notify()
+            self._lock.notify_all()
         self._thread.join(self.config.transport_timeout_s + 30.0 if timeout_s is None else timeout_s)
         self._watch.stop()
         if self._thread.is_alive():
@@ -284,23 +292,75 @@ class Engine:
     # ----- engine-thread side -----
 
     def _run(self) -> None:
+        stalled_cycles = 0  # consecutive cycles that completed nothing while this rank had work pending
+        while self._claim(stalled_cycles):
+            progress = self._drive_one_cycle()
+            if progress is None:
+                break
+            stalled_cycles = 0 if progress or not self._pending else stalled_cycles + 1
+        self._release_connections()
+        self._watch.stop()
+
+    def _claim(self, stalled_cycles: int) -> bool:
+        """Engine thread: sleep until there is work (or the idle period passed) and no caller is running cycles,
+        then take the drive; False once the engine has ended."""
+        timed_out = False
+        with self._lock:
+            while not self._ended:
+                if self._driver is None and (self._queue or self._shutdown_requested or timed_out):
+                    self._driver = "engine"
+                    return True
+                timed_out = not self._lock.wait(self._wait_ms(stalled_cycles) / 1000.0)
+        return False
+
+    def _drive_one_cycle(self) -> bool | None:
+        """Run one cycle as the driver, then give up the drive: whether it completed anything, or None when the
+        engine ended in it (a stop verdict, or a failed collective)."""
         try:
-            stalled_cycles = 0  # consecutive cycles that completed nothing while this rank had work pending
-            while True:
-                with self._lock:
-                    if not self._queue and not self._shutdown_requested:
-                        self._lock.wait(self._wait_ms(stalled_cycles) / 1000.0)
-                progress, stop = self._cycle()
-                stalled_cycles = 0 if progress or not self._pending else stalled_cycles + 1
-                if stop is not None:
-                    self._fail_everything(stop)
-                    break
+            progress, stop = self._cycle()
+            if stop is None:
+                return progress
+            self._fail_everything(stop)
         except BaseException as error:  # a collective failed (a peer died, a timeout): fail loudly, never hang
             get_logger().error("engine stopped after an error: %s", error)
             self._fail_everything(EngineStoppedError(f"Shoal's engine failed: {error}"))
-        # Outside the except clause, so that the failed collective's traceback no longer pins its group.
-        self._release_connections()
-        self._watch.stop()
+        finally:
+            with self._lock:
+                driver, self._driver = self._driver, None
+                if driver == "engine":
+                    self._lock.notify_all()  # a caller pausing between its own cycles may find its requests done
+        with self._lock:
+            self._ended = True
+            self._lock.notify_all()  # the engine thread, wherever it waits, ends and releases the connections
+        return None
+
+    def drive(self, requests: list[Request]) -> None:
+        """Run cycles on the calling thread until ``requests`` are done, while no other thread runs them.
+
+        A blocking call then costs no hand-off to the engine thread and back. Returns early when the engine thread
+        is in a cycle or takes over (it carries these requests then) and when the engine ends; the caller waits on
+        the requests either way. Cycles run exactly as on the engine thread, one driver at a time.
+        """
+        stalled_cycles = 0
+        try:
+            while not all(request.done.is_set() for request in requests):
+                with self._lock:
+                    if self._driver is not None or self._ended:
+                        return
+                    self._driver = "caller"
+                self.caller_cycles += 1
+                progress = self._drive_one_cycle()
+                if progress is None:
+                    return
+                stalled_cycles = 0 if progress else stalled_cycles + 1
+                if not progress:
+                    with self._lock:
+                        if not self._queue and not self._shutdown_requested:
+                            self._lock.wait(self._wait_ms(stalled_cycles) / 1000.0)
+        finally:
+            with self._lock:
+                if self._queue or self._pending or self._shutdown_requested:
+                    self._lock.notify_all()  # the engine thread carries what is left
 
     def _release_connections(self) -> None:
         """Close this rank's side of every connection the engine owns, as soon as the engine thread ends.

@@ -98,8 +98,8 @@ def allreduce_(
     process_set: ProcessSet = global_process_set,
 ) -> torch.Tensor:
     """Reduce ``tensor`` in place over all ranks and return it."""
-    handle = allreduce_async_(tensor, average, name, op, prescale_factor, postscale_factor, process_set)
-    return handles.synchronize(handle)
+    call = _reduce_call(Kind.ALLREDUCE, resolve_op(op, average), prescale_factor, postscale_factor, process_set, True)
+    return requests.run(call, _checked([tensor], "allreduce"), name)
 
 
 def allreduce(
@@ -189,8 +189,8 @@ def grouped_allreduce_(
     process_set: ProcessSet = global_process_set,
 ) -> list[torch.Tensor]:
     """Reduce several tensors in place at once."""
-    handle = grouped_allreduce_async_(tensors, average, name, op, prescale_factor, postscale_factor, process_set)
-    return handles.synchronize(handle)
+    call = _reduce_call(Kind.ALLREDUCE, resolve_op(op, average), prescale_factor, postscale_factor, process_set, True)
+    return requests.run(call, _checked(tensors, "allreduce"), name, grouped=True)
 
 
 def sparse_allreduce_async(
@@ -266,7 +266,8 @@ def broadcast_(
     tensor: torch.Tensor, root_rank: int, name: str | None = None, process_set: ProcessSet = global_process_set
 ) -> torch.Tensor:
     """Broadcast in place from ``root_rank`` and return ``tensor``."""
-    return handles.synchronize(broadcast_async_(tensor, root_rank, name, process_set))
+    call = Call(Kind.BROADCAST, process_set, root_rank=int(root_rank), in_place=True)
+    return requests.run(call, _checked([tensor], "broadcast"), name)
 
 
 def broadcast(
