@@ -13,13 +13,15 @@ The 4 KiB and 64 KiB rows also carry the fixed cost, measured over ``--latency-i
 calls (a row's ``shoal_ms`` is the median of only ``--iterations``): ``latency_us``, the engine path (a cached request
 under its own name: submit, one negotiation cycle, the collective, the wake-up); ``transport_latency_us``, the bare
 transport the engine would use (``transport``: "shm" for ranks sharing a host, else "gloo"); ``raw_latency_us``, raw
-gloo ``all_reduce``. Each is the slowest rank's median.
+gloo ``all_reduce``. Each is the slowest rank's median; the three take turns in blocks of 20 calls.
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import statistics
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -88,21 +90,36 @@ LATENCY_SIZES = (4096, 65536)
 
 
 def bench_latency(tensor: torch.Tensor, hierarchical: HierarchicalAllreduce | None, iterations: int) -> dict[str, Any]:
-    """Median µs per call, slowest rank: the engine on a cached request, the bare transport, raw gloo."""
+    """Median µs per call, slowest rank: the engine on a cached request, the bare transport, raw gloo.
 
-    def median_us(fn: Callable[[], object]) -> float:
-        for _ in range(20):  # the first calls negotiate and fill the response cache
-            fn()
-        return round(_max_ms(_timed_ms(fn, iterations)) * 1e3, 1)
-
+    The paths take turns in blocks of 20 calls, so that a slow spell of the machine (or of the emulated link)
+    falls on all of them alike rather than on whichever ran then.
+    """
     name = f"latency.{tensor.numel() * tensor.element_size()}"  # its own cached request per size
-    engine_us = median_us(functools.partial(hvd.allreduce_, tensor, op=hvd.Sum, name=name))
-    raw_us = median_us(functools.partial(collectives.allreduce_, tensor, "sum", None))
+    paths: dict[str, Callable[[], object]] = {
+        "engine": functools.partial(hvd.allreduce_, tensor, op=hvd.Sum, name=name),
+        "raw": functools.partial(collectives.allreduce_, tensor, "sum", None),
+    }
     if hierarchical is not None:
-        transport, transport_us = "shm", median_us(functools.partial(hierarchical.allreduce_, tensor, "sum"))
-    else:
-        transport, transport_us = "gloo", raw_us
-    return {"latency_us": engine_us, "transport_latency_us": transport_us, "transport": transport, "raw_latency_us": raw_us}
+        paths["shm"] = functools.partial(hierarchical.allreduce_, tensor, "sum")
+    seconds: dict[str, list[float]] = {key: [] for key in paths}
+    for fn in paths.values():
+        for _ in range(20):  # the first engine calls negotiate and fill the response cache
+            fn()
+    for start in range(0, iterations, 20):
+        for key, fn in paths.items():
+            for _ in range(min(20, iterations - start)):
+                began = time.perf_counter()
+                fn()
+                seconds[key].append(time.perf_counter() - began)
+    median_us = {key: round(_max_ms(statistics.median(values) * 1e3) * 1e3, 1) for key, values in seconds.items()}
+    transport = "shm" if hierarchical is not None else "gloo"
+    return {
+        "latency_us": median_us["engine"],
+        "transport_latency_us": median_us.get("shm", median_us["raw"]),
+        "transport": transport,
+        "raw_latency_us": median_us["raw"],
+    }
 
 
 _HEADER = f"{'bytes':>12} {'shoal ms':>10} {'raw ms':>10} {'ratio':>7} {'busbw GB/s':>11} {'hier ms':>9}"
@@ -182,7 +199,7 @@ def bench_shared_gradients(
     }
 
 
-def bench_small_tensors(count: int = 256, bytes_each: int = 16384, repeats: int = 5) -> dict[str, float]:
+def bench_small_tensors(count: int = 256, bytes_each: int = 16384, repeats: int = 11) -> dict[str, float]:
     """``count`` tensors submitted asynchronously then synchronized, against one blocking raw allreduce each."""
     tensors = [torch.ones(bytes_each // 4) for _ in range(count)]
 

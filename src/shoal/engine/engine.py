@@ -10,6 +10,10 @@ Each cycle, on every rank, in lockstep:
 
 A rank with nothing to do sleeps until work arrives or ``idle_cycle_time_ms`` passes, so idle engines cost almost
 nothing, and a busy one never spins: its cycle blocks in the collective until the others arrive.
+
+Two shortcuts keep the order of collectives the same on every rank: a cached set that repeats is sent with its
+readiness in one round (``shoal.engine.one_round``), and a thread blocked on its own call runs the cycles itself
+while no other thread does (``Engine.drive``). One thread at a time runs cycles.
 """
 
 from __future__ import annotations
