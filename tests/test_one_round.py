@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -184,3 +185,18 @@ def test_blocking_calls_on_several_threads_run_cycles_one_at_a_time() -> None:
     for result in run_ranks(_threads_block_and_submit_at_once, 2, timeout_s=90):
         assert result["errors"] == [] and result["alive"] == 0
         assert result["caller_cycles"] > 0  # the calling threads ran cycles themselves
+
+
+def test_the_timeline_shows_one_allreduce_per_completed_request(tmp_path: Path) -> None:
+    """A round that carried only part of the set leaves no allreduce on the other requests' rows."""
+    import json
+
+    env = {"SHOAL_TIMELINE": str(tmp_path / "tl-{rank}.json")}
+    run_ranks(_repeating, 2, args=("float32-average", True), env=env)
+    for rank in (0, 1):
+        events = json.loads((tmp_path / f"tl-{rank}.json").read_text())
+        rows = {e["tid"]: e["args"]["name"] for e in events if e["name"] == "thread_name"}
+        for tensor in ("t0", "t1", "t2"):
+            begins = [e for e in events if e["ph"] == "B" and e["name"] == "ALLREDUCE" and rows.get(e["tid"]) == tensor]
+            assert len(begins) == STEPS, (rank, tensor, len(begins))
+            assert any(e.get("args", {}).get("one_round") for e in begins)

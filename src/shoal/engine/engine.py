@@ -536,19 +536,17 @@ class Engine:
         if counts[-1] != self.size:
             self._one_round.disarm()
         done = [r for r, ok in zip(responses, delivered, strict=True) if ok]
-        timeline = self.timeline
         for (cache_id, response), ok in zip(armed, delivered, strict=True):
             if ok:
                 self._cache.touch(cache_id)
                 key = (response.process_set, response.name)
                 self._pending_cached.pop(key, None)
                 self._pending.pop(key, None)
-                if timeline is not None:
-                    timeline.end(response.name, f"NEGOTIATE_{response.kind.value.upper()}")
         with self._lock:  # before completion wakes a waiter that may resubmit the same name at once
             for response in done:
                 self._in_flight.discard((response.process_set, response.name))
         self._executor.deliver(responses, requests, buffer, delivered, seconds)  # autotune, if on, is frozen here
+        timeline = self.timeline
         if timeline is not None:
             timeline.flush()
         return bool(done)

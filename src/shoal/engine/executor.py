@@ -124,6 +124,8 @@ class Executor:
         self.joined: frozenset[int] = frozenset()
         """The ranks that have joined (they stand in for collectives with zeros), as every rank knows them."""
         self.arenas: dict[str, SharedArena] = {}
+        self._round_us = (0.0, 0.0, "")
+        """The last one-round cycle on the timeline's clock: (wire start, wire end, its phase name)."""
         """This rank's registered shared-memory arenas by key (``RequestMeta.shared``), mapped with the host's peers'."""
         self.executions: dict[tuple[int, str], tuple[float, int, int]] = {}
         """Per data request, its last execution: (its share by size of its batch's seconds, its elements, the
@@ -362,12 +364,11 @@ class Executor:
             buffer = torch.cat([*inputs, torch.tensor(control, dtype=inputs[0].dtype)])
             _scale_(buffer[: buffer.numel() - len(control)], meta.prescale)
             self.collective_calls += 1
-            ready = [r for r, q in zip(responses, requests, strict=True) if q is not None]
-            self._begin(ready, "ALLREDUCE")
-            phase = self._reduce_phase(buffer, meta.process_set)
-            self._begin(ready, phase)
+            timeline = self._timeline()
+            started_us = timeline.now_us() if timeline is not None else 0.0
             self._reduce_(buffer, "sum", meta.process_set, state, first.name)
-            self._end(ready, phase)
+            if timeline is not None:
+                self._round_us = (started_us, timeline.now_us(), self._reduce_phase(buffer, meta.process_set))
         except TransportError:
             raise
         except Exception as error:
@@ -382,18 +383,18 @@ class Executor:
         delivered: list[bool],
         seconds: float,
     ) -> None:
-        """Finish a one-round cycle: scale the parts every rank sent, copy them out and complete their requests; the
-        ready requests of the other parts close their timeline phase and stay pending."""
+        """Finish a one-round cycle: scale the parts every rank sent, copy them out and complete their requests. The
+        other parts' requests stay pending, with nothing in the timeline: to them the round was a negotiation."""
         meta = responses[0].meta
         assert meta.op is not None
         members = len(self.process_sets[meta.process_set].members)
         sizes = [math.prod(r.meta.shape) for r in responses]
         pieces = buffer.split([*sizes, buffer.numel() - sum(sizes)])
         kept = [(r, q, p) for r, q, p, ok in zip(responses, requests, pieces, delivered, strict=False) if ok and q is not None]
-        self._end([r for r, q, ok in zip(responses, requests, delivered, strict=True) if q is not None and not ok], "ALLREDUCE")
         if not kept:
             return
         done = [r for r, _, _ in kept]
+        self._mark_round(done)
         self._begin(done, "MEMCPY_OUT_FUSION_BUFFER")
         try:
             for _, request, piece in kept:
@@ -416,6 +417,19 @@ class Executor:
         for _, request, _ in kept:
             assert request is not None
             request.complete(request.output)
+
+    def _mark_round(self, done: list[Response]) -> None:
+        """Timeline rows of the requests a one-round cycle completed: their negotiation ended when the round began,
+        which was also their allreduce's wire phase."""
+        timeline = self._timeline()
+        if timeline is None:
+            return
+        started_us, ended_us, phase = self._round_us
+        for response in done:
+            timeline.end(response.name, f"NEGOTIATE_{response.kind.value.upper()}", started_us)
+            timeline.begin(response.name, "ALLREDUCE", {"one_round": True}, started_us)
+            timeline.begin(response.name, phase, None, started_us)
+            timeline.end(response.name, phase, ended_us)
 
     def _adasum_(self, buffer: torch.Tensor, sizes: list[int], state: ProcessSetState, name: str) -> None:
         """Adasum in place: gather every member's buffer, then combine each tensor's slices along the same tree on

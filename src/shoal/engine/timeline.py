@@ -57,18 +57,20 @@ class Timeline:
             self._emit({"name": "thread_name", "ph": "M", "pid": self._rank, "tid": tid, "args": {"name": tensor_name}})
         return tid
 
-    def begin(self, tensor_name: str, phase: str, args: dict[str, Any] | None = None) -> None:
-        """Open a phase on a tensor's row."""
+    def begin(self, tensor_name: str, phase: str, args: dict[str, Any] | None = None, ts_us: float | None = None) -> None:
+        """Open a phase on a tensor's row, now or at ``ts_us`` (on this timeline's clock) when given."""
         with self._lock:
-            event = {"name": phase, "ph": "B", "ts": self.now_us(), "pid": self._rank, "tid": self._tid(tensor_name)}
+            ts = self.now_us() if ts_us is None else ts_us
+            event = {"name": phase, "ph": "B", "ts": ts, "pid": self._rank, "tid": self._tid(tensor_name)}
             if args:
                 event["args"] = args
             self._emit(event)
 
-    def end(self, tensor_name: str, phase: str) -> None:
-        """Close the phase most recently opened on a tensor's row."""
+    def end(self, tensor_name: str, phase: str, ts_us: float | None = None) -> None:
+        """Close the phase most recently opened on a tensor's row, now or at ``ts_us``."""
         with self._lock:
-            self._emit({"name": phase, "ph": "E", "ts": self.now_us(), "pid": self._rank, "tid": self._tid(tensor_name)})
+            ts = self.now_us() if ts_us is None else ts_us
+            self._emit({"name": phase, "ph": "E", "ts": ts, "pid": self._rank, "tid": self._tid(tensor_name)})
 
     def ready(self, tensor_name: str, ranks: list[int]) -> None:
         """Instant marks on a tensor's row: these ranks' requests for it were seen in this negotiation cycle."""
