@@ -533,8 +533,7 @@ class Engine:
         buffer, counts = self._executor.speculate(responses, requests, [*map(int, ready), int(quiet)])
         seconds = time.perf_counter() - started
         delivered = [count == self.size for count in counts[:-1]]
-        if counts[-1] != self.size:
-            self._one_round.disarm()
+        self._one_round.after_round(any(delivered), counts[-1] == self.size)
         done = [r for r, ok in zip(responses, delivered, strict=True) if ok]
         for (cache_id, response), ok in zip(armed, delivered, strict=True):
             if ok:

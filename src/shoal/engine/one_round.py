@@ -39,6 +39,11 @@ class OneRound:
     _last: list[tuple[int, Response]] | None = None
     armed: list[tuple[int, Response]] | None = field(default=None)
     """(cache id, response) of the set the next cycle sends in one round; None: an ordinary cycle."""
+    _bets: dict[frozenset[tuple[int, str]], list[int]] = field(default_factory=dict)
+    """Per set: [rounds that completed some of it, rounds lost on it]. A round is lost when it completed nothing and
+    some rank had other work: that other work then needs an ordinary cycle, one round trip more than without the
+    bet (a step's gradients completing over several cycles do this). A set lost more often than it paid is never
+    armed again."""
 
     def qualifies(self, responses: list[Response], threshold_bytes: int, solo_bytes: int) -> bool:
         """Small SUM/AVERAGE allreduces of the world on CPU, in one fused batch, with counts that stay exact."""
@@ -77,12 +82,32 @@ class OneRound:
         if self._last is not None:
             seen = {cache_id for cache_id, _ in self._last}
             union = self._last + [pair for pair in pairs if pair[0] not in seen]
-            if self.qualifies([r for _, r in union], *fusion):
+            paid, lost = self._bets.get(_key(union), (0, 0))
+            if lost <= paid and self.qualifies([r for _, r in union], *fusion):
                 self.armed = union
         self._last = pairs
 
+    def after_round(self, delivered: bool, quiet: bool) -> None:
+        """Follow an armed cycle's agreed outcome: keep the bet while every rank is quiet, and score it."""
+        assert self.armed is not None
+        if delivered or not quiet:
+            if len(self._bets) >= _MAX_SCORED:
+                self._bets.clear()
+            score = self._bets.setdefault(_key(self.armed), [0, 0])
+            score[0 if delivered else 1] += 1
+        if not quiet:
+            self.disarm()
+
     def disarm(self) -> None:
         self._last, self.armed = None, None
+
+
+_MAX_SCORED = 4096
+"""Scores kept at most (then forgotten all at once): names that change every step must not grow them forever."""
+
+
+def _key(pairs: list[tuple[int, Response]]) -> frozenset[tuple[int, str]]:
+    return frozenset((response.process_set, response.name) for _, response in pairs)
 
 
 __all__ = ["MAX_BYTES", "OneRound"]
