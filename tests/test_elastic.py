@@ -140,6 +140,25 @@ def test_sigkill_one_of_three_workers_finishes_with_two() -> None:
     assert gone(list(pids.values()), 10), "a worker outlived the job"
 
 
+@pytest.mark.timeout(240)
+def test_a_failed_host_gets_a_worker_again_after_its_cooldown() -> None:
+    """The same SIGKILL with --blacklist-cooldown-range 1 2: localhost waits 2 s (2 * 1 + U(0,1), kept within 2),
+    then gets a new worker that joins at a commit, so the job ends with three workers; without the flag (the test
+    above) it ends with two."""
+    flags = ["-np", "3", "--min-np", "2", "--max-np", "3", "--blacklist-cooldown-range", "1", "2"]
+    job = RunningJob(flags, ["--epochs", "5", "--log-every", "5"])
+    pids = job.worker_pids(3)
+    job.wait_for(r"^\[0\]<stdout>:step 35 ", 60)
+    subprocess.run(["kill", "-9", str(pids[2])], check=True)
+    job.wait_for(r"host localhost gets no new workers for 2 s; re-forming the job", 30)
+    assert job.finish(180) == 0, "\n".join(job.lines[-30:])
+    summary = job.summary()
+    assert summary["world"] == 3 and summary["resets"] == 2, summary
+    check_every_sample_once(summary, 5)
+    assert float(summary["test_accuracy"]) >= 0.95, summary  # type: ignore[arg-type]
+    assert gone(list(pids.values()), 10), "a worker outlived the job"
+
+
 @pytest.mark.timeout(180)
 def test_discovery_adds_a_worker_that_receives_rank_0_state(tmp_path: Path) -> None:
     hosts, script = discovery(tmp_path, "localhost:2")

@@ -161,6 +161,7 @@ SHOALRUN_FLAGS = {
     "--host-discovery-script",
     "--elastic-timeout",
     "--reset-limit",
+    "--blacklist-cooldown-range",
     "--num-servers",
 }
 

@@ -103,7 +103,9 @@ class Knob:
     choices: tuple[str, ...] | None = None
     """The values the flag accepts."""
     metavar: str | None = None
-    """The flag's value as ``--help`` names it."""
+    """The flag's value as ``--help`` names it (space-separated names when it takes several values)."""
+    nargs: int | None = None
+    """How many values the flag takes, when more than one (``--blacklist-cooldown-range MIN MAX``)."""
     path: bool = False
     """A file name: made absolute before it goes to workers, which may start in another directory."""
     env_lower: bool = False

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -136,6 +137,18 @@ class LaunchConfig:
         group=_ELASTIC,
         shown_default="no limit",
     )
+    blacklist_cooldown_range: tuple[float, float] | None = knob(
+        None,
+        "seconds MIN MAX: a host whose worker failed gets new workers again after a cooldown that doubles with each "
+        "of its failures (MIN * 2**failures plus up to MIN at random, kept within MIN..MAX; MIN >= 1, MAX <= 3600); "
+        "unset, a failed host gets none for the rest of the job",
+        flags=("--blacklist-cooldown-range",),
+        flag_type=float,
+        nargs=2,
+        metavar="MIN MAX",
+        group=_ELASTIC,
+        shown_default="never",
+    )
     num_servers: int = knob_from(WorkerSettings, "num_servers", flags=("--num-servers",), group=_SERVERS)
     config_file: str | None = knob(
         None,
@@ -216,6 +229,8 @@ class LaunchConfig:
             if self.num_servers:
                 raise ValueError("--num-servers cannot be combined with elastic flags (a server's shard cannot move yet)")
             self._check_elastic()
+        elif self.blacklist_cooldown_range is not None:
+            raise ValueError("--blacklist-cooldown-range is for elastic jobs (--min-np, --max-np or --host-discovery-script)")
         elif self.num_proc is None and not (self.hosts or self.hostfile):
             raise ValueError("-np is required when no hosts are given")
         elif self.num_proc is not None and self.num_proc < 1:
@@ -257,6 +272,8 @@ class LaunchConfig:
             raise ValueError(f"--elastic-timeout must be > 0, got {self.elastic_timeout}")
         if self.reset_limit is not None and self.reset_limit < 0:
             raise ValueError(f"--reset-limit must be >= 0, got {self.reset_limit}")
+        if self.blacklist_cooldown_range is not None:
+            self.blacklist_cooldown_range = check_cooldown_range(self.blacklist_cooldown_range)
 
     def worker_env(self) -> dict[str, str]:
         """The settings every process of the job gets as SHOAL_ variables: the launcher's own (start timeout, log
@@ -270,3 +287,21 @@ class LaunchConfig:
             if setting.knob.env is not None and value is not None and not switched_off:
                 env[env_name(setting.knob.env)] = to_env(setting, value)
         return env
+
+
+COOLDOWN_LIMITS_S = (1.0, 3600.0)
+"""The range a cooldown range must lie in (Horovod's limits)."""
+
+
+def check_cooldown_range(value: Sequence[float]) -> tuple[float, float]:
+    """``--blacklist-cooldown-range MIN MAX`` as a pair, or a ValueError that says what is wrong."""
+    if len(value) != 2:
+        raise ValueError(f"--blacklist-cooldown-range takes MIN MAX, got {list(value)}")
+    low, high = float(value[0]), float(value[1])
+    if low < COOLDOWN_LIMITS_S[0]:
+        raise ValueError(f"--blacklist-cooldown-range: MIN must be >= {COOLDOWN_LIMITS_S[0]:.0f} s, got {low:g}")
+    if high > COOLDOWN_LIMITS_S[1]:
+        raise ValueError(f"--blacklist-cooldown-range: MAX must be <= {COOLDOWN_LIMITS_S[1]:.0f} s, got {high:g}")
+    if high < low:
+        raise ValueError(f"--blacklist-cooldown-range: MAX ({high:g}) is smaller than MIN ({low:g})")
+    return low, high

@@ -27,7 +27,6 @@ FLAG_HINTS = {
     "--no-hierarchical-allgather": "allgather is never hierarchical in Shoal: drop the flag",
     "--torus-allreduce": "not supported; --hierarchical-allreduce is the two-level path",
     "--no-torus-allreduce": "Shoal has no torus allreduce: drop the flag",
-    "--blacklist-cooldown-range": "not supported: a failing host is excluded for the rest of the elastic job",
     "--nproc-per-node": "torchrun's; use -np N (with -H host:slots for several hosts)",
     "--nproc_per_node": "torchrun's; use -np N (with -H host:slots for several hosts)",
     "--nnodes": "torchrun's; list the hosts with -H host1:slots,host2:slots (or --hostfile)",
@@ -105,6 +104,8 @@ def _add_setting(target: Any, setting: Setting, engine: bool) -> None:
         options["choices"] = knob_info.choices
     else:
         options["metavar"] = knob_info.metavar or knob_info.flags[-1].lstrip("-").upper().replace("-", "_")
+    if knob_info.nargs is not None:
+        options.update(nargs=knob_info.nargs, metavar=tuple(options["metavar"].split()))
     if setting.kind is list:
         options.update(action="append", default=None)
     target.add_argument(*knob_info.flags, **options)

@@ -17,6 +17,7 @@ more, then ends everything with a non-zero exit. ``--reset-limit`` bounds how ma
 
 from __future__ import annotations
 
+import math
 import signal
 import sys
 import time
@@ -24,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from shoal.config import LaunchConfig
+from shoal.runner.cooldown import HostCooldown
 from shoal.runner.discovery import HostDiscovery, progress_period
 from shoal.runner.hosts import HostSlots, SlotInfo, place_ranks
 from shoal.runner.launcher import Job, Worker, _describe_status, requested_hosts
@@ -71,7 +73,8 @@ class ElasticJob(Job):
         self.num_proc, self.min_np, self.max_np = config.num_proc, config.min_np, config.max_np
         self.discovery = discovery
         self.elastic: list[ElasticWorker] = []
-        self.excluded_hosts: set[str] = set()
+        self.cooldown = HostCooldown(config.blacklist_cooldown_range)
+        """Hosts whose workers failed: none get new workers for the rest of the job, or until their cooldown ends."""
         self.round = 0
         self.resets = 0
         self._spawned = 0
@@ -105,8 +108,9 @@ class ElasticJob(Job):
     def _fill_slots(self, limit: int) -> None:
         """Start workers on free slots of the known, non-excluded hosts, up to ``limit`` live workers."""
         live = self._alive("starting", "member")
+        excluded = self.cooldown.excluded()
         for host in self.discovery.hosts():
-            if host.hostname in self.excluded_hosts:
+            if host.hostname in excluded:
                 continue
             on_host = sum(1 for w in live if w.hostname == host.hostname)
             for _ in range(host.slots - on_host):
@@ -185,7 +189,7 @@ class ElasticJob(Job):
                 continue
             was_member = worker.state == "member"
             worker.state = "failed"
-            self.excluded_hosts.add(worker.hostname)  # also for a newcomer that failed: no restart storm there
+            cooldown_s = self.cooldown.fail(worker.hostname)  # also for a newcomer: no restart storm there
             self._drain_output_of(worker.process)
             finished = [w for w in self.elastic if w.state == "finished"]
             if not was_member or (finished and not worker.joined):
@@ -200,7 +204,8 @@ class ElasticJob(Job):
                 return 128 - code if code < 0 else code
             print(
                 f"shoalrun: worker {worker.worker_id} (rank {worker.rank}) on host {worker.hostname} "
-                f"{_describe_status(code)}; host {worker.hostname} gets no new workers; re-forming the job",
+                f"{_describe_status(code)}; host {worker.hostname} gets no new workers"
+                f"{'' if math.isinf(cooldown_s) else f' for {cooldown_s:.0f} s'}; re-forming the job",
                 file=sys.stderr,
                 flush=True,
             )
@@ -230,7 +235,7 @@ class ElasticJob(Job):
         from shoal.comm.names import secret_namespace
 
         config = self.config
-        if not self.discovery.wait_for_slots(self.min_np, config.elastic_timeout, self.excluded_hosts):
+        if not self.discovery.wait_for_slots(self.min_np, config.elastic_timeout, self.cooldown.excluded()):
             return self._fail(
                 f"fewer than --min-np {self.min_np} slots were available within --elastic-timeout "
                 f"{config.elastic_timeout:.0f} s"
@@ -312,8 +317,8 @@ class ElasticJob(Job):
     def _maybe_reform(self) -> int | None:
         config = self.config
         self._watch_round()
-        if config.host_discovery_script:
-            self._fill_slots(self.max_np)
+        if config.host_discovery_script or config.blacklist_cooldown_range is not None:
+            self._fill_slots(self.max_np)  # static hosts come back only after a cooldown
         reason = self._wants_new_round()
         if reason is None:
             return None
@@ -338,9 +343,10 @@ class ElasticJob(Job):
             if now - max(self._below_min_since, self._progress_said) >= progress_period(config.elastic_timeout):
                 self._progress_said = now
                 left = config.elastic_timeout - (now - self._below_min_since)
+                cooling = self.cooldown.describe()
                 print(
                     f"shoalrun: still {len(members)} worker(s), fewer than --min-np {self.min_np}; {left:.0f} s "
-                    "left for hosts to offer more",
+                    f"left for hosts to offer more{f'; cooling down: {cooling}' if cooling else ''}",
                     file=sys.stderr,
                     flush=True,
                 )
