@@ -135,9 +135,9 @@ class Engine:
         self._one_round = OneRound(config.one_round_cycles and self._cache_enabled, size)
         self.cycles = 0
         self.one_round_cycles = 0
+        """Cycles that sent a cached set's readiness with its data (``shoal.engine.one_round``)."""
         self.caller_cycles = 0
         """Cycles run by a thread blocked on its own call rather than by the engine thread (``drive``)."""
-        """Cycles that sent a cached set's readiness with its data (``shoal.engine.one_round``)."""
         self._thread = threading.Thread(target=self._run, name="shoal-engine", daemon=True)
         self._thread.start()
 
@@ -535,15 +535,10 @@ class Engine:
         delivered = [count == self.size for count in counts[:-1]]
         self._one_round.after_round(any(delivered), counts[-1] == self.size)
         done = [r for r, ok in zip(responses, delivered, strict=True) if ok]
-        for (cache_id, response), ok in zip(armed, delivered, strict=True):
+        for (cache_id, _), ok in zip(armed, delivered, strict=True):
             if ok:
                 self._cache.touch(cache_id)
-                key = (response.process_set, response.name)
-                self._pending_cached.pop(key, None)
-                self._pending.pop(key, None)
-        with self._lock:  # before completion wakes a waiter that may resubmit the same name at once
-            for response in done:
-                self._in_flight.discard((response.process_set, response.name))
+        self._retire(done)
         self._executor.deliver(responses, requests, buffer, delivered, seconds)  # autotune, if on, is frozen here
         timeline = self.timeline
         if timeline is not None:
@@ -591,20 +586,11 @@ class Engine:
 
     def _execute(self, responses: list[Response]) -> None:
         timeline = self.timeline
-        for response in responses:
-            key = (response.process_set, response.name)
-            self._pending_cached.pop(key, None)
-            if timeline is not None and key in self._pending:
-                timeline.end(response.name, f"NEGOTIATE_{response.kind.value.upper()}")
-        done: dict[tuple[int, str], Request] = {}
-        for response in responses:
-            key = (response.process_set, response.name)
-            request = self._pending.pop(key, None)
-            if request is not None:
-                done[key] = request
-        with self._lock:  # before completion wakes a waiter that may resubmit the same name at once
-            for key in done:
-                self._in_flight.discard(key)
+        if timeline is not None:
+            for response in responses:
+                if (response.process_set, response.name) in self._pending:
+                    timeline.end(response.name, f"NEGOTIATE_{response.kind.value.upper()}")
+        done = self._retire(responses)
         in_progress = list(done.values())
         self._executor.joined = frozenset(self._table.joined)
         try:
@@ -624,6 +610,21 @@ class Engine:
                 evicted = self._cache.insert(response)
                 if evicted is not None:
                     self._requeue_cached((evicted.process_set, evicted.name))
+
+    def _retire(self, responses: list[Response]) -> dict[tuple[int, str], Request]:
+        """Take these responses' requests out of the pending ones, and their names out of flight; returns this rank's
+        requests among them, to be completed."""
+        done: dict[tuple[int, str], Request] = {}
+        for response in responses:
+            key = (response.process_set, response.name)
+            self._pending_cached.pop(key, None)
+            request = self._pending.pop(key, None)
+            if request is not None:
+                done[key] = request
+        with self._lock:  # before completion wakes a waiter that may resubmit the same name at once
+            for key in done:
+                self._in_flight.discard(key)
+        return done
 
     def _next_autotune_sample(self) -> None:
         """A sample ended on every rank in this cycle: rank 0 decides the next settings, all apply them."""

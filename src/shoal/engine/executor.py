@@ -124,9 +124,9 @@ class Executor:
         self.joined: frozenset[int] = frozenset()
         """The ranks that have joined (they stand in for collectives with zeros), as every rank knows them."""
         self.arenas: dict[str, SharedArena] = {}
+        """This rank's registered shared-memory arenas by key (``RequestMeta.shared``), mapped with the host's peers'."""
         self._round_us = (0.0, 0.0, "")
         """The last one-round cycle on the timeline's clock: (wire start, wire end, its phase name)."""
-        """This rank's registered shared-memory arenas by key (``RequestMeta.shared``), mapped with the host's peers'."""
         self.executions: dict[tuple[int, str], tuple[float, int, int]] = {}
         """Per data request, its last execution: (its share by size of its batch's seconds, its elements, the
         batch's elements). The planner compares these with its predictions. Written by the engine thread only; a
@@ -358,7 +358,6 @@ class Executor:
         first = responses[0]
         meta = first.meta
         state = self.process_sets[meta.process_set]
-        self._reached_wire = False
         try:
             inputs = [self._input(r, q).reshape(-1) for r, q in zip(responses, requests, strict=True)]
             buffer = torch.cat([*inputs, torch.tensor(control, dtype=inputs[0].dtype)])
@@ -390,7 +389,8 @@ class Executor:
         members = len(self.process_sets[meta.process_set].members)
         sizes = [math.prod(r.meta.shape) for r in responses]
         pieces = buffer.split([*sizes, buffer.numel() - sum(sizes)])
-        kept = [(r, q, p) for r, q, p, ok in zip(responses, requests, pieces, delivered, strict=False) if ok and q is not None]
+        parts = zip(responses, requests, pieces[:-1], delivered, strict=True)  # the last piece is the control
+        kept = [(r, q, p) for r, q, p, ok in parts if ok and q is not None]
         if not kept:
             return
         done = [r for r, _, _ in kept]
