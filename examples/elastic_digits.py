@@ -1,11 +1,13 @@
 """The digits example written for elastic training: workers may die or join, and training goes on.
 
 Run: ``shoalrun -np 3 --min-np 2 python examples/elastic_digits.py``, then ``kill -9`` one worker: the others
-restore their last commit, re-form at size 2 and finish. With ``--host-discovery-script`` new slots join at the next
+restore their last commit, re-form at size 2 and finish; ``kill -TERM`` one instead (a preemption notice) and it
+leaves at the next commit, with nothing rolled back. With ``--host-discovery-script`` new slots join at the next
 commit and receive rank 0's state. Ends with one JSON line:
-{"example": "elastic_digits", "world": .., "test_accuracy": .., "committed_steps": .., "resets": .., "epochs": [..]}
-where ``epochs`` lists, per epoch, the distinct samples processed and how many were recorded (equal when no
-committed step was lost or applied twice).
+{"example": "elastic_digits", "world": .., "test_accuracy": .., "committed_steps": .., "resets": .., "restores": ..,
+"executed_steps": .., "epochs": [..]}. ``restores`` and ``executed_steps`` are rank 0's own (executed minus committed
+is the steps it redid); ``epochs`` lists, per epoch, the distinct samples processed and how many were recorded (equal
+when no committed step was lost or applied twice).
 """
 
 from __future__ import annotations
@@ -42,7 +44,17 @@ def main() -> None:
     sampler = hvd.elastic.ElasticSampler(train_set, shuffle=True, seed=0)
     state = hvd.elastic.TorchState(model=model, optimizer=optimizer, sampler=sampler, epoch=0, step=0, epoch_log=[])
     resets = 0
+    restores = 0  # rollbacks to the last commit (a failed collective); a preemption notice causes none
+    executed_steps = 0  # steps this process ran, rolled back or not: executed - committed = steps redone
     report_commit = False
+    committed_restore = state.restore
+
+    def counting_restore() -> None:
+        nonlocal restores
+        restores += 1
+        committed_restore()
+
+    state.restore = counting_restore  # type: ignore[method-assign]
 
     def on_reset() -> None:
         nonlocal resets, report_commit
@@ -57,7 +69,7 @@ def main() -> None:
 
     @hvd.elastic.run
     def train(state: hvd.elastic.TorchState) -> float:
-        nonlocal report_commit
+        nonlocal report_commit, executed_steps
         # Runs after every sync: all workers, newcomers included, now hold rank 0's weights.
         checksum = sum(float(p.double().sum()) for p in model.parameters())
         print(f"synced at step {state.step} as rank {hvd.rank()} of {hvd.size()}: weights checksum {checksum!r}", flush=True)
@@ -70,6 +82,7 @@ def main() -> None:
                 optimizer.step()
                 state.sampler.record_batch(batch_index, args.batch_size)
                 state.step += 1
+                executed_steps += 1
                 if args.step_delay:
                     time.sleep(args.step_delay)
                 if hvd.rank() == 0 and state.step % args.log_every == 0:
@@ -100,6 +113,8 @@ def main() -> None:
             "test_accuracy": round(test_accuracy, 4),
             "committed_steps": state.step,
             "resets": resets,
+            "restores": restores,
+            "executed_steps": executed_steps,
             "train_samples": len(train_set),
             "epochs": state.epoch_log,
         }

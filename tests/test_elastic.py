@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -157,6 +158,65 @@ def test_a_failed_host_gets_a_worker_again_after_its_cooldown() -> None:
     check_every_sample_once(summary, 5)
     assert float(summary["test_accuracy"]) >= 0.95, summary  # type: ignore[arg-type]
     assert gone(list(pids.values()), 10), "a worker outlived the job"
+
+
+@pytest.mark.timeout(240)
+def test_sigterm_to_one_of_three_workers_leaves_at_a_commit_with_nothing_rolled_back() -> None:
+    """A preemption notice to rank 0, the hardest member to lose: it leaves at its next commit, the other two go on
+    from that commit (no restore, no step run twice), rank 1 becomes rank 0, and the job ends with two."""
+    job = RunningJob(["-np", "3", "--min-np", "2", "--reset-limit", "1"], ["--epochs", "5", "--log-every", "5"])
+    pids = job.worker_pids(3)
+    job.wait_for(r"^\[0\]<stdout>:step 35 ", 60)
+    noticed_at = time.time()
+    subprocess.run(["kill", "-TERM", str(pids[0])], check=True)
+    job.wait_for(r"worker localhost#1 \(rank 0\) on host localhost got SIGTERM; it leaves at its next commit", 30)
+    assert job.finish(150) == 0, "\n".join(job.lines[-30:])
+    summary = job.summary()
+    assert summary["world"] == 2 and summary["resets"] == 1, summary
+    # The new rank 0 trained from the start: it restored nothing, and ran each committed step exactly once.
+    assert summary["restores"] == 0 and summary["executed_steps"] == summary["committed_steps"], summary
+    check_every_sample_once(summary, 5)
+    assert job.wait_for(r"^\[0\]<stderr>:.*left the job after a SIGTERM notice, at a commit", 1)
+    assert not any("exited with code" in line or "was killed" in line for line in job.lines), job.lines[-30:]
+    first_commit = float(job.wait_for(r"first commit after reset 1: step \d+ at ([\d.]+)", 1).group(1))
+    print(f"graceful leave: {first_commit - noticed_at:.2f} s from SIGTERM to the others' next committed step")
+    assert 0 < first_commit - noticed_at < 30
+    assert float(summary["test_accuracy"]) >= 0.95, summary  # type: ignore[arg-type]
+    assert gone(list(pids.values()), 10), "a worker outlived the job"
+
+
+@pytest.mark.timeout(240)
+def test_a_notice_that_reaches_no_commit_within_its_grace_is_a_failure() -> None:
+    """Commits only at epoch ends, 0.1 s per step and a 1 s grace period: the worker given notice reaches no commit
+    in time, exits with 128 + SIGTERM, and the others restore their last commit, as after a crash."""
+    flags = ["-np", "3", "--min-np", "2", "--reset-limit", "1", "--preemption-grace-seconds", "1"]
+    job = RunningJob(flags, ["--epochs", "2", "--log-every", "2", "--commit-every", "100000", "--step-delay", "0.1"])
+    pids = job.worker_pids(3)
+    job.wait_for(r"^\[0\]<stdout>:step 6 ", 60)
+    subprocess.run(["kill", "-TERM", str(pids[2])], check=True)
+    job.wait_for(r"worker localhost#3 \(rank 2\) on host localhost exited with code 143: it reached no commit within", 30)
+    assert job.finish(150) == 0, "\n".join(job.lines[-30:])
+    summary = job.summary()
+    assert summary["world"] == 2 and summary["restores"] == 1, summary
+    assert summary["executed_steps"] > summary["committed_steps"], summary  # the rolled-back steps were run again
+    check_every_sample_once(summary, 2)
+    assert job.wait_for(r"^\[2\]<stderr>:.*received SIGTERM 1 s ago and reached no commit since", 1)
+    assert gone(list(pids.values()), 10), "a worker outlived the job"
+
+
+@pytest.mark.timeout(120)
+def test_sigterm_to_shoalrun_still_ends_an_elastic_job() -> None:
+    """Workers take SIGTERM as a notice, but not when shoalrun itself is ending the job: they exit at once."""
+    job = RunningJob(["-np", "2", "--min-np", "2"], ["--epochs", "50", "--log-every", "5"])
+    pids = job.worker_pids(2)
+    job.wait_for(r"^\[0\]<stdout>:step 10 ", 60)
+    signalled = time.monotonic()
+    job.process.terminate()
+    assert job.finish(30) == 128 + signal.SIGTERM
+    print(f"shoalrun ended the elastic job {time.monotonic() - signalled:.2f} s after its SIGTERM")
+    assert job.wait_for(r"shoalrun: received SIGTERM; terminating all workers", 1)
+    assert gone(list(pids.values()), 10), "a worker outlived the job"
+    assert not any("leaving the job at the next commit" in line for line in job.lines), job.lines[-20:]
 
 
 @pytest.mark.timeout(180)

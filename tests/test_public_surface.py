@@ -162,6 +162,8 @@ SHOALRUN_FLAGS = {
     "--elastic-timeout",
     "--reset-limit",
     "--blacklist-cooldown-range",
+    "--preemption-signals",
+    "--preemption-grace-seconds",
     "--num-servers",
 }
 

@@ -51,6 +51,15 @@ def elastic_training(progress: str, total_steps: int) -> dict[str, Any]:
         torch.optim.SGD(model.parameters(), lr=0.05), named_parameters=model.named_parameters()
     )
     state = hvd.elastic.TorchState(model=model, optimizer=optimizer, step=0, log=[])
+    restores = 0
+    committed_restore = state.restore
+
+    def counting_restore() -> None:
+        nonlocal restores
+        restores += 1
+        committed_restore()
+
+    state.restore = counting_restore  # type: ignore[method-assign]
 
     @hvd.elastic.run
     def train(state: Any) -> None:
@@ -71,7 +80,8 @@ def elastic_training(progress: str, total_steps: int) -> dict[str, Any]:
             time.sleep(0.05 if hvd.size() > 1 else 0.25)  # alone: slow enough for the new node to join before the end
 
     train(state)
-    return {"rank": hvd.rank(), "size": hvd.size(), "log": state.log, "weight": model.weight.detach().flatten().tolist()}
+    weight = model.weight.detach().flatten().tolist()
+    return {"rank": hvd.rank(), "size": hvd.size(), "log": state.log, "weight": weight, "restores": restores}
 
 
 def _wait_progress(path: Path, predicate: Any, timeout_s: float) -> tuple[int, int]:
@@ -122,6 +132,44 @@ def test_a_node_leaving_and_one_joining_cost_no_committed_step(cluster: Any, tmp
     while time.monotonic() < deadline and ray.available_resources().get("CPU", 0) < 2:
         time.sleep(0.2)
     assert ray.available_resources().get("CPU", 0) == 2  # every actor the job started has been ended
+
+
+def test_a_draining_node_s_worker_leaves_at_a_commit_with_nothing_rolled_back(cluster: Any, tmp_path: Path) -> None:
+    """``ray drain-node`` with a preemption reason and a deadline: the node is no longer offered, its worker leaves at
+    the next commit, and the survivor goes on from that commit without restoring."""
+    from ray.core.generated import autoscaler_pb2
+
+    progress = tmp_path / "progress"
+    outcome: dict[str, Any] = {}
+    executor = ElasticRayExecutor(
+        ElasticRayExecutor.create_settings(min_np=1, max_np=2, elastic_timeout=60, timeout_s=60), cpus_per_slot=1
+    )
+    executor.start()
+
+    def run() -> None:
+        try:
+            outcome["results"] = executor.run(elastic_training, args=(str(progress), TOTAL_STEPS // 2))
+        except BaseException as error:
+            outcome["error"] = error
+
+    driver = threading.Thread(target=run, daemon=True)
+    driver.start()
+    _wait_progress(progress, lambda step, size: size == 2 and step >= 8, 120)
+    nodes = cluster.worker_nodes if isinstance(cluster.worker_nodes, list) else list(cluster.worker_nodes)
+    gcs = ray._raylet.GcsClient(address=cluster.address)
+    reason = autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION")
+    accepted, why = gcs.drain_node(nodes[-1].node_id, reason, "spot notice", int(time.time() * 1000) + 120_000)
+    assert accepted, why
+    driver.join(timeout=180)
+    assert not driver.is_alive(), "the elastic job did not finish"
+    assert "error" not in outcome, outcome.get("error")
+    results = outcome["results"]
+    assert [(r["rank"], r["size"]) for r in results] == [(0, 1)], [(r["rank"], r["size"]) for r in results]
+    assert results[0]["restores"] == 0, "the survivor rolled back although the other worker left at a commit"
+    log = results[0]["log"]
+    assert [step for step, _ in log] == list(range(TOTAL_STEPS // 2)), "a committed step was lost or applied twice"
+    sizes = [size for _, size in log]
+    assert sizes[0] == 2 and sizes[-1] == 1, sizes
 
 
 def test_elastic_arguments_of_ray_executor() -> None:

@@ -121,11 +121,16 @@ def knob(default: Any, help: str, **details: Any) -> Any:
     return dataclasses.field(default=default, metadata={"knob": Knob(help, **details)})
 
 
-def knob_from(cls: type, name: str, **details: Any) -> Any:
+_SAME_DEFAULT: Any = object()
+
+
+def knob_from(cls: type, name: str, default: Any = _SAME_DEFAULT, **details: Any) -> Any:
     """A field that is ``cls``'s field ``name`` (environment name, help, default), with ``details`` added: how
-    shoalrun's flag declares a setting its workers read, without saying it twice."""
+    shoalrun's flag declares a setting its workers read, without saying it twice. ``default`` replaces the field's
+    (None for a flag that is refused where it means nothing; give ``shown_default`` then)."""
     field = {f.name: f for f in dataclasses.fields(cls)}[name]
-    return dataclasses.field(default=field.default, metadata={"knob": dataclasses.replace(field.metadata["knob"], **details)})
+    value = field.default if default is _SAME_DEFAULT else default
+    return dataclasses.field(default=value, metadata={"knob": dataclasses.replace(field.metadata["knob"], **details)})
 
 
 @dataclass(frozen=True)

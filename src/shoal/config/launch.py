@@ -13,7 +13,7 @@ from typing import Any
 
 from shoal.config.engine import EngineConfig
 from shoal.config.env import env_name, from_env, knob, knob_from, settings, to_env
-from shoal.config.worker import WorkerSettings
+from shoal.config.worker import WorkerSettings, parse_signal_names
 
 _HOSTS = "hosts"
 _ELASTIC = "elastic training (any of these flags makes the job elastic: it survives workers that die or join)"
@@ -149,6 +149,23 @@ class LaunchConfig:
         group=_ELASTIC,
         shown_default="never",
     )
+    preemption_signals: str | None = knob_from(
+        WorkerSettings,
+        "preemption_signals",
+        None,
+        flags=("--preemption-signals",),
+        metavar="SIGNALS",
+        group=_ELASTIC,
+        shown_default="SIGTERM",
+    )
+    preemption_grace_seconds: float | None = knob_from(
+        WorkerSettings,
+        "preemption_grace_seconds",
+        None,
+        flags=("--preemption-grace-seconds",),
+        group=_ELASTIC,
+        shown_default="25",
+    )
     num_servers: int = knob_from(WorkerSettings, "num_servers", flags=("--num-servers",), group=_SERVERS)
     config_file: str | None = knob(
         None,
@@ -229,11 +246,17 @@ class LaunchConfig:
             if self.num_servers:
                 raise ValueError("--num-servers cannot be combined with elastic flags (a server's shard cannot move yet)")
             self._check_elastic()
-        elif self.blacklist_cooldown_range is not None:
-            raise ValueError("--blacklist-cooldown-range is for elastic jobs (--min-np, --max-np or --host-discovery-script)")
-        elif self.num_proc is None and not (self.hosts or self.hostfile):
+            return
+        for flag, value in (
+            ("--blacklist-cooldown-range", self.blacklist_cooldown_range),
+            ("--preemption-signals", self.preemption_signals),
+            ("--preemption-grace-seconds", self.preemption_grace_seconds),
+        ):
+            if value is not None:
+                raise ValueError(f"{flag} is for elastic jobs (--min-np, --max-np or --host-discovery-script)")
+        if self.num_proc is None and not (self.hosts or self.hostfile):
             raise ValueError("-np is required when no hosts are given")
-        elif self.num_proc is not None and self.num_proc < 1:
+        if self.num_proc is not None and self.num_proc < 1:
             raise ValueError(f"-np must be >= 1, got {self.num_proc}")
 
     def _check_engine(self) -> None:
@@ -274,6 +297,10 @@ class LaunchConfig:
             raise ValueError(f"--reset-limit must be >= 0, got {self.reset_limit}")
         if self.blacklist_cooldown_range is not None:
             self.blacklist_cooldown_range = check_cooldown_range(self.blacklist_cooldown_range)
+        if self.preemption_signals is not None:
+            parse_signal_names(self.preemption_signals)
+        if self.preemption_grace_seconds is not None and not 0 < self.preemption_grace_seconds <= 3600:
+            raise ValueError(f"--preemption-grace-seconds must be > 0 and <= 3600, got {self.preemption_grace_seconds:g}")
 
     def worker_env(self) -> dict[str, str]:
         """The settings every process of the job gets as SHOAL_ variables: the launcher's own (start timeout, log

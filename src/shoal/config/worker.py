@@ -20,6 +20,18 @@ class WorkerSettings:
     elastic_timeout: float = knob(
         600.0, "elastic jobs: seconds to wait for at least --min-np workers before failing the job", env="ELASTIC_TIMEOUT"
     )
+    preemption_signals: str = knob(
+        "SIGTERM",
+        "elastic workers: comma-separated signals taken as a preemption notice (the worker leaves at its next commit "
+        "with nothing rolled back); 'none' turns notices off, so these signals end a worker as before",
+        env="PREEMPTION_SIGNALS",
+    )
+    preemption_grace_seconds: float = knob(
+        25.0,
+        "elastic workers: seconds a worker given notice may take to reach its next commit and leave; past them it "
+        "exits as a failed worker",
+        env="PREEMPTION_GRACE_SECONDS",
+    )
     log_level: str | None = knob(
         None, "Shoal's log level in the workers: debug, info, warning or error", env="LOG_LEVEL", shown_default="warning"
     )
@@ -41,6 +53,35 @@ class WorkerSettings:
     )
     ps_mode: str = knob("bsp", "parameter-server consistency: bsp, ssp or async", env="PS_MODE")
     ps_staleness: int = knob(1, "how many steps a worker may run ahead of the slowest under ssp", env="PS_STALENESS")
+
+
+UNCATCHABLE_SIGNALS = frozenset({"SIGKILL", "SIGSTOP"})
+
+
+def parse_signal_names(text: str) -> tuple[int, ...]:
+    """``--preemption-signals`` as signal numbers: names with or without ``SIG`` (``SIGTERM``, ``usr1``) or numbers,
+    comma-separated; ``none`` (or an empty text) is no signal.
+
+    Raises:
+        ValueError: a name that is no signal, or one that cannot be caught (SIGKILL, SIGSTOP).
+    """
+    import signal
+
+    found: list[int] = []
+    for part in (p.strip() for p in text.split(",")):
+        if not part or part.lower() == "none":
+            continue
+        name = part.upper()
+        name = name if name.isdigit() or name.startswith("SIG") else f"SIG{name}"
+        try:
+            number = signal.Signals(int(name)) if name.isdigit() else signal.Signals[name]
+        except (KeyError, ValueError):
+            raise ValueError(f"--preemption-signals: {part!r} is not a signal name or number") from None
+        if number.name in UNCATCHABLE_SIGNALS:
+            raise ValueError(f"--preemption-signals: {number.name} cannot be caught, so it cannot be a notice")
+        if number not in found:
+            found.append(number)
+    return tuple(int(n) for n in found)
 
 
 def worker_setting(name: str) -> Any:

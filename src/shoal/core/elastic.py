@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import signal
 import sys
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -22,7 +23,7 @@ from shoal.core import requests
 from shoal.core.rules import Kind
 from shoal.exceptions import HorovodInternalError, HostsUpdatedInterrupt, WorkerRemovedError
 from shoal.log import get_logger
-from shoal.runtime import context, elastic_rendezvous
+from shoal.runtime import context, elastic_rendezvous, preemption
 
 Result = TypeVar("Result")
 
@@ -154,7 +155,11 @@ def run(func: Callable[..., Result]) -> Callable[..., Result]:
                 if not elastic:
                     raise
             except WorkerRemovedError as error:
-                get_logger().info("%s; this worker exits", error)
+                notice = preemption.noticed()
+                if notice is not None:
+                    get_logger().warning("left the job after a %s notice, at a commit", signal.Signals(notice).name)
+                else:
+                    get_logger().info("%s; this worker exits", error)
                 sys.exit(0)
             reset_required = True
 

@@ -37,7 +37,11 @@ NODE_POLL_S = 1.0
 
 class RayNodes(HostDiscovery):
     """Ray's live nodes as hosts (``ray-<node id prefix>``), each offering as many slots as its total CPUs (and GPUs)
-    hold workers of ``cpus_per_worker`` (and ``gpus_per_worker``)."""
+    hold workers of ``cpus_per_worker`` (and ``gpus_per_worker``).
+
+    A node Ray is draining (``ray drain-node``: preemption, idle termination) is no longer offered, so its workers
+    leave at the next commit with nothing rolled back, as a preemption notice makes them leave under shoalrun.
+    """
 
     def __init__(self, ray: Any, cpus_per_worker: float, gpus_per_worker: float, interval_s: float = NODE_POLL_S) -> None:
         super().__init__([], script="<Ray's nodes>", interval_s=interval_s)
@@ -47,10 +51,20 @@ class RayNodes(HostDiscovery):
         self.node_ids: dict[str, str] = {}
         """Host name -> Ray node id, for every node ever seen."""
 
+    def _draining(self) -> set[str]:
+        """Ids of the nodes Ray is draining (empty where this Ray cannot say)."""
+        try:
+            from ray._private.state import state
+
+            return set(state.get_draining_nodes())
+        except Exception:  # an older Ray, or one whose private state API moved: no draining seen
+            return set()
+
     def _fetch(self) -> list[HostSlots]:
         hosts = []
+        draining = self._draining()
         for node in self._ray.nodes():
-            if not node.get("Alive"):
+            if not node.get("Alive") or str(node.get("NodeID")) in draining:
                 continue
             resources = node.get("Resources", {})
             slots = int(resources.get("CPU", 0) // self._cpus) if self._cpus > 0 else 1 << 20

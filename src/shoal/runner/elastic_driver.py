@@ -8,7 +8,10 @@ The driver hosts the job store (it outlives every worker) and forms *rounds* of 
 - a member asks for one (its collectives failed although no worker exit was seen);
 - new slots appear in the host discovery output: newcomers are started there and admitted once they are ready to
   rendezvous; the members learn of it at their next ``state.commit()``;
-- a host disappears from discovery: its workers are told they are removed and exit cleanly.
+- a host disappears from discovery: its workers are told they are removed and exit cleanly;
+- a member gets a preemption notice (SIGTERM by default; ``shoal.runtime.preemption``): the new round leaves it
+  out, every member learns of it at its next commit and goes on from that commit, nothing rolled back, and the
+  worker leaves with status 0. Its host gets no new workers for ``--preemption-grace-seconds``.
 
 Rank 0 of a new round is always a worker that was already training, so ``state.sync()`` hands its state to the
 newcomers. With fewer than ``--min-np`` workers the driver waits up to ``--elastic-timeout`` for discovery to offer
@@ -24,7 +27,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from shoal.config import LaunchConfig
+from shoal.config import LaunchConfig, worker_setting
 from shoal.runner.cooldown import HostCooldown
 from shoal.runner.discovery import HostDiscovery, progress_period
 from shoal.runner.hosts import HostSlots, SlotInfo, place_ranks
@@ -48,6 +51,8 @@ class ElasticWorker:
     """starting (newcomer) | member | removed | finished | failed | left (exited 0 without finishing training)."""
     joined: bool = False
     """True once it arrived in a round that formed: it holds the training state (a newcomer only after a sync)."""
+    leaving: str | None = None
+    """The signal that gave it a preemption notice: it leaves at its next commit and is in no later round."""
 
 
 class ElasticJob(Job):
@@ -86,6 +91,8 @@ class ElasticJob(Job):
         self._round_published_at = 0.0
         self._round_formed = False
         self._progress_said = 0.0
+        self._noticed_hosts: dict[str, float] = {}
+        """Hosts whose worker got a preemption notice -> when they may get new workers (after the grace period)."""
 
     # ----- the worker set -----
 
@@ -108,7 +115,8 @@ class ElasticJob(Job):
     def _fill_slots(self, limit: int) -> None:
         """Start workers on free slots of the known, non-excluded hosts, up to ``limit`` live workers."""
         live = self._alive("starting", "member")
-        excluded = self.cooldown.excluded()
+        now = time.monotonic()
+        excluded = self.cooldown.excluded() | {h for h, until in self._noticed_hosts.items() if until > now}
         for host in self.discovery.hosts():
             if host.hostname in excluded:
                 continue
@@ -141,7 +149,11 @@ class ElasticJob(Job):
         """Members that stay (rank order kept, so rank 0 has trained), then newcomers ready to rendezvous."""
         assert self._store is not None and self._keys is not None
         slots = {h.hostname: h.slots for h in self.discovery.hosts()}
-        stay = [w for w in self._alive("member") if w.hostname in slots or not self.config.host_discovery_script]
+        stay = [
+            w
+            for w in self._alive("member")
+            if (w.hostname in slots or not self.config.host_discovery_script) and w.leaving is None
+        ]
         stay.sort(key=lambda w: w.rank if w.rank is not None else 0)
         if self.config.host_discovery_script:  # a host that offers fewer slots keeps its lowest-ranked workers
             kept: dict[str, int] = {}
@@ -149,7 +161,7 @@ class ElasticJob(Job):
                 kept[worker.hostname] = kept.get(worker.hostname, 0) + 1
                 if kept[worker.hostname] > slots[worker.hostname]:
                     stay.remove(worker)
-        ready = [w for w in self._alive("starting") if self._store.check([self._keys.ready(w.worker_id)])]
+        ready = [w for w in self._alive("starting") if w.leaving is None and self._store.check([self._keys.ready(w.worker_id)])]
         return (stay + ready)[: self.max_np]
 
     def _wants_new_round(self) -> str | None:
@@ -172,9 +184,51 @@ class ElasticJob(Job):
                 return "a host left the discovery output"
             if any(sum(1 for m in members if m.hostname == host) > count for host, count in slots.items()):
                 return "a host offers fewer slots"
-        if any(self._store.check([self._keys.ready(w.worker_id)]) for w in self._alive("starting")):
+        if any(w.leaving is None and self._store.check([self._keys.ready(w.worker_id)]) for w in self._alive("starting")):
             return "new workers are ready to join"
         return None
+
+    # ----- preemption notices -----
+
+    def _check_notices(self) -> None:
+        """Note workers that say they got a preemption notice (``shoal.runtime.preemption``)."""
+        if self._store is None or self._keys is None:
+            return
+        for worker in self._alive("starting", "member"):
+            self._check_notice(worker)
+
+    def _check_notice(self, worker: ElasticWorker) -> None:
+        assert self._store is not None and self._keys is not None
+        key = self._keys.leaving(worker.worker_id)
+        if worker.leaving is not None or not self._store.check([key]):
+            return
+        worker.leaving = self._store.get(key).decode()
+        grace_s = self.config.preemption_grace_seconds or worker_setting("preemption_grace_seconds")
+        self._noticed_hosts[worker.hostname] = time.monotonic() + grace_s
+        if worker.state != "member":
+            self._verbose(f"worker {worker.worker_id} got {worker.leaving} before it joined; it leaves now")
+            return
+        print(
+            f"shoalrun: worker {worker.worker_id} (rank {worker.rank}) on host {worker.hostname} got {worker.leaving}; "
+            f"it leaves at its next commit, with nothing rolled back (host {worker.hostname} gets no new workers for "
+            f"{grace_s:.0f} s)",
+            file=sys.stderr,
+            flush=True,
+        )
+        self._reset_reason = self._reset_reason or f"worker {worker.worker_id} is leaving after {worker.leaving}"
+
+    def _say_ending(self) -> None:
+        """Tell workers given notice that the whole job ends: they exit at once rather than wait for a commit."""
+        if self._store is not None and self._keys is not None:
+            try:
+                self._store.set(self._keys.ending, "1")
+            except Exception as error:  # ending anyway; SIGKILL follows the grace period
+                self._verbose(f"could not mark the job as ending: {error}")
+
+    def terminate_all(self) -> None:
+        """Say the job is ending, then end every worker as a static job does."""
+        self._say_ending()
+        super().terminate_all()
 
     # ----- supervision -----
 
@@ -185,12 +239,27 @@ class ElasticJob(Job):
             if code is None or worker.state in ("finished", "failed", "left"):
                 continue
             if code == 0:
+                self._check_notice(worker)  # it may have left before the driver saw its notice
+                if worker.leaving is not None and worker.state in ("member", "removed"):
+                    self._verbose(f"worker {worker.worker_id} left after its {worker.leaving} notice")
+                    worker.state = "left"
+                    continue
                 worker.state = "finished" if worker.state == "member" else "left"
                 continue
             was_member = worker.state == "member"
+            given_notice = worker.leaving is not None and worker.state == "removed"
             worker.state = "failed"
             cooldown_s = self.cooldown.fail(worker.hostname)  # also for a newcomer: no restart storm there
             self._drain_output_of(worker.process)
+            if given_notice:  # the round without it is out already; the others restore, as after a crash
+                print(
+                    f"shoalrun: worker {worker.worker_id} (rank {worker.rank}) on host {worker.hostname} "
+                    f"{_describe_status(code)}: it reached no commit within --preemption-grace-seconds of its "
+                    f"{worker.leaving}, so the others restore their last commit; host {worker.hostname} gets no new "
+                    f"workers{'' if math.isinf(cooldown_s) else f' for {cooldown_s:.0f} s'}",
+                    file=sys.stderr,
+                    flush=True,
+                )
             finished = [w for w in self.elastic if w.state == "finished"]
             if not was_member or (finished and not worker.joined):
                 continue  # a removed worker, or a newcomer that never took part: nothing to recover from
@@ -216,6 +285,7 @@ class ElasticJob(Job):
             if any(w.joined for w in self._alive("member")):
                 return None  # members holding the state are still finishing their last steps
             # Training is over; newcomers still waiting to join (or removed workers still leaving) are not needed.
+            self._say_ending()
             for worker in self._alive("starting", "removed", "member"):
                 worker.process.signal_tree(signal.SIGTERM)
             return 0
@@ -255,6 +325,7 @@ class ElasticJob(Job):
                     self.terminate_all()
                 return outcome
             if not any(w.state == "finished" for w in self.elastic):
+                self._check_notices()
                 code = self._maybe_reform()
                 if code is not None:
                     return code

@@ -23,7 +23,7 @@ from shoal.comm import process_group, store
 from shoal.config import worker_setting
 from shoal.exceptions import HorovodInternalError
 from shoal.log import get_logger
-from shoal.runtime import elastic_rendezvous
+from shoal.runtime import elastic_rendezvous, preemption
 from shoal.runtime.launch_env import LaunchInfo, detect_launch
 from shoal.runtime.topology import Topology, build_topology
 from shoal.runtime.watchdog import start_launcher_watchdog
@@ -93,6 +93,7 @@ def init() -> Context:
         timeout_s = worker_setting("start_timeout")
         job_store = store.connect_store(launch, timeout_s)
         if elastic_rendezvous.is_elastic_worker():
+            preemption.install(launch, lambda: _elastic_round)
             launch, scoped_store, generation = _join_elastic_round(launch, job_store)
         else:
             scoped_store, generation = store.generation_store(job_store, launch.secret, launch.rank)

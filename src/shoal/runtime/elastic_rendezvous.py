@@ -62,6 +62,15 @@ class ElasticKeys:
         """A worker waiting for a round writes the last round it was in (0: none yet)."""
         return f"{self.base}/ready/{worker_id}"
 
+    def leaving(self, worker_id: str) -> str:
+        """Set by a worker given a preemption notice (the signal's name): it leaves at its next commit."""
+        return f"{self.base}/leaving/{worker_id}"
+
+    @property
+    def ending(self) -> str:
+        """Set by the driver before it ends the whole job: a worker given notice then exits at once."""
+        return f"{self.base}/ending"
+
     def arrival(self, round_number: int, worker_id: str) -> str:
         """Set when a worker arrives in a round (the driver finds members that never come)."""
         return f"{self.base}/r{round_number}/arrival/{worker_id}"
