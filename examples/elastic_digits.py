@@ -86,7 +86,7 @@ def main() -> None:
                 if args.step_delay:
                     time.sleep(args.step_delay)
                 if hvd.rank() == 0 and state.step % args.log_every == 0:
-                    print(f"step {state.step} epoch {state.epoch} world {hvd.size()}", flush=True)
+                    print(f"step {state.step} epoch {state.epoch} world {hvd.size()} at {time.time():.3f}", flush=True)
                 if state.step % args.commit_every == 0:
                     state.commit()
                     if report_commit:  # how long recovery took: compare with the time of the failure

@@ -1,7 +1,14 @@
 """Emulate several hosts on one machine: one network namespace per host, joined by rate-limited links.
 
 Run (as root): ``python -m shoal.bench.netns --hosts 2 --ranks-per-host 2 --rate 1gbit -- python -m
-shoal.bench.allreduce``. Each emulated host is a network namespace with a veth link to a bridge in the root
+shoal.bench.allreduce``. With ``--min-np`` the job is elastic (shoalrun's elastic driver over the emulated hosts),
+and ``--fault`` injects network faults at set times after the start:
+
+- ``cut:HOST:AT:SECONDS``: host HOST's link (``host1``, or its index) goes down AT seconds after the job starts, for
+  SECONDS seconds (``forever``: it never comes back), as a pulled cable: packets are dropped, connections stay open;
+- ``store:AT:SECONDS``: every emulated host loses its route to the job's store (shoalrun's, on the bridge) for
+  SECONDS seconds; the hosts still reach one another.
+ Each emulated host is a network namespace with a veth link to a bridge in the root
 namespace, shaped in both directions by ``tc tbf`` at ``--rate``. The command runs under shoalrun's job machinery
 with ``--ranks-per-host`` ranks in each namespace, each host under its own host name, so Shoal sees
 several hosts (separate shared-memory segments, inter-host traffic over the shaped links). Its output is
@@ -12,10 +19,14 @@ from __future__ import annotations
 
 import argparse
 import fcntl
+import math
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import threading
+import time
 from dataclasses import dataclass, field
 
 from shoal.config import LaunchConfig
@@ -110,6 +121,67 @@ class EmulatedHosts:
             self.bridge_created = False
 
 
+@dataclass(frozen=True)
+class Fault:
+    """A network fault at ``at_s`` seconds after the start, lasting ``for_s`` (inf: for good)."""
+
+    kind: str
+    """``cut`` (one host's link) or ``store`` (every host's route to the store)."""
+    host: int | None
+    at_s: float
+    for_s: float
+
+    def describe(self, names: list[str]) -> str:
+        what = f"{names[self.host]}'s link" if self.kind == "cut" and self.host is not None else "the route to the store"
+        return f"{what} down for {'good' if math.isinf(self.for_s) else f'{self.for_s:g} s'}"
+
+
+def parse_fault(text: str, hosts: int) -> Fault:
+    """``cut:HOST:AT:SECONDS`` or ``store:AT:SECONDS`` (SECONDS may be ``forever``); argparse errors when malformed."""
+    parts = text.split(":")
+    try:
+        if parts[0] == "cut" and len(parts) == 4:
+            name = parts[1].removeprefix("host")
+            host = int(name)
+            if not 0 <= host < hosts:
+                raise argparse.ArgumentTypeError(f"--fault {text}: no host {parts[1]} among {hosts}")
+            return Fault("cut", host, float(parts[2]), math.inf if parts[3] == "forever" else float(parts[3]))
+        if parts[0] == "store" and len(parts) == 3:
+            return Fault("store", None, float(parts[1]), math.inf if parts[2] == "forever" else float(parts[2]))
+    except ValueError:
+        pass
+    raise argparse.ArgumentTypeError(f"--fault {text}: expected cut:HOST:AT:SECONDS or store:AT:SECONDS")
+
+
+def _inject(hosts: EmulatedHosts, faults: list[Fault], names: list[str], stop: threading.Event, go: threading.Event) -> None:
+    """Once ``go`` is set, apply each fault at its time and undo it after its duration; prints what it does."""
+    while not go.wait(0.1):
+        if stop.is_set():
+            return
+    start = time.monotonic()
+    events: list[tuple[float, bool, Fault]] = []
+    for fault in faults:
+        events.append((fault.at_s, True, fault))
+        if not math.isinf(fault.for_s):
+            events.append((fault.at_s + fault.for_s, False, fault))
+    for when, down, fault in sorted(events, key=lambda e: e[0]):
+        if stop.wait(max(0.0, start + when - time.monotonic())):
+            return
+        targets = [fault.host] if fault.host is not None else list(range(hosts.count))
+        for index in targets:
+            if fault.kind == "cut":
+                _run("ip", "link", "set", f"{hosts.tag}v{index}", "down" if down else "up")
+            else:
+                verb = "add" if down else "del"
+                _run("ip", "netns", "exec", hosts.namespace(index), "ip", "route", verb, "blackhole", f"{hosts.gateway()}/32")
+        state = "begins" if down else "ends"
+        print(
+            f"shoal.bench.netns: at {time.monotonic() - start:.1f} s: {fault.describe(names)} {state} ({time.time():.3f})",
+            file=sys.stderr,
+            flush=True,
+        )
+
+
 def main(argv: list[str] | None = None) -> int:
     """Create the hosts, run the command across them, tear down; returns the command's exit code."""
     parser = argparse.ArgumentParser(prog="python -m shoal.bench.netns", description=__doc__.split("\n")[0])
@@ -117,6 +189,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ranks-per-host", type=int, default=1, help="ranks in each namespace, default 1")
     parser.add_argument("--rate", default="1gbit", help="tc tbf rate of every host's link, default 1gbit")
     parser.add_argument("--num-servers", type=int, default=0, help="dedicated parameter servers, spread over the hosts")
+    parser.add_argument("--min-np", type=int, help="make the job elastic with this --min-np (shoalrun's meaning)")
+    parser.add_argument("--elastic-timeout", type=float, default=600.0, help="elastic: shoalrun's --elastic-timeout")
+    parser.add_argument(
+        "--blacklist-cooldown-range", type=float, nargs=2, metavar=("MIN", "MAX"), help="elastic: shoalrun's flag"
+    )
+    parser.add_argument(
+        "--fault",
+        action="append",
+        default=[],
+        metavar="SPEC",
+        help="cut:HOST:AT:SECONDS or store:AT:SECONDS (SECONDS may be 'forever'); repeatable",
+    )
+    parser.add_argument(
+        "--faults-on-sigusr1",
+        action="store_true",
+        help="count the faults' times from when this process gets SIGUSR1 (say, once training runs), not from the start",
+    )
     parser.add_argument("command", nargs=argparse.REMAINDER, help="the command every rank runs (after --)")
     args = parser.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
@@ -127,23 +216,59 @@ def main(argv: list[str] | None = None) -> int:
     if os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None:
         print("shoal.bench.netns: needs root and the ip and tc commands (Debian: iproute2)", file=sys.stderr)
         return 2
+    try:
+        faults = [parse_fault(text, args.hosts) for text in args.fault]
+    except argparse.ArgumentTypeError as error:
+        parser.error(str(error))
     hosts = EmulatedHosts(args.hosts, args.rate)
+    stop = threading.Event()
+    injector: threading.Thread | None = None
     try:
         hosts.create()
         names = [f"host{i}" for i in range(args.hosts)]
-        slots = assign_slots([HostSlots(name, args.ranks_per_host) for name in names], args.hosts * args.ranks_per_host)
-        config = LaunchConfig(num_proc=len(slots), num_servers=args.num_servers, command=command)
-        config.check()
+        host_slots = [HostSlots(name, args.ranks_per_host) for name in names]
+        slots = assign_slots(host_slots, args.hosts * args.ranks_per_host)
+        config = LaunchConfig(
+            num_proc=len(slots),
+            num_servers=args.num_servers,
+            command=command,
+            min_np=args.min_np,
+            elastic_timeout=args.elastic_timeout,
+            blacklist_cooldown_range=tuple(args.blacklist_cooldown_range) if args.blacklist_cooldown_range else None,
+            hosts=",".join(f"{name}:{args.ranks_per_host}" for name in names) if args.min_np else None,
+        )
+        try:
+            config.check()
+        except ValueError as error:
+            parser.error(str(error))
         # Each rank starts inside its host's namespace, with gloo bound to that namespace's shaped link.
         prefixes = {
             name: ["ip", "netns", "exec", hosts.namespace(i), "env", f"GLOO_SOCKET_IFNAME={hosts.device(i)}"]
             for i, name in enumerate(names)
         }
-        return Job(config, slots, local_prefixes=prefixes, rendezvous_addr=hosts.gateway()).run()
+        job: Job
+        if config.elastic:
+            from shoal.runner.elastic_driver import ElasticJob
+
+            job = ElasticJob(config, host_slots, local_prefixes=prefixes, rendezvous_addr=hosts.gateway())
+        else:
+            job = Job(config, slots, local_prefixes=prefixes, rendezvous_addr=hosts.gateway())
+        if faults:
+            go = threading.Event()
+            if args.faults_on_sigusr1:
+                signal.signal(signal.SIGUSR1, lambda *_: go.set())
+            else:
+                go.set()
+            injector = threading.Thread(target=_inject, args=(hosts, faults, names, stop, go), daemon=True)
+            injector.start()
+        return job.run()
     except RuntimeError as error:
         print(f"shoal.bench.netns: {error}", file=sys.stderr)
         return 1
     finally:
+        stop.set()
+        if injector is not None:
+            injector.join(timeout=5)
         hosts.destroy()
 
 

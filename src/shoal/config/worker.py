@@ -32,6 +32,12 @@ class WorkerSettings:
         "exits as a failed worker",
         env="PREEMPTION_GRACE_SECONDS",
     )
+    elastic_unreachable_seconds: float = knob(
+        30.0,
+        "elastic jobs: a worker whose heartbeat has not reached shoalrun's store for this long, while others' have, is "
+        "ended as failed and left out of the next round (a network cut shorter than this is a stall, not a failure)",
+        env="ELASTIC_UNREACHABLE_SECONDS",
+    )
     log_level: str | None = knob(
         None, "Shoal's log level in the workers: debug, info, warning or error", env="LOG_LEVEL", shown_default="warning"
     )

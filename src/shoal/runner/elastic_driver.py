@@ -34,6 +34,8 @@ from shoal.runner.hosts import HostSlots, SlotInfo, place_ranks
 from shoal.runner.launcher import Job, Worker, _describe_status, requested_hosts
 from shoal.runtime.elastic_rendezvous import ELASTIC_ID_ENV, REMOVED, ElasticKeys
 
+_LIVENESS_CHECK_S = 1.0
+"""How often the driver reads the members' heartbeats."""
 _READY_SETTLE_S = 0.2
 """A worker asking for a new round usually saw a peer die; give the driver a moment to see the exit too."""
 
@@ -91,6 +93,9 @@ class ElasticJob(Job):
         self._round_published_at = 0.0
         self._round_formed = False
         self._progress_said = 0.0
+        self._heard: dict[str, tuple[bytes, float]] = {}
+        """Worker id -> its last heartbeat value and when the driver first saw it."""
+        self._liveness_checked = 0.0
         self._noticed_hosts: dict[str, float] = {}
         """Hosts whose worker got a preemption notice -> when they may get new workers (after the grace period)."""
 
@@ -187,6 +192,39 @@ class ElasticJob(Job):
         if any(w.leaving is None and self._store.check([self._keys.ready(w.worker_id)]) for w in self._alive("starting")):
             return "new workers are ready to join"
         return None
+
+    # ----- heartbeats -----
+
+    def _check_liveness(self) -> None:
+        """End members cut off from the store (no heartbeat for ``SHOAL_ELASTIC_UNREACHABLE_SECONDS``) while others
+        still reach it: they cannot take part in a round. When none reaches it, the store's side is at fault and
+        nobody is ended."""
+        now = time.monotonic()
+        if self._store is None or self._keys is None or now - self._liveness_checked < _LIVENESS_CHECK_S:
+            return
+        self._liveness_checked = now
+        limit_s = float(worker_setting("elastic_unreachable_seconds"))
+        members = self._alive("member")
+        for worker in members:
+            key = self._keys.heartbeat(worker.worker_id)
+            if self._store.check([key]):
+                value = self._store.get(key)
+                if self._heard.get(worker.worker_id, (b"", 0.0))[0] != value:
+                    self._heard[worker.worker_id] = (value, now)
+        heard = [w for w in members if w.worker_id in self._heard]  # a worker still starting has not beaten yet
+        silent = [w for w in heard if now - self._heard[w.worker_id][1] > limit_s]
+        if not silent or len(silent) == len(heard):
+            return
+        for worker in silent:
+            print(
+                f"shoalrun: worker {worker.worker_id} (rank {worker.rank}) on host {worker.hostname} has not reached the "
+                f"job's store for {now - self._heard[worker.worker_id][1]:.0f} s while the others have (cut off from the "
+                "network?); ending it",
+                file=sys.stderr,
+                flush=True,
+            )
+            worker.process.signal_tree(signal.SIGKILL)  # its exit is a failure like any other, handled by _reap
+            self._heard.pop(worker.worker_id)
 
     # ----- preemption notices -----
 
@@ -326,6 +364,7 @@ class ElasticJob(Job):
                 return outcome
             if not any(w.state == "finished" for w in self.elastic):
                 self._check_notices()
+                self._check_liveness()
                 code = self._maybe_reform()
                 if code is not None:
                     return code

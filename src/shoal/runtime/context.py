@@ -23,7 +23,7 @@ from shoal.comm import process_group, store
 from shoal.config import worker_setting
 from shoal.exceptions import HorovodInternalError
 from shoal.log import get_logger
-from shoal.runtime import elastic_rendezvous, preemption
+from shoal.runtime import elastic_rendezvous, heartbeat, preemption
 from shoal.runtime.launch_env import LaunchInfo, detect_launch
 from shoal.runtime.topology import Topology, build_topology
 from shoal.runtime.watchdog import start_launcher_watchdog
@@ -94,6 +94,7 @@ def init() -> Context:
         job_store = store.connect_store(launch, timeout_s)
         if elastic_rendezvous.is_elastic_worker():
             preemption.install(launch, lambda: _elastic_round)
+            heartbeat.start(launch)
             launch, scoped_store, generation = _join_elastic_round(launch, job_store)
         else:
             scoped_store, generation = store.generation_store(job_store, launch.secret, launch.rank)
@@ -157,7 +158,9 @@ def _join_elastic_round(launch: LaunchInfo, job_store: Any) -> tuple[LaunchInfo,
     """Take this worker's place in the driver's newest round; its rank and size come from there, not the env."""
     global _elastic_round
     keys = elastic_rendezvous.ElasticKeys(store.secret_namespace(launch.secret))
-    timeout_s = worker_setting("elastic_timeout") + 30.0
+    # Longer than the driver waits for a round's members (--elastic-timeout + --start-timeout): only a driver that is
+    # gone makes a worker give up.
+    timeout_s = worker_setting("elastic_timeout") + worker_setting("start_timeout") + 30.0
     worker_id = os.environ[elastic_rendezvous.ELASTIC_ID_ENV]
     assignment, round_number = elastic_rendezvous.join_round(job_store, keys, worker_id, _elastic_round, timeout_s)
     _elastic_round = round_number

@@ -62,6 +62,10 @@ class ElasticKeys:
         """A worker waiting for a round writes the last round it was in (0: none yet)."""
         return f"{self.base}/ready/{worker_id}"
 
+    def heartbeat(self, worker_id: str) -> str:
+        """A counter the worker's heartbeat thread bumps every second (the driver finds workers cut off)."""
+        return f"{self.base}/heartbeat/{worker_id}"
+
     def leaving(self, worker_id: str) -> str:
         """Set by a worker given a preemption notice (the signal's name): it leaves at its next commit."""
         return f"{self.base}/leaving/{worker_id}"

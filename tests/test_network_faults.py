@@ -1,0 +1,145 @@
+"""Network faults between emulated hosts (``shoal.bench.netns --fault``): a link cut for 10 s, a host cut off for
+good, and the store unreachable for 10 s, for static and elastic jobs. Each job runs ``examples/elastic_digits.py``
+(which also runs as a plain script outside an elastic job); the faults start when the test sends SIGUSR1, once
+training is under way. No case may hang, and no worker may outlive its job.
+
+Outcomes (docs/elastic.md, "Network faults"):
+- a 10 s cut is a stall: TCP retransmits carry every job on once the link returns, nothing is removed or rolled back;
+- with ``SHOAL_ELASTIC_UNREACHABLE_SECONDS`` below the cut, an elastic job ends the cut-off worker, goes on without
+  it and re-admits its host after its cooldown;
+- a host cut off for good fails a static job when the collective timeout passes (a clear error, exit non-zero); an
+  elastic job ends the silent worker and goes on with the rest once the survivors' collective times out;
+- an unreachable store holds up only what needs it (a commit's round check); the job goes on when it returns.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import threading
+
+import pytest
+
+from conftest import REPO, clean_env, needs_netns
+from test_elastic import RunningJob, check_every_sample_once, gone
+
+pytestmark = needs_netns  # the margins (a 10 s cut against 30 s and 5 s limits) hold beside another test
+
+EXAMPLE = [sys.executable, str(REPO / "examples" / "elastic_digits.py"), "--step-delay", "0.05", "--log-every", "5"]
+QUICK_FAILURE = {  # the survivors' collective gives up after 20 s, a silent worker is ended after 12 s
+    "SHOAL_COLLECTIVE_TIMEOUT_SECONDS": "20",
+    "SHOAL_STALL_CHECK_TIME_SECONDS": "10",
+    "SHOAL_ELASTIC_UNREACHABLE_SECONDS": "12",
+}
+
+
+class EmulatedJob(RunningJob):
+    """``python -m shoal.bench.netns FLAGS -- elastic_digits.py ARGS``, read line by line."""
+
+    def __init__(self, flags: list[str], example_args: list[str], env: dict[str, str] | None = None) -> None:
+        argv = [sys.executable, "-m", "shoal.bench.netns", "--faults-on-sigusr1", *flags, "--", *EXAMPLE, *example_args]
+        self.process = subprocess.Popen(
+            argv, env={**clean_env(), **(env or {})}, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+        self.lines: list[str] = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def start_faults_at_step(self, step: int) -> None:
+        self.wait_for(rf"^\[0\]<stdout>:step {step} ", 90)
+        self.process.send_signal(signal.SIGUSR1)
+
+    def step_time(self, after: float) -> float:
+        """When rank 0 first logged a step after ``after`` (a wall-clock time)."""
+        for line in self.lines:
+            if "<stdout>:step " in line and " at " in line:
+                when = float(line.rsplit(" at ", 1)[1])
+                if when > after:
+                    return when
+        raise AssertionError("no step logged after the fault; output:\n" + "\n".join(self.lines[-30:]))
+
+    def fault_time(self, state: str) -> float:
+        """The wall-clock time the fault began or ended (``state``), from netns's own line."""
+        return float(self.wait_for(rf"shoal\.bench\.netns: at [\d.]+ s: .* {state} \(([\d.]+)\)", 60).group(1))
+
+    def pids(self) -> list[int]:
+        return [int(line.rsplit("worker pid ", 1)[1].split()[0]) for line in self.lines if "<stdout>:worker pid " in line]
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("elastic", [False, True], ids=["static", "elastic"])
+def test_a_link_cut_for_ten_seconds_is_a_stall(elastic: bool) -> None:
+    flags = ["--hosts", "3", "--fault", "cut:host2:0:10", *(["--min-np", "2"] if elastic else [])]
+    job = EmulatedJob(flags, ["--epochs", "2"])
+    job.start_faults_at_step(20)
+    came_back = job.fault_time("ends")
+    assert job.finish(120) == 0, "\n".join(job.lines[-30:])
+    summary = job.summary()
+    assert summary["world"] == 3 and summary["resets"] == 0 and summary["restores"] == 0, summary
+    check_every_sample_once(summary, 2)
+    resumed = job.step_time(came_back) - came_back
+    print(f"{'elastic' if elastic else 'static'}: training resumed {resumed:.1f} s after the link came back")
+    assert resumed < 20  # TCP's retransmission backoff after a 10 s loss
+    assert gone(job.pids(), 10), "a worker outlived the job"
+
+
+@pytest.mark.timeout(150)
+def test_a_link_cut_past_the_unreachable_limit_removes_the_host_and_its_cooldown_readmits_it() -> None:
+    flags = ["--hosts", "3", "--min-np", "2", "--blacklist-cooldown-range", "1", "2", "--fault", "cut:host2:0:10"]
+    # A survivor only receiving from the ended worker when the link returns never learns of its death (its RST was
+    # lost in the cut) and waits for the collective timeout: 30 s here, not the default 600 s.
+    job = EmulatedJob(flags, ["--epochs", "3"], env={**QUICK_FAILURE, "SHOAL_ELASTIC_UNREACHABLE_SECONDS": "5"})
+    job.start_faults_at_step(20)
+    job.wait_for(r"worker host2#3 \(rank 2\) on host host2 has not reached the job's store for \d+ s", 30)
+    job.wait_for(r"re-forming the job with 3 workers \(new workers are ready to join\)", 60)
+    assert job.finish(120) == 0, "\n".join(job.lines[-30:])
+    summary = job.summary()
+    # Without host2, then with its new worker; the round without it may be superseded before it forms (the survivors
+    # are blocked until the link returns, and by then the cooldown may be over), and such a round is no reset.
+    assert summary["world"] == 3 and summary["resets"] in (1, 2), summary
+    check_every_sample_once(summary, 3)
+    assert gone(job.pids(), 10), "a worker outlived the job"
+
+
+@pytest.mark.timeout(150)
+def test_a_host_cut_off_for_good_fails_a_static_job_within_the_collective_timeout() -> None:
+    job = EmulatedJob(["--hosts", "2", "--fault", "cut:host1:0:forever"], ["--epochs", "20"], env=QUICK_FAILURE)
+    job.start_faults_at_step(20)
+    cut = job.fault_time("begins")
+    code = job.finish(120)
+    assert code != 0
+    job.wait_for(r"Timed out waiting \d+ms for (recv|send) operation", 1)
+    ended = job.wait_for(r"shoalrun: rank \d on host host\d exited with code", 1)
+    assert ended
+    assert gone(job.pids(), 10), "a worker outlived the job"
+    print(f"static job, host cut off for good: shoalrun exited {code}; the cut began at {cut:.1f}")
+
+
+@pytest.mark.timeout(150)
+def test_a_host_cut_off_for_good_leaves_an_elastic_job_with_the_rest() -> None:
+    flags = ["--hosts", "3", "--min-np", "2", "--fault", "cut:host2:0:forever"]
+    job = EmulatedJob(flags, ["--epochs", "2"], env=QUICK_FAILURE)
+    job.start_faults_at_step(20)
+    cut = job.fault_time("begins")
+    job.wait_for(r"worker host2#3 \(rank 2\) on host host2 has not reached the job's store", 40)
+    assert job.finish(120) == 0, "\n".join(job.lines[-30:])
+    summary = job.summary()
+    assert summary["world"] == 2 and summary["resets"] == 1 and summary["restores"] == 1, summary
+    check_every_sample_once(summary, 2)
+    first_commit = float(job.wait_for(r"first commit after reset 1: step \d+ at ([\d.]+)", 1).group(1))
+    print(f"elastic job, host cut off for good: going on with 2 workers {first_commit - cut:.1f} s after the cut")
+    assert gone(job.pids(), 10), "a worker outlived the job"
+
+
+@pytest.mark.timeout(150)
+def test_the_store_unreachable_for_ten_seconds_holds_up_an_elastic_job_that_then_goes_on() -> None:
+    job = EmulatedJob(["--hosts", "3", "--min-np", "2", "--fault", "store:0:10"], ["--epochs", "2"])
+    job.start_faults_at_step(20)
+    came_back = job.fault_time("ends")
+    assert job.finish(120) == 0, "\n".join(job.lines[-30:])
+    summary = job.summary()
+    assert summary["world"] == 3 and summary["resets"] == 0 and summary["restores"] == 0, summary
+    check_every_sample_once(summary, 2)
+    print(f"store back: training logged its next step {job.step_time(came_back) - came_back:.1f} s later")
+    assert gone(job.pids(), 10), "a worker outlived the job"
