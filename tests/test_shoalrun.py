@@ -317,3 +317,21 @@ def test_ranks_filter_and_zero_padded_logs(worker_env: dict[str, str], tmp_path:
     assert sorted(result.stdout.splitlines()) == [f"[{r}]<stdout>:hello from {r}" for r in (0, 10, 9)]
     assert sorted(p.name for p in logs.iterdir()) == [f"rank.{r:02d}" for r in range(11)]  # horovodrun's padding
     assert (logs / "rank.05" / "stdout").read_text() == "hello from 5\n"  # filtered out of the console, still logged
+
+
+@pytest.mark.parametrize(
+    ("argv", "command", "num_proc"),
+    [
+        (["-np", "2", "python", "train.py", "--log", "x", "-np", "3"], ["python", "train.py", "--log", "x", "-np", "3"], 2),
+        (["--num-p", "2", "python", "t.py", "--verbose"], ["python", "t.py", "--verbose"], 2),
+        (["-np", "2", "--", "python", "t.py", "--start-timeout", "5"], ["python", "t.py", "--start-timeout", "5"], 2),
+        (["-np=2", "--min-np", "1", "--blacklist-cooldown-range", "1", "2", "python", "-u"], ["python", "-u"], 2),
+    ],
+)
+def test_the_command_s_own_flags_stay_the_command_s(argv: list[str], command: list[str], num_proc: int) -> None:
+    """Everything from the first word that is not a shoalrun flag (or its value) is the command's, even where
+    argparse would have read ``--log`` as an abbreviation of shoalrun's ``--log-level``."""
+    from shoal.runner.cli import parse_args
+
+    config = parse_args(argv)
+    assert config.command == command and config.num_proc == num_proc

@@ -146,11 +146,39 @@ def config_from_namespace(args: argparse.Namespace) -> LaunchConfig:
     return config
 
 
+def split_command(parser: argparse.ArgumentParser, argv: list[str]) -> tuple[list[str], list[str]]:
+    """shoalrun's flags, and the command after them: it starts at the first word that is neither one of shoalrun's
+    flags (or an unambiguous abbreviation of one) nor a flag's value, or after ``--``. Argparse alone would read the
+    command's own options (``python train.py --log x``) as abbreviations of shoalrun's flags."""
+    by_flag = {option: action for action in parser._actions for option in action.option_strings}
+    index = 0
+    while index < len(argv):
+        word = argv[index]
+        if word == "--":
+            return argv[:index], argv[index + 1 :]
+        if not word.startswith("-") or word == "-":
+            break
+        name, equals, _ = word.partition("=")
+        action = by_flag.get(name)
+        if action is None:
+            matches = {by_flag[o] for o in by_flag if o.startswith(name)} if name.startswith("--") else set()
+            action = matches.pop() if len(matches) == 1 else None
+        index += 1
+        if action is None or equals:
+            continue  # an unknown flag is argparse's to refuse
+        if action.nargs is None:
+            index += 1
+        elif isinstance(action.nargs, int):
+            index += action.nargs
+    return argv[:index], argv[index:]
+
+
 def parse_args(argv: list[str] | None = None) -> LaunchConfig:
     """Parse and check shoalrun's flags (and ``--config-file``) into a ``LaunchConfig``; bad flags print one line
     and exit 2."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    flags, command = split_command(parser, list(sys.argv[1:] if argv is None else argv))
+    args = parser.parse_args([*flags, "--", *command] if command else flags)
     if args.command and args.command[0] == "--":
         args.command = args.command[1:]
     config = config_from_namespace(args)
