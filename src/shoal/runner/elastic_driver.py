@@ -196,7 +196,7 @@ class ElasticJob(Job):
     # ----- heartbeats -----
 
     def _check_liveness(self) -> None:
-        """End members cut off from the store (no heartbeat for ``SHOAL_ELASTIC_UNREACHABLE_SECONDS``) while others
+        """End members cut off from the store (no heartbeat for the ``elastic_unreachable_seconds`` setting) while others
         still reach it: they cannot take part in a round. When none reaches it, the store's side is at fault and
         nobody is ended."""
         now = time.monotonic()

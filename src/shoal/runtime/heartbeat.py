@@ -1,7 +1,7 @@
 """An elastic worker's heartbeat: a counter in the job store, bumped every second by a thread of its own.
 
 shoalrun's elastic driver reads it to find a worker cut off from the network while its process (a local one, or the
-ssh client of a remote one) lives on: one whose counter has not moved for ``SHOAL_ELASTIC_UNREACHABLE_SECONDS``
+ssh client of a remote one) lives on: one whose counter has not moved for the ``elastic_unreachable_seconds`` setting
 while the others' have is ended as failed and left out of the next round. The thread has its own store connection,
 so a main thread blocked in a collective or a store call never delays it; a failed write reconnects.
 """
