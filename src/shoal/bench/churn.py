@@ -16,6 +16,8 @@ re-forms, rank 0's steps) is printed as it goes. The last line is JSON:
 "leftover_processes", "accuracy", "static_accuracy", ...}``:
 
 - ``goodput_ratio``: committed samples per second of training, churned ÷ static;
+- ``capacity_ratio``: the workers the churned job had over time (``mean_world``) ÷ ``--workers``: the share of the
+  machine churn left it, whatever the framework does; ``goodput_ratio`` well below it is the framework's cost;
 - ``recovery_s``: per kind, the mean seconds from an event to the first commit of the job re-formed after it;
 - ``steps_redone``: steps run again after a rollback (each attributed to the event before it);
 - ``lost_steps``: committed steps missing from, or repeated in, the committed log 0..N-1 (must be 0);
@@ -25,6 +27,7 @@ re-forms, rank 0's steps) is printed as it goes. The last line is JSON:
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import os
@@ -358,15 +361,21 @@ def analyse(
 ) -> dict[str, Any]:
     """Recovery time and redone steps per kind of event, from shoalrun's re-forms and rank 0's log.
 
-    An event's recovery ends at the first commit after the first re-form that shoalrun gave for that kind of event
-    after it (an event that caused none, such as removing a host that had no worker, has no recovery time). A step
-    run twice is a redone step, charged to the last event before its second run.
+    An event's recovery ends at the first commit after the first re-form, before the next event, that shoalrun gave
+    for that kind of event (an event that caused none, such as removing a host that had no worker, has no recovery
+    time). A step run twice is a redone step, charged to the last event before its second run. ``mean_world`` is
+    the number of workers over time, from one commit to the next.
     """
     recovery: dict[str, list[float]] = {kind: [] for kind in KINDS}
     used: set[int] = set()
-    for event in events:
+    for index, event in enumerate(events):
+        before = events[index + 1].at if index + 1 < len(events) else math.inf
         match = next(
-            (i for i, (t, why) in enumerate(reforms) if t >= event.at and i not in used and _REASONS[event.kind].search(why)),
+            (
+                i
+                for i, (t, why) in enumerate(reforms)
+                if event.at <= t < before and i not in used and _REASONS[event.kind].search(why)
+            ),
             None,
         )
         if match is None:
@@ -385,7 +394,10 @@ def analyse(
             if cause is not None:
                 redone[cause] += 1
         seen.add(step)
+    span = commits[-1][1] - commits[0][1] if len(commits) > 1 else 0.0
+    weighted = sum((b[1] - a[1]) * a[2] for a, b in itertools.pairwise(commits))
     return {
+        "mean_world": round(weighted / span, 2) if span > 0 else None,
         "recovery_s": {kind: round(sum(v) / len(v), 2) for kind, v in recovery.items() if v},
         "steps_redone": total_redone,
         "steps_redone_by_kind": redone,
@@ -471,6 +483,8 @@ def main(argv: list[str] | None = None) -> int:
         "mean_interval_s": args.mean_interval,
         "seed": seed,
         "goodput_ratio": round(churn_rate / static_rate, 3),
+        # The workers the job had over time, as a share of --workers: what churn took away whatever the framework.
+        "capacity_ratio": round(analysis["mean_world"] / args.workers, 3) if analysis["mean_world"] else None,
         "static_samples_per_s": round(static_rate, 1),
         "churn_samples_per_s": round(churn_rate, 1),
         "events": {kind: sum(1 for e in events if e.kind == kind) for kind in KINDS},

@@ -8,6 +8,9 @@ and ``--fault`` injects network faults at set times after the start:
   SECONDS seconds (``forever``: it never comes back), as a pulled cable: packets are dropped, connections stay open;
 - ``store:AT:SECONDS``: every emulated host loses its route to the job's store (shoalrun's, on the bridge) for
   SECONDS seconds; the hosts still reach one another.
+
+With ``--faults-on-sigusr1`` the times count from when this process gets SIGUSR1 (a test sends it once training
+runs). Each fault's start and end are printed with the wall-clock time.
  Each emulated host is a network namespace with a veth link to a bridge in the root
 namespace, shaped in both directions by ``tc tbf`` at ``--rate``. The command runs under shoalrun's job machinery
 with ``--ranks-per-host`` ranks in each namespace, each host under its own host name, so Shoal sees

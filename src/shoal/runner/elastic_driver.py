@@ -11,7 +11,7 @@ The driver hosts the job store (it outlives every worker) and forms *rounds* of 
 - a host disappears from discovery: its workers are told they are removed and exit cleanly;
 - a member gets a preemption notice (SIGTERM by default; ``shoal.runtime.preemption``): the new round leaves it
   out, every member learns of it at its next commit and goes on from that commit, nothing rolled back, and the
-  worker leaves with status 0. Its host gets no new workers for ``--preemption-grace-seconds``.
+  worker leaves with status 0. Its host gets no new worker before it has gone.
 
 Rank 0 of a new round is always a worker that was already training, so ``state.sync()`` hands its state to the
 newcomers. With fewer than ``--min-np`` workers the driver waits up to ``--elastic-timeout`` for discovery to offer
@@ -96,8 +96,6 @@ class ElasticJob(Job):
         self._heard: dict[str, tuple[bytes, float]] = {}
         """Worker id -> its last heartbeat value and when the driver first saw it."""
         self._liveness_checked = 0.0
-        self._noticed_hosts: dict[str, float] = {}
-        """Hosts whose worker got a preemption notice -> when they may get new workers (after the grace period)."""
 
     # ----- the worker set -----
 
@@ -120,8 +118,10 @@ class ElasticJob(Job):
     def _fill_slots(self, limit: int) -> None:
         """Start workers on free slots of the known, non-excluded hosts, up to ``limit`` live workers."""
         live = self._alive("starting", "member")
-        now = time.monotonic()
-        excluded = self.cooldown.excluded() | {h for h, until in self._noticed_hosts.items() if until > now}
+        # A host whose worker got a notice gets none while that worker is still leaving; a host that is going away
+        # leaves the discovery output.
+        leaving = {w.hostname for w in self.elastic if w.leaving is not None and w.process.returncode is None}
+        excluded = self.cooldown.excluded() | leaving
         for host in self.discovery.hosts():
             if host.hostname in excluded:
                 continue
@@ -241,15 +241,12 @@ class ElasticJob(Job):
         if worker.leaving is not None or not self._store.check([key]):
             return
         worker.leaving = self._store.get(key).decode()
-        grace_s = self.config.preemption_grace_seconds or worker_setting("preemption_grace_seconds")
-        self._noticed_hosts[worker.hostname] = time.monotonic() + grace_s
         if worker.state != "member":
             self._verbose(f"worker {worker.worker_id} got {worker.leaving} before it joined; it leaves now")
             return
         print(
             f"shoalrun: worker {worker.worker_id} (rank {worker.rank}) on host {worker.hostname} got {worker.leaving}; "
-            f"it leaves at its next commit, with nothing rolled back (host {worker.hostname} gets no new workers for "
-            f"{grace_s:.0f} s)",
+            "it leaves at its next commit, with nothing rolled back",
             file=sys.stderr,
             flush=True,
         )

@@ -11,7 +11,8 @@ On a notice signal (``--preemption-signals``, default SIGTERM) a thread of this 
 3. waits: if the worker is still here after ``--preemption-grace-seconds``, it exits with 128 + the signal, which
    the driver treats as any failed worker (the others restore their last commit).
 
-A worker that never joined a round has nothing to hand over: it exits 0 at once. When shoalrun itself ends the job
+A worker that never joined a round has nothing to hand over: it exits 0 at once. A handler the user installs for
+one of these signals after ``init()`` takes it over: the worker then gets no notice from it. When shoalrun itself ends the job
 it writes the ``ending`` key before signalling, and a worker that sees it exits at once. A second notice signal
 changes nothing; SIGKILL still ends a worker at once.
 
@@ -93,7 +94,7 @@ def _watch_wakeup_fd(reader: socket.socket, signals: set[int]) -> None:
         if not data:
             return
         for number in data:
-            if number in signals:
+            if number in signals and signal.getsignal(number) is _on_signal:  # not if the user took the signal over
                 _notice(number)
 
 
