@@ -38,6 +38,9 @@ class WorkerSettings:
         "ended as failed and left out of the next round (a network cut shorter than this is a stall, not a failure)",
         env="ELASTIC_UNREACHABLE_SECONDS",
     )
+    spark_start_timeout: float = knob(
+        600.0, "shoal.spark.run: seconds for every rank's Spark task to start (its start_timeout)", env="SPARK_START_TIMEOUT"
+    )
     log_level: str | None = knob(
         None, "Shoal's log level in the workers: debug, info, warning or error", env="LOG_LEVEL", shown_default="warning"
     )

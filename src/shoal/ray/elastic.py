@@ -11,7 +11,6 @@ function decorated with ``@hvd.elastic.run``.
 
 from __future__ import annotations
 
-import ctypes
 import os
 import pickle
 import signal
@@ -30,6 +29,7 @@ from shoal.runner.hosts import HostSlots, SlotInfo
 from shoal.runner.launcher import Worker
 from shoal.runner.task import PAYLOAD_KEY, elastic_result_key, task_prefix
 from shoal.runtime.elastic_rendezvous import ELASTIC_ID_ENV
+from shoal.runtime.watchdog import die_with_parent
 
 NODE_POLL_S = 1.0
 """How often the driver asks Ray for its nodes."""
@@ -78,14 +78,6 @@ class RayNodes(HostDiscovery):
         return hosts
 
 
-def _die_with_parent() -> None:  # pragma: no cover (runs in the child between fork and exec)
-    """Linux: SIGKILL this process when the actor that started it dies (PR_SET_PDEATHSIG)."""
-    try:
-        ctypes.CDLL(None).prctl(1, signal.SIGKILL)
-    except (OSError, AttributeError):
-        pass
-
-
 class WorkerProcessActor:
     """Starts one elastic worker process on its node and waits for it; ``signal`` reaches its process group."""
 
@@ -100,7 +92,7 @@ class WorkerProcessActor:
         """Run ``python -m ...`` with this node's interpreter and the job's environment; its exit code."""
         environment = {**os.environ, **env, LAUNCHER_PID_ENV: str(os.getpid())}
         self.process = subprocess.Popen(
-            [sys.executable, *module_args], env=environment, start_new_session=True, preexec_fn=_die_with_parent
+            [sys.executable, *module_args], env=environment, start_new_session=True, preexec_fn=die_with_parent
         )
         return self.process.wait()
 

@@ -12,6 +12,7 @@ import os
 import platform
 import shutil
 import socket
+import subprocess
 import sys
 
 import torch
@@ -31,6 +32,8 @@ _EXTRAS = (
     ("ray", "shoal.ray: RayExecutor and the Ray Train backend"),
     ("lightning", "shoal.lightning: ShoalStrategy for PyTorch Lightning"),
     ("tensorflow", "shoal.tensorflow: Horovod's TensorFlow 2 API"),
+    ("pyspark", "shoal.spark: horovod.spark's run on Spark executors"),
+    ("pyarrow", "shoal.spark's Parquet data"),
     ("mpi4py", "rendezvous under mpirun across hosts without MASTER_ADDR"),
 )
 
@@ -81,4 +84,19 @@ def report() -> str:
     ]
     for module, purpose in _EXTRAS:
         lines.append(f"optional {module}: {_yes(importlib.util.find_spec(module) is not None)} — {purpose}")
+    lines.append(f"Java (for Spark): {_java()}")
     return "\n".join(lines)
+
+
+def _java() -> str:
+    """The ``java -version`` line of the Java that Spark would start (``JAVA_HOME`` first), or why there is none."""
+    home = os.environ.get("JAVA_HOME")
+    java = os.path.join(home, "bin", "java") if home else shutil.which("java")
+    if not java or not os.path.exists(java):
+        return "not found (Spark needs Java 17 or later: JAVA_HOME or java on PATH)"
+    try:
+        result = subprocess.run([java, "-version"], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired) as error:
+        return f"{java} does not run: {error}"
+    first = (result.stderr or result.stdout).strip().splitlines()[:1]
+    return f"{first[0] if first else 'unknown version'} ({java})"

@@ -8,6 +8,7 @@ no orphans.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import threading
@@ -40,3 +41,12 @@ def start_launcher_watchdog() -> bool:
     threading.Thread(target=watch, name="shoal-launcher-watchdog", daemon=True).start()
     _started = True
     return True
+
+
+def die_with_parent() -> None:  # pragma: no cover (runs in the child between fork and exec)
+    """A ``preexec_fn``: on Linux, SIGKILL this child when the thread that started it dies (PR_SET_PDEATHSIG), so a
+    worker never outlives a launcher killed before the worker's own watchdog runs."""
+    try:
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)
+    except (OSError, AttributeError):
+        pass
