@@ -1,4 +1,4 @@
-"""``python -m shoal.bench.churn``: a short run (30 s per job, 3 seeded events) keeps the JSON contract and the
+"""``python -m shoal.bench.churn``: a short run (24 s per job, 3 seeded events) keeps the JSON contract and the
 invariants that hold whatever the events: no committed step lost or repeated, no worker left behind, no step redone
 because of a notice."""
 
@@ -17,7 +17,7 @@ pytest.importorskip("sklearn", reason="the churn benchmark trains on scikit-lear
 
 @pytest.mark.timeout(300)
 def test_a_short_churn_run_keeps_the_contract() -> None:
-    command = [sys.executable, "-m", "shoal.bench.churn", "--workers", "3", "--minutes", "0.5", "--events", "3", "--seed", "7"]
+    command = [sys.executable, "-m", "shoal.bench.churn", "--workers", "3", "--minutes", "0.4", "--events", "3", "--seed", "7"]
     result = subprocess.run(command, env=clean_env(), cwd=REPO, capture_output=True, text=True, timeout=280)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     lines = result.stdout.strip().splitlines()

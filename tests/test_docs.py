@@ -137,6 +137,10 @@ COVERED: dict[str, tuple[str, list[str]]] = {
         "test_ray.py::test_on_ray_benchmark_compares_the_executor_with_shoalrun",
         ["shoal.bench.on_ray", "--workers", "mlp"],
     ),
+    "python -m shoal.bench.churn --workers 3 --minutes 5 --mean-interval 30": (
+        "test_churn.py::test_a_short_churn_run_keeps_the_contract",
+        ["shoal.bench.churn", '"--workers", "3"', '"--minutes"'],
+    ),  # the test runs 24 s per job with 3 events instead of 5 minutes with one every 30 s on average
     "shoalrun -np 1 python -m shoal.bench.gpu_check": (
         "test_examples.py::test_gpu_check_script_passes_its_checks_on_cpu",
         ["shoal.bench.gpu_check", "cpu"],

@@ -71,13 +71,13 @@ class EmulatedJob(RunningJob):
 @pytest.mark.parametrize("elastic", [False, True], ids=["static", "elastic"])
 def test_a_link_cut_for_ten_seconds_is_a_stall(elastic: bool) -> None:
     flags = ["--hosts", "3", "--fault", "cut:host2:0:10", *(["--min-np", "2"] if elastic else [])]
-    job = EmulatedJob(flags, ["--epochs", "2"])
+    job = EmulatedJob(flags, ["--epochs", "1"])  # 30 steps: the cut comes at step 20
     job.start_faults_at_step(20)
     came_back = job.fault_time("ends")
     assert job.finish(120) == 0, "\n".join(job.lines[-30:])
     summary = job.summary()
     assert summary["world"] == 3 and summary["resets"] == 0 and summary["restores"] == 0, summary
-    check_every_sample_once(summary, 2)
+    check_every_sample_once(summary, 1)
     resumed = job.step_time(came_back) - came_back
     print(f"{'elastic' if elastic else 'static'}: training resumed {resumed:.1f} s after the link came back")
     assert resumed < 20  # TCP's retransmission backoff after a 10 s loss
@@ -134,12 +134,12 @@ def test_a_host_cut_off_for_good_leaves_an_elastic_job_with_the_rest() -> None:
 
 @pytest.mark.timeout(150)
 def test_the_store_unreachable_for_ten_seconds_holds_up_an_elastic_job_that_then_goes_on() -> None:
-    job = EmulatedJob(["--hosts", "3", "--min-np", "2", "--fault", "store:0:10"], ["--epochs", "2"])
+    job = EmulatedJob(["--hosts", "3", "--min-np", "2", "--fault", "store:0:10"], ["--epochs", "1"])
     job.start_faults_at_step(20)
     came_back = job.fault_time("ends")
     assert job.finish(120) == 0, "\n".join(job.lines[-30:])
     summary = job.summary()
     assert summary["world"] == 3 and summary["resets"] == 0 and summary["restores"] == 0, summary
-    check_every_sample_once(summary, 2)
+    check_every_sample_once(summary, 1)
     print(f"store back: training logged its next step {job.step_time(came_back) - came_back:.1f} s later")
     assert gone(job.pids(), 10), "a worker outlived the job"

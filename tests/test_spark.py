@@ -147,3 +147,52 @@ def test_without_a_spark_context_run_says_so() -> None:
     code = "import shoal.spark\ntry:\n    shoal.spark.run(int, num_proc=1)\nexcept RuntimeError as error:\n    print(error)"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert "could not find an active SparkContext; are you running in a PySpark session?" in result.stdout, result
+
+
+def digits_under_torchrun(epochs: int) -> float:
+    """A Shoal training function as TorchDistributor runs it: under torchrun, with SHOAL_SECRET in the environment."""
+    import sys
+
+    import torch
+    import torch.nn.functional as F
+    from torch.utils.data import DataLoader
+    from torch.utils.data.distributed import DistributedSampler
+
+    import shoal.torch as hvd
+
+    sys.path.insert(0, os.path.join(os.path.dirname(TESTS), "examples"))
+    from digits import DigitsNet, evaluate, load_data
+
+    torch.set_num_threads(1)
+    hvd.init()
+    torch.manual_seed(0)
+    train_set, test_set = load_data()
+    model = DigitsNet()
+    optimizer = hvd.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.03 * hvd.size(), momentum=0.9), named_parameters=model.named_parameters()
+    )
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    sampler = DistributedSampler(train_set, num_replicas=hvd.size(), rank=hvd.rank(), shuffle=True, seed=0)
+    for epoch in range(epochs):
+        sampler.set_epoch(epoch)
+        for x, y in DataLoader(train_set, batch_size=16, sampler=sampler):
+            optimizer.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            optimizer.step()
+    accuracy = float(evaluate(model, test_set))
+    hvd.shutdown()
+    return accuracy
+
+
+@pytest.mark.timeout(240)
+def test_torch_distributor_runs_a_shoal_function(spark: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """pyspark's TorchDistributor starts torchrun; Shoal's init finds torchrun's ranks, and with SHOAL_SECRET set its
+    store is authenticated. Both ranks end with the same weights, so either's accuracy is the job's."""
+    import secrets
+
+    from pyspark.ml.torch.distributor import TorchDistributor
+
+    monkeypatch.setenv("SHOAL_SECRET", secrets.token_hex(16))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [TESTS, os.environ.get("PYTHONPATH")])))
+    accuracy = TorchDistributor(num_processes=2, local_mode=True, use_gpu=False).run(digits_under_torchrun, 5)
+    assert accuracy >= 0.95, accuracy
