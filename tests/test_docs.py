@@ -141,6 +141,10 @@ COVERED: dict[str, tuple[str, list[str]]] = {
         "test_churn.py::test_a_short_churn_run_keeps_the_contract",
         ["shoal.bench.churn", '"--workers", "3"', '"--minutes"'],
     ),  # the test runs 24 s per job with 3 events instead of 5 minutes with one every 30 s on average
+    "python -m shoal.bench.on_spark --workers 2 --model mlp": (
+        "test_spark.py::test_on_spark_benchmark_compares_shoal_spark_run_with_shoalrun",
+        ["shoal.bench.on_spark", '"--workers", "2"', "mlp"],
+    ),  # the test times fewer steps
     "shoalrun -np 1 python -m shoal.bench.gpu_check": (
         "test_examples.py::test_gpu_check_script_passes_its_checks_on_cpu",
         ["shoal.bench.gpu_check", "cpu"],

@@ -196,3 +196,22 @@ def test_torch_distributor_runs_a_shoal_function(spark: Any, monkeypatch: pytest
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [TESTS, os.environ.get("PYTHONPATH")])))
     accuracy = TorchDistributor(num_processes=2, local_mode=True, use_gpu=False).run(digits_under_torchrun, 5)
     assert accuracy >= 0.95, accuracy
+
+
+@pytest.mark.timeout(240)
+def test_on_spark_benchmark_compares_shoal_spark_run_with_shoalrun() -> None:
+    import json
+    import subprocess
+    import sys
+
+    from conftest import REPO, clean_env
+
+    command = [sys.executable, "-m", "shoal.bench.on_spark", "--workers", "2", "--model", "mlp"]
+    command += ["--steps", "5", "--rounds", "1"]
+    result = subprocess.run(command, env=clean_env(), cwd=REPO, capture_output=True, text=True, timeout=220)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report["bench"] == "on_spark" and report["workers"] == 2 and report["model"] == "mlp"
+    assert report["shoalrun_ips"] > 0 and report["spark_ips"] > 0
+    assert report["ratio"] == pytest.approx(report["spark_ips"] / report["shoalrun_ips"], rel=0.01)
+    assert 0 < report["shoalrun_start_s"] < 60 and 0 < report["spark_start_s"] < 60 and report["spark_session_start_s"] > 0
