@@ -39,6 +39,47 @@ def train(model: str, batch_size: int, steps: int, warmup: int, rounds: int, ask
     return {"ips": best, "start_s": ready - asked_at, "world": float(hvd.size())}
 
 
+def add_training_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags of the training both launchers run (``on_ray`` and ``on_spark`` share them)."""
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--model", choices=["cnn", "mlp", "transformer"], default="mlp")
+    parser.add_argument("--batch-size", type=int, default=32, help="per-worker batch size (default 32)")
+    parser.add_argument("--steps", type=int, default=20, help="timed steps per round (default 20)")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps before each round (default 3)")
+    parser.add_argument("--rounds", type=int, default=2, help="timed rounds per launcher; the best is kept (default 2)")
+
+
+def training_args(args: argparse.Namespace, asked_at: float) -> tuple[Any, ...]:
+    """``train``'s arguments from the parsed flags."""
+    return (args.model, args.batch_size, args.steps, args.warmup, args.rounds, asked_at)
+
+
+def shoalrun_phase(args: argparse.Namespace) -> dict[str, Any]:
+    """The same training under ``shoalrun -np N``: rank 0's ``{"ips", "start_s", "world"}``."""
+    from shoal.bench import rank0_result
+
+    flags = ["--model", args.model, "--batch-size", str(args.batch_size), "--steps", str(args.steps)]
+    flags += ["--warmup", str(args.warmup), "--rounds", str(args.rounds)]
+    asked_at = time.time()
+    command = [*SHOALRUN, "-np", str(args.workers), sys.executable, "-m", "shoal.bench.on_ray", "--worker", *flags]
+    return rank0_result([*command, "--asked-at", repr(asked_at)], timeout=600, what="the shoalrun phase")
+
+
+def compared(name: str, args: argparse.Namespace, shoalrun: dict[str, Any], other: dict[str, Any]) -> dict[str, Any]:
+    """The JSON result's common fields: ``{name}_ips``, ``ratio`` (other ÷ shoalrun) and both start-up times."""
+    return {
+        "bench": f"on_{name}",
+        "model": args.model,
+        "workers": args.workers,
+        "batch_size": args.batch_size,
+        "shoalrun_ips": round(shoalrun["ips"], 1),
+        f"{name}_ips": round(other["ips"], 1),
+        "ratio": round(other["ips"] / shoalrun["ips"], 3),
+        "shoalrun_start_s": round(shoalrun["start_s"], 2),
+        f"{name}_start_s": round(other["start_s"], 2),
+    }
+
+
 def _worker_main(args: argparse.Namespace) -> None:
     import shoal.torch as hvd
 
@@ -50,12 +91,7 @@ def _worker_main(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="Shoal on Ray (RayExecutor) against shoalrun: start-up and throughput.")
-    parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument("--model", choices=["cnn", "mlp", "transformer"], default="mlp")
-    parser.add_argument("--batch-size", type=int, default=32, help="per-worker batch size (default 32)")
-    parser.add_argument("--steps", type=int, default=20, help="timed steps per round (default 20)")
-    parser.add_argument("--warmup", type=int, default=3, help="untimed steps before each round (default 3)")
-    parser.add_argument("--rounds", type=int, default=2, help="timed rounds per launcher; the best is kept (default 2)")
+    add_training_arguments(parser)
     parser.add_argument("--address", default=None, help="a running Ray cluster (default: start a local one)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--asked-at", type=float, default=0.0, help=argparse.SUPPRESS)
@@ -66,14 +102,9 @@ def main(argv: list[str] | None = None) -> None:
 
     import ray
 
-    from shoal.bench import rank0_result
     from shoal.ray import RayExecutor
 
-    flags = ["--model", args.model, "--batch-size", str(args.batch_size), "--steps", str(args.steps)]
-    flags += ["--warmup", str(args.warmup), "--rounds", str(args.rounds)]
-    asked_at = time.time()
-    command = [*SHOALRUN, "-np", str(args.workers), sys.executable, "-m", "shoal.bench.on_ray", "--worker", *flags]
-    shoalrun = rank0_result([*command, "--asked-at", repr(asked_at)], timeout=600, what="the shoalrun phase")
+    shoalrun = shoalrun_phase(args)
 
     started = time.perf_counter()
     ray.init(address=args.address, num_cpus=None if args.address else args.workers, include_dashboard=False)
@@ -82,22 +113,12 @@ def main(argv: list[str] | None = None) -> None:
     asked_at = time.time()
     executor.start()
     try:
-        on_ray: dict[str, Any] = executor.run(
-            train, args=(args.model, args.batch_size, args.steps, args.warmup, args.rounds, asked_at)
-        )[0]
+        on_ray: dict[str, Any] = executor.run(train, args=training_args(args, asked_at))[0]
     finally:
         executor.shutdown()
         ray.shutdown()
     result = {
-        "bench": "on_ray",
-        "model": args.model,
-        "workers": args.workers,
-        "batch_size": args.batch_size,
-        "shoalrun_ips": round(shoalrun["ips"], 1),
-        "ray_ips": round(on_ray["ips"], 1),
-        "ratio": round(on_ray["ips"] / shoalrun["ips"], 3),
-        "shoalrun_start_s": round(shoalrun["start_s"], 2),
-        "ray_start_s": round(on_ray["start_s"], 2),
+        **compared("ray", args, shoalrun, on_ray),
         "ray_cluster_start_s": None if args.address else round(cluster_start_s, 2),
     }
     print(

@@ -18,27 +18,15 @@ import sys
 import time
 from typing import Any
 
-from shoal.bench.on_ray import SHOALRUN, train
+from shoal.bench.on_ray import add_training_arguments, compared, shoalrun_phase, train, training_args
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="Shoal on Spark (shoal.spark.run) against shoalrun: start-up and throughput.")
-    parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument("--model", choices=["cnn", "mlp", "transformer"], default="mlp")
-    parser.add_argument("--batch-size", type=int, default=32, help="per-worker batch size (default 32)")
-    parser.add_argument("--steps", type=int, default=20, help="timed steps per round (default 20)")
-    parser.add_argument("--warmup", type=int, default=3, help="untimed steps before each round (default 3)")
-    parser.add_argument("--rounds", type=int, default=2, help="timed rounds per launcher; the best is kept (default 2)")
+    add_training_arguments(parser)
     parser.add_argument("--master", default=None, help="Spark master (default: local[WORKERS])")
     args = parser.parse_args(argv)
-
-    from shoal.bench import rank0_result
-
-    flags = ["--model", args.model, "--batch-size", str(args.batch_size), "--steps", str(args.steps)]
-    flags += ["--warmup", str(args.warmup), "--rounds", str(args.rounds)]
-    asked_at = time.time()
-    command = [*SHOALRUN, "-np", str(args.workers), sys.executable, "-m", "shoal.bench.on_ray", "--worker", *flags]
-    shoalrun = rank0_result([*command, "--asked-at", repr(asked_at)], timeout=600, what="the shoalrun phase")
+    shoalrun = shoalrun_phase(args)
 
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)  # local executors run this interpreter, which has Shoal
     from pyspark.sql import SparkSession
@@ -57,26 +45,12 @@ def main(argv: list[str] | None = None) -> None:
     session_start_s = time.perf_counter() - started
     try:
         asked_at = time.time()
-        on_spark: dict[str, Any] = shoal.spark.run(
-            train,
-            args=(args.model, args.batch_size, args.steps, args.warmup, args.rounds, asked_at),
-            num_proc=args.workers,
-            verbose=0,
-        )[0]
+        on_spark: dict[str, Any] = shoal.spark.run(train, args=training_args(args, asked_at), num_proc=args.workers, verbose=0)[
+            0
+        ]
     finally:
         session.stop()
-    result = {
-        "bench": "on_spark",
-        "model": args.model,
-        "workers": args.workers,
-        "batch_size": args.batch_size,
-        "shoalrun_ips": round(shoalrun["ips"], 1),
-        "spark_ips": round(on_spark["ips"], 1),
-        "ratio": round(on_spark["ips"] / shoalrun["ips"], 3),
-        "shoalrun_start_s": round(shoalrun["start_s"], 2),
-        "spark_start_s": round(on_spark["start_s"], 2),
-        "spark_session_start_s": round(session_start_s, 2),
-    }
+    result = {**compared("spark", args, shoalrun, on_spark), "spark_session_start_s": round(session_start_s, 2)}
     print(
         f"{args.model}, {args.workers} workers: shoalrun {result['shoalrun_ips']} img/s "
         f"(start {result['shoalrun_start_s']} s), shoal.spark.run {result['spark_ips']} img/s "
