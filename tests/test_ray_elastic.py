@@ -169,7 +169,8 @@ def test_a_draining_node_s_worker_leaves_at_a_commit_with_nothing_rolled_back(cl
     log = results[0]["log"]
     assert [step for step, _ in log] == list(range(TOTAL_STEPS // 2)), "a committed step was lost or applied twice"
     sizes = [size for _, size in log]
-    assert sizes[0] == 2 and sizes[-1] == 1, sizes
+    last_at_two = len(sizes) - 1 - sizes[::-1].index(2)  # the job may start at 1 and grow before the drain
+    assert last_at_two < len(sizes) - 1 and set(sizes[last_at_two + 1 :]) == {1}, sizes
 
 
 def test_elastic_arguments_of_ray_executor() -> None:
