@@ -63,6 +63,13 @@ class EmulatedJob(RunningJob):
         """The wall-clock time the fault began or ended (``state``), from netns's own line."""
         return float(self.wait_for(rf"shoal\.bench\.netns: at [\d.]+ s: .* {state} \(([\d.]+)\)", 60).group(1))
 
+    def finished_as_if_nothing_happened(self, epochs: int) -> None:
+        """The job ended with exit 0, all 3 workers, no re-form and no rollback, every sample once per epoch."""
+        assert self.finish(120) == 0, "\n".join(self.lines[-30:])
+        summary = self.summary()
+        assert summary["world"] == 3 and summary["resets"] == 0 and summary["restores"] == 0, summary
+        check_every_sample_once(summary, epochs)
+
     def pids(self) -> list[int]:
         return [int(line.rsplit("worker pid ", 1)[1].split()[0]) for line in self.lines if "<stdout>:worker pid " in line]
 
@@ -74,10 +81,7 @@ def test_a_link_cut_for_ten_seconds_is_a_stall(elastic: bool) -> None:
     job = EmulatedJob(flags, ["--epochs", "1"])  # 30 steps: the cut comes at step 20
     job.start_faults_at_step(20)
     came_back = job.fault_time("ends")
-    assert job.finish(120) == 0, "\n".join(job.lines[-30:])
-    summary = job.summary()
-    assert summary["world"] == 3 and summary["resets"] == 0 and summary["restores"] == 0, summary
-    check_every_sample_once(summary, 1)
+    job.finished_as_if_nothing_happened(epochs=1)
     resumed = job.step_time(came_back) - came_back
     print(f"{'elastic' if elastic else 'static'}: training resumed {resumed:.1f} s after the link came back")
     assert resumed < 20  # TCP's retransmission backoff after a 10 s loss
@@ -137,9 +141,6 @@ def test_the_store_unreachable_for_ten_seconds_holds_up_an_elastic_job_that_then
     job = EmulatedJob(["--hosts", "3", "--min-np", "2", "--fault", "store:0:10"], ["--epochs", "1"])
     job.start_faults_at_step(20)
     came_back = job.fault_time("ends")
-    assert job.finish(120) == 0, "\n".join(job.lines[-30:])
-    summary = job.summary()
-    assert summary["world"] == 3 and summary["resets"] == 0 and summary["restores"] == 0, summary
-    check_every_sample_once(summary, 1)
+    job.finished_as_if_nothing_happened(epochs=1)
     print(f"store back: training logged its next step {job.step_time(came_back) - came_back:.1f} s later")
     assert gone(job.pids(), 10), "a worker outlived the job"

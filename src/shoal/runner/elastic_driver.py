@@ -96,6 +96,7 @@ class ElasticJob(Job):
         self._heard: dict[str, tuple[bytes, float]] = {}
         """Worker id -> its last heartbeat value and when the driver first saw it."""
         self._liveness_checked = 0.0
+        self._unreachable_s = float(worker_setting("elastic_unreachable_seconds"))
 
     # ----- the worker set -----
 
@@ -166,8 +167,13 @@ class ElasticJob(Job):
                 kept[worker.hostname] = kept.get(worker.hostname, 0) + 1
                 if kept[worker.hostname] > slots[worker.hostname]:
                     stay.remove(worker)
-        ready = [w for w in self._alive("starting") if w.leaving is None and self._store.check([self._keys.ready(w.worker_id)])]
-        return (stay + ready)[: self.max_np]
+        return (stay + self._ready_newcomers())[: self.max_np]
+
+    def _ready_newcomers(self) -> list[ElasticWorker]:
+        """Newcomers that are ready to rendezvous and got no notice."""
+        assert self._store is not None and self._keys is not None
+        starting = self._alive("starting")
+        return [w for w in starting if w.leaving is None and self._store.check([self._keys.ready(w.worker_id)])]
 
     def _wants_new_round(self) -> str | None:
         """Why a new round is needed now, or None."""
@@ -189,7 +195,7 @@ class ElasticJob(Job):
                 return "a host left the discovery output"
             if any(sum(1 for m in members if m.hostname == host) > count for host, count in slots.items()):
                 return "a host offers fewer slots"
-        if any(w.leaving is None and self._store.check([self._keys.ready(w.worker_id)]) for w in self._alive("starting")):
+        if self._ready_newcomers():
             return "new workers are ready to join"
         return None
 
@@ -203,7 +209,6 @@ class ElasticJob(Job):
         if self._store is None or self._keys is None or now - self._liveness_checked < _LIVENESS_CHECK_S:
             return
         self._liveness_checked = now
-        limit_s = float(worker_setting("elastic_unreachable_seconds"))
         members = self._alive("member")
         for worker in members:
             key = self._keys.heartbeat(worker.worker_id)
@@ -212,7 +217,7 @@ class ElasticJob(Job):
                 if self._heard.get(worker.worker_id, (b"", 0.0))[0] != value:
                     self._heard[worker.worker_id] = (value, now)
         heard = [w for w in members if w.worker_id in self._heard]  # a worker still starting has not beaten yet
-        silent = [w for w in heard if now - self._heard[w.worker_id][1] > limit_s]
+        silent = [w for w in heard if now - self._heard[w.worker_id][1] > self._unreachable_s]
         if not silent or len(silent) == len(heard):
             return
         for worker in silent:
@@ -290,8 +295,8 @@ class ElasticJob(Job):
                 print(
                     f"shoalrun: worker {worker.worker_id} (rank {worker.rank}) on host {worker.hostname} "
                     f"{_describe_status(code)}: it reached no commit within --preemption-grace-seconds of its "
-                    f"{worker.leaving}, so the others restore their last commit; host {worker.hostname} gets no new "
-                    f"workers{'' if math.isinf(cooldown_s) else f' for {cooldown_s:.0f} s'}",
+                    f"{worker.leaving}, so the others restore their last commit; "
+                    f"{_no_new_workers(worker.hostname, cooldown_s)}",
                     file=sys.stderr,
                     flush=True,
                 )
@@ -308,8 +313,7 @@ class ElasticJob(Job):
                 return 128 - code if code < 0 else code
             print(
                 f"shoalrun: worker {worker.worker_id} (rank {worker.rank}) on host {worker.hostname} "
-                f"{_describe_status(code)}; host {worker.hostname} gets no new workers"
-                f"{'' if math.isinf(cooldown_s) else f' for {cooldown_s:.0f} s'}; re-forming the job",
+                f"{_describe_status(code)}; {_no_new_workers(worker.hostname, cooldown_s)}; re-forming the job",
                 file=sys.stderr,
                 flush=True,
             )
@@ -470,6 +474,11 @@ class ElasticJob(Job):
         )
         self._publish_round(members)
         return None
+
+
+def _no_new_workers(hostname: str, cooldown_s: float) -> str:
+    """What a failure means for its host: ``host h gets no new workers`` (for the rest of the job, or its cooldown)."""
+    return f"host {hostname} gets no new workers{'' if math.isinf(cooldown_s) else f' for {cooldown_s:.0f} s'}"
 
 
 def elastic_hosts(config: LaunchConfig) -> list[HostSlots]:

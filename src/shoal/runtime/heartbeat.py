@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from typing import Any
 
 from shoal.config.worker import ELASTIC_ID_ENV
@@ -35,16 +36,15 @@ def _beat(launch: Any, worker_id: str) -> None:
     from shoal.runtime.elastic_rendezvous import ElasticKeys
 
     key = ElasticKeys(secret_namespace(launch.secret)).heartbeat(worker_id)
-    stop = threading.Event()
     job_store = None
     count = 0
-    while not stop.wait(PERIOD_S if job_store is not None else 0.0):
+    while True:
         try:
             if job_store is None:
                 job_store = connect_job_store(launch.store_addr, launch.store_port, launch.secret, 10.0)
             count += 1
             job_store.set(key, str(count))
-        except Exception as error:  # cut off or the driver gone: try again (the watchdog ends an orphan)
+        except Exception as error:  # cut off or the driver gone: reconnect next time (the watchdog ends an orphan)
             get_logger().debug("heartbeat to shoalrun's store failed: %s", error)
             job_store = None
-            stop.wait(PERIOD_S)
+        time.sleep(PERIOD_S)

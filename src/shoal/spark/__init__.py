@@ -152,7 +152,7 @@ def run(
         ValueError: ``num_proc`` below 1.
     """
     from shoal.runner.api import _dumps
-    from shoal.runner.task import PAYLOAD_KEY, result_key, task_prefix
+    from shoal.runner.task import PAYLOAD_KEY, task_prefix
     from shoal.spark._task import TaskSettings
 
     if use_mpi or extra_mpi_args:
@@ -185,15 +185,12 @@ def run(
     output = _Output(view, num_proc, sinks, prefix_output_with_timestamp)
     try:
         thread.start()
-        failure = _supervise(view, num_proc, thread, outcome, started_at, timeout_s, output, context)
+        results: dict[int, Any] = {}
+        failure = _supervise(view, num_proc, thread, outcome, started_at, timeout_s, output, context, results)
         if failure is not None:
             context.cancelJobGroup(group)
             thread.join(timeout=60)
             raise RuntimeError(failure)
-        results = {}
-        for rank in range(num_proc):
-            _status, value = pickle.loads(view.get(result_key(rank)))
-            results[rank] = value
         return [results[rank] for rank in range(num_proc)]
     finally:
         if thread.is_alive():
@@ -224,30 +221,31 @@ def _supervise(
     timeout_s: float,
     output: _Output,
     context: Any,
+    results: dict[int, Any],
 ) -> str | None:
-    """Wait for the stage; the reason the job failed, or None when every rank returned a result."""
+    """Wait for the stage, putting each rank's returned value into ``results`` as it arrives (fetched and unpickled
+    once); the reason the job failed, or None when every rank returned a result."""
     from shoal.runner.task import result_key
 
     while True:
         alive = thread.is_alive()  # before the scan: a stage that ends during it is scanned once more
         output.drain()
         errors = []
-        done = 0
         for rank in range(num_proc):
-            if view.check([result_key(rank)]):
+            if rank not in results and view.check([result_key(rank)]):
                 status, value = pickle.loads(view.get(result_key(rank)))
                 if status == "ok":
-                    done += 1
+                    results[rank] = value
                 else:
                     host = view.get(f"host/{rank}").decode() if view.check([f"host/{rank}"]) else "?"
                     errors.append(f"rank {rank} on host {host} raised:\n{value}")
         if errors:
             return "shoal.spark.run: " + "\n".join(errors)
         if not alive:
-            if done == num_proc:
+            if len(results) == num_proc:
                 return None
             error = outcome.get("error")
-            missing = [rank for rank in range(num_proc) if not view.check([result_key(rank)])]
+            missing = [rank for rank in range(num_proc) if rank not in results]
             detail = f": {_first_line(error)}" if error is not None else ""
             return f"shoal.spark.run: the Spark stage failed; ranks without a result: {missing}{detail}"
         started = view.add("started", 0) if view.check(["started"]) else 0
