@@ -19,7 +19,19 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import IO, Any
 
-__all__ = ["run"]
+__all__ = ["LocalStore", "Store", "TorchEstimator", "TorchModel", "run"]
+
+_LAZY = {"TorchEstimator": "estimator", "TorchModel": "estimator", "Store": "store", "LocalStore": "store"}
+
+
+def __getattr__(name: str) -> Any:
+    """The estimator and store on first use (they import pyspark; ``run`` alone does not at import)."""
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(f"shoal.spark.{_LAZY[name]}"), name)
+    raise AttributeError(f"module 'shoal.spark' has no attribute {name!r}")
+
 
 _POLL_S = 0.1
 

@@ -1,0 +1,177 @@
+"""``shoal.spark.TorchEstimator`` on a local Spark (``local[2]``, one session for the module): fit on the digits as a
+DataFrame, transform, save and load, the single-process reference (2 ranks x batch 4 against 1 x batch 8), and the
+errors a user meets before anything trains."""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+pyspark = pytest.importorskip("pyspark", reason="pyspark is not installed (pip install 'shoal[spark]')")
+
+import torch  # noqa: E402
+from pyspark.sql import SparkSession  # noqa: E402
+
+from shoal.spark import Store, TorchEstimator, TorchModel  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def spark() -> Iterator[Any]:
+    os.environ["PYSPARK_PYTHON"] = sys.executable
+    session = (
+        SparkSession.builder.master("local[2]")
+        .appName("shoal-estimator-tests")
+        .config("spark.ui.enabled", "false")
+        .config("spark.sql.shuffle.partitions", "2")
+        .getOrCreate()
+    )
+    session.sparkContext.setLogLevel("ERROR")
+    yield session
+    session.stop()
+
+
+def digits_frames(spark: Any) -> tuple[Any, Any]:
+    """The digits as (features: ML vector of 64 pixels in [0, 1], label: long), split 80/20 with a fixed seed."""
+    from pyspark.ml.linalg import Vectors
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
+    digits = load_digits()
+    x_train, x_test, y_train, y_test = train_test_split(digits.data / 16.0, digits.target, test_size=0.2, random_state=0)
+
+    def frame(x: np.ndarray, y: np.ndarray) -> Any:
+        rows = [(Vectors.dense(row.tolist()), int(label)) for row, label in zip(x, y, strict=True)]
+        return spark.createDataFrame(rows, ["features", "label"])
+
+    return frame(x_train, y_train), frame(x_test, y_test)
+
+
+def digits_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Conv2d(1, 16, 3, padding=1), torch.nn.ReLU(), torch.nn.Flatten(), torch.nn.Linear(16 * 64, 10)
+    )
+
+
+def accuracy(predicted: Any) -> float:
+    rows = predicted.select("label", "label__output").collect()
+    return float(np.mean([int(np.argmax(row["label__output"].toArray())) == row["label"] for row in rows]))
+
+
+@pytest.mark.timeout(120)
+def test_fit_transform_save_and_load_on_the_digits(spark: Any, tmp_path: Any, capfd: pytest.CaptureFixture[str]) -> None:
+    train, test = digits_frames(spark)
+    model = digits_model()
+    estimator = TorchEstimator(
+        num_proc=2,
+        model=model,
+        optimizer=torch.optim.Adam(model.parameters(), lr=0.01),
+        loss=torch.nn.CrossEntropyLoss(),
+        feature_cols=["features"],
+        input_shapes=[[-1, 1, 8, 8]],
+        label_cols=["label"],
+        validation=0.1,
+        batch_size=32,
+        epochs=6,
+        store=Store.create(str(tmp_path / "store")),
+        random_seed=1,
+    )
+    fitted = estimator.fit(train)
+    output = capfd.readouterr().out
+    assert "[0]<stdout>:epoch 1/6: loss " in output and "[0]<stdout>:epoch 6/6: loss " in output, output[-2000:]
+    history = fitted.getHistory()
+    assert len(history["loss"]) == 6 and len(history["val_loss"]) == 6, history
+    assert history["loss"][-1] < history["loss"][0] / 3, history
+    predicted = fitted.transform(test)
+    assert predicted.columns == ["features", "label", "label__output"]
+    first = accuracy(predicted)
+    print(f"estimator on 2 processes: test accuracy {first:.4f}, history {history}")
+    assert first >= 0.95, first
+    assert os.path.exists(tmp_path / "store" / "runs" / fitted.getRunId() / "checkpoint" / "checkpoint.pt")
+    assert not os.path.exists(tmp_path / "store" / f"intermediate_train_data.{fitted.getRunId()}")  # cleaned up
+
+    fitted.save(str(tmp_path / "model"))
+    with pytest.raises(FileExistsError, match="overwrite"):
+        fitted.save(str(tmp_path / "model"))
+    loaded = TorchModel.load(str(tmp_path / "model"))
+    assert loaded.getHistory() == history and loaded.getFeatureColumns() == ["features"]
+    again = loaded.transform(test).select("label__output").collect()
+    before = predicted.select("label__output").collect()
+    assert [row[0] for row in again] == [row[0] for row in before]
+    assert isinstance(loaded.getOptimizer(), torch.optim.Adam) and loaded.getOptimizer().state
+
+
+def reference_frame(spark: Any, rows: int = 48) -> Any:
+    generator = np.random.default_rng(3)
+    x = generator.normal(size=(rows, 6))
+    y = x @ generator.normal(size=6) + 0.1 * generator.normal(size=rows)
+    return spark.createDataFrame([(row.tolist(), float(t)) for row, t in zip(x, y, strict=True)], ["x", "y"])
+
+
+def fitted_weights(df: Any, num_proc: int, batch_size: int, store: Any) -> dict[str, torch.Tensor]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1), torch.nn.Flatten(0))
+    fitted = TorchEstimator(
+        num_proc=num_proc,
+        model=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        loss=torch.nn.MSELoss(),
+        feature_cols=["x"],
+        label_cols=["y"],
+        batch_size=batch_size,
+        epochs=1,
+        train_steps_per_epoch=3,
+        shuffle=False,
+        store=store,
+        verbose=0,
+    ).fit(df)
+    return {name: value.detach().clone() for name, value in fitted.getModel().state_dict().items()}
+
+
+@pytest.mark.timeout(120)
+def test_two_ranks_at_batch_four_match_one_process_at_batch_eight(spark: Any, tmp_path: Any) -> None:
+    """Rank r reads rows r, r+2, ...: with shuffling off, step i of 2 ranks x 4 rows covers the 8 rows of step i of
+    one process, and the mean loss's gradient is the same. Tolerance 1e-5 (float32 sums in another order)."""
+    df = reference_frame(spark)
+    store = Store.create(str(tmp_path / "store"))
+    two = fitted_weights(df, 2, 4, store)
+    one = fitted_weights(df, 1, 8, store)
+    torch.manual_seed(0)
+    untouched = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1)).state_dict()
+    assert any(not torch.allclose(two[name], untouched[name]) for name in two)  # three steps moved the weights
+    for name in one:
+        assert torch.allclose(two[name], one[name], atol=1e-5, rtol=0), (name, (two[name] - one[name]).abs().max())
+
+
+def test_what_cannot_train_is_refused_before_anything_starts(spark: Any, tmp_path: Any) -> None:
+    df = reference_frame(spark, rows=6)
+    model = torch.nn.Linear(6, 1)
+    base = {
+        "num_proc": 2, "model": model, "optimizer": torch.optim.SGD(model.parameters(), lr=0.1),
+        "loss": torch.nn.MSELoss(), "feature_cols": ["x"], "label_cols": ["y"], "store": str(tmp_path), "verbose": 0,
+    }  # fmt: skip
+    with pytest.raises(ValueError, match=r"has no column\(s\) \['z'\]"):
+        TorchEstimator(**{**base, "feature_cols": ["z"]}).fit(df)
+    with pytest.raises(ValueError, match="6 training rows are fewer than batch_size"):
+        TorchEstimator(**base).fit(df)
+    other = torch.nn.Linear(6, 1)
+    with pytest.raises(ValueError, match="not the model's"):
+        TorchEstimator(**{**base, "optimizer": torch.optim.SGD(other.parameters(), lr=0.1)}).fit(df)
+    with pytest.raises(ValueError, match="loss is required"):
+        TorchEstimator(**{**base, "loss": None}).fit(df)
+    with pytest.raises(ValueError, match="2 loss"):
+        TorchEstimator(**{**base, "loss": [torch.nn.MSELoss()] * 2}).fit(df)
+    with pytest.raises(ValueError, match="not a local or shared path"):
+        Store.create("hdfs://namenode/data")
+    words = spark.createDataFrame([("a", 1.0)], ["x", "y"])
+    with pytest.raises(TypeError, match="column 'x' is string"):
+        TorchEstimator(**base).fit(words)
+    with pytest.raises(TypeError, match="metrics"):
+        TorchEstimator(**base, metrics=["accuracy"])
+    estimator = TorchEstimator(**base)
+    assert estimator.getBatchSize() == 32 and estimator.setBatchSize(2).getBatchSize() == 2
