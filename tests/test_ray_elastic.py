@@ -16,10 +16,10 @@ ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'shoa
 
 from ray.cluster_utils import Cluster  # noqa: E402
 
+from elastic_training import TOTAL_STEPS, elastic_training, wait_progress  # noqa: E402
 from shoal.ray import ElasticRayExecutor, RayExecutor  # noqa: E402
 
 TESTS = Path(__file__).resolve().parent
-TOTAL_STEPS = 80
 
 
 @pytest.fixture
@@ -38,65 +38,6 @@ def cluster() -> Iterator[Any]:
         local.shutdown()
 
 
-def elastic_training(progress: str, total_steps: int) -> dict[str, Any]:
-    """Regression, one commit per step; rank 0 writes "step size" to ``progress`` after each commit."""
-    import torch
-
-    import shoal.torch as hvd
-
-    hvd.init()
-    torch.manual_seed(0)
-    model = torch.nn.Linear(4, 1)
-    optimizer = hvd.DistributedOptimizer(
-        torch.optim.SGD(model.parameters(), lr=0.05), named_parameters=model.named_parameters()
-    )
-    state = hvd.elastic.TorchState(model=model, optimizer=optimizer, step=0, log=[])
-    restores = 0
-    committed_restore = state.restore
-
-    def counting_restore() -> None:
-        nonlocal restores
-        restores += 1
-        committed_restore()
-
-    state.restore = counting_restore  # type: ignore[method-assign]
-
-    @hvd.elastic.run
-    def train(state: Any) -> None:
-        while state.step < total_steps:
-            generator = torch.Generator().manual_seed(state.step)
-            x = torch.randn(8, 4, generator=generator)
-            y = x @ torch.tensor([[1.0], [-1.0], [2.0], [0.5]])
-            shard = slice(hvd.rank(), None, hvd.size())
-            optimizer.zero_grad()
-            torch.nn.functional.mse_loss(model(x[shard]), y[shard]).backward()
-            optimizer.step()
-            state.log.append([state.step, hvd.size()])
-            state.step += 1
-            state.commit()
-            if hvd.rank() == 0:
-                with open(progress, "w") as out:
-                    out.write(f"{state.step} {hvd.size()}")
-            time.sleep(0.05 if hvd.size() > 1 else 0.25)  # alone: slow enough for the new node to join before the end
-
-    train(state)
-    weight = model.weight.detach().flatten().tolist()
-    return {"rank": hvd.rank(), "size": hvd.size(), "log": state.log, "weight": weight, "restores": restores}
-
-
-def _wait_progress(path: Path, predicate: Any, timeout_s: float) -> tuple[int, int]:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            step, size = map(int, path.read_text().split())
-            if predicate(step, size):
-                return step, size
-        except (OSError, ValueError):
-            pass
-        time.sleep(0.1)
-    raise AssertionError(f"training never reached the expected progress; last: {path.read_text() if path.exists() else None}")
-
-
 def test_a_node_leaving_and_one_joining_cost_no_committed_step(cluster: Any, tmp_path: Path) -> None:
     progress = tmp_path / "progress"
     outcome: dict[str, Any] = {}
@@ -113,9 +54,9 @@ def test_a_node_leaving_and_one_joining_cost_no_committed_step(cluster: Any, tmp
 
     driver = threading.Thread(target=run, daemon=True)
     driver.start()
-    _wait_progress(progress, lambda step, size: size == 2 and step >= 8, 120)
+    wait_progress(progress, lambda step, size: size == 2 and step >= 8, 120)
     cluster.remove_node(cluster.worker_nodes[-1] if isinstance(cluster.worker_nodes, list) else list(cluster.worker_nodes)[-1])
-    _wait_progress(progress, lambda step, size: size == 1, 120)
+    wait_progress(progress, lambda step, size: size == 1, 120)
     cluster.add_node(num_cpus=1)
     driver.join(timeout=180)
     assert not driver.is_alive(), "the elastic job did not finish"
@@ -154,7 +95,7 @@ def test_a_draining_node_s_worker_leaves_at_a_commit_with_nothing_rolled_back(cl
 
     driver = threading.Thread(target=run, daemon=True)
     driver.start()
-    _wait_progress(progress, lambda step, size: size == 2 and step >= 8, 120)
+    wait_progress(progress, lambda step, size: size == 2 and step >= 8, 120)
     nodes = cluster.worker_nodes if isinstance(cluster.worker_nodes, list) else list(cluster.worker_nodes)
     gcs = ray._raylet.GcsClient(address=cluster.address)
     reason = autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION")

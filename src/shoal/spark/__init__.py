@@ -19,9 +19,15 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import IO, Any
 
-__all__ = ["LocalStore", "Store", "TorchEstimator", "TorchModel", "run"]
+__all__ = ["LocalStore", "Store", "TorchEstimator", "TorchModel", "run", "run_elastic"]
 
-_LAZY = {"TorchEstimator": "estimator", "TorchModel": "estimator", "Store": "store", "LocalStore": "store"}
+_LAZY = {
+    "TorchEstimator": "estimator",
+    "TorchModel": "estimator",
+    "Store": "store",
+    "LocalStore": "store",
+    "run_elastic": "elastic",
+}
 
 
 def __getattr__(name: str) -> Any:
@@ -92,13 +98,22 @@ class _Output:
     """Streams the ranks' output from the store to ``stdout``/``stderr``, as ``[rank]<stream>:line``."""
 
     def __init__(self, view: Any, num_proc: int, sinks: dict[str, IO[str]], timestamps: bool) -> None:
-        self._view, self._num_proc, self._sinks, self._timestamps = view, num_proc, sinks, timestamps
+        self._view, self._sinks, self._timestamps = view, sinks, timestamps
         self._read = {(rank, stream): 0 for rank in range(num_proc) for stream in sinks}
+        self._lock = threading.Lock()
+
+    def watch(self, label: int) -> None:
+        """Stream worker ``label``'s output too (elastic jobs start workers as they go)."""
+        with self._lock:
+            for stream in self._sinks:
+                self._read.setdefault((label, stream), 0)
 
     def drain(self) -> None:
         from shoal.spark._task import output_key
 
-        for (rank, stream), done in self._read.items():
+        with self._lock:
+            watched = list(self._read.items())
+        for (rank, stream), done in watched:
             count_key = output_key(rank, stream)
             if not self._view.check([count_key]):
                 continue

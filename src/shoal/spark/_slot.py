@@ -1,0 +1,158 @@
+"""The executor side of ``shoal.spark.run_elastic``: a Spark task that is a slot for elastic workers.
+
+Each slot is the one task of its own Spark job, so a slot that dies (its executor lost, its Python worker killed)
+fails only its own job. The task registers its host in the job's store, then waits for the driver's commands:
+command ``n`` is a worker's environment; the task starts ``python -m shoal.runner.task`` with it (in a session of
+its own, dying with the task), forwards the signals the driver sends, and reports the worker's exit code. It ends
+when the driver writes the job's ``end`` key.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+POLL_S = 0.1
+END_KEY = "slots/end"
+
+
+@dataclass(frozen=True)
+class SlotSettings:
+    """What every slot needs, shipped inside the task's closure (Spark's RPC, not a command line)."""
+
+    addr: str
+    port: int
+    secret: str
+    start_timeout: float
+    env: dict[str, str | None]
+    stream_output: bool
+    executable: str | None
+
+
+def slot_key(slot: int, *parts: object) -> str:
+    return "/".join(["slots", str(slot), *map(str, parts)])
+
+
+def _orphaned(parent: int) -> bool:
+    """True once the task's parent (the executor's Python daemon) is gone: the executor was lost."""
+    return os.getppid() != parent
+
+
+def _wait_for_command(store: Any, slot: int, index: int, parent: int) -> bytes | None:
+    """Command ``index``, or None once the job ends (or the executor is gone)."""
+    key = slot_key(slot, "cmd", index)
+    while not _orphaned(parent):
+        if store.check([key]):
+            return bytes(store.get(key))
+        if store.check([END_KEY]):
+            return None
+        time.sleep(POLL_S)
+    return None
+
+
+def _start_worker(settings: SlotSettings, command: dict[str, str]) -> subprocess.Popen[bytes]:
+    from shoal.config import LAUNCHER_PID_ENV
+    from shoal.runtime.watchdog import die_with_parent
+
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env.setdefault("OMP_NUM_THREADS", str(_task_cpus()))
+    for name, value in settings.env.items():
+        if value is None:
+            env.pop(name, None)
+        else:
+            env[name] = value
+    env.update(command)
+    env[LAUNCHER_PID_ENV] = str(os.getpid())
+    pipe = subprocess.PIPE if settings.stream_output else None
+    return subprocess.Popen(
+        [settings.executable or sys.executable, "-m", "shoal.runner.task"],
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=pipe,
+        stderr=pipe,
+        start_new_session=True,
+        preexec_fn=die_with_parent,
+    )
+
+
+def _task_cpus() -> int:
+    from pyspark import TaskContext
+
+    context = TaskContext.get()
+    return max(1, int(context.cpus())) if context is not None else 1
+
+
+def _serve(store: Any, slot: int, index: int, process: subprocess.Popen[bytes], parent: int) -> int:
+    """Forward the driver's signals for command ``index`` until the worker exits; its exit code (the worker is
+    ended when the executor is gone)."""
+    sent = 0
+    count_key = slot_key(slot, "sigs", index)
+    while process.poll() is None:
+        if _orphaned(parent):
+            return -int(signal.SIGKILL)  # the caller ends the worker's group
+        if store.check([count_key]):
+            for number in range(sent, int(store.add(count_key, 0))):
+                try:
+                    os.killpg(process.pid, int(store.get(slot_key(slot, "sig", index, number))))
+                except ProcessLookupError:
+                    pass
+                sent = number + 1
+        time.sleep(POLL_S)
+    return int(process.returncode)
+
+
+def run_slot(settings: SlotSettings, slot: int) -> Iterator[int]:
+    """The body of a slot's task; yields the number of workers it ran."""
+    from pyspark import TaskContext
+
+    from shoal.comm.store import connect_job_store
+    from shoal.runner.task import task_prefix
+    from shoal.spark._task import _end_group, _pump
+
+    context = TaskContext.get()
+    if context is not None and context.attemptNumber() > 0:
+        # Spark re-ran the task (its executor was lost): this slot's workers are gone, so the attempt ends at once
+        # and the driver puts a new slot in its place, rather than replaying commands meant for the first attempt.
+        yield 0
+        return
+    parent = os.getppid()
+    store = connect_job_store(
+        settings.addr, settings.port, settings.secret, settings.start_timeout, task_prefix(settings.secret)
+    )
+    store.set(slot_key(slot, "host"), socket.gethostname())
+    index = 0
+    while (raw := _wait_for_command(store, slot, index, parent)) is not None:
+        label, command = pickle.loads(raw)
+        process = _start_worker(settings, command)
+        pumps = []
+        if settings.stream_output:
+            for stream, pipe_end, echo in (
+                ("stdout", process.stdout, sys.stdout.buffer),
+                ("stderr", process.stderr, sys.stderr.buffer),
+            ):
+                pump = threading.Thread(target=_pump, args=(pipe_end, store, label, stream, echo), daemon=True)
+                pump.start()
+                pumps.append(pump)
+        try:
+            code = _serve(store, slot, index, process, parent)
+            for pump in pumps:
+                pump.join(timeout=5)
+        finally:
+            _end_group(process)
+        store.set(slot_key(slot, "exit", index), str(code))
+        index += 1
+    yield index
+
+
+def signal_number(sig: int) -> bytes:
+    """A signal as the driver writes it for a slot."""
+    return str(int(signal.Signals(sig))).encode()
