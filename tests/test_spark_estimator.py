@@ -17,7 +17,9 @@ pyspark = pytest.importorskip("pyspark", reason="pyspark is not installed (pip i
 import torch  # noqa: E402
 from pyspark.sql import SparkSession  # noqa: E402
 
-from shoal.spark import Store, TorchEstimator, TorchModel  # noqa: E402
+from shoal.spark import LightningEstimator, Store, TorchEstimator, TorchModel  # noqa: E402
+
+TESTS = os.path.dirname(os.path.abspath(__file__))
 
 
 @pytest.fixture(scope="module")
@@ -28,6 +30,7 @@ def spark() -> Iterator[Any]:
         .appName("shoal-estimator-tests")
         .config("spark.ui.enabled", "false")
         .config("spark.sql.shuffle.partitions", "2")
+        .config("spark.executorEnv.PYTHONPATH", TESTS)  # the workers unpickle this module's LightningModule
         .getOrCreate()
     )
     session.sparkContext.setLogLevel("ERROR")
@@ -106,6 +109,58 @@ def test_fit_transform_save_and_load_on_the_digits(spark: Any, tmp_path: Any, ca
     assert isinstance(loaded.getOptimizer(), torch.optim.Adam) and loaded.getOptimizer().state
 
 
+def lightning_digits() -> Any:
+    import lightning.pytorch as pl
+
+    class Digits(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = digits_model()
+
+        def forward(self, features: torch.Tensor) -> torch.Tensor:
+            return self.net(features)
+
+        def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+            loss = torch.nn.functional.cross_entropy(self(batch["features"]), batch["label"])
+            self.log("train_loss", loss, on_epoch=True, on_step=False, sync_dist=True)
+            return loss
+
+        def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+            loss = torch.nn.functional.cross_entropy(self(batch["features"]), batch["label"])
+            self.log("val_loss", loss, sync_dist=True)
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.Adam(self.parameters(), lr=0.01)
+
+    return Digits()
+
+
+@pytest.mark.timeout(150)
+def test_lightning_estimator_fits_a_lightning_module(spark: Any, tmp_path: Any, capfd: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("lightning", reason="Lightning is not installed (pip install 'shoal[lightning]')")
+    train, test = digits_frames(spark)
+    fitted = LightningEstimator(
+        num_proc=2,
+        model=lightning_digits(),
+        feature_cols=["features"],
+        input_shapes=[[-1, 1, 8, 8]],
+        label_cols=["label"],
+        validation=0.1,
+        batch_size=32,
+        epochs=6,
+        store=Store.create(str(tmp_path / "store")),
+    ).fit(train)
+    output = capfd.readouterr().out
+    assert "[0]<stdout>:epoch 6/6: train_loss " in output, output[-2000:]
+    history = fitted.getHistory()
+    assert len(history["train_loss"]) == 6 and len(history["val_loss"]) == 6, history
+    score = accuracy(fitted.transform(test))
+    print(f"Lightning estimator on 2 processes: test accuracy {score:.4f}, history {history}")
+    assert score >= 0.95, score
+    with pytest.raises(TypeError, match="LightningModule"):
+        LightningEstimator(model=torch.nn.Linear(2, 2), feature_cols=["x"], label_cols=["y"]).fit(train)
+
+
 def reference_frame(spark: Any, rows: int = 48) -> Any:
     generator = np.random.default_rng(3)
     x = generator.normal(size=(rows, 6))
@@ -113,7 +168,9 @@ def reference_frame(spark: Any, rows: int = 48) -> Any:
     return spark.createDataFrame([(row.tolist(), float(t)) for row, t in zip(x, y, strict=True)], ["x", "y"])
 
 
-def fitted_weights(df: Any, num_proc: int, batch_size: int, store: Any) -> dict[str, torch.Tensor]:
+def fitted_weights(
+    df: Any, num_proc: int, batch_size: int, store: Any, run_id: str | None = None, epochs: int = 1
+) -> tuple[dict[str, torch.Tensor], dict[str, list[float]]]:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1), torch.nn.Flatten(0))
     fitted = TorchEstimator(
@@ -124,13 +181,15 @@ def fitted_weights(df: Any, num_proc: int, batch_size: int, store: Any) -> dict[
         feature_cols=["x"],
         label_cols=["y"],
         batch_size=batch_size,
-        epochs=1,
+        epochs=epochs,
         train_steps_per_epoch=3,
         shuffle=False,
         store=store,
+        run_id=run_id,
         verbose=0,
     ).fit(df)
-    return {name: value.detach().clone() for name, value in fitted.getModel().state_dict().items()}
+    weights = {name: value.detach().clone() for name, value in fitted.getModel().state_dict().items()}
+    return weights, fitted.getHistory()
 
 
 @pytest.mark.timeout(120)
@@ -139,13 +198,22 @@ def test_two_ranks_at_batch_four_match_one_process_at_batch_eight(spark: Any, tm
     one process, and the mean loss's gradient is the same. Tolerance 1e-5 (float32 sums in another order)."""
     df = reference_frame(spark)
     store = Store.create(str(tmp_path / "store"))
-    two = fitted_weights(df, 2, 4, store)
-    one = fitted_weights(df, 1, 8, store)
+    two, history = fitted_weights(df, 2, 4, store, run_id="two")
+    one, _ = fitted_weights(df, 1, 8, store)
     torch.manual_seed(0)
     untouched = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1)).state_dict()
     assert any(not torch.allclose(two[name], untouched[name]) for name in two)  # three steps moved the weights
     for name in one:
         assert torch.allclose(two[name], one[name], atol=1e-5, rtol=0), (name, (two[name] - one[name]).abs().max())
+    # The same run_id with a second epoch resumes from the first's checkpoint: one more epoch, not two. (Marked: a
+    # fresh run would compute the same first loss, so the checkpoint's history is changed to tell them apart.)
+    checkpoint = os.path.join(store.get_checkpoint_path("two"), store.get_checkpoint_filename())
+    saved = torch.load(checkpoint, weights_only=False)
+    saved["history"]["loss"] = [123.0]
+    torch.save(saved, checkpoint)
+    resumed, more = fitted_weights(df, 2, 4, store, run_id="two", epochs=2)
+    assert len(more["loss"]) == 2 and more["loss"][0] == 123.0 and history["loss"][0] != 123.0, (history, more)
+    assert any(not torch.allclose(resumed[name], two[name]) for name in two)
 
 
 def test_what_cannot_train_is_refused_before_anything_starts(spark: Any, tmp_path: Any) -> None:

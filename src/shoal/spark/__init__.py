@@ -19,9 +19,10 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import IO, Any
 
-__all__ = ["LocalStore", "Store", "TorchEstimator", "TorchModel", "run", "run_elastic"]
+__all__ = ["LightningEstimator", "LocalStore", "Store", "TorchEstimator", "TorchModel", "run", "run_elastic"]
 
 _LAZY = {
+    "LightningEstimator": "estimator",
     "TorchEstimator": "estimator",
     "TorchModel": "estimator",
     "Store": "store",

@@ -13,16 +13,46 @@ import numpy as np
 
 
 @dataclass(frozen=True)
-class TrainSpec:
-    """Everything a rank needs, shipped from the driver (cloudpickled with ``shoal.spark.run``'s payload)."""
+class OptimizerSpec:
+    """An optimizer as it travels: its class, hyperparameters, groups (as indices into ``model.parameters()``) and
+    state, so that it can be rebuilt on another copy of the model."""
+
+    cls: type
+    defaults: dict[str, Any]
+    groups: list[list[int]]
+    state: dict[str, Any]
+
+    @staticmethod
+    def of(model: Any, optimizer: Any) -> OptimizerSpec:
+        index = {id(param): position for position, param in enumerate(model.parameters())}
+        groups = []
+        for group in optimizer.param_groups:
+            if any(id(param) not in index for param in group["params"]):
+                raise ValueError(
+                    "shoal.spark.TorchEstimator: the optimizer holds parameters that are not the model's; build it on "
+                    "model.parameters()"
+                )
+            groups.append([index[id(param)] for param in group["params"]])
+        return OptimizerSpec(type(optimizer), dict(optimizer.defaults), groups, optimizer.state_dict())
+
+    def build(self, model: Any) -> Any:
+        """The optimizer on ``model``'s parameters, hyperparameters and state included."""
+        params = list(model.parameters())
+        groups = [{"params": [params[index] for index in group]} for group in self.groups]
+        try:
+            optimizer = self.cls(groups, **self.defaults)
+        except TypeError:  # a constructor that does not take its own defaults back
+            optimizer = self.cls(groups)
+        optimizer.load_state_dict(self.state)
+        return optimizer
+
+
+@dataclass(frozen=True)
+class DataSpec:
+    """What every estimator's ranks need: the model, the data and the loop (shipped from the driver, cloudpickled
+    with ``shoal.spark.run``'s payload)."""
 
     model: Any
-    optimizer_class: type
-    optimizer_defaults: dict[str, Any]
-    optimizer_groups: list[list[int]]  # each group's parameters, as indices into model.parameters()
-    optimizer_state: dict[str, Any]
-    losses: list[Any]
-    loss_weights: list[float]
     feature_cols: list[str]
     label_cols: list[str]
     input_shapes: list[list[int] | None]
@@ -38,25 +68,21 @@ class TrainSpec:
     val_path: str | None
     checkpoint_file: str
     verbose: int
+    use_gpu: bool
+
+
+@dataclass(frozen=True)
+class TrainSpec(DataSpec):
+    """The torch estimator's: the optimizer and losses too."""
+
+    optimizer: OptimizerSpec | None = None
+    losses: list[Any] = field(default_factory=list)
+    loss_weights: list[float] = field(default_factory=list)
     backward_passes_per_step: int = 1
     compression: Any = None
-    use_gpu: bool = True
-    history: dict[str, list[float]] = field(default_factory=dict)
 
 
-def _optimizer(spec: TrainSpec, model: Any) -> Any:
-    """The driver's optimizer rebuilt on this rank's copy of the model, hyperparameters and state included."""
-    params = list(model.parameters())
-    groups = [{"params": [params[index] for index in group]} for group in spec.optimizer_groups]
-    try:
-        optimizer = spec.optimizer_class(groups, **spec.optimizer_defaults)
-    except TypeError:  # a constructor that does not take its own defaults back
-        optimizer = spec.optimizer_class(groups)
-    optimizer.load_state_dict(spec.optimizer_state)
-    return optimizer
-
-
-def _batch(spec: TrainSpec, data: dict[str, np.ndarray[Any, Any]], rows: np.ndarray[Any, Any], device: Any) -> Any:
+def _batch(spec: DataSpec, data: dict[str, np.ndarray[Any, Any]], rows: np.ndarray[Any, Any], device: Any) -> Any:
     """Feature and label tensors for ``rows`` of this rank's share."""
     from shoal.spark._data import as_tensor
 
@@ -112,7 +138,7 @@ def _resume(spec: TrainSpec, model: Any, optimizer: Any) -> tuple[int, dict[str,
     import torch
 
     if not os.path.exists(spec.checkpoint_file):
-        return 0, {name: list(values) for name, values in spec.history.items()}
+        return 0, {}
     state = torch.load(spec.checkpoint_file, map_location="cpu", weights_only=False)
     model.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
@@ -134,7 +160,8 @@ def train(spec: TrainSpec) -> dict[str, Any] | None:
         device = torch.device("cuda", hvd.local_rank())
         torch.cuda.set_device(device)
     model = spec.model.to(device)
-    optimizer = _optimizer(spec, model)
+    assert spec.optimizer is not None
+    optimizer = spec.optimizer.build(model)
     first_epoch, history = _resume(spec, model, optimizer)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     hvd.broadcast_optimizer_state(optimizer, root_rank=0)

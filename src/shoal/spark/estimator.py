@@ -18,6 +18,7 @@ import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 from pyspark import keyword_only
@@ -25,9 +26,10 @@ from pyspark.ml import Estimator, Model
 from pyspark.ml.param import Param, Params
 from pyspark.ml.util import MLReadable, MLReader, MLWritable, MLWriter
 
+from shoal.spark._remote import OptimizerSpec, TrainSpec
 from shoal.spark.store import Store
 
-__all__ = ["TorchEstimator", "TorchModel"]
+__all__ = ["LightningEstimator", "TorchEstimator", "TorchModel"]
 
 _ESTIMATOR_PARAMS: dict[str, tuple[str, Any]] = {  # name: (what it is, default)
     "num_proc": ("ranks (one Spark task each); default spark.default.parallelism", None),
@@ -91,6 +93,9 @@ class TorchEstimator(Estimator, MLWritable):
     parameters and what differs. ``fit(df)`` returns a ``TorchModel``.
     """
 
+    _title = "shoal.spark.TorchEstimator"
+    _required: tuple[str, ...] = ("model", "optimizer", "loss", "feature_cols", "label_cols")
+
     @keyword_only
     def __init__(
         self,
@@ -135,10 +140,8 @@ class TorchEstimator(Estimator, MLWritable):
     def _fit(self, df: Any) -> TorchModel:
         from shoal.spark import run
         from shoal.spark._data import row_count
-        from shoal.spark._remote import TrainSpec
 
         self._check()
-        shipped = _optimizer_spec(self.getOrDefault("model"), self.getOrDefault("optimizer"))
         context = df.sparkSession.sparkContext
         num_proc = self.getOrDefault("num_proc") or int(context.defaultParallelism)
         store = self._store(context)
@@ -150,28 +153,28 @@ class TorchEstimator(Estimator, MLWritable):
         steps = self.getOrDefault("train_steps_per_epoch") or train_rows // (self.getOrDefault("batch_size") * num_proc)
         if steps < 1:
             raise ValueError(
-                f"shoal.spark.TorchEstimator: {train_rows} training rows are fewer than batch_size "
+                f"{self._title}: {train_rows} training rows are fewer than batch_size "
                 f"({self.getOrDefault('batch_size')}) x num_proc ({num_proc}); lower either, or set train_steps_per_epoch"
             )
-        spec = TrainSpec(
-            **shipped,
-            **self._training_settings(),
-            train_steps=int(steps),
-            train_path=train_path,
-            val_path=has_val,
-            checkpoint_file=os.path.join(store.get_checkpoint_path(run_id), store.get_checkpoint_filename()),
+        spec = self._spec(
+            {
+                **self._data_settings(),
+                "train_steps": int(steps),
+                "train_path": train_path,
+                "val_path": has_val,
+                "checkpoint_file": os.path.join(store.get_checkpoint_path(run_id), store.get_checkpoint_filename()),
+            }
         )
         verbose = self.getOrDefault("verbose")
         if verbose >= 1:
             print(
-                f"shoal.spark.TorchEstimator: run {run_id}: {train_rows} training rows, {num_proc} processes, "
-                f"{steps} steps per epoch",
+                f"{self._title}: run {run_id}: {train_rows} training rows, {num_proc} processes, {steps} steps per epoch",
                 file=sys.stderr,
                 flush=True,
             )
         try:
             results = run(
-                _train_entry, args=(spec,), num_proc=num_proc, verbose=max(0, verbose - 1),
+                self._entry(), args=(spec,), num_proc=num_proc, verbose=max(0, verbose - 1),
                 stdout=sys.stdout if verbose >= 1 else None, stderr=sys.stderr if verbose >= 1 else None,
             )  # fmt: skip
         finally:
@@ -181,25 +184,29 @@ class TorchEstimator(Estimator, MLWritable):
 
     def _check(self) -> None:
         """Refuse what cannot train, before anything is written or started."""
-        for name in ("model", "optimizer", "loss", "feature_cols", "label_cols"):
+        for name in self._required:
             if not self.getOrDefault(name):
-                raise ValueError(f"shoal.spark.TorchEstimator: {name} is required")
+                raise ValueError(f"{self._title}: {name} is required")
+        for name in ("batch_size", "epochs"):
+            if int(self.getOrDefault(name)) < 1:
+                raise ValueError(f"{self._title}: {name} must be >= 1, got {self.getOrDefault(name)}")
+        validation = self.getOrDefault("validation")
+        if isinstance(validation, float) and not 0.0 <= validation < 1.0:
+            raise ValueError(f"{self._title}: a validation fraction must be in [0, 1), got {validation}")
+        self._check_more()
+
+    def _check_more(self) -> None:
         if self.getOrDefault("callbacks"):
             raise ValueError(
-                "shoal.spark.TorchEstimator: callbacks are not used by the torch estimator (Horovod's ignores them); pass none"
+                f"{self._title}: callbacks are not used by the torch estimator (Horovod's ignores them); pass none"
             )
         losses = self._losses()
         if len(losses) != len(self.getOrDefault("label_cols")):
             raise ValueError(
-                f"shoal.spark.TorchEstimator: {len(losses)} loss(es) for {len(self.getOrDefault('label_cols'))} label "
+                f"{self._title}: {len(losses)} loss(es) for {len(self.getOrDefault('label_cols'))} label "
                 "column(s); give one loss, or one per label column"
             )
-        for name in ("batch_size", "epochs"):
-            if int(self.getOrDefault(name)) < 1:
-                raise ValueError(f"shoal.spark.TorchEstimator: {name} must be >= 1, got {self.getOrDefault(name)}")
-        validation = self.getOrDefault("validation")
-        if isinstance(validation, float) and not 0.0 <= validation < 1.0:
-            raise ValueError(f"shoal.spark.TorchEstimator: a validation fraction must be in [0, 1), got {validation}")
+        OptimizerSpec.of(self.getOrDefault("model"), self.getOrDefault("optimizer"))  # the model's parameters?
 
     def _losses(self) -> list[Any]:
         loss = self.getOrDefault("loss")
@@ -216,20 +223,18 @@ class TorchEstimator(Estimator, MLWritable):
         master = context.master
         if not master.startswith("local"):
             raise ValueError(
-                f"shoal.spark.TorchEstimator: store is required on a cluster (master {master!r}): "
+                f"{self._title}: store is required on a cluster (master {master!r}): "
                 "store=shoal.spark.Store.create('/a/path/every/executor/mounts')"
             )
         return Store.create(tempfile.mkdtemp(prefix="shoal-store-"))
 
-    def _training_settings(self) -> dict[str, Any]:
-        """The TrainSpec fields that come straight from the parameters."""
+    def _data_settings(self) -> dict[str, Any]:
+        """The DataSpec fields that come straight from the parameters."""
         features, labels = list(self.getOrDefault("feature_cols")), list(self.getOrDefault("label_cols"))
-        weights = self.getOrDefault("loss_weights") or [1.0] * len(labels)
         batch = int(self.getOrDefault("batch_size"))
         seed = self.getOrDefault("random_seed")
         return {
-            "losses": self._losses(),
-            "loss_weights": [float(weight) for weight in weights],
+            "model": self.getOrDefault("model"),
             "feature_cols": features,
             "label_cols": labels,
             "input_shapes": list(self.getOrDefault("input_shapes") or [None] * len(features)),
@@ -241,10 +246,24 @@ class TorchEstimator(Estimator, MLWritable):
             "shuffle": bool(self.getOrDefault("shuffle")),
             "seed": 0 if seed is None else int(seed),
             "verbose": int(self.getOrDefault("verbose")),
-            "backward_passes_per_step": int(self.getOrDefault("backward_passes_per_step")),
-            "compression": self.getOrDefault("gradient_compression"),
             "use_gpu": bool(self.getOrDefault("use_gpu")),
         }
+
+    def _spec(self, data: dict[str, Any]) -> Any:
+        """What each rank runs with: the data settings, and the optimizer and losses."""
+        labels = data["label_cols"]
+        weights = self.getOrDefault("loss_weights") or [1.0] * len(labels)
+        return TrainSpec(
+            **data,
+            optimizer=OptimizerSpec.of(self.getOrDefault("model"), self.getOrDefault("optimizer")),
+            losses=self._losses(),
+            loss_weights=[float(weight) for weight in weights],
+            backward_passes_per_step=int(self.getOrDefault("backward_passes_per_step")),
+            compression=self.getOrDefault("gradient_compression"),
+        )
+
+    def _entry(self) -> Callable[..., Any]:
+        return _train_entry
 
     def _model(self, result: dict[str, Any], run_id: str, metadata: dict[str, str]) -> TorchModel:
         import torch
@@ -253,7 +272,7 @@ class TorchEstimator(Estimator, MLWritable):
         model = copy.deepcopy(self.getOrDefault("model"))
         model.load_state_dict(state["model"])
         model.eval()
-        optimizer = _rebuilt_optimizer(self.getOrDefault("optimizer"), self.getOrDefault("model"), model)
+        optimizer = OptimizerSpec.of(self.getOrDefault("model"), self.getOrDefault("optimizer")).build(model)
         optimizer.load_state_dict(state["optimizer"])
         return TorchModel(
             history=result["history"],
@@ -268,12 +287,89 @@ class TorchEstimator(Estimator, MLWritable):
         )
 
     def write(self) -> MLWriter:
-        raise NotImplementedError(
-            "shoal.spark.TorchEstimator: saving an unfitted estimator is not supported; save the fitted TorchModel"
-        )
+        raise NotImplementedError(f"{self._title}: saving an unfitted estimator is not supported; save the fitted TorchModel")
 
 
 _declare(TorchEstimator, _ESTIMATOR_PARAMS)
+
+
+class LightningEstimator(TorchEstimator):
+    """Spark Estimator that fits a Lightning ``LightningModule`` to a DataFrame on ``num_proc`` Shoal ranks.
+
+    Horovod's ``horovod.spark.lightning.TorchEstimator``: each rank runs ``lightning.pytorch.Trainer`` with
+    ``shoal.lightning.ShoalStrategy`` on its share of the rows. The module brings its own
+    ``configure_optimizers`` and ``training_step`` (and ``validation_step`` when ``validation`` is set); each batch
+    is a dict of tensors keyed by column name. ``callbacks`` are Lightning callbacks. ``fit(df)`` returns a
+    ``TorchModel`` around the trained module (``transform`` calls its ``forward``).
+    """
+
+    _title = "shoal.spark.LightningEstimator"
+    _required = ("model", "feature_cols", "label_cols")
+
+    @keyword_only
+    def __init__(
+        self,
+        *,
+        num_proc: int | None = None,
+        model: Any = None,
+        store: Store | str | None = None,
+        feature_cols: list[str] | None = None,
+        input_shapes: list[list[int]] | None = None,
+        validation: float | str | None = None,
+        label_cols: list[str] | None = None,
+        label_shapes: list[list[int]] | None = None,
+        callbacks: list[Any] | None = None,
+        batch_size: int = 32,
+        val_batch_size: int | None = None,
+        epochs: int = 1,
+        verbose: int = 1,
+        random_seed: int | None = None,
+        shuffle: bool = True,
+        run_id: str | None = None,
+        train_steps_per_epoch: int | None = None,
+        validation_steps_per_epoch: int | None = None,
+        use_gpu: bool = True,
+    ) -> None:
+        Estimator.__init__(self)
+        self._setDefault(**{name: default for name, (_doc, default) in _ESTIMATOR_PARAMS.items()})
+        self._set(**self.__dict__["_input_kwargs"])
+
+    def _check_more(self) -> None:
+        import lightning.pytorch as pl
+
+        if not isinstance(self.getOrDefault("model"), pl.LightningModule):
+            raise TypeError(f"{self._title}: model must be a lightning.pytorch.LightningModule")
+
+    def _spec(self, data: dict[str, Any]) -> Any:
+        from shoal.spark._lightning import LightningSpec
+
+        return LightningSpec(**data, callbacks=list(self.getOrDefault("callbacks") or []))
+
+    def _entry(self) -> Callable[..., Any]:
+        return _lightning_entry
+
+    def _model(self, result: dict[str, Any], run_id: str, metadata: dict[str, str]) -> TorchModel:
+        import torch
+
+        model = copy.deepcopy(self.getOrDefault("model"))
+        model.load_state_dict(torch.load(io.BytesIO(result["state"]), map_location="cpu", weights_only=False))
+        model.eval()
+        return TorchModel(
+            history=result["history"],
+            model=model,
+            feature_columns=list(self.getOrDefault("feature_cols")),
+            label_columns=list(self.getOrDefault("label_cols")),
+            input_shapes=self.getOrDefault("input_shapes"),
+            run_id=run_id,
+            _metadata=metadata,
+        )
+
+
+def _lightning_entry(spec: Any) -> Any:
+    """What each rank of a ``LightningEstimator`` runs."""
+    from shoal.spark._lightning import train_lightning
+
+    return train_lightning(spec)
 
 
 def _train_entry(spec: Any) -> Any:
@@ -281,44 +377,6 @@ def _train_entry(spec: Any) -> Any:
     from shoal.spark._remote import train
 
     return train(spec)
-
-
-def _optimizer_spec(model: Any, optimizer: Any) -> dict[str, Any]:
-    """The model and optimizer as TrainSpec ships them: the optimizer's groups as indices into the model's
-    parameters, so that a rank rebuilds it on its own copy of the model."""
-    index = {id(param): position for position, param in enumerate(model.parameters())}
-    groups = []
-    for group in optimizer.param_groups:
-        missing = [param for param in group["params"] if id(param) not in index]
-        if missing:
-            raise ValueError(
-                "shoal.spark.TorchEstimator: the optimizer holds parameters that are not the model's; build it on "
-                "model.parameters()"
-            )
-        groups.append([index[id(param)] for param in group["params"]])
-    return {
-        "model": model,
-        "optimizer_class": type(optimizer),
-        "optimizer_defaults": dict(optimizer.defaults),
-        "optimizer_groups": groups,
-        "optimizer_state": optimizer.state_dict(),
-    }
-
-
-def _rebuilt_optimizer(optimizer: Any, old_model: Any, new_model: Any) -> Any:
-    """``optimizer``'s class and groups, on ``new_model``'s parameters."""
-    from shoal.spark._remote import TrainSpec, _optimizer
-
-    shipped = _optimizer_spec(old_model, optimizer)
-    shipped["model"] = new_model
-    return _optimizer(TrainSpec(**shipped, **_EMPTY_TRAINING), new_model)
-
-
-_EMPTY_TRAINING: dict[str, Any] = {
-    "losses": [], "loss_weights": [], "feature_cols": [], "label_cols": [], "input_shapes": [], "label_shapes": [],
-    "batch_size": 1, "val_batch_size": 1, "epochs": 0, "train_steps": 0, "val_steps": None, "shuffle": False,
-    "seed": 0, "train_path": "", "val_path": None, "checkpoint_file": "", "verbose": 0,
-}  # fmt: skip
 
 
 def _write_data(estimator: TorchEstimator, df: Any, train_path: str, val_path: str) -> dict[str, str]:
@@ -334,7 +392,7 @@ def _write_data(estimator: TorchEstimator, df: Any, train_path: str, val_path: s
     fields = {field.name: field.dataType for field in df.schema.fields}
     missing = [name for name in wanted if name not in fields]
     if missing:
-        raise ValueError(f"shoal.spark.TorchEstimator: the DataFrame has no column(s) {missing}; it has {sorted(fields)}")
+        raise ValueError(f"{estimator._title}: the DataFrame has no column(s) {missing}; it has {sorted(fields)}")
     selected = []
     for name in dict.fromkeys([*features, *labels]):  # a column both feature and label is written once
         kind = fields[name]
@@ -346,8 +404,7 @@ def _write_data(estimator: TorchEstimator, df: Any, train_path: str, val_path: s
             selected.append(F.col(name))
         else:
             raise TypeError(
-                f"shoal.spark.TorchEstimator: column {name!r} is {kind.simpleString()}; use numbers, arrays of numbers "
-                "or ML vectors"
+                f"{estimator._title}: column {name!r} is {kind.simpleString()}; use numbers, arrays of numbers or ML vectors"
             )
     if isinstance(validation, str):
         train, val = df.filter(~F.col(validation).cast("boolean")), df.filter(F.col(validation).cast("boolean"))
@@ -472,7 +529,7 @@ class _TorchModelWriter(MLWriter):
         optimizer = model.getOrDefault("optimizer")
         payload = {
             "model": model.getOrDefault("model"),
-            "optimizer": None if optimizer is None else _optimizer_spec(model.getOrDefault("model"), optimizer),
+            "optimizer": None if optimizer is None else OptimizerSpec.of(model.getOrDefault("model"), optimizer),
             "loss": model.getOrDefault("loss"),
         }
         with open(os.path.join(path, "model.pkl"), "wb") as handle:
@@ -488,11 +545,7 @@ class _TorchModelReader(MLReader):
             raise ValueError(f"shoal.spark.TorchModel: {path} holds no saved TorchModel")
         with open(os.path.join(path, "model.pkl"), "rb") as handle:
             payload = pickle.load(handle)  # a file this class wrote: loading runs code, as torch.load does
-        optimizer = None
-        if payload["optimizer"] is not None:
-            from shoal.spark._remote import TrainSpec, _optimizer
-
-            optimizer = _optimizer(TrainSpec(**payload["optimizer"], **_EMPTY_TRAINING), payload["model"])
+        optimizer = None if payload["optimizer"] is None else payload["optimizer"].build(payload["model"])
         return TorchModel(model=payload["model"], optimizer=optimizer, loss=payload["loss"], **meta["params"])
 
 
