@@ -12,6 +12,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -59,6 +60,30 @@ def _alone_or_together(request: pytest.FixtureRequest) -> Iterator[None]:
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
             fcntl.flock(gate, fcntl.LOCK_UN)
+
+
+@pytest.fixture(scope="session")
+def spark() -> Iterator[Any]:
+    """One local Spark (``local[2]``) per test process, shared by every Spark test module (a session takes seconds
+    to start). Its Python workers are this interpreter (which has Shoal), see this directory (the tests' functions and
+    modules travel by reference), and are not reused between tasks."""
+    pytest.importorskip("pyspark", reason="pyspark is not installed (pip install 'shoal[spark]')")
+    from pyspark.sql import SparkSession
+
+    os.environ["PYSPARK_PYTHON"] = sys.executable
+    tests = os.path.dirname(os.path.abspath(__file__))
+    session = (
+        SparkSession.builder.master("local[2]")
+        .appName("shoal-tests")
+        .config("spark.ui.enabled", "false")
+        .config("spark.sql.shuffle.partitions", "2")
+        .config("spark.python.worker.reuse", "false")
+        .config("spark.executorEnv.PYTHONPATH", tests)
+        .getOrCreate()
+    )
+    session.sparkContext.setLogLevel("ERROR")
+    yield session
+    session.stop()
 
 
 def process_alive(pid: int) -> bool:

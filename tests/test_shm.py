@@ -226,3 +226,29 @@ def test_segment_layout_numbers() -> None:
     assert group.slices(10) == [(0, 4), (4, 7), (7, 10)]
     assert group.slices(2) == [(0, 1), (1, 2), (2, 2)]
     assert np.sum([b - a for a, b in group.slices(12345)]) == 12345
+
+
+def test_a_closed_arena_or_group_leaves_the_tensors_that_view_it_valid() -> None:
+    """``torch.frombuffer`` keeps the mmap object alive but holds no buffer export, so an explicit ``mmap.close()``
+    would unmap memory a gradient (or an engine thread) still views: a segfault on the next touch. Closing drops
+    the mappings instead; this child process would die of SIGSEGV otherwise."""
+    code = textwrap.dedent(
+        """
+        import gc, os, torch
+        from shoal.comm.shared_arena import SharedArena, create_segment, unlink
+        from shoal.comm.shm import SharedMemoryGroup, job_token
+        token = job_token("arena-close-test")
+        path = create_segment(token, "localhost", 4096)
+        arena = SharedArena([path], 0, 4096, token, "localhost")
+        unlink(path)
+        grad = arena.own()[64:128].view(torch.float32)
+        arena.close()
+        del arena
+        gc.collect()
+        grad.fill_(2.0)
+        print(float(grad.sum()))
+        """
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, (result.returncode, result.stderr[-2000:])
+    assert result.stdout.strip() == "32.0"

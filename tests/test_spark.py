@@ -6,38 +6,18 @@ from __future__ import annotations
 import io
 import os
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
 pyspark = pytest.importorskip("pyspark", reason="pyspark is not installed (pip install 'shoal[spark]')")
 
-from pyspark.sql import SparkSession  # noqa: E402
 
 import shoal.spark  # noqa: E402
 from conftest import process_alive  # noqa: E402
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 ENV = {"PYTHONPATH": TESTS}  # the workers unpickle this module's functions by reference
-
-
-@pytest.fixture(scope="module")
-def spark() -> Iterator[Any]:
-    import sys
-
-    os.environ["PYSPARK_PYTHON"] = sys.executable  # the executors' Python: this one, which has Shoal
-    session = (
-        SparkSession.builder.master("local[2]")
-        .appName("shoal-tests")
-        .config("spark.ui.enabled", "false")
-        .config("spark.sql.shuffle.partitions", "2")
-        .config("spark.python.worker.reuse", "false")
-        .getOrCreate()
-    )
-    session.sparkContext.setLogLevel("ERROR")
-    yield session
-    session.stop()
 
 
 def topology_and_sum(scale: float) -> dict[str, Any]:

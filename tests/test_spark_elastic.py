@@ -6,10 +6,8 @@ from __future__ import annotations
 
 import os
 import signal
-import sys
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -17,28 +15,12 @@ import pytest
 
 pyspark = pytest.importorskip("pyspark", reason="pyspark is not installed (pip install 'shoal[spark]')")
 
-from pyspark.sql import SparkSession  # noqa: E402
 
 import shoal.spark  # noqa: E402
 from conftest import process_alive  # noqa: E402
 from elastic_training import TOTAL_STEPS, elastic_training, wait_progress  # noqa: E402
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
-
-
-@pytest.fixture(scope="module")
-def spark() -> Iterator[Any]:
-    os.environ["PYSPARK_PYTHON"] = sys.executable
-    session = (
-        SparkSession.builder.master("local[2]")
-        .appName("shoal-elastic-tests")
-        .config("spark.ui.enabled", "false")
-        .config("spark.python.worker.reuse", "false")
-        .getOrCreate()
-    )
-    session.sparkContext.setLogLevel("ERROR")
-    yield session
-    session.stop()
 
 
 @pytest.mark.timeout(180)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -15,27 +14,10 @@ import pytest
 pyspark = pytest.importorskip("pyspark", reason="pyspark is not installed (pip install 'shoal[spark]')")
 
 import torch  # noqa: E402
-from pyspark.sql import SparkSession  # noqa: E402
 
 from shoal.spark import LightningEstimator, Store, TorchEstimator, TorchModel  # noqa: E402
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
-
-
-@pytest.fixture(scope="module")
-def spark() -> Iterator[Any]:
-    os.environ["PYSPARK_PYTHON"] = sys.executable
-    session = (
-        SparkSession.builder.master("local[2]")
-        .appName("shoal-estimator-tests")
-        .config("spark.ui.enabled", "false")
-        .config("spark.sql.shuffle.partitions", "2")
-        .config("spark.executorEnv.PYTHONPATH", TESTS)  # the workers unpickle this module's LightningModule
-        .getOrCreate()
-    )
-    session.sparkContext.setLogLevel("ERROR")
-    yield session
-    session.stop()
 
 
 def digits_frames(spark: Any) -> tuple[Any, Any]:
@@ -243,3 +225,25 @@ def test_what_cannot_train_is_refused_before_anything_starts(spark: Any, tmp_pat
         TorchEstimator(**base, metrics=["accuracy"])
     estimator = TorchEstimator(**base)
     assert estimator.getBatchSize() == 32 and estimator.setBatchSize(2).getBatchSize() == 2
+
+
+def test_horovod_spark_imports_map_to_shoal_spark_under_horovod_compat() -> None:
+    """``import horovod.spark`` and the estimators' and store's Horovod module paths resolve to ``shoal.spark``."""
+    import subprocess
+
+    from conftest import SHOALRUN, clean_env
+
+    code = (
+        "import horovod.spark, shoal.spark, shoal.spark.estimator as e, shoal.spark.store as s\n"
+        "from horovod.spark.torch import TorchEstimator, TorchModel\n"
+        "from horovod.spark.lightning import TorchEstimator as LightningTorchEstimator\n"
+        "from horovod.spark.common.store import Store, LocalStore\n"
+        "print(horovod.spark is shoal.spark, horovod.spark.run is shoal.spark.run,\n"
+        "      horovod.spark.run_elastic is shoal.spark.run_elastic, TorchEstimator is e.TorchEstimator,\n"
+        "      TorchModel is e.TorchModel, LightningTorchEstimator is e.LightningEstimator, Store is s.Store,\n"
+        "      LocalStore is s.LocalStore)\n"
+    )
+    command = [*SHOALRUN, "--horovod-compat", "-np", "1", sys.executable, "-c", code]
+    result = subprocess.run(command, env=clean_env(), capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip() == "[0]<stdout>:" + " ".join(["True"] * 8), result.stdout

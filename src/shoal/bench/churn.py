@@ -7,7 +7,8 @@ digits; needs ``pip install 'shoal[examples]'``) for ``--minutes`` twice, under 
 2. an elastic job over the same hosts (``--host-discovery-script``, ``--min-np 1``, ``--blacklist-cooldown-range``)
    while, at random times (exponential gaps of mean ``--mean-interval`` seconds, from ``--seed``), one of these
    happens: a worker is SIGKILLed (``kill``), a worker gets SIGTERM, a preemption notice (``term``), a host leaves
-   the discovery output (``remove``), a removed host comes back (``return``).
+   the discovery output (``remove``). A removed host comes back (``return``) after its own exponential delay, of
+   mean ``--return-after`` seconds (default ``--mean-interval``), as a preempted machine is replaced.
 
 The hosts are this machine under several local names (``localhost``, ``127.0.0.1``, its host name), so the workers
 form separate hosts that talk over loopback TCP; each worker uses one thread. Progress (events, shoalrun's
@@ -46,6 +47,8 @@ from typing import Any
 
 SHOALRUN = [sys.executable, "-m", "shoal.runner"]
 KINDS = ("kill", "term", "remove", "return")
+DRAWN = ("kill", "term", "remove")
+"""The kinds drawn at random times; each ``remove`` schedules its host's ``return``."""
 _PID_LINE = re.compile(r"churn worker pid (\d+) host (\S+)")
 _JOINED_LINE = re.compile(r"churn worker pid (\d+) joined")
 _REFORM_LINE = re.compile(r"shoalrun: re-forming the job with \d+ workers \((.*)\); reset \d+")
@@ -291,7 +294,7 @@ def _churn(
 ) -> list[Event]:
     """Inject events until the job ends; returns them in order."""
     events: list[Event] = []
-    removed: list[tuple[str, int]] = []
+    returns: list[tuple[float, tuple[str, int]]] = []  # when each removed host comes back
     offered = list(hosts)
     started = time.time()
     planned: list[float] = []  # --events N: that many, at uniform random times within 10-80 % of the run
@@ -301,6 +304,12 @@ def _churn(
     else:
         next_at = started + rng.expovariate(1.0 / args.mean_interval)
     while run.process.poll() is None:
+        due = [item for item in returns if item[0] <= time.time()]
+        if due:
+            returns.remove(due[0])
+            offered.append(due[0][1])
+            events.append(_event("return", due[0][1][0], offered, hosts_file, started))
+            continue
         if time.time() < next_at:
             time.sleep(0.1)
             continue
@@ -310,12 +319,10 @@ def _churn(
         removable = [h for h in offered if any(run.hosts[p] != h[0] and run.hosts[p] in dict(offered) for p in holders)]
         possible = [
             kind
-            for kind in KINDS
-            if (kind in ("kill", "term") and len(holders) >= 2)
-            or (kind == "remove" and len(offered) >= 2 and removable)
-            or (kind == "return" and removed)
+            for kind in DRAWN
+            if (kind in ("kill", "term") and len(holders) >= 2) or (kind == "remove" and len(offered) >= 2 and removable)
         ]
-        if not possible:  # nothing may happen now (one worker holds the state, nothing to return): a bit later
+        if not possible:  # nothing may happen now (one worker holds the state): a bit later
             next_at = time.time() + 1.0
             continue
         if args.events is None:
@@ -327,21 +334,22 @@ def _churn(
             pid = rng.choice(live)
             os.kill(pid, signal.SIGKILL if kind == "kill" else signal.SIGTERM)
             target = f"pid {pid}"
-        elif kind == "remove":
+        else:
             host = rng.choice(removable)
             offered.remove(host)
-            removed.append(host)
+            returns.append((time.time() + rng.expovariate(1.0 / args.return_after), host))
             target = host[0]
-        else:
-            host = removed.pop(rng.randrange(len(removed)))
-            offered.append(host)
-            target = host[0]
-        if kind in ("remove", "return"):
-            hosts_file.write_text("".join(f"{name}:{slots}\n" for name, slots in offered))
-        event = Event(kind, time.time(), target)
-        events.append(event)
-        print(f"churn: {event.at - started:6.1f} s  {kind:6s} {target}", flush=True)
+        events.append(_event(kind, target, offered, hosts_file, started))
     return events
+
+
+def _event(kind: str, target: str, offered: list[tuple[str, int]], hosts_file: Path, started: float) -> Event:
+    """Record (and print) an event; a host change rewrites the discovery output."""
+    if kind in ("remove", "return"):
+        hosts_file.write_text("".join(f"{name}:{slots}\n" for name, slots in offered))
+    event = Event(kind, time.time(), target)
+    print(f"churn: {event.at - started:6.1f} s  {kind:6s} {target}", flush=True)
+    return event
 
 
 def _read_log(path: Path) -> tuple[list[tuple[int, float]], list[tuple[int, float, int]]]:
@@ -417,6 +425,12 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="exactly this many events, at random times (default: a Poisson process)",
     )
+    parser.add_argument(
+        "--return-after",
+        type=float,
+        default=None,
+        help="mean seconds before a removed host comes back (default: --mean-interval)",
+    )
     parser.add_argument("--seed", type=int, default=None, help="the events' seed (default: random, printed)")
     parser.add_argument("--cooldown", type=float, nargs=2, default=(5.0, 10.0), metavar=("MIN", "MAX"))
     parser.add_argument("--grace", type=float, default=10.0, help="--preemption-grace-seconds (default 10)")
@@ -431,8 +445,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         _worker(args)
         return 0
-    if args.workers < 2 or args.minutes <= 0 or args.mean_interval <= 0:
-        parser.error("need --workers >= 2, --minutes > 0 and --mean-interval > 0")
+    if args.workers < 2 or args.minutes <= 0 or args.mean_interval <= 0 or (args.return_after or 1) <= 0:
+        parser.error("need --workers >= 2, --minutes > 0, --mean-interval > 0 and --return-after > 0")
+    if args.return_after is None:
+        args.return_after = args.mean_interval
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(1 << 31)
     rng = random.Random(seed)
     hosts = local_hosts(args.workers)
@@ -481,6 +497,7 @@ def main(argv: list[str] | None = None) -> int:
         "workers": args.workers,
         "minutes": args.minutes,
         "mean_interval_s": args.mean_interval,
+        "return_after_s": args.return_after,
         "seed": seed,
         "goodput_ratio": round(churn_rate / static_rate, 3),
         # The workers the job had over time, as a share of --workers: what churn took away whatever the framework.

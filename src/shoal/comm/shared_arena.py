@@ -135,11 +135,11 @@ class SharedArena:
         group.barrier()  # every peer finished writing into this rank's arena
 
     def close(self) -> None:
-        """Unmap what no tensor still uses (a mapping a gradient still views goes with the process)."""
+        """Drop this arena's mappings; each is unmapped once no tensor views it any more.
+
+        Never ``mmap.close()``: a tensor from ``torch.frombuffer`` keeps its mmap object alive but holds no buffer
+        export, so an explicit close would succeed and leave every gradient still viewing the arena pointing at
+        unmapped memory (a segfault on the next touch, by the user or by an engine thread still in a cycle).
+        """
         self.views = []
-        for mapping in self._maps:
-            try:
-                mapping.close()
-            except BufferError:
-                pass
         self._maps = []

@@ -354,11 +354,10 @@ class SharedMemoryGroup:
         self._control[self.local_rank * _CONTROL_LINE_INT64 + 1] = _LEFT
         self._data = torch.empty(0, dtype=torch.uint8)
         self._views.clear()
-        self._control.release()
-        try:
-            self._map.close()
-        except BufferError:  # a tensor view is still alive somewhere; the mapping goes with the process
-            pass
+        self._control.release()  # a thread still spinning on it gets a ValueError, not a read of freed memory
+        # Not self._map.close(): tensors from torch.frombuffer keep the mmap object alive but hold no buffer export,
+        # so a close would succeed under a view another thread still uses. The segment is unmapped when the last
+        # view and this group are gone.
 
 
 def create_local_group(

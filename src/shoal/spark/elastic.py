@@ -26,7 +26,7 @@ from shoal.runner.api import _dumps
 from shoal.runner.discovery import HostDiscovery
 from shoal.runner.elastic_driver import ElasticJob
 from shoal.runner.hosts import HostSlots, SlotInfo
-from shoal.runner.launcher import Worker
+from shoal.runner.launcher import LaunchError, Worker
 from shoal.runner.task import PAYLOAD_KEY, elastic_result_key, task_prefix
 from shoal.spark._slot import END_KEY, SlotSettings, signal_number, slot_key
 
@@ -109,7 +109,9 @@ class SparkSlots(HostDiscovery):
         with self._slot_lock:
             self.hosts_of.update(found)
             for slot, host in self.hosts_of.items():
-                if slot not in self.dead:
+                # A dead slot counts until the driver has seen its worker's end: otherwise the host would offer
+                # fewer slots than it has workers for a moment, and the driver would remove a healthy one.
+                if slot not in self.dead or slot in self.busy:
                     counts[host] = counts.get(host, 0) + 1
         return [HostSlots(host, count) for host, count in sorted(counts.items())]
 
@@ -120,7 +122,7 @@ class SparkSlots(HostDiscovery):
                 if host == hostname and slot not in self.dead and slot not in self.busy:
                     self.busy.add(slot)
                     return slot
-        raise RuntimeError(f"shoal.spark.run_elastic: no free slot on {hostname}")
+        raise LaunchError(f"shoal.spark.run_elastic: no free Spark slot on {hostname}")
 
     def release(self, slot: int) -> None:
         with self._slot_lock:
@@ -176,6 +178,7 @@ class SlotProcess:
             self._slots.release(self.slot)
         elif self._slots.is_dead(self.slot):
             self.returncode = -int(signal.SIGKILL)
+            self._slots.release(self.slot)
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:

@@ -147,6 +147,7 @@ class TorchEstimator(Estimator, MLWritable):
         store = self._store(context)
         run_id = self.getOrDefault("run_id") or f"shoal_{time.strftime('%Y%m%d_%H%M%S')}_{uuid.uuid4().hex[:6]}"
         train_path, val_path = store.get_train_data_path(run_id), store.get_val_data_path(run_id)
+        store.remove(val_path)  # a crashed fit of the same run may have left one; this fit may have none
         metadata = _write_data(self, df, train_path, val_path)
         has_val = val_path if os.path.isdir(val_path) and row_count(val_path) > 0 else None
         train_rows = row_count(train_path)

@@ -20,6 +20,8 @@ _RENAMED = {
     "horovod.common.exceptions": "shoal.exceptions",
     "horovod.common.util": "shoal.compat.horovod_util",
     "horovod.runner": "shoal.runner",
+    "horovod.spark.common": "shoal.spark",
+    "horovod.spark.common.store": "shoal.spark.store",
 }
 
 
