@@ -221,6 +221,17 @@ def test_what_cannot_train_is_refused_before_anything_starts(spark: Any, tmp_pat
     words = spark.createDataFrame([("a", 1.0)], ["x", "y"])
     with pytest.raises(TypeError, match="column 'x' is string"):
         TorchEstimator(**base).fit(words)
+    with pytest.raises(ValueError, match=r"2 loss weight\(s\) for 1 loss"):
+        TorchEstimator(**{**base, "loss_weights": [1.0, 2.0]}).fit(df)
+    with pytest.raises(ValueError, match="6 training rows for 8 processes"):
+        TorchEstimator(**{**base, "num_proc": 8, "train_steps_per_epoch": 1}).fit(df)
+    from decimal import Decimal
+
+    decimals = spark.createDataFrame([(Decimal("1.5"), 1.0)], "x decimal(4,2), y double")
+    with pytest.raises(TypeError, match="cast decimals to double"):
+        TorchEstimator(**base).fit(decimals)
+    with pytest.raises(ValueError, match="not a local or shared path"):
+        TorchModel(model=model, feature_columns=["x"], label_columns=["y"]).save("hdfs://namenode/models/m")
     with pytest.raises(TypeError, match="metrics"):
         TorchEstimator(**base, metrics=["accuracy"])
     estimator = TorchEstimator(**base)

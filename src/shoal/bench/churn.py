@@ -295,6 +295,7 @@ def _churn(
     """Inject events until the job ends; returns them in order."""
     events: list[Event] = []
     returns: list[tuple[float, tuple[str, int]]] = []  # when each removed host comes back
+    leaving: set[int] = set()  # workers killed or given notice
     offered = list(hosts)
     started = time.time()
     planned: list[float] = []  # --events N: that many, at uniform random times within 10-80 % of the run
@@ -314,7 +315,8 @@ def _churn(
             time.sleep(0.1)
             continue
         live = run.live_pids()
-        holders = [p for p in live if p in run.joined]
+        # Workers that hold the training state and stay: not given notice, not on a removed host (those leave).
+        holders = [p for p in live if p in run.joined and p not in leaving and run.hosts[p] in dict(offered)]
         # Never take the last worker that holds the training state: the job could not go on from newcomers.
         removable = [h for h in offered if any(run.hosts[p] != h[0] and run.hosts[p] in dict(offered) for p in holders)]
         possible = [
@@ -322,8 +324,11 @@ def _churn(
             for kind in DRAWN
             if (kind in ("kill", "term") and len(holders) >= 2) or (kind == "remove" and len(offered) >= 2 and removable)
         ]
-        if not possible:  # nothing may happen now (one worker holds the state): a bit later
-            next_at = time.time() + 1.0
+        if not possible:  # nothing may happen now (one worker holds the state)
+            if args.events is None:  # a Poisson process skips this event; deferring would pile events onto the
+                next_at = time.time() + rng.expovariate(1.0 / args.mean_interval)  # moment capacity comes back
+            else:  # exactly --events of them: a bit later
+                next_at = time.time() + 1.0
             continue
         if args.events is None:
             next_at = time.time() + rng.expovariate(1.0 / args.mean_interval)
@@ -333,10 +338,12 @@ def _churn(
         if kind in ("kill", "term"):
             pid = rng.choice(live)
             os.kill(pid, signal.SIGKILL if kind == "kill" else signal.SIGTERM)
+            leaving.add(pid)
             target = f"pid {pid}"
         else:
             host = rng.choice(removable)
             offered.remove(host)
+            leaving.update(p for p in live if run.hosts[p] == host[0])
             returns.append((time.time() + rng.expovariate(1.0 / args.return_after), host))
             target = host[0]
         events.append(_event(kind, target, offered, hosts_file, started))
@@ -412,7 +419,7 @@ def analyse(
     }
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m shoal.bench.churn", description="Goodput of an elastic job under churn, against a static job."
     )
@@ -441,6 +448,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--seconds", type=float, default=0.0, help=argparse.SUPPRESS)
     parser.add_argument("--log", default="", help=argparse.SUPPRESS)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
     args = parser.parse_args(argv)
     if args.worker:
         _worker(args)

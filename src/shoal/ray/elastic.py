@@ -315,8 +315,9 @@ class ElasticRayExecutor:
         """Train ``fn(*args, **kwargs)`` elastically; the results of the workers that finished, in rank order.
 
         Raises:
-            RuntimeError: the job failed (fewer than ``min_workers`` for ``elastic_timeout``, the reset limit, a
-                worker that raised: its traceback is in the message).
+            RuntimeError: the job failed (fewer than ``min_workers`` for ``elastic_timeout``, the reset limit, every
+                worker raising: the tracebacks are in the message). A worker that raised but was recovered from,
+                in a job that finished, is printed instead.
         """
         if callbacks:
             raise ValueError("ElasticRayExecutor.run(callbacks=...): not supported by Shoal; return values instead")
@@ -352,11 +353,12 @@ class ElasticRayExecutor:
         finally:
             job.end_actors()
         failures = [f"worker {wid} raised:\n{value}" for wid, (status, value) in results.items() if status != "ok"]
-        if failures:
-            raise RuntimeError("ElasticRayExecutor.run: " + "\n".join(failures))
         finished = sorted((w for w in job.elastic if w.state == "finished"), key=lambda w: w.rank or 0)
         if code != 0 or not finished:
-            raise RuntimeError(f"ElasticRayExecutor.run: the elastic job failed (exit code {code}); see its messages above")
+            detail = "\n".join(failures) or "see its messages above"
+            raise RuntimeError(f"ElasticRayExecutor.run: the elastic job failed (exit code {code}): {detail}")
+        if failures:  # workers the job recovered from: it finished without them
+            print("ElasticRayExecutor.run: recovered from:\n" + "\n".join(failures), file=sys.stderr, flush=True)
         return [results[w.worker_id][1] for w in finished if w.worker_id in results]
 
     def shutdown(self) -> None:

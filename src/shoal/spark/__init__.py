@@ -110,11 +110,13 @@ class _Output:
                 self._read.setdefault((label, stream), 0)
 
     def drain(self) -> None:
+        with self._lock:  # the whole drain: two threads draining at once would print a chunk twice
+            self._drain_locked()
+
+    def _drain_locked(self) -> None:
         from shoal.spark._task import output_key
 
-        with self._lock:
-            watched = list(self._read.items())
-        for (rank, stream), done in watched:
+        for (rank, stream), done in list(self._read.items()):
             count_key = output_key(rank, stream)
             if not self._view.check([count_key]):
                 continue

@@ -22,41 +22,68 @@ class LightningSpec(DataSpec):
 
 
 class _Collate:
-    """Indices into a rank's share (cycling through it) to a batch: a dict of tensors keyed by column name, shaped
-    by ``input_shapes``/``label_shapes``."""
+    """Indices into a rank's share to a batch: a dict of tensors keyed by column name, shaped by
+    ``input_shapes``/``label_shapes``."""
 
     def __init__(self, spec: DataSpec, data: dict[str, np.ndarray[Any, Any]]) -> None:
         self._data = data
-        self._count = len(data[spec.label_cols[0]])
-        self._columns = list(zip([*spec.feature_cols, *spec.label_cols], [*spec.input_shapes, *spec.label_shapes], strict=True))
+        names = list(dict.fromkeys([*spec.feature_cols, *spec.label_cols]))
+        shapes = dict(zip([*spec.label_cols, *spec.feature_cols], [*spec.label_shapes, *spec.input_shapes], strict=True))
+        self._columns = [(name, shapes[name]) for name in names]
 
     def __call__(self, indices: list[int]) -> dict[str, Any]:
         from shoal.spark._data import as_tensor
 
-        rows = np.asarray(indices) % self._count
+        rows = np.asarray(indices)
         return {name: as_tensor(self._data[name][rows], shape) for name, shape in self._columns}
 
 
+class _EpochOrder:
+    """``length`` row indices per epoch over a share of ``count`` rows, cycling through it: a fresh permutation of
+    the whole share each epoch (seeded by epoch and rank) when shuffling, else in order. Lightning calls
+    ``set_epoch`` before each epoch, as for a ``DistributedSampler``."""
+
+    def __init__(self, count: int, length: int, shuffle: bool, seed: int, rank: int) -> None:
+        self._count, self._length, self._shuffle, self._seed, self._rank = count, length, shuffle, seed, rank
+        self._epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self._epoch = epoch
+
+    def __len__(self) -> int:
+        return self._length
+
+    def __iter__(self) -> Any:
+        order = np.arange(self._count)
+        if self._shuffle:
+            order = np.random.default_rng([self._seed, self._epoch, self._rank]).permutation(self._count)
+        return iter(order[np.arange(self._length) % self._count].tolist())
+
+
 def _loaders(spec: LightningSpec, rank: int, size: int) -> tuple[Any, Any]:
-    """The training batches (``train_steps`` per epoch on every rank, shuffled per epoch unless told not to) and
-    the validation batches (this rank's validation rows, once each)."""
-    import torch
+    """The training batches (``train_steps`` per epoch on every rank) and the validation batches (the same count on
+    every rank: a rank with fewer validation rows repeats some, so that every rank reaches each metric's reduction)."""
     from torch.utils.data import DataLoader
 
-    from shoal.spark._data import load_shard
+    from shoal.spark._data import load_shard, row_count
 
-    columns = spec.feature_cols + spec.label_cols
+    columns = list(dict.fromkeys(spec.feature_cols + spec.label_cols))
     data = load_shard(spec.train_path, columns, rank, size)
-    generator = torch.Generator().manual_seed(spec.seed * 1000 + rank)
+    count = len(data[spec.label_cols[0]])
+    order = _EpochOrder(count, spec.train_steps * spec.batch_size, spec.shuffle, spec.seed, rank)
     train = DataLoader(
-        cast(Any, range(spec.train_steps * spec.batch_size)), batch_size=spec.batch_size, shuffle=spec.shuffle,
-        generator=generator, drop_last=True, collate_fn=_Collate(spec, data),
+        cast(Any, range(count)), batch_size=spec.batch_size, sampler=order, drop_last=True,
+        collate_fn=_Collate(spec, data),
     )  # fmt: skip
     if not spec.val_path:
         return train, None
     val_data = load_shard(spec.val_path, columns, rank, size)
-    rows = len(val_data[spec.label_cols[0]])
-    return train, DataLoader(cast(Any, range(rows)), batch_size=spec.val_batch_size, collate_fn=_Collate(spec, val_data))
+    most = -(-row_count(spec.val_path) // size)  # the largest rank's share
+    val_order = _EpochOrder(len(val_data[spec.label_cols[0]]), most, False, spec.seed, rank)
+    val = DataLoader(
+        cast(Any, range(most)), batch_size=spec.val_batch_size, sampler=val_order, collate_fn=_Collate(spec, val_data)
+    )
+    return train, val
 
 
 def train_lightning(spec: LightningSpec) -> dict[str, Any] | None:
@@ -105,7 +132,8 @@ def train_lightning(spec: LightningSpec) -> dict[str, Any] | None:
         enable_model_summary=False,
     )
     train, val = _loaders(spec, hvd.rank(), hvd.size())
-    resume = spec.checkpoint_file if os.path.exists(spec.checkpoint_file) else None
+    found = hvd.rank() == 0 and os.path.exists(spec.checkpoint_file)  # rank 0 decides for every rank
+    resume = spec.checkpoint_file if hvd.broadcast_object(found, root_rank=0, name="estimator.resume") else None
     trainer.fit(spec.model, train, val, ckpt_path=resume)
     result = None
     if hvd.rank() == 0:

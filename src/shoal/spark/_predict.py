@@ -39,10 +39,14 @@ def output_fields(
 
     if len(outputs) != len(labels):
         raise ValueError(f"shoal.spark.TorchModel: {len(outputs)} output column(s) for {len(labels)} label(s)")
-    first = df.select(*inputs).limit(1).toArrow()
+    first = df.select(*inputs).limit(1).collect()  # (DataFrame.toArrow is pyspark 4 only)
     sizes = [1] * len(outputs)
-    if first.num_rows:
-        predicted = _run(model, _inputs([first.column(name) for name in inputs], inputs, shapes))
+    if first:
+        from shoal.spark._data import as_tensor
+
+        predicted = _run(
+            model, [as_tensor(np.asarray([first[0][name]]), shape) for name, shape in zip(inputs, shapes, strict=True)]
+        )
         if len(predicted) != len(outputs):
             raise ValueError(f"shoal.spark.TorchModel: the model gave {len(predicted)} output(s) for {len(outputs)} label(s)")
         sizes = [int(output.numel()) for output in predicted]
@@ -68,7 +72,7 @@ def predict_batches(
     """Each Arrow batch's ``keep`` columns, with the model's outputs added as ``fields``."""
     import pyarrow as pa
     from pyspark.sql.pandas.types import to_arrow_type
-    from pyspark.sql.types import ArrayType, IntegralType
+    from pyspark.sql.types import ArrayType, BooleanType, IntegralType
 
     out_names = {field.name for field in fields}
     for batch in batches:
@@ -84,6 +88,8 @@ def predict_batches(
                 scalar = values[:, 0]
                 if isinstance(field.dataType, IntegralType):
                     scalar = np.rint(scalar)
+                elif isinstance(field.dataType, BooleanType):
+                    scalar = scalar >= 0.5  # a probability, or a 0/1 regression
                 columns.append(pa.array(scalar).cast(to_arrow_type(field.dataType)))
             names.append(field.name)
         yield pa.RecordBatch.from_arrays(columns, names=names)

@@ -133,16 +133,22 @@ def _save_checkpoint(spec: TrainSpec, model: Any, optimizer: Any, epoch: int, hi
     os.replace(temporary, spec.checkpoint_file)  # a reader never sees half a checkpoint
 
 
-def _resume(spec: TrainSpec, model: Any, optimizer: Any) -> tuple[int, dict[str, list[float]]]:
-    """The epoch to start from and the history so far: a checkpoint of this run resumes it."""
+def _resume(spec: DataSpec, model: Any, optimizer: Any) -> tuple[int, dict[str, list[float]]]:
+    """The epoch to start from and the history so far: a checkpoint of this run resumes it. Rank 0 decides and
+    loads (another rank's view of a shared filesystem may lag); the broadcasts that follow give the others its
+    state."""
     import torch
 
-    if not os.path.exists(spec.checkpoint_file):
-        return 0, {}
-    state = torch.load(spec.checkpoint_file, map_location="cpu", weights_only=False)
-    model.load_state_dict(state["model"])
-    optimizer.load_state_dict(state["optimizer"])
-    return int(state["epoch"]) + 1, state["history"]
+    import shoal.torch as hvd
+
+    start: tuple[int, dict[str, list[float]]] = (0, {})
+    if hvd.rank() == 0 and os.path.exists(spec.checkpoint_file):
+        state = torch.load(spec.checkpoint_file, map_location="cpu", weights_only=False)
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        start = (int(state["epoch"]) + 1, state["history"])
+    first, history = hvd.broadcast_object(start, root_rank=0, name="estimator.resume")
+    return int(first), dict(history)
 
 
 def train(spec: TrainSpec) -> dict[str, Any] | None:
@@ -171,7 +177,7 @@ def train(spec: TrainSpec) -> dict[str, Any] | None:
         backward_passes_per_step=spec.backward_passes_per_step,
         **({"compression": spec.compression} if spec.compression is not None else {}),
     )
-    columns = spec.feature_cols + spec.label_cols
+    columns = list(dict.fromkeys(spec.feature_cols + spec.label_cols))  # a column may be feature and label
     train_data = load_shard(spec.train_path, columns, hvd.rank(), hvd.size())
     val_data = load_shard(spec.val_path, columns, hvd.rank(), hvd.size()) if spec.val_path else None
     for epoch in range(first_epoch, spec.epochs):
@@ -210,13 +216,16 @@ def _train_epoch(
         order = np.random.default_rng([spec.seed, epoch, hvd.rank()]).permutation(count)
     model.train()
     total = 0.0
+    passes = spec.backward_passes_per_step
     for step in range(spec.train_steps):
         rows = order[np.arange(step * spec.batch_size, (step + 1) * spec.batch_size) % count]
         features, labels = _batch(spec, data, rows, device)
-        optimizer.zero_grad()
+        if step % passes == 0:
+            optimizer.zero_grad()
         loss = _loss(spec, model(*features), labels)
-        loss.backward()
-        optimizer.step()
+        loss.backward()  # with backward_passes_per_step k, k batches' gradients add up before one exchange (Horovod)
+        if (step + 1) % passes == 0 or step + 1 == spec.train_steps:
+            optimizer.step()
         total += float(loss.detach())
     mean = hvd.allreduce(torch.tensor([total / spec.train_steps], dtype=torch.float64), name="estimator.loss")
     return float(mean[0])

@@ -55,6 +55,8 @@ class SparkSlots(HostDiscovery):
         self._threads: dict[int, threading.Thread] = {}
         self._ending = False
         self._slot_lock = threading.Lock()
+        self.last_error = ""
+        """The last Spark error of a slot's job (its first informative line), for the job's failure message."""
 
     def begin(self, view: Any, settings: SlotSettings) -> None:
         """Submit the first ``wanted`` slots (once the store exists)."""
@@ -64,6 +66,8 @@ class SparkSlots(HostDiscovery):
 
     def _submit(self) -> None:
         with self._slot_lock:
+            if self._ending:  # checked under the lock: no slot job may start after end() cancelled them
+                return
             slot = self._submitted
             self._submitted += 1
             thread = threading.Thread(target=self._slot_job, args=(slot,), name=f"shoal-spark-slot-{slot}", daemon=True)
@@ -84,16 +88,25 @@ class SparkSlots(HostDiscovery):
             error = failure
         with self._slot_lock:
             self.dead.add(slot)
-        if self._ending:
+            if self._ending:
+                return
+        if error is not None:
+            from shoal.spark import _first_line
+
+            self.last_error = _first_line(error)
+            print(f"shoal.spark.run_elastic: Spark slot {slot} failed: {self.last_error}", file=sys.stderr, flush=True)
+        elif self._verbose_on:
+            print(f"shoal.spark.run_elastic: Spark slot {slot} ended", file=sys.stderr, flush=True)
+        if self._resubmits_left <= 0:
+            print(
+                f"shoal.spark.run_elastic: {4 * self._wanted} Spark slots were replaced already; no more are asked for",
+                file=sys.stderr,
+                flush=True,
+            )
             return
-        if self._verbose_on:
-            why = "" if error is None else f": {str(error).strip().splitlines()[0][:200]}"
-            print(f"shoal.spark.run_elastic: slot {slot} ended{why}", file=sys.stderr, flush=True)
-        if self._resubmits_left > 0:
-            self._resubmits_left -= 1
-            time.sleep(RESUBMIT_DELAY_S)
-            if not self._ending:
-                self._submit()
+        self._resubmits_left -= 1
+        time.sleep(RESUBMIT_DELAY_S)
+        self._submit()
 
     def _fetch(self) -> list[HostSlots]:
         if self._view is None:
@@ -105,12 +118,18 @@ class SparkSlots(HostDiscovery):
             for slot in unregistered
             if self._view.check([slot_key(slot, "host")])
         }
-        counts: dict[str, int] = {}
         with self._slot_lock:
             self.hosts_of.update(found)
+        # A dead slot counts until the driver has seen its worker's end (hosts()): otherwise the host would offer
+        # fewer slots than it has workers for a moment, and the driver would remove a healthy one.
+        return self.hosts()
+
+    def hosts(self) -> list[HostSlots]:
+        """The slots known now: registrations as of the last poll, deaths as they happen (so that the driver never
+        starts a worker for a slot that died since the poll)."""
+        counts: dict[str, int] = {}
+        with self._slot_lock:
             for slot, host in self.hosts_of.items():
-                # A dead slot counts until the driver has seen its worker's end: otherwise the host would offer
-                # fewer slots than it has workers for a moment, and the driver would remove a healthy one.
                 if slot not in self.dead or slot in self.busy:
                     counts[host] = counts.get(host, 0) + 1
         return [HostSlots(host, count) for host, count in sorted(counts.items())]
@@ -269,8 +288,9 @@ def run_elastic(
         env, stdout, stderr, verbose, nics, prefix_output_with_timestamp: as for ``run``.
 
     Raises:
-        RuntimeError: the job failed (a worker raised: its traceback is in the message; fewer than
-            ``min_num_proc`` slots for ``elastic_timeout``; the reset limit), or no SparkContext is active.
+        RuntimeError: the job failed (fewer than ``min_num_proc`` slots for ``elastic_timeout``, the reset limit,
+            every worker raising: the tracebacks and the last Spark slot error are in the message), or no
+            SparkContext is active. A worker that raised but was recovered from, in a job that finished, is printed.
         ValueError: the counts are not ``1 <= min <= num_proc <= max``.
     """
     from shoal.spark import _driver_address, _Output, _spark_context, _start_timeout
@@ -325,7 +345,7 @@ def run_elastic(
     finally:
         drainer.stop()
         slots.end()
-    return _outcome(job, code, results)
+    return _outcome(job, code, results, slots.last_error)
 
 
 def _config(
@@ -348,13 +368,17 @@ def _config(
     return config
 
 
-def _outcome(job: SparkElasticJob, code: int, results: dict[str, tuple[str, Any]]) -> list[Any]:
+def _outcome(job: SparkElasticJob, code: int, results: dict[str, tuple[str, Any]], slot_error: str) -> list[Any]:
+    """The finished workers' results in rank order; a failed job raises with the workers' tracebacks (a worker
+    that raised but was recovered from, in a job that finished, is only reported)."""
     failures = [f"worker {wid} raised:\n{value}" for wid, (status, value) in results.items() if status != "ok"]
-    if failures:
-        raise RuntimeError("shoal.spark.run_elastic: " + "\n".join(failures))
     finished = sorted((w for w in job.elastic if w.state == "finished"), key=lambda w: w.rank or 0)
     if code != 0 or not finished:
-        raise RuntimeError(f"shoal.spark.run_elastic: the elastic job failed (exit code {code}); see its messages above")
+        detail = "\n".join(failures) or "see its messages above"
+        last = f"\nthe last Spark slot error: {slot_error}" if slot_error else ""
+        raise RuntimeError(f"shoal.spark.run_elastic: the elastic job failed (exit code {code}): {detail}{last}")
+    if failures:
+        print("shoal.spark.run_elastic: recovered from:\n" + "\n".join(failures), file=sys.stderr, flush=True)
     return [results[w.worker_id][1] for w in finished if w.worker_id in results]
 
 

@@ -151,6 +151,14 @@ class TorchEstimator(Estimator, MLWritable):
         metadata = _write_data(self, df, train_path, val_path)
         has_val = val_path if os.path.isdir(val_path) and row_count(val_path) > 0 else None
         train_rows = row_count(train_path)
+        val_rows = row_count(has_val) if has_val else 0
+        for kind, rows in (("training", train_rows), ("validation", val_rows)):
+            if rows < num_proc and (kind == "training" or rows > 0):
+                store.remove(train_path)
+                store.remove(val_path)
+                raise ValueError(
+                    f"{self._title}: {rows} {kind} rows for {num_proc} processes; every process needs at least one"
+                )
         steps = self.getOrDefault("train_steps_per_epoch") or train_rows // (self.getOrDefault("batch_size") * num_proc)
         if steps < 1:
             raise ValueError(
@@ -207,6 +215,9 @@ class TorchEstimator(Estimator, MLWritable):
                 f"{self._title}: {len(losses)} loss(es) for {len(self.getOrDefault('label_cols'))} label "
                 "column(s); give one loss, or one per label column"
             )
+        weights = self.getOrDefault("loss_weights")
+        if weights is not None and len(weights) != len(self.getOrDefault("label_cols")):
+            raise ValueError(f"{self._title}: {len(weights)} loss weight(s) for {len(losses)} loss(es)")
         OptimizerSpec.of(self.getOrDefault("model"), self.getOrDefault("optimizer"))  # the model's parameters?
 
     def _losses(self) -> list[Any]:
@@ -385,7 +396,7 @@ def _write_data(estimator: TorchEstimator, df: Any, train_path: str, val_path: s
     from pyspark.ml.functions import vector_to_array
     from pyspark.ml.linalg import VectorUDT
     from pyspark.sql import functions as F
-    from pyspark.sql.types import ArrayType, BooleanType, NumericType
+    from pyspark.sql.types import ArrayType, BooleanType, DecimalType, NumericType
 
     features, labels = estimator.getOrDefault("feature_cols"), estimator.getOrDefault("label_cols")
     validation = estimator.getOrDefault("validation")
@@ -399,13 +410,16 @@ def _write_data(estimator: TorchEstimator, df: Any, train_path: str, val_path: s
         kind = fields[name]
         if isinstance(kind, VectorUDT):
             selected.append(vector_to_array(F.col(name)).alias(name))
-        elif isinstance(kind, (NumericType, BooleanType)) or (
-            isinstance(kind, ArrayType) and isinstance(kind.elementType, (NumericType, BooleanType))
+        elif (isinstance(kind, (NumericType, BooleanType)) and not isinstance(kind, DecimalType)) or (
+            isinstance(kind, ArrayType)
+            and isinstance(kind.elementType, (NumericType, BooleanType))
+            and not isinstance(kind.elementType, DecimalType)
         ):
             selected.append(F.col(name))
         else:
             raise TypeError(
-                f"{estimator._title}: column {name!r} is {kind.simpleString()}; use numbers, arrays of numbers or ML vectors"
+                f"{estimator._title}: column {name!r} is {kind.simpleString()}; use numbers, arrays of numbers "
+                "or ML vectors (cast decimals to double)"
             )
     if isinstance(validation, str):
         train, val = df.filter(~F.col(validation).cast("boolean")), df.filter(F.col(validation).cast("boolean"))
@@ -551,4 +565,11 @@ class _TorchModelReader(MLReader):
 
 
 def _local(path: str) -> str:
-    return path[len("file://") :] if path.startswith("file://") else path
+    """A local or shared path (``file://`` stripped); a URI of another filesystem is refused, as by the store."""
+    local = path[len("file://") :] if path.startswith("file://") else path
+    if "://" in local or local.startswith("dbfs:"):
+        raise ValueError(
+            f"shoal.spark.TorchModel: {path!r} is not a local or shared path; models are saved through the filesystem "
+            "(on Databricks, /dbfs/...)"
+        )
+    return local
