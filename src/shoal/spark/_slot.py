@@ -15,7 +15,6 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -62,14 +61,11 @@ def _wait_for_command(store: Any, slot: int, index: int, parent: int) -> bytes |
 def _start_worker(settings: SlotSettings, command: dict[str, str]) -> subprocess.Popen[bytes]:
     from shoal.config import LAUNCHER_PID_ENV
     from shoal.runtime.watchdog import die_with_parent
+    from shoal.spark._task import overlay
 
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     env.setdefault("OMP_NUM_THREADS", str(_task_cpus()))
-    for name, value in settings.env.items():
-        if value is None:
-            env.pop(name, None)
-        else:
-            env[name] = value
+    overlay(env, settings.env)
     env.update(command)
     env[LAUNCHER_PID_ENV] = str(os.getpid())
     pipe = subprocess.PIPE if settings.stream_output else None
@@ -116,7 +112,7 @@ def run_slot(settings: SlotSettings, slot: int) -> Iterator[int]:
 
     from shoal.comm.store import connect_job_store
     from shoal.runner.task import task_prefix
-    from shoal.spark._task import _end_group, _pump
+    from shoal.spark._task import _end_group, start_pumps
 
     context = TaskContext.get()
     if context is not None and context.attemptNumber() > 0:
@@ -133,15 +129,7 @@ def run_slot(settings: SlotSettings, slot: int) -> Iterator[int]:
     while (raw := _wait_for_command(store, slot, index, parent)) is not None:
         label, command = pickle.loads(raw)
         process = _start_worker(settings, command)
-        pumps = []
-        if settings.stream_output:
-            for stream, pipe_end, echo in (
-                ("stdout", process.stdout, sys.stdout.buffer),
-                ("stderr", process.stderr, sys.stderr.buffer),
-            ):
-                pump = threading.Thread(target=_pump, args=(pipe_end, store, label, stream, echo), daemon=True)
-                pump.start()
-                pumps.append(pump)
+        pumps = start_pumps(process, store, label) if settings.stream_output else []
         try:
             code = _serve(store, slot, index, process, parent)
             for pump in pumps:

@@ -67,6 +67,30 @@ def _pump(pipe: IO[bytes], store: Any, rank: int, stream: str, echo: IO[bytes]) 
         store.add(output_key(rank, stream), 1)
 
 
+def overlay(env: dict[str, str], changes: dict[str, str | None]) -> None:
+    """``changes`` laid over ``env``: a None value removes that variable."""
+    for name, value in changes.items():
+        if value is None:
+            env.pop(name, None)
+        else:
+            env[name] = value
+
+
+def start_pumps(process: subprocess.Popen[bytes], store: Any, label: int) -> list[threading.Thread]:
+    """Threads forwarding a worker's piped stdout and stderr to the driver as ``label``'s (and to this executor's
+    own log)."""
+    assert process.stdout is not None and process.stderr is not None
+    pumps = []
+    for stream, pipe_end, echo in (
+        ("stdout", process.stdout, sys.stdout.buffer),
+        ("stderr", process.stderr, sys.stderr.buffer),
+    ):
+        pump = threading.Thread(target=_pump, args=(pipe_end, store, label, stream, echo), daemon=True)
+        pump.start()
+        pumps.append(pump)
+    return pumps
+
+
 def run_rank(settings: TaskSettings, _partition: Iterator[Any]) -> Iterator[tuple[int, int]]:
     """The body of each barrier task: start this rank's worker and wait for it; yields ``(rank, exit code)``."""
     from pyspark import BarrierTaskContext
@@ -89,11 +113,7 @@ def run_rank(settings: TaskSettings, _partition: Iterator[Any]) -> Iterator[tupl
     store.set(f"host/{rank}", slot.hostname)
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     env.setdefault("OMP_NUM_THREADS", str(max(1, int(context.cpus()))))
-    for name, value in settings.env.items():
-        if value is None:
-            env.pop(name, None)
-        else:
-            env[name] = value
+    overlay(env, settings.env)
     env.update(slot.to_env())
     env.update(JobAddress(settings.addr, settings.port, settings.secret).to_env())
     env[env_name("START_TIMEOUT")] = str(settings.start_timeout)
@@ -109,16 +129,7 @@ def run_rank(settings: TaskSettings, _partition: Iterator[Any]) -> Iterator[tupl
         preexec_fn=die_with_parent,
     )
     store.add("started", 1)
-    pumps = []
-    if settings.stream_output:
-        assert process.stdout is not None and process.stderr is not None
-        for stream, pipe_end, echo in (
-            ("stdout", process.stdout, sys.stdout.buffer),
-            ("stderr", process.stderr, sys.stderr.buffer),
-        ):
-            pump = threading.Thread(target=_pump, args=(pipe_end, store, rank, stream, echo), daemon=True)
-            pump.start()
-            pumps.append(pump)
+    pumps = start_pumps(process, store, rank) if settings.stream_output else []
     try:
         code = process.wait()
         for pump in pumps:
