@@ -16,7 +16,6 @@ import pickle
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
@@ -26,7 +25,7 @@ from shoal.runner.api import _dumps
 from shoal.runner.discovery import HostDiscovery
 from shoal.runner.elastic_driver import ElasticJob
 from shoal.runner.hosts import HostSlots, SlotInfo
-from shoal.runner.launcher import Worker
+from shoal.runner.launcher import PolledProcess, Worker
 from shoal.runner.task import PAYLOAD_KEY, elastic_result_key, task_prefix
 from shoal.runtime.elastic_rendezvous import ELASTIC_ID_ENV
 from shoal.runtime.watchdog import die_with_parent
@@ -105,7 +104,7 @@ class WorkerProcessActor:
                 pass
 
 
-class RayProcess:
+class RayProcess(PolledProcess):
     """What the elastic driver needs of a ``Popen``, for a worker started by a ``WorkerProcessActor``."""
 
     def __init__(self, ray: Any, done: Any) -> None:
@@ -121,15 +120,6 @@ class RayProcess:
                 self.returncode = int(self._ray.get(self._done))
             except self._ray.exceptions.RayError:
                 self.returncode = -int(signal.SIGKILL)
-        return self.returncode
-
-    def wait(self, timeout: float | None = None) -> int:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while self.poll() is None:
-            if deadline is not None and time.monotonic() >= deadline:
-                raise subprocess.TimeoutExpired("ray worker", timeout or 0.0)
-            time.sleep(0.05)
-        assert self.returncode is not None
         return self.returncode
 
 

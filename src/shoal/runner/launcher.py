@@ -115,6 +115,25 @@ class Worker:
             pass
 
 
+class PolledProcess:
+    """``Popen.wait`` for a worker whose process lives elsewhere (a Ray actor's, a Spark slot's): subclasses give
+    ``poll()`` and ``returncode``."""
+
+    returncode: int | None
+
+    def poll(self) -> int | None:
+        raise NotImplementedError
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() >= deadline:
+                raise subprocess.TimeoutExpired(type(self).__name__, timeout or 0.0)
+            time.sleep(0.05)
+        assert self.returncode is not None
+        return self.returncode
+
+
 def process_label(slot: SlotInfo, server_index: int | None) -> str:
     """``rank N`` for a worker, ``parameter server I`` for a dedicated server."""
     return f"rank {slot.rank}" if server_index is None else f"parameter server {server_index}"

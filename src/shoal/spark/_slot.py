@@ -17,24 +17,12 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
+
+from shoal.spark._task import TaskSettings
 
 POLL_S = 0.1
 END_KEY = "slots/end"
-
-
-@dataclass(frozen=True)
-class SlotSettings:
-    """What every slot needs, shipped inside the task's closure (Spark's RPC, not a command line)."""
-
-    addr: str
-    port: int
-    secret: str
-    start_timeout: float
-    env: dict[str, str | None]
-    stream_output: bool
-    executable: str | None
 
 
 def slot_key(slot: int, *parts: object) -> str:
@@ -58,7 +46,7 @@ def _wait_for_command(store: Any, slot: int, index: int, parent: int) -> bytes |
     return None
 
 
-def _start_worker(settings: SlotSettings, command: dict[str, str]) -> subprocess.Popen[bytes]:
+def _start_worker(settings: TaskSettings, command: dict[str, str]) -> subprocess.Popen[bytes]:
     from shoal.config import LAUNCHER_PID_ENV
     from shoal.runtime.watchdog import die_with_parent
     from shoal.spark._task import overlay
@@ -106,7 +94,7 @@ def _serve(store: Any, slot: int, index: int, process: subprocess.Popen[bytes], 
     return int(process.returncode)
 
 
-def run_slot(settings: SlotSettings, slot: int) -> Iterator[int]:
+def run_slot(settings: TaskSettings, slot: int) -> Iterator[int]:
     """The body of a slot's task; yields the number of workers it ran."""
     from pyspark import TaskContext
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import pickle
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -26,9 +25,10 @@ from shoal.runner.api import _dumps
 from shoal.runner.discovery import HostDiscovery
 from shoal.runner.elastic_driver import ElasticJob
 from shoal.runner.hosts import HostSlots, SlotInfo
-from shoal.runner.launcher import LaunchError, Worker
+from shoal.runner.launcher import LaunchError, PolledProcess, Worker
 from shoal.runner.task import PAYLOAD_KEY, elastic_result_key, task_prefix
-from shoal.spark._slot import END_KEY, SlotSettings, signal_number, slot_key
+from shoal.spark._slot import END_KEY, signal_number, slot_key
+from shoal.spark._task import TaskSettings
 
 __all__ = ["run_elastic"]
 
@@ -45,7 +45,7 @@ class SparkSlots(HostDiscovery):
         super().__init__([], script="<Spark's tasks>", interval_s=0.2)
         self._context, self._group, self._wanted, self._verbose_on = context, group, wanted, verbose
         self._view: Any = None
-        self._settings: SlotSettings | None = None
+        self._settings: TaskSettings | None = None
         self._submitted = 0
         self._resubmits_left = 4 * wanted
         self.hosts_of: dict[int, str] = {}
@@ -58,7 +58,7 @@ class SparkSlots(HostDiscovery):
         self.last_error = ""
         """The last Spark error of a slot's job (its first informative line), for the job's failure message."""
 
-    def begin(self, view: Any, settings: SlotSettings) -> None:
+    def begin(self, view: Any, settings: TaskSettings) -> None:
         """Submit the first ``wanted`` slots (once the store exists)."""
         self._view, self._settings = view, settings
         for _ in range(self._wanted):
@@ -177,7 +177,7 @@ class SparkSlots(HostDiscovery):
             thread.join(timeout=max(0.0, deadline - time.monotonic()))
 
 
-class SlotProcess:
+class SlotProcess(PolledProcess):
     """What the elastic driver needs of a ``Popen``, for a worker run by a slot."""
 
     def __init__(self, view: Any, slots: SparkSlots, slot: int, index: int) -> None:
@@ -198,15 +198,6 @@ class SlotProcess:
         elif self._slots.is_dead(self.slot):
             self.returncode = -int(signal.SIGKILL)
             self._slots.release(self.slot)
-        return self.returncode
-
-    def wait(self, timeout: float | None = None) -> int:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while self.poll() is None:
-            if deadline is not None and time.monotonic() >= deadline:
-                raise subprocess.TimeoutExpired("spark slot worker", timeout or 0.0)
-            time.sleep(0.05)
-        assert self.returncode is not None
         return self.returncode
 
     def send(self, sig: int) -> None:
@@ -320,7 +311,7 @@ def run_elastic(
         if sinks:
             output = _Output(view, 0, sinks, prefix_output_with_timestamp)
             job._output = output
-        settings = SlotSettings(
+        settings = TaskSettings(
             job.rendezvous_addr, job.rendezvous_port, job.secret, config.start_timeout, dict(env or {}),
             stream_output=bool(sinks), executable=None,
         )  # fmt: skip
