@@ -27,6 +27,7 @@ needs_netns = pytest.mark.skipif(
 _TENSORFLOW_TESTS = {"test_tensorflow.py", "test_keras.py", "test_keras2.py", "test_tf_extras.py", "test_conformance.py"}
 
 
+@pytest.hookimpl(trylast=True)  # after ``-m`` has deselected: ``make test``'s run of the "alone" tests needs none
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """When TensorFlow tests will run, import TensorFlow once in the forkserver the ranks are forked from, instead of
     in every rank (five seconds of CPU each)."""

@@ -305,6 +305,18 @@ def test_a_progress_bar_moves_before_the_worker_exits(worker_env: dict[str, str]
     assert (seen + err).count(b"shoalrun: OMP_NUM_THREADS=") == 1
 
 
+def test_an_elastic_job_gives_each_local_worker_its_share_of_the_cores(worker_env: dict[str, str]) -> None:
+    """Elastic jobs list each host once until workers start; the share must still count the host's slots (it once
+    gave every one of three workers all the cores)."""
+    worker_env.pop("OMP_NUM_THREADS", None)
+    code = "import os; print('threads', os.environ['OMP_NUM_THREADS'])"
+    result = shoalrun(["-np", "3", "--min-np", "2", sys.executable, "-c", code], worker_env, timeout=60)
+    assert result.returncode == 0, result.stderr
+    share = max(1, (os.cpu_count() or 1) // 3)
+    assert sorted(result.stdout.splitlines()) == [f"[{r}]<stdout>:threads {share}" for r in range(3)], result.stdout
+    assert f"OMP_NUM_THREADS={share} for each local worker ({os.cpu_count()} cores / 3 workers)" in result.stderr
+
+
 def test_ranks_filter_and_zero_padded_logs(worker_env: dict[str, str], tmp_path: Path) -> None:
     code = "import os; print('hello from', os.environ['SHOAL_RANK'])"
     logs = tmp_path / "logs"

@@ -103,6 +103,12 @@ class ElasticJob(Job):
     def _alive(self, *states: str) -> list[ElasticWorker]:
         return [w for w in self.elastic if w.state in states and w.process.returncode is None]
 
+    def _workers_on(self, hostname: str) -> int:
+        # The host's slots, up to --max-np: the most workers it will run at once (the job's slot list names each
+        # host once, so it would say one, and every worker would take all the cores).
+        slots = next((h.slots for h in self.discovery.hosts() if h.hostname == hostname), 1)
+        return min(slots, self.max_np)
+
     def _start_worker(self, hostname: str) -> None:
         self._spawned += 1
         worker_id = f"{hostname}#{self._spawned}"

@@ -203,9 +203,13 @@ class Job:
     def _is_local(self, hostname: str) -> bool:
         return hostname in self.local_prefixes or is_local_host(hostname)
 
+    def _workers_on(self, hostname: str) -> int:
+        """How many workers this job runs on ``hostname`` (at most, for an elastic job)."""
+        return sum(1 for s in self.slots if s.hostname == hostname)
+
     def _threads_per_worker(self, hostname: str) -> int:
         """Cores ÷ local workers: N ranks each using every core would fight over them (torchrun does the same)."""
-        local_workers = max(1, sum(1 for s in self.slots if s.hostname == hostname))
+        local_workers = max(1, self._workers_on(hostname))
         threads = max(1, (os.cpu_count() or 1) // local_workers)
         if not self._said_threads:
             self._said_threads = True
