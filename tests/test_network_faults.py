@@ -3,6 +3,10 @@ good, and the store unreachable for 10 s, for static and elastic jobs. Each job 
 (which also runs as a plain script outside an elastic job); the faults start when the test sends SIGUSR1, once
 training is under way. No case may hang, and no worker may outlive its job.
 
+The cases spend most of their time waiting on the network and on timeouts, so the static cases run side by side in
+one test and the elastic ones in another (each case in its own thread, on its own emulated hosts); a failure names
+its case.
+
 Outcomes (docs/elastic.md, "Network faults"):
 - a 10 s cut is a stall: TCP retransmits carry every job on once the link returns, nothing is removed or rolled back;
 - with ``SHOAL_ELASTIC_UNREACHABLE_SECONDS`` below the cut, an elastic job ends the cut-off worker, goes on without
@@ -18,6 +22,9 @@ import signal
 import subprocess
 import sys
 import threading
+import time
+import traceback
+from collections.abc import Callable
 
 import pytest
 
@@ -82,8 +89,7 @@ class EmulatedJob(RunningJob):
         return [int(line.rsplit("worker pid ", 1)[1].split()[0]) for line in self.lines if "<stdout>:worker pid " in line]
 
 
-@pytest.mark.timeout(150)
-def test_a_link_cut_for_ten_seconds_is_a_stall_for_a_static_job() -> None:
+def case_a_link_cut_for_ten_seconds_is_a_stall_for_a_static_job() -> None:
     job = EmulatedJob(["--hosts", "3", "--fault", "cut:host2:0:10"], ["--epochs", "1"])  # 30 steps, the cut at 20
     job.start_faults_at_step(20)
     came_back = job.fault_time("ends")
@@ -94,8 +100,7 @@ def test_a_link_cut_for_ten_seconds_is_a_stall_for_a_static_job() -> None:
     assert gone(job.pids(), 10), "a worker outlived the job"
 
 
-@pytest.mark.timeout(150)
-def test_a_ten_second_link_cut_then_store_outage_are_stalls_for_an_elastic_job() -> None:
+def case_a_ten_second_link_cut_then_store_outage_are_stalls_for_an_elastic_job() -> None:
     """One elastic job, two faults from step 20: host2's link down for 10 s, then (at 15 s) the route to the store
     down for 10 s. Each only holds training up; nothing is re-formed or rolled back."""
     flags = ["--hosts", "3", "--min-np", "2", "--fault", "cut:host2:0:10", "--fault", "store:15:10"]
@@ -112,8 +117,7 @@ def test_a_ten_second_link_cut_then_store_outage_are_stalls_for_an_elastic_job()
     assert gone(job.pids(), 10), "a worker outlived the job"
 
 
-@pytest.mark.timeout(150)
-def test_a_link_cut_past_the_unreachable_limit_removes_the_host_and_its_cooldown_readmits_it() -> None:
+def case_a_link_cut_past_the_unreachable_limit_removes_the_host_and_its_cooldown_readmits_it() -> None:
     flags = ["--hosts", "3", "--min-np", "2", "--blacklist-cooldown-range", "1", "2", "--fault", "cut:host2:0:10"]
     # A survivor only receiving from the ended worker when the link returns never learns of its death (its RST was
     # lost in the cut) and waits for the collective timeout: 20 s here, not the default 600 s.
@@ -130,8 +134,7 @@ def test_a_link_cut_past_the_unreachable_limit_removes_the_host_and_its_cooldown
     assert gone(job.pids(), 10), "a worker outlived the job"
 
 
-@pytest.mark.timeout(150)
-def test_a_host_cut_off_for_good_fails_a_static_job_within_the_collective_timeout() -> None:
+def case_a_host_cut_off_for_good_fails_a_static_job_within_the_collective_timeout() -> None:
     job = EmulatedJob(["--hosts", "2", "--fault", "cut:host1:0:forever"], ["--epochs", "20"], env=QUICK_FAILURE)
     job.start_faults_at_step(20)
     cut = job.fault_time("begins")
@@ -144,8 +147,7 @@ def test_a_host_cut_off_for_good_fails_a_static_job_within_the_collective_timeou
     print(f"static job, host cut off for good: shoalrun exited {code}; the cut began at {cut:.1f}")
 
 
-@pytest.mark.timeout(150)
-def test_a_host_cut_off_for_good_leaves_an_elastic_job_with_the_rest() -> None:
+def case_a_host_cut_off_for_good_leaves_an_elastic_job_with_the_rest() -> None:
     flags = ["--hosts", "3", "--min-np", "2", "--fault", "cut:host2:0:forever"]
     job = EmulatedJob(flags, ["--epochs", "2"], env=QUICK_FAILURE)
     job.start_faults_at_step(20)
@@ -158,3 +160,48 @@ def test_a_host_cut_off_for_good_leaves_an_elastic_job_with_the_rest() -> None:
     first_commit = float(job.wait_for(r"first commit after reset 1: step \d+ at ([\d.]+)", 1).group(1))
     print(f"elastic job, host cut off for good: going on with 2 workers {first_commit - cut:.1f} s after the cut")
     assert gone(job.pids(), 10), "a worker outlived the job"
+
+
+def run_side_by_side(cases: list[Callable[[], None]], timeout_s: float) -> None:
+    """Run every case in its own thread; fail with each failing case's name and traceback."""
+    failures: dict[str, str] = {}
+
+    def run(case: Callable[[], None]) -> None:
+        try:
+            case()
+        except BaseException:  # any failure, reported below with the case's name
+            failures[case.__name__] = traceback.format_exc()
+
+    threads = [threading.Thread(target=run, args=(case,), daemon=True) for case in cases]
+    for thread in threads:
+        thread.start()
+        time.sleep(2)  # staggered: each job starts its workers (torch imports) while the previous one trains
+    deadline = time.monotonic() + timeout_s
+    for thread, case in zip(threads, cases, strict=True):
+        thread.join(max(0.0, deadline - time.monotonic()))
+        if thread.is_alive():
+            failures[case.__name__] = f"did not finish within {timeout_s:.0f} s"
+    assert not failures, "\n\n".join(f"{name}:\n{text}" for name, text in failures.items())
+
+
+@pytest.mark.timeout(220)
+def test_static_jobs_stall_through_a_ten_second_cut_and_fail_clearly_on_a_host_lost_for_good() -> None:
+    run_side_by_side(
+        [
+            case_a_link_cut_for_ten_seconds_is_a_stall_for_a_static_job,
+            case_a_host_cut_off_for_good_fails_a_static_job_within_the_collective_timeout,
+        ],
+        timeout_s=200,
+    )
+
+
+@pytest.mark.timeout(220)
+def test_elastic_jobs_ride_out_cuts_and_a_store_outage_and_go_on_without_a_lost_host() -> None:
+    run_side_by_side(
+        [
+            case_a_ten_second_link_cut_then_store_outage_are_stalls_for_an_elastic_job,
+            case_a_link_cut_past_the_unreachable_limit_removes_the_host_and_its_cooldown_readmits_it,
+            case_a_host_cut_off_for_good_leaves_an_elastic_job_with_the_rest,
+        ],
+        timeout_s=200,
+    )
