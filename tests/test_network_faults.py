@@ -18,6 +18,7 @@ Outcomes (docs/elastic.md, "Network faults"):
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -85,6 +86,11 @@ class EmulatedJob(RunningJob):
         assert summary["world"] == 3 and summary["resets"] == 0 and summary["restores"] == 0, summary
         check_every_sample_once(summary, epochs)
 
+    def shared_the_cores(self, ranks: int) -> None:
+        """Every rank got the machine's cores divided by all the emulated hosts' ranks, not by its own host's."""
+        share = max(1, (os.cpu_count() or 1) // ranks)
+        self.wait_for(rf"OMP_NUM_THREADS={share} for each local worker \(\d+ cores / {ranks} workers\)", 1)
+
     def pids(self) -> list[int]:
         return [int(line.rsplit("worker pid ", 1)[1].split()[0]) for line in self.lines if "<stdout>:worker pid " in line]
 
@@ -94,6 +100,7 @@ def case_a_link_cut_for_ten_seconds_is_a_stall_for_a_static_job() -> None:
     job.start_faults_at_step(20)
     came_back = job.fault_time("ends")
     job.finished_as_if_nothing_happened(epochs=1)
+    job.shared_the_cores(3)
     resumed = job.step_time(came_back) - came_back
     print(f"static: training resumed {resumed:.1f} s after the link came back")
     assert resumed < 20  # TCP's retransmission backoff after a 10 s loss
@@ -109,6 +116,7 @@ def case_a_ten_second_link_cut_then_store_outage_are_stalls_for_an_elastic_job()
     link_back = job.fault_time("ends", "link")
     store_back = job.fault_time("ends", "store")
     job.finished_as_if_nothing_happened(epochs=3)
+    job.shared_the_cores(3)
     resumed = job.step_time(link_back) - link_back
     print(f"elastic: training resumed {resumed:.1f} s after the link came back")
     print(f"store back: training logged its next step {job.step_time(store_back) - store_back:.1f} s later")

@@ -17,8 +17,8 @@ with ``--ranks-per-host`` ranks in each namespace, each host under its own host 
 several hosts (separate shared-memory segments, inter-host traffic over the shaped links). Its output is
 printed, prefixed as shoalrun does. The namespaces, links and bridge are always removed at the end.
 
-The emulated hosts share this machine's cores, so unless ``OMP_NUM_THREADS`` is set, every rank gets the cores
-divided by all the ranks and servers (shoalrun alone would give each one-rank "host" every core).
+The emulated hosts share this machine's cores: unless ``OMP_NUM_THREADS`` is set, shoalrun's job gives every rank
+the cores divided by all the ranks on them, not by the ranks of its own host.
 """
 
 from __future__ import annotations
@@ -247,14 +247,6 @@ def main(argv: list[str] | None = None) -> int:
             config.check()
         except ValueError as error:
             parser.error(str(error))
-        if "OMP_NUM_THREADS" not in os.environ:
-            threads = max(1, (os.cpu_count() or 1) // (len(slots) + args.num_servers))
-            os.environ["OMP_NUM_THREADS"] = str(threads)
-            print(
-                f"shoal.bench.netns: OMP_NUM_THREADS={threads} for every rank (the hosts share {os.cpu_count()} cores)",
-                file=sys.stderr,
-                flush=True,
-            )
         # Each rank starts inside its host's namespace, with gloo bound to that namespace's shaped link.
         prefixes = {
             name: ["ip", "netns", "exec", hosts.namespace(i), "env", f"GLOO_SOCKET_IFNAME={hosts.device(i)}"]

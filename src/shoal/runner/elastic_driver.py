@@ -104,10 +104,10 @@ class ElasticJob(Job):
         return [w for w in self.elastic if w.state in states and w.process.returncode is None]
 
     def _workers_on(self, hostname: str) -> int:
-        # The host's slots, up to --max-np: the most workers it will run at once (the job's slot list names each
+        # The machine's slots, up to --max-np: the most workers it will run at once (the job's slot list names each
         # host once, so it would say one, and every worker would take all the cores).
-        slots = next((h.slots for h in self.discovery.hosts() if h.hostname == hostname), 1)
-        return min(slots, self.max_np)
+        same = self._same_machine(hostname)
+        return min(sum(h.slots for h in self.discovery.hosts() if h.hostname in same), self.max_np)
 
     def _start_worker(self, hostname: str) -> None:
         self._spawned += 1

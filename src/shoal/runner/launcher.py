@@ -203,9 +203,15 @@ class Job:
     def _is_local(self, hostname: str) -> bool:
         return hostname in self.local_prefixes or is_local_host(hostname)
 
+    def _same_machine(self, hostname: str) -> set[str]:
+        """The host names whose workers share ``hostname``'s cores: itself, or every host emulated on this machine
+        (``local_prefixes``: shoal.bench.netns's namespaces)."""
+        return set(self.local_prefixes) if hostname in self.local_prefixes else {hostname}
+
     def _workers_on(self, hostname: str) -> int:
-        """How many workers this job runs on ``hostname`` (at most, for an elastic job)."""
-        return sum(1 for s in self.slots if s.hostname == hostname)
+        """How many workers this job runs on ``hostname``'s machine (at most, for an elastic job)."""
+        same = self._same_machine(hostname)
+        return sum(1 for s in self.slots if s.hostname in same)
 
     def _threads_per_worker(self, hostname: str) -> int:
         """Cores ÷ local workers: N ranks each using every core would fight over them (torchrun does the same)."""
