@@ -524,22 +524,25 @@ class Engine:
         """One SUM allreduce of the armed set's data and counts (see ``shoal.engine.one_round``); True when some
         request completed. ``busy``: this rank wants a stall check or a shutdown, which ordinary cycles carry."""
         self.one_round_cycles += 1
-        responses = [response for _, response in armed]
-        keys = [(r.process_set, r.name) for r in responses]
-        ready = [self._pending_cached.get(key) == cache_id for key, (cache_id, _) in zip(keys, armed, strict=True)]
-        quiet = not busy and not self._to_send and len(self._pending) == sum(ready)
-        requests = [self._pending[key] if ok else None for key, ok in zip(keys, ready, strict=True)]
+        plan = self._one_round.plan
+        if plan is None:
+            plan = self._one_round.plan = self._executor.plan_round(armed)
+        pending, pending_cached = self._pending, self._pending_cached
+        ready = [pending_cached.get(key) == cache_id for key, cache_id in zip(plan.keys, plan.cache_ids, strict=True)]
+        quiet = not busy and not self._to_send and len(pending) == sum(ready)
+        requests = [pending[key] if ok else None for key, ok in zip(plan.keys, ready, strict=True)]
         started = time.perf_counter()
-        buffer, counts = self._executor.speculate(responses, requests, [*map(int, ready), int(quiet)])
+        counts = self._executor.speculate(plan, requests, [*map(int, ready), int(quiet)])
         seconds = time.perf_counter() - started
-        delivered = [count == self.size for count in counts[:-1]]
-        self._one_round.after_round(any(delivered), counts[-1] == self.size)
-        done = [r for r, ok in zip(responses, delivered, strict=True) if ok]
-        for (cache_id, _), ok in zip(armed, delivered, strict=True):
+        size = self.size
+        delivered = [count == size for count in counts[:-1]]
+        self._one_round.after_round(True in delivered, counts[-1] == size)
+        done = [r for r, ok in zip(plan.responses, delivered, strict=True) if ok]
+        for cache_id, ok in zip(plan.cache_ids, delivered, strict=True):
             if ok:
                 self._cache.touch(cache_id)
         self._retire(done)
-        self._executor.deliver(responses, requests, buffer, delivered, seconds)  # autotune, if on, is frozen here
+        self._executor.deliver(plan, requests, delivered, seconds)  # autotune, if on, is frozen here
         timeline = self.timeline
         if timeline is not None:
             timeline.flush()

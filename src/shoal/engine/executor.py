@@ -45,6 +45,30 @@ class ProcessSetState:
     group: Any
 
 
+@dataclass
+class RoundPlan:
+    """An armed one-round set's buffers (``Executor.plan_round``), made once and reused every round it is sent."""
+
+    responses: list[Response]
+    keys: list[tuple[int, str]]
+    """(process set, name) of each response, in order."""
+    cache_ids: list[int]
+    buffer: torch.Tensor
+    """Every part's data, then one count per part and the quiet count: what the round's one allreduce sends."""
+    data: torch.Tensor
+    """The parts' data, without the counts."""
+    parts: list[torch.Tensor]
+    """Each response's flat range of the buffer."""
+    control: Any
+    """The counts, as a numpy view of the buffer (read and written without a torch call per value)."""
+    shares: list[tuple[int, int]]
+    """Per response: its elements and the set's, as ``Executor.executions`` records them."""
+    prescale: float
+    postscale: float
+    """The factor applied to a delivered part (Average's division by the members included)."""
+    state: ProcessSetState
+
+
 _BIT_TWINS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 """A signed integer of each width: the bits of any fixed-width dtype travel as it, unchanged."""
 
@@ -79,6 +103,17 @@ def _postscale_(tensor: torch.Tensor, op: ReduceOp, postscale: float, members: i
 
 def _postscale_factor(op: ReduceOp, postscale: float, members: int) -> float:
     return postscale / members if op == ReduceOp.Average else postscale
+
+
+def _scale_into(source: torch.Tensor, factor: float, out: torch.Tensor) -> None:
+    """``out = source * factor``, exactly as ``_scale_`` then a copy would give (one pass for floating point)."""
+    if factor == 1.0:
+        out.copy_(source)
+    elif source.is_floating_point() or source.is_complex():
+        torch.mul(source, factor, out=out)
+    else:
+        _scale_(source, factor)
+        out.copy_(source)
 
 
 def _postscaler(op: ReduceOp, postscale: float, members: int) -> Callable[[torch.Tensor], None] | None:
@@ -346,76 +381,89 @@ class Executor:
 
     # ----- the one-round cycle (see Engine._speculative_cycle) -----
 
-    def speculate(
-        self, responses: list[Response], requests: list[Request | None], control: list[int]
-    ) -> tuple[torch.Tensor, list[int]]:
-        """One SUM allreduce of these cached allreduces' data, zeros where ``requests`` has None, with ``control``
-        appended, on a copy (the inputs stay as they are, so a part that not every rank sent is simply dropped).
-
-        Returns the reduced buffer and the summed control values. A failure here is on the wire, or before it while
-        the peers are inside the collective: either way the engine must stop (``TransportError``).
-        """
-        first = responses[0]
-        meta = first.meta
+    def plan_round(self, armed: list[tuple[int, Response]]) -> RoundPlan:
+        """The buffers of an armed set, made once and reused every round the set is sent."""
+        responses = [response for _, response in armed]
+        meta = responses[0].meta
+        assert meta.op is not None
+        sizes = [math.prod(r.meta.shape) for r in responses]
+        total = sum(sizes)
+        buffer = torch.empty(total + len(responses) + 1, dtype=_dtype(meta))
+        offsets = [sum(sizes[:i]) for i in range(len(sizes))]
         state = self.process_sets[meta.process_set]
+        return RoundPlan(
+            responses=responses,
+            keys=[(r.process_set, r.name) for r in responses],
+            cache_ids=[cache_id for cache_id, _ in armed],
+            buffer=buffer,
+            data=buffer[:total],
+            parts=[buffer[offset : offset + size] for offset, size in zip(offsets, sizes, strict=True)],
+            control=buffer[total:].numpy(),
+            shares=[(size, total) for size in sizes],
+            prescale=meta.prescale,
+            postscale=_postscale_factor(ReduceOp(meta.op), meta.postscale, len(state.members)),
+            state=state,
+        )
+
+    def speculate(self, plan: RoundPlan, requests: list[Request | None], control: list[int]) -> list[int]:
+        """One SUM allreduce of a planned set's data, zeros where ``requests`` has None, with ``control`` appended,
+        in the plan's own buffer (the inputs stay as they are, so a part that not every rank sent is simply dropped).
+
+        Returns the summed control values; the reduced data stays in the plan's buffer for ``deliver``. A failure
+        here is on the wire, or before it while the peers are inside the collective: either way the engine must
+        stop (``TransportError``).
+        """
+        first = plan.responses[0]
         try:
-            inputs = [self._input(r, q).reshape(-1) for r, q in zip(responses, requests, strict=True)]
-            buffer = torch.cat([*inputs, torch.tensor(control, dtype=inputs[0].dtype)])
-            _scale_(buffer[: buffer.numel() - len(control)], meta.prescale)
+            for part, request in zip(plan.parts, requests, strict=True):
+                if request is not None and request.tensor is not None:
+                    part.copy_(request.tensor.view(-1))
+                else:
+                    part.zero_()
+            plan.control[:] = control
+            _scale_(plan.data, plan.prescale)
             self.collective_calls += 1
             timeline = self._timeline()
             started_us = timeline.now_us() if timeline is not None else 0.0
-            self._reduce_(buffer, "sum", meta.process_set, state, first.name)
+            self._reduce_(plan.buffer, "sum", first.process_set, plan.state, first.name)
             if timeline is not None:
-                self._round_us = (started_us, timeline.now_us(), self._reduce_phase(buffer, meta.process_set))
+                self._round_us = (started_us, timeline.now_us(), self._reduce_phase(plan.buffer, first.process_set))
         except TransportError:
             raise
         except Exception as error:
             raise TransportError(f"one-round allreduce of '{first.name}' failed on rank {self.rank}: {error}") from error
-        return buffer, [int(value) for value in buffer[buffer.numel() - len(control) :].tolist()]
+        return [int(value) for value in plan.control.tolist()]
 
-    def deliver(
-        self,
-        responses: list[Response],
-        requests: list[Request | None],
-        buffer: torch.Tensor,
-        delivered: list[bool],
-        seconds: float,
-    ) -> None:
+    def deliver(self, plan: RoundPlan, requests: list[Request | None], delivered: list[bool], seconds: float) -> None:
         """Finish a one-round cycle: scale the parts every rank sent, copy them out and complete their requests. The
         other parts' requests stay pending, with nothing in the timeline: to them the round was a negotiation."""
-        meta = responses[0].meta
-        assert meta.op is not None
-        members = len(self.process_sets[meta.process_set].members)
-        sizes = [math.prod(r.meta.shape) for r in responses]
-        pieces = buffer.split([*sizes, buffer.numel() - sum(sizes)])
-        parts = zip(responses, requests, pieces[:-1], delivered, strict=True)  # the last piece is the control
-        kept = [(r, q, p) for r, q, p, ok in parts if ok and q is not None]
+        every = zip(plan.responses, requests, plan.parts, plan.shares, delivered, strict=True)
+        kept = [(response, request, part, share) for response, request, part, share, ok in every if ok and request is not None]
         if not kept:
             return
-        done = [r for r, _, _ in kept]
+        done = [response for response, _, _, _ in kept]
         self._mark_round(done)
         self._begin(done, "MEMCPY_OUT_FUSION_BUFFER")
         try:
-            for _, request, piece in kept:
+            for _, request, part, _ in kept:
                 assert request is not None
                 if request.output is not None:
-                    _postscale_(piece, ReduceOp(meta.op), meta.postscale, members)
-                    request.output.view(-1).copy_(piece)
+                    _scale_into(part, plan.postscale, request.output.view(-1))
         except Exception as error:
             names = ", ".join(repr(r.name) for r in done)
             message = f"Shoal could not complete allreduce of {names} on rank {self.rank}: {error}"
             get_logger().error("%s", message)
-            for _, request, _ in kept:
+            for _, request, _, _ in kept:
                 assert request is not None
                 request.fail(RuntimeError(message))
             return
         finally:
             self._end(done, "MEMCPY_OUT_FUSION_BUFFER")
             self._end(done, "ALLREDUCE")
-        self._record_seconds(done, seconds)
-        for _, request, _ in kept:
+        executions = self.executions
+        for response, request, _, (size, total) in kept:
             assert request is not None
+            executions[(response.process_set, response.name)] = (seconds * size / total, size, total)
             request.complete(request.output)
 
     def _mark_round(self, done: list[Response]) -> None:

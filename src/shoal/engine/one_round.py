@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from shoal.engine.executor import RoundPlan
 from shoal.engine.fusion import plan_batches
 from shoal.engine.negotiation import Response
 from shoal.engine.request import Kind, ReduceOp
@@ -39,6 +40,10 @@ class OneRound:
     _last: list[tuple[int, Response]] | None = None
     armed: list[tuple[int, Response]] | None = field(default=None)
     """(cache id, response) of the set the next cycle sends in one round; None: an ordinary cycle."""
+    plan: RoundPlan | None = None
+    _armed_key: frozenset[tuple[int, str]] = frozenset()
+    """The armed set's buffers, made by the engine at its first round (``Executor.plan_round``); None when the set
+    changes."""
     _bets: dict[frozenset[tuple[int, str]], list[int]] = field(default_factory=dict)
     """Per set: [rounds that completed some of it, rounds lost on it]. A round is lost when it completed nothing and
     some rank had other work: that other work then needs an ordinary cycle, one round trip more than without the
@@ -82,9 +87,10 @@ class OneRound:
         if self._last is not None:
             seen = {cache_id for cache_id, _ in self._last}
             union = self._last + [pair for pair in pairs if pair[0] not in seen]
-            paid, lost = self._bets.get(_key(union), (0, 0))
+            key = _key(union)
+            paid, lost = self._bets.get(key, (0, 0))
             if lost <= paid and self.qualifies([r for _, r in union], *fusion):
-                self.armed = union
+                self.armed, self.plan, self._armed_key = union, None, key
         self._last = pairs
 
     def after_round(self, delivered: bool, quiet: bool) -> None:
@@ -93,13 +99,13 @@ class OneRound:
         if delivered or not quiet:
             if len(self._bets) >= _MAX_SCORED:
                 self._bets.clear()
-            score = self._bets.setdefault(_key(self.armed), [0, 0])
+            score = self._bets.setdefault(self._armed_key, [0, 0])
             score[0 if delivered else 1] += 1
         if not quiet:
             self.disarm()
 
     def disarm(self) -> None:
-        self._last, self.armed = None, None
+        self._last, self.armed, self.plan = None, None, None
 
 
 _MAX_SCORED = 4096
