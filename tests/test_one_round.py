@@ -217,3 +217,22 @@ def test_a_set_whose_bets_lose_is_not_armed_again() -> None:
     for result in run_ranks(_rotating_names, 2):
         assert result["values"] == [2.0 * step for step in range(30) for _ in range(3)]
         assert result["one_round"] <= 6, result["one_round"]
+
+
+def _empty_tensors() -> dict[str, object]:
+    """A repeating set of empty tensors (0 elements in all) beside the usual rounds: the set still arms and completes."""
+    hvd.init()
+    shapes = []
+    for _ in range(STEPS):
+        handles = [hvd.allreduce_async(torch.zeros(0), name=f"e{i}", op=hvd.Sum) for i in range(2)]
+        shapes.append([tuple(hvd.synchronize(h).shape) for h in handles])
+    share = session.engine().execution("e0")
+    return {"shapes": shapes, "one_round": session.engine().one_round_cycles, "share": share}
+
+
+def test_a_set_of_empty_tensors_takes_one_round_too() -> None:
+    for result in run_ranks(_empty_tensors, 2):
+        assert result["shapes"] == [[(0,), (0,)]] * STEPS
+        assert result["one_round"] > 0
+        seconds, elements, total = result["share"]
+        assert (elements, total) == (0, 0) and seconds >= 0

@@ -61,8 +61,9 @@ class RoundPlan:
     """Each response's flat range of the buffer."""
     control: Any
     """The counts, as a numpy view of the buffer (read and written without a torch call per value)."""
-    shares: list[tuple[int, int]]
-    """Per response: its elements and the set's, as ``Executor.executions`` records them."""
+    shares: list[tuple[float, int, int]]
+    """Per response: its share of the round's seconds (by size; even when the set has no elements), its elements and
+    the set's, as ``Executor.executions`` records them."""
     prescale: float
     postscale: float
     """The factor applied to a delivered part (Average's division by the members included)."""
@@ -399,7 +400,7 @@ class Executor:
             data=buffer[:total],
             parts=[buffer[offset : offset + size] for offset, size in zip(offsets, sizes, strict=True)],
             control=buffer[total:].numpy(),
-            shares=[(size, total) for size in sizes],
+            shares=[(size / total if total else 1 / len(sizes), size, total) for size in sizes],
             prescale=meta.prescale,
             postscale=_postscale_factor(ReduceOp(meta.op), meta.postscale, len(state.members)),
             state=state,
@@ -461,9 +462,9 @@ class Executor:
             self._end(done, "MEMCPY_OUT_FUSION_BUFFER")
             self._end(done, "ALLREDUCE")
         executions = self.executions
-        for response, request, _, (size, total) in kept:
+        for response, request, _, (share, size, total) in kept:
             assert request is not None
-            executions[(response.process_set, response.name)] = (seconds * size / total, size, total)
+            executions[(response.process_set, response.name)] = (seconds * share, size, total)
             request.complete(request.output)
 
     def _mark_round(self, done: list[Response]) -> None:
