@@ -61,9 +61,8 @@ class RoundPlan:
     """Each response's flat range of the buffer."""
     control: Any
     """The counts, as a numpy view of the buffer (read and written without a torch call per value)."""
-    shares: list[tuple[float, int, int]]
-    """Per response: its share of the round's seconds (by size; even when the set has no elements), its elements and
-    the set's, as ``Executor.executions`` records them."""
+    sizes: list[int]
+    """Each response's elements."""
     prescale: float
     postscale: float
     """The factor applied to a delivered part (Average's division by the members included)."""
@@ -262,8 +261,10 @@ class Executor:
             self._end(batch.responses, phase)
         self._record_seconds(batch.responses, time.perf_counter() - started)
 
-    def _record_seconds(self, responses: list[Response], seconds: float) -> None:
-        sizes = [math.prod(r.meta.shape) for r in responses]
+    def _record_seconds(self, responses: list[Response], seconds: float, sizes: list[int] | None = None) -> None:
+        """Each response's share by size of a batch's ``seconds`` (``sizes``: their elements, when already known)."""
+        if sizes is None:
+            sizes = [math.prod(r.meta.shape) for r in responses]
         total = sum(sizes)
         for response, size in zip(responses, sizes, strict=True):
             share = size / total if total else 1 / len(responses)
@@ -390,7 +391,7 @@ class Executor:
         sizes = [math.prod(r.meta.shape) for r in responses]
         total = sum(sizes)
         buffer = torch.empty(total + len(responses) + 1, dtype=_dtype(meta))
-        offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+        *parts, control = buffer.split([*sizes, len(responses) + 1])
         state = self.process_sets[meta.process_set]
         return RoundPlan(
             responses=responses,
@@ -398,9 +399,9 @@ class Executor:
             cache_ids=[cache_id for cache_id, _ in armed],
             buffer=buffer,
             data=buffer[:total],
-            parts=[buffer[offset : offset + size] for offset, size in zip(offsets, sizes, strict=True)],
-            control=buffer[total:].numpy(),
-            shares=[(size / total if total else 1 / len(sizes), size, total) for size in sizes],
+            parts=parts,
+            control=control.numpy(),
+            sizes=sizes,
             prescale=meta.prescale,
             postscale=_postscale_factor(ReduceOp(meta.op), meta.postscale, len(state.members)),
             state=state,
@@ -438,8 +439,8 @@ class Executor:
     def deliver(self, plan: RoundPlan, requests: list[Request | None], delivered: list[bool], seconds: float) -> None:
         """Finish a one-round cycle: scale the parts every rank sent, copy them out and complete their requests. The
         other parts' requests stay pending, with nothing in the timeline: to them the round was a negotiation."""
-        every = zip(plan.responses, requests, plan.parts, plan.shares, delivered, strict=True)
-        kept = [(response, request, part, share) for response, request, part, share, ok in every if ok and request is not None]
+        every = zip(plan.responses, requests, plan.parts, plan.sizes, delivered, strict=True)
+        kept = [(response, request, part, size) for response, request, part, size, ok in every if ok and request is not None]
         if not kept:
             return
         done = [response for response, _, _, _ in kept]
@@ -461,10 +462,9 @@ class Executor:
         finally:
             self._end(done, "MEMCPY_OUT_FUSION_BUFFER")
             self._end(done, "ALLREDUCE")
-        executions = self.executions
-        for response, request, _, (share, size, total) in kept:
+        self._record_seconds(done, seconds, [size for _, _, _, size in kept])
+        for _, request, _, _ in kept:
             assert request is not None
-            executions[(response.process_set, response.name)] = (seconds * share, size, total)
             request.complete(request.output)
 
     def _mark_round(self, done: list[Response]) -> None:

@@ -41,9 +41,10 @@ class OneRound:
     armed: list[tuple[int, Response]] | None = field(default=None)
     """(cache id, response) of the set the next cycle sends in one round; None: an ordinary cycle."""
     plan: RoundPlan | None = None
-    _armed_key: frozenset[tuple[int, str]] = frozenset()
     """The armed set's buffers, made by the engine at its first round (``Executor.plan_round``); None when the set
     changes."""
+    _armed_key: frozenset[tuple[int, str]] = frozenset()
+    """The armed set's key in ``_bets``, kept from arming so that a round does not rebuild it."""
     _bets: dict[frozenset[tuple[int, str]], list[int]] = field(default_factory=dict)
     """Per set: [rounds that completed some of it, rounds lost on it]. A round is lost when it completed nothing and
     some rank had other work: that other work then needs an ordinary cycle, one round trip more than without the
