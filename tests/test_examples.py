@@ -138,7 +138,14 @@ def test_gpu_check_script_passes_its_checks_on_cpu() -> None:
     """The NCCL check script runs in CI over gloo, so it still works when a GPU machine is lent."""
     summary = last_json([*SHOALRUN, "-np", "2", sys.executable, "-m", "shoal.bench.gpu_check", "--device", "cpu", "--mib", "4"])
     assert summary["bench"] == "gpu_check" and summary["world"] == 2 and summary["device"] == "cpu"
-    assert summary["checks"] == {"collectives": True, "distributed_optimizer": True, "sync_batch_norm": True}
+    assert summary["checks"] == {
+        "collectives": True,
+        "more_collectives": True,
+        "distributed_optimizer": True,
+        "accumulation": True,
+        "optimizer_and_elastic_state": True,
+        "sync_batch_norm": True,
+    }
     assert float(summary["allreduce"]["ratio"]) > 0  # type: ignore[index]
 
 

@@ -85,6 +85,80 @@ def check_sync_batch_norm(device: torch.device) -> bool:
     return bool(torch.allclose(y, expected[4 * rank : 4 * rank + 4], rtol=_TOLERANCE, atol=_TOLERANCE))
 
 
+def check_more_collectives(device: torch.device) -> bool:
+    """fp16 compression, uneven allgather, alltoall with splits and reducescatter keep the device and the values."""
+    rank, size = hvd.rank(), hvd.size()
+    mine = torch.arange(8, dtype=torch.float32, device=device) * (rank + 1)
+    mean = torch.arange(8, dtype=torch.float32) * (size + 1) / 2
+    compressed = hvd.allreduce(mine, compression=hvd.Compression.fp16, name="gpu_check.fp16")
+    ok = compressed.dtype == torch.float32 and torch.allclose(compressed.cpu(), mean, rtol=1e-3)
+    uneven = hvd.allgather(torch.full((rank + 1, 2), float(rank), device=device), name="gpu_check.uneven")
+    ok &= torch.equal(uneven.cpu(), torch.cat([torch.full((r + 1, 2), float(r)) for r in range(size)]))
+    sent = torch.arange(size * 2, dtype=torch.float32, device=device) + 100 * rank
+    received, splits = hvd.alltoall(sent, splits=[2] * size, name="gpu_check.alltoall")
+    expected = torch.cat([torch.arange(2 * rank, 2 * rank + 2, dtype=torch.float32) + 100 * r for r in range(size)])
+    ok &= torch.equal(received.cpu(), expected) and splits.tolist() == [2] * size
+    scattered = hvd.reducescatter(torch.ones(size * 3, device=device) * (rank + 1), op=hvd.Sum, name="gpu_check.rs")
+    ok &= torch.equal(scattered.cpu(), torch.full((3,), float(size * (size + 1) // 2)))
+    return bool(ok and all(t.device == device for t in (compressed, uneven, received, scattered)))
+
+
+def check_accumulation(device: torch.device, per_rank: int = 4) -> bool:
+    """backward_passes_per_step=2: two local passes, one exchange, the weights of one process with both batches."""
+    rank, size = hvd.rank(), hvd.size()
+    model, reference = _model(device), _model(device)
+    optimizer = hvd.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters(), backward_passes_per_step=2
+    )
+    solo = torch.optim.SGD(reference.parameters(), lr=0.1)
+    optimizer.zero_grad()
+    solo.zero_grad()
+    for micro in range(2):
+        x, y = _global_batch(micro, size, per_rank, device)
+        mine = slice(rank * per_rank, (rank + 1) * per_rank)
+        F.cross_entropy(model(x[mine]), y[mine]).backward()
+        F.cross_entropy(reference(x), y).backward()
+    optimizer.step()
+    solo.step()
+    return all(
+        torch.allclose(p, q, rtol=_TOLERANCE, atol=_TOLERANCE)
+        for p, q in zip(model.parameters(), reference.parameters(), strict=True)
+    )
+
+
+def check_state(device: torch.device) -> bool:
+    """Adam state broadcast from rank 0 and an elastic commit/restore keep CUDA tensors on their device."""
+    model = _model(device)
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    if hvd.rank() == 0:
+        F.cross_entropy(model(torch.ones(2, 16, device=device)), torch.zeros(2, dtype=torch.long, device=device)).backward()
+        optimizer.step()
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    hvd.broadcast_optimizer_state(optimizer, root_rank=0)
+    moments = [optimizer.state[p]["exp_avg"] for p in model.parameters()]
+    ok = all(m.device == device for m in moments)
+    gathered = hvd.allgather(torch.cat([m.flatten() for m in moments]).unsqueeze(0), name="gpu_check.state")
+    ok &= bool((gathered == gathered[0]).all())
+    state = hvd.elastic.TorchState(model, optimizer, epoch=3)
+    state.commit()
+    before = [p.detach().clone() for p in model.parameters()]
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    state.restore()
+    ok &= all(torch.equal(p, q) and p.device == device for p, q in zip(model.parameters(), before, strict=True))
+    return bool(ok and getattr(state, "epoch", None) == 3)
+
+
+def _guarded(check: Callable[[torch.device], bool], device: torch.device) -> bool:
+    """A check that raises reports false with its error on stderr; the other checks still run."""
+    try:
+        return check(device)
+    except Exception as error:
+        print(f"gpu_check: {check.__name__} raised {type(error).__name__}: {error}", file=sys.stderr, flush=True)
+        return False
+
+
 def _timed_ms(fn: Callable[[], object], device: torch.device, iterations: int = 10) -> float:
     def synchronized() -> None:
         fn()
@@ -112,15 +186,23 @@ def main() -> None:
     if args.device == "cuda":
         if not torch.cuda.is_available():
             sys.exit("gpu_check: no CUDA device here; use --device cpu to run the checks over gloo")
+        if hvd.local_rank() >= torch.cuda.device_count():
+            sys.exit(
+                f"gpu_check: local rank {hvd.local_rank()} has no GPU of its own ({torch.cuda.device_count()} here); NCCL "
+                "needs one GPU per rank, so run at most that many ranks per host"
+            )
         torch.cuda.set_device(hvd.local_rank())  # Horovod's recipe: rank i on cuda:i (negotiation uses the type)
         device = torch.device("cuda", hvd.local_rank())
     else:
         torch.set_num_threads(1)
         device = torch.device("cpu")
     checks = {
-        "collectives": check_collectives(device),
-        "distributed_optimizer": check_optimizer(device),
-        "sync_batch_norm": check_sync_batch_norm(device),
+        "collectives": _guarded(check_collectives, device),
+        "more_collectives": _guarded(check_more_collectives, device),
+        "distributed_optimizer": _guarded(check_optimizer, device),
+        "accumulation": _guarded(check_accumulation, device),
+        "optimizer_and_elastic_state": _guarded(check_state, device),
+        "sync_batch_norm": _guarded(check_sync_batch_norm, device),
     }
     timing = time_allreduce(device, args.mib << 20)
     agreed = hvd.allgather_object(checks)
