@@ -72,6 +72,8 @@ def test_train_benchmark_json_contract() -> None:
         assert float(summary[key]) > 0, key
     assert abs(float(summary["of_bound"]) - float(summary["shoal_ips"]) / float(summary["bound_ips"])) < 0.01
     assert abs(float(summary["of_lockstep"]) - float(summary["shoal_ips"]) / float(summary["lockstep_ips"])) < 0.01
+    before, after = summary["barrier_us"]  # type: ignore[misc]  # two ranks on one host: a barrier round trip each time
+    assert 0 < before < 1000 and 0 < after < 1000, summary["barrier_us"]
     # --profile: where a step's time went, from a timeline of one more Shoal phase (3 steps)
     assert re.search(
         r"compute on rank 0, 3 steps, median ms: forward [\d.]+, backward [\d.]+, synchronize [\d.]+, "
@@ -115,6 +117,7 @@ def test_allreduce_benchmark_json_contract(tmp_path: Path) -> None:
         else:
             assert not any(key in row for key in fixed_cost), row  # type: ignore[operator]
     assert float(summary["memcpy_GBps"]) > 0  # type: ignore[arg-type]
+    assert 0 < float(summary["barrier_us"]) < 1000  # type: ignore[arg-type]
     small = summary["small_tensors"]
     assert small["count"] == 256 and small["bytes_each"] == 16384 and small["speedup"] > 0  # type: ignore[index]
     shared = summary["shared_gradients"]  # two ranks on one host: the arena row is there

@@ -14,6 +14,7 @@ calls (a row's ``shoal_ms`` is the median of only ``--iterations``): ``latency_u
 under its own name: submit, one negotiation cycle, the collective, the wake-up); ``transport_latency_us``, the bare
 transport the engine would use (``transport``: "shm" for ranks sharing a host, else "gloo"); ``raw_latency_us``, raw
 gloo ``all_reduce``. Each is the slowest rank's median; the three take turns in blocks of 20 calls.
+``barrier_us``: the shared-memory barrier's round trip at the end (``shoal.bench.barrier_us``; null without it).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from typing import Any
 import torch
 
 import shoal.torch as hvd
-from shoal.bench import add_json_flag, emit
+from shoal.bench import add_json_flag, barrier_us, emit
 from shoal.comm import collectives
 from shoal.comm.hierarchical import HierarchicalAllreduce
 from shoal.comm.shm import create_local_group, job_token
@@ -258,6 +259,7 @@ def main(argv: list[str] | None = None) -> None:
     small = bench_small_tensors()
     empty_cycle_ms = bench_empty_cycle(hierarchical)
     shared = bench_shared_gradients(hierarchical, limit)
+    placement = barrier_us()
     if hvd.rank() == 0:
         print(f"memcpy limit: {limit:.2f} GB/s; empty negotiation cycle: {empty_cycle_ms:.4f} ms")
         for row in rows:
@@ -279,6 +281,7 @@ def main(argv: list[str] | None = None) -> None:
             "empty_cycle_ms": round(empty_cycle_ms, 4),
             "empty_cycle_path": "shm" if hierarchical is not None else "gloo",
             "shared_gradients": shared,
+            "barrier_us": placement,
         }
         if shared is not None:
             print(

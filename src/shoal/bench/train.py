@@ -13,7 +13,9 @@ pass (a one-element allreduce), as a synchronous job's ranks must, so that their
 ``--compare-copying`` adds ``copying_ips`` and ``shared_gain`` (= shoal_ips / copying_ips): a second Shoal job in
 the same rounds whose gradients are copied to be reduced instead of living in shared memory. ``--zero-grad zeros``
 makes every phase's ``zero_grad`` fill gradients with zeros instead of setting them to None. ``--profile`` then
-times one more Shoal phase with a timeline and prints where a step's time goes.
+times one more Shoal phase with a timeline and prints where a step's time goes. ``barrier_us`` is the shared-memory
+barrier's round trip before the phases and after them (``shoal.bench.barrier_us``: whether the ranks' cores shared
+a cache during the run; null without shared memory).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import torch
 from torch import nn
 
 import shoal.torch as hvd
-from shoal.bench import add_json_flag, emit
+from shoal.bench import add_json_flag, barrier_us, emit
 from shoal.comm.baselines import wrap_ddp
 from shoal.config import env_name
 from shoal.core import session as handles
@@ -306,6 +308,8 @@ class Phases:
     profile: list[str]
     tuned: tuple[float, int] | None
     settings: list[object]
+    barrier_us: list[float | None]
+    """The shared-memory barrier's round trip before the phases and after them (``shoal.bench.barrier_us``)."""
 
 
 def _report(args: argparse.Namespace, phases: Phases) -> None:
@@ -365,6 +369,7 @@ def _report(args: argparse.Namespace, phases: Phases) -> None:
     result["no_overlap_ips"] = round(no_overlap_ips, 1)
     print(f"solo (1 process, no communication): {phases.solo_ips:.1f} img/s")
     result["solo_ips"] = round(phases.solo_ips, 1)
+    result["barrier_us"] = phases.barrier_us
     if phases.profile:
         print("profile (one more Shoal phase, timed with a timeline on every rank):")
         for line in phases.profile:
@@ -377,6 +382,7 @@ def main(argv: list[str] | None = None) -> None:
     args = _parse(argv)
     torch.set_num_threads(1)
     hvd.init()
+    placement = [barrier_us()]
     batches = _batches(args.model, args.batch_size, 4)
     shoal_runs, ddp_runs, bound_runs, lockstep_runs, copying_runs = [], [], [], [], []
     # One Shoal training job across the rounds, as in real training: comm="auto" plans (and may refit) once, in the
@@ -403,6 +409,7 @@ def main(argv: list[str] | None = None) -> None:
             )
     solo_ips = run_solo(args, batches)
     reduce_s = bare_reduce_seconds(args)
+    placement.append(barrier_us())
     profile = run_profiled(args, batches) if args.profile else []
     tuned: tuple[float, int] | None = None
     settings: list[object] = []
@@ -417,7 +424,19 @@ def main(argv: list[str] | None = None) -> None:
     if hvd.rank() == 0:
         _report(
             args,
-            Phases(shoal_runs, ddp_runs, bound_runs, lockstep_runs, copying_runs, solo_ips, reduce_s, profile, tuned, settings),
+            Phases(
+                shoal_runs,
+                ddp_runs,
+                bound_runs,
+                lockstep_runs,
+                copying_runs,
+                solo_ips,
+                reduce_s,
+                profile,
+                tuned,
+                settings,
+                placement,
+            ),
         )
     hvd.shutdown()
 
