@@ -378,3 +378,30 @@ def test_a_failed_engine_releases_peers_blocked_on_it_at_once(shared_memory: str
     # Without the release, rank 0 waits until rank 1's process exits (6 s here; the gloo timeout, 300 s, in general).
     waited_s, _ = run_ranks(_failed_rank_lingers, 2, env={"SHOAL_HIERARCHICAL_ALLREDUCE": shared_memory}, timeout_s=60)
     assert waited_s < 3.0, f"rank 0 waited {waited_s:.1f} s for a rank whose engine had failed"
+
+
+def test_a_request_latch_wakes_every_waiter_once_set_and_times_out_before() -> None:
+    """``Request.done`` (a ``Latch``): waits time out while unset; one set wakes every waiter, now and later; a
+    second set, even racing the first, changes nothing."""
+    import threading
+
+    from shoal.engine.request import Latch
+
+    latch = Latch()
+    assert not latch.is_set()
+    started = time.monotonic()
+    assert latch.wait(0.05) is False and time.monotonic() - started >= 0.04
+    woken: list[bool] = []
+    waiters = [threading.Thread(target=lambda: woken.append(latch.wait(10))) for _ in range(4)]
+    for waiter in waiters:
+        waiter.start()
+    time.sleep(0.05)
+    assert woken == []
+    setters = [threading.Thread(target=latch.set) for _ in range(2)]
+    for setter in setters:
+        setter.start()
+    for thread in setters + waiters:
+        thread.join(5)
+    assert woken == [True] * 4 and latch.is_set()
+    latch.set()
+    assert latch.wait() is True and latch.wait(0) is True

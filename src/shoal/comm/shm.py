@@ -126,6 +126,9 @@ class SharedMemoryGroup:
         self._control = memoryview(self._map)[:_HEADER_BYTES].cast("q")
         self._sequence_index = [rank * _CONTROL_LINE_INT64 for rank in range(local_size)]
         self._slices_cache: dict[int, list[tuple[int, int]]] = {}
+        self._small_cache: dict[
+            tuple[torch.dtype, int, int], tuple[torch.Tensor, torch.Tensor | None, list[torch.Tensor], torch.Tensor]
+        ] = {}
         self._data = torch.frombuffer(self._map, dtype=torch.uint8, offset=_HEADER_BYTES, count=2 * local_size * slot_bytes)
         self._views: dict[torch.dtype, list[list[torch.Tensor]]] = {}
         self._steps = 0
@@ -191,6 +194,24 @@ class SharedMemoryGroup:
         self._steps += 1
         return views[self._steps % 2]
 
+    def _small_views(
+        self, dtype: torch.dtype, count: int
+    ) -> tuple[torch.Tensor, torch.Tensor | None, list[torch.Tensor], torch.Tensor]:
+        """The views one small chunk of ``count`` elements uses, in the half this step uses: this rank's slot
+        prefix, its slice of local rank 0's slot (None when its slice is empty) and of every other slot, and local
+        rank 0's prefix (the reduced chunk). Kept per size: a repeating collective slices nothing."""
+        slots = self._next_slots(dtype)
+        key = (dtype, count, self._steps % 2)
+        views = self._small_cache.get(key)
+        if views is None:
+            start, stop = self.slices(count)[self.local_rank]
+            result = slots[0][start:stop] if stop > start else None
+            others = [slots[rank][start:stop] for rank in range(1, self.local_size)] if stop > start else []
+            views = (slots[self.local_rank][:count], result, others, slots[0][:count])
+            if len(self._small_cache) < 512:
+                self._small_cache[key] = views
+        return views
+
     def chunk_elements(self, dtype: torch.dtype) -> int:
         """How many elements of ``dtype`` one slot holds."""
         return self.slot_bytes // dtype.itemsize
@@ -235,25 +256,23 @@ class SharedMemoryGroup:
         for offset in range(0, total, step):
             chunk = flat if total <= step else flat[offset : offset + step]
             count = chunk.numel()
-            slots = self._next_slots(flat.dtype)
             if count >= _LARGE_CHUNK_ELEMENTS:
-                self._allreduce_large_chunk(chunk, slots, reduction, between_hosts, finish)
+                self._allreduce_large_chunk(chunk, self._next_slots(flat.dtype), reduction, between_hosts, finish)
                 continue
-            slots[self.local_rank][:count].copy_(chunk)
+            mine, result, others, reduced = self._small_views(flat.dtype, count)
+            mine.copy_(chunk)
             self.barrier()
-            start, stop = self.slices(count)[self.local_rank]
-            if stop > start:
-                # Only this rank touches [start, stop) of any slot, so it accumulates straight into local rank
-                # 0's slot: the whole reduced chunk then sits contiguously there and comes out in one copy.
-                result = slots[0][start:stop]
-                for rank in range(1, self.local_size):
-                    reduce_into(result, slots[rank][start:stop])
+            if result is not None:
+                # Only this rank touches its slice of any slot, so it accumulates straight into local rank 0's
+                # slot: the whole reduced chunk then sits contiguously there and comes out in one copy.
+                for other in others:
+                    reduce_into(result, other)
                 if between_hosts is not None:
                     between_hosts(result)
                 if finish is not None:
                     finish(result)
             self.barrier()
-            chunk.copy_(slots[0][:count])
+            chunk.copy_(reduced)
 
     def _allreduce_large_chunk(
         self,
@@ -354,6 +373,7 @@ class SharedMemoryGroup:
         self._control[self.local_rank * _CONTROL_LINE_INT64 + 1] = _LEFT
         self._data = torch.empty(0, dtype=torch.uint8)
         self._views.clear()
+        self._small_cache.clear()
         self._control.release()  # a thread still spinning on it gets a ValueError, not a read of freed memory
         # Not self._map.close(): tensors from torch.frombuffer keep the mmap object alive but hold no buffer export,
         # so a close would succeed under a view another thread still uses. The segment is unmapped when the last

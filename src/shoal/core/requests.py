@@ -51,6 +51,8 @@ class Call:
 
 def _check_writable(tensor: torch.Tensor, kind: Kind) -> None:
     """An in-place result must be writable element by element: an expanded tensor shares memory between elements."""
+    if tensor.is_contiguous():  # the common case, and cheap: a contiguous tensor has no stride 0 along a dimension > 1
+        return
     if any(stride == 0 and size > 1 for stride, size in zip(tensor.stride(), tensor.shape, strict=True)):
         raise ValueError(
             f"{kind.value}: the in-place form cannot write into a tensor whose elements share memory (an expand()ed "
@@ -68,6 +70,17 @@ def _check_call(call: Call, tensor: torch.Tensor) -> None:
         check_alltoall_splits(call.splits, tensor.shape[0], call.process_set.size())
 
 
+_DTYPE_NAMES: dict[torch.dtype, str] = {}
+"""``float32`` for ``torch.float32``: the name a request carries, looked up instead of formatted per request."""
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = str(dtype).removeprefix("torch.")
+    return name
+
+
 def build_meta(call: Call, tensor: torch.Tensor, name: str, shared: tuple[str, int] | None = None) -> RequestMeta:
     """What every rank must agree on for ``tensor``, after the checks this rank can make alone (``shared``: the
     arena range the tensor is, see ``RequestMeta.shared``)."""
@@ -77,7 +90,7 @@ def build_meta(call: Call, tensor: torch.Tensor, name: str, shared: tuple[str, i
         name=name,
         kind=call.kind,
         process_set=set_id_of(call.process_set),
-        dtype=str(tensor.dtype).removeprefix("torch."),
+        dtype=_dtype_name(tensor.dtype),
         shape=tuple(tensor.shape),
         # The device type, not its index: with torch.cuda.set_device(hvd.local_rank()) every rank has its own.
         device=tensor.device.type,
@@ -93,7 +106,7 @@ def build_meta(call: Call, tensor: torch.Tensor, name: str, shared: tuple[str, i
 def build(call: Call, tensor: torch.Tensor, name: str, shared: tuple[str, int] | None = None) -> Request:
     """One ``Request`` for ``tensor``: the negotiated metadata, a contiguous input and where the result lands."""
     meta = build_meta(call, tensor, name, shared)
-    detached = tensor.detach()
+    detached = tensor.detach() if tensor.requires_grad else tensor  # no graph to cut: spare the alias
     contiguous = detached.contiguous()
     if call.kind not in (Kind.ALLREDUCE, Kind.BROADCAST):
         return Request(meta, contiguous, None)

@@ -332,8 +332,9 @@ class Executor:
                 (q.output.view(-1), p) for q, p in zip(requests, pieces, strict=True) if q is not None and q.output is not None
             ]
             if kept:
-                # One multi-tensor copy instead of a Python-level copy per tensor.
-                torch._foreach_copy_([out for out, _ in kept], [piece.to(out.dtype) for out, piece in kept])
+                # One multi-tensor copy instead of a Python-level copy per tensor (a cast only off the wire dtype).
+                sources = [piece for _, piece in kept] if wire == dtype else [piece.to(out.dtype) for out, piece in kept]
+                torch._foreach_copy_([out for out, _ in kept], sources)
         for request in requests:
             if request is not None:
                 request.complete(request.output)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from shoal.engine.request import Kind, ReduceOp, RequestMeta
 
@@ -25,9 +26,10 @@ class Response:
     last_joined: int | None = None
     """For a join response: the last rank to join."""
 
-    @property
+    @cached_property
     def meta(self) -> RequestMeta:
-        """The agreed request (the first submitter's; for a valid response all agree on what matters)."""
+        """The agreed request (the first submitter's; for a valid response all agree on what matters). Found once:
+        a cycle reads it several times per response, and a cached response lives for many cycles."""
         return next(m for m in self.rank_metas if m is not None)
 
 
