@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 import shoal.torch as hvd
+from shoal.core import session as handles
 from shoal.testing import run_ranks
 
 pytestmark = pytest.mark.check  # the quick tier: make check
@@ -66,6 +67,8 @@ def _distributed(passes: int, unused_branch: bool, options: dict[str, object]) -
         model.load_state_dict(Net(unused_branch).state_dict())
     if options.pop("num_groups", 0):
         options["num_groups"] = 2
+    if "overlap" in options:  # the overlap_backward setting, as SHOAL_OVERLAP_BACKWARD would give it
+        handles.engine().config.overlap_backward = bool(options.pop("overlap"))
     optimizer = hvd.DistributedOptimizer(
         optimizer, named_parameters=model.named_parameters(), backward_passes_per_step=passes, **options
     )  # type: ignore[arg-type]
@@ -83,6 +86,9 @@ CASES = {
     "gradient_predivide_factor=2": (1, False, {"gradient_predivide_factor": 2.0}),
     "num_groups=2": (1, False, {"num_groups": 2}),
     "unused branch": (1, True, {}),
+    # One gradient per bucket: each leaves as soon as it is final, or every one waits for the end of backward.
+    "buckets overlapping backward": (2, True, {"bucket_bytes": 1, "overlap": True}),
+    "buckets held to the end of backward": (2, True, {"bucket_bytes": 1, "overlap": False}),
 }
 
 
@@ -329,3 +335,43 @@ def test_step_after_synchronize_warns_and_parameter_names_exist_without_named_pa
     assert out[1:4] == ["_parameter_names", "_shoal_exchange", "False"]
     assert out[4:8] == ["allreduce.noname.0.0", "allreduce.noname.0.1", "allreduce.noname.0.2", "allreduce.noname.0.3"]
     assert out[8:] == ["fc1.bias", "fc1.weight", "fc2.bias", "fc2.weight"]
+
+
+def _submitted_during_backward(overlap: bool | None, threads: int) -> tuple[bool, int, bool]:
+    """After backward and before step(): whether the decision is to overlap, how many gradients were submitted, and
+    whether the step still matches the plain exchange's result."""
+    hvd.init()
+    torch.set_num_threads(threads)
+    handles.engine().config.overlap_backward = overlap
+    torch.manual_seed(0)
+    model = Net()
+    optimizer = hvd.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters(), bucket_bytes=1
+    )
+    x, y = data(hvd.size(), 1)
+    rows = slice(hvd.rank() * BATCH, (hvd.rank() + 1) * BATCH)
+    nn.functional.mse_loss(model(x[0, 0, rows]), y[0, 0, rows]).backward()
+    exchange = optimizer._shoal_exchange  # type: ignore[attr-defined]
+    submitted = len(exchange._submitted)
+    decided = exchange._overlap[2]
+    optimizer.step()
+    grads = hvd.allgather(torch.cat([p.grad.flatten() for p in model.parameters()]).unsqueeze(0))
+    return decided, submitted, bool(torch.equal(grads[0], grads[-1]))
+
+
+@pytest.mark.parametrize(
+    ("overlap", "threads"),
+    [(True, 1), (False, 1), (None, 1), (None, 4)],
+    ids=["on", "off", "automatic, 1 thread per rank", "automatic, 4 threads per rank"],
+)
+def test_overlap_backward_decides_when_buckets_leave(overlap: bool | None, threads: int) -> None:
+    """On, each full bucket (here: each gradient) is submitted during backward; off, none is until step(). Unset,
+    it is off where the ranks' compute threads fill the host's cores (two ranks on one host, CPU gradients through
+    shared memory; on CI's 2 cores that is every case here), on where cores are left over. The gradients agree."""
+    import os
+
+    expected = overlap if overlap is not None else 2 * threads < len(os.sched_getaffinity(0))
+    for decided, submitted, agreed in run_ranks(_submitted_during_backward, 2, args=(overlap, threads), timeout_s=120):
+        assert decided is expected
+        assert submitted == (4 if expected else 0), submitted  # fc1 and fc2: weight and bias each
+        assert agreed

@@ -55,6 +55,15 @@ class EngineConfig:
         "copies (from the third step on; see docs/architecture.md)",
         env="SHARED_GRADIENTS",
     )
+    overlap_backward: bool | None = knob(
+        None,
+        "DistributedOptimizer starts each bucket's allreduce as soon as its gradients are final, overlapping the rest "
+        "of backprop (Horovod's and Poseidon's way); off, it starts them all when backward is over. Unset, it is off "
+        "only where overlap cannot pay: CPU gradients reduced through shared memory on one host whose cores the ranks' "
+        "compute threads already fill (measured: docs/benchmarks.md)",
+        env="OVERLAP_BACKWARD",
+        shown_default="automatic",
+    )
     one_round_cycles: bool = knob(
         True,
         "when the same small cached allreduces repeat, send their readiness with their data: one round trip per "

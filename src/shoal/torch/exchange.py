@@ -15,6 +15,7 @@ Both keep their state in ``__slots__``; the optimizer mixins (``optimizer.py``) 
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -58,6 +59,29 @@ def parameter_names(
             "for the same model the optimizer was built on"
         )
     return {id(p): by_id[id(p)] for p in params if id(p) in by_id}
+
+
+def overlaps_backward(device: torch.device) -> bool:
+    """Whether gradients on ``device`` start their allreduce as soon as they are final (wait-free backprop), or
+    all together when backward is over (the ``overlap_backward`` setting; see its help).
+
+    Unset, overlap is off only where it cannot pay: CPU gradients reduced through shared memory on one host (no
+    wire to wait on: the reduction keeps a core busy all the while) whose cores the ranks' compute threads already
+    fill. There the reduction takes its core from backprop instead of running beside it, and starting it early only
+    adds cycles and cache traffic to backward.
+    """
+    engine = handles.engine()
+    wanted = engine.config.overlap_backward
+    if wanted is not None:
+        return bool(wanted)
+    hierarchical = engine.hierarchical
+    if device.type != "cpu" or hierarchical is None or hierarchical.cross_size > 1:
+        return True
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    return hierarchical.local.local_size * torch.get_num_threads() < cores
 
 
 def _where(grad: torch.Tensor | None) -> int:
@@ -175,6 +199,7 @@ class GradientExchange(_Exchange):
         "_kept",
         "_moved",
         "_order",
+        "_overlap",
         "_shared_tried",
         "_sparse",
         "_submitted",
@@ -252,6 +277,8 @@ class GradientExchange(_Exchange):
         """The session, and where each gradient was when its first step ended."""
         self._moved = False
         """A gradient was not accumulated where the previous step left it (zero_grad(set_to_none=True))."""
+        self._overlap: tuple[Any, str, bool] | None = None
+        """The session and device type last decided for, and whether full buckets leave during backward."""
 
     @property
     def pending(self) -> bool:
@@ -294,18 +321,27 @@ class GradientExchange(_Exchange):
             return
         self._bucket.append(param)
         self._bucket_size += param.numel() * param.element_size()
-        if self._bucket_size >= self._bucket_limit():
+        if self._bucket_size >= self._bucket_limit() and self._overlapping(param):
             self.flush()
+
+    def _overlapping(self, param: torch.Tensor) -> bool:
+        """Whether full buckets leave now (``overlaps_backward``); else the bucket holds every gradient until
+        ``wait()`` sends them together. Decided once per session and device type."""
+        current, device = handles.current_session(), param.device.type
+        decided = self._overlap
+        if decided is None or decided[0] is not current or decided[1] != device:
+            decided = self._overlap = (current, device, overlaps_backward(param.device))
+        return decided[2]
 
     def _bucket_limit(self) -> int:
         """The bucket size: autotune's choice while it runs (or once frozen), else the optimizer's own."""
         tuned = handles.engine().tuned_bucket_bytes
         return self.bucket_bytes if tuned is None else tuned
 
-    def flush(self) -> None:
-        """Submit the gradients waiting in the bucket."""
+    def flush(self, driven: bool = False) -> None:
+        """Submit the gradients waiting in the bucket (``driven``: the caller synchronizes next)."""
         if self._bucket:
-            self._submit(self._bucket)
+            self._submit(self._bucket, driven)
         self._bucket, self._bucket_size = [], 0
 
     def _grad(self, param: torch.Tensor) -> torch.Tensor:
@@ -316,7 +352,7 @@ class GradientExchange(_Exchange):
             param.grad = param.grad.to_dense()
         return param.grad
 
-    def _submit(self, params: list[torch.Tensor]) -> None:
+    def _submit(self, params: list[torch.Tensor], driven: bool = False) -> None:
         """Start reducing these parameters' gradients together, each under its parameter's name."""
         dense: list[torch.Tensor] = []
         for param in params:
@@ -329,7 +365,7 @@ class GradientExchange(_Exchange):
             packed = [c.compress(self._grad(p)) for c, p in zip(compressors, dense, strict=True)]
         names = [gradient_request_name(self.names[id(p)]) for p in dense]
         handle = functions.allreduce_named_async_(
-            [c for c, _ in packed], names, self.op, self.spec.prescale, self.spec.postscale, self.process_set
+            [c for c, _ in packed], names, self.op, self.spec.prescale, self.spec.postscale, self.process_set, driven
         )
         self._in_flight.append((handle, dense, [c for c, _ in packed], [ctx for _, ctx in packed]))
 
@@ -393,7 +429,7 @@ class GradientExchange(_Exchange):
         return None
 
     def _finish(self) -> None:
-        self.flush()
+        self.flush(driven=True)  # this thread synchronizes below and runs the cycle itself if no other thread does
         shared = self._shared()
         if shared is not None:
             self._submitted.update(id(p) for p in self.params if shared.holds(p))

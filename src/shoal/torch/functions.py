@@ -154,10 +154,12 @@ def allreduce_named_async_(
     prescale_factor: float,
     postscale_factor: float,
     process_set: ProcessSet,
+    driven: bool = False,
 ) -> int:
-    """Reduce several tensors in place under their own names, submitted together (one cycle, one fused buffer)."""
+    """Reduce several tensors in place under their own names, submitted together (one cycle, one fused buffer).
+    ``driven``: the caller synchronizes next, so the engine thread is not woken for them (``session.submit``)."""
     call = _reduce_call(Kind.ALLREDUCE, op, prescale_factor, postscale_factor, process_set, True)
-    return requests.submit(call, _checked(tensors, "allreduce"), grouped=True, names=names)
+    return requests.submit(call, _checked(tensors, "allreduce"), grouped=True, names=names, blocking=driven)
 
 
 def grouped_allreduce(
