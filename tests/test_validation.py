@@ -134,3 +134,46 @@ def test_tuned_settings_survive_the_broadcast_encoding() -> None:
 
     for settings in (TunedSettings(0, 0.5, 0, False, False), TunedSettings(64 << 20, 10.0, None, True, True)):
         assert TunedSettings.from_tensor(settings.to_tensor()) == settings  # bucket 0 (each gradient alone) is not None
+
+
+def _metadata_reuse() -> dict[str, object]:
+    import shoal.torch as hvd
+    from shoal.core import requests
+    from shoal.core import session as handles
+
+    hvd.init()
+    call = Call(Kind.ALLREDUCE, spec=ReduceSpec(ReduceOp.Sum, 1.0, 1.0), in_place=True)
+    first = requests.build(call, torch.ones(4), "reused")
+    again = requests.build(call, torch.zeros(4), "reused")
+    reshaped = requests.build(call, torch.ones(5), "reused")
+    errors = []
+    for _ in range(2):  # a refused request is not remembered: it is refused every time
+        try:
+            requests.build(call, torch.ones(4, dtype=torch.bool), "reused")
+        except TypeError as error:
+            errors.append(str(error))
+    old_session = handles.session()
+    reduced = hvd.allreduce_(torch.ones(4), op=hvd.Sum, name="reused").tolist()
+    hvd.shutdown()
+    hvd.init()
+    fresh = requests.build(call, torch.ones(4), "reused")
+    result = {
+        "same": again.meta is first.meta and all(r.checked for r in (first, again, reshaped)),
+        "reshaped": reshaped.meta is not first.meta and reshaped.meta.shape == (5,),
+        "errors": errors,
+        "reduced": reduced,
+        "fresh": fresh.meta is not first.meta and handles.session() is not old_session and fresh.meta == first.meta,
+    }
+    hvd.shutdown()
+    return result
+
+
+def test_a_repeating_call_reuses_its_checked_metadata_within_a_session() -> None:
+    """The same name, op, set, dtype, shape and device: the metadata made and checked once is reused; another shape
+    makes new metadata; a refused dtype is refused every time; a re-init starts afresh."""
+    from shoal.testing import run_ranks
+
+    (result,) = run_ranks(_metadata_reuse, 1, timeout_s=60)
+    assert result["same"] and result["reshaped"] and result["fresh"], result
+    assert len(result["errors"]) == 2 and all("bool" in e for e in result["errors"]), result  # type: ignore[arg-type]
+    assert result["reduced"] == [1.0] * 4

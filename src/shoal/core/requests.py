@@ -19,6 +19,7 @@ from shoal.core import session
 from shoal.core.process_sets import ProcessSet, global_process_set, set_id_of
 from shoal.core.rules import ReduceSpec, check_alltoall_splits, check_root_rank
 from shoal.engine.request import Kind, Request, RequestMeta
+from shoal.engine.validation import check_request
 
 
 def auto_name(kind: Kind, name: str | None, process_set: ProcessSet = global_process_set) -> str:
@@ -81,6 +82,10 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return name
 
 
+_META_CACHE_ENTRIES = 4096
+"""Checked metadata kept per session; past this many, the cache starts afresh (a job naming every call anew)."""
+
+
 def build_meta(call: Call, tensor: torch.Tensor, name: str, shared: tuple[str, int] | None = None) -> RequestMeta:
     """What every rank must agree on for ``tensor``, after the checks this rank can make alone (``shared``: the
     arena range the tensor is, see ``RequestMeta.shared``)."""
@@ -103,18 +108,43 @@ def build_meta(call: Call, tensor: torch.Tensor, name: str, shared: tuple[str, i
     )
 
 
+def _meta_key(call: Call, tensor: torch.Tensor, name: str, shared: tuple[str, int] | None) -> tuple[Any, ...]:
+    """Everything ``build_meta`` and ``check_request`` read: equal keys give equal, equally valid metadata."""
+    set_id = set_id_of(call.process_set)  # raises for a set that is not registered in this session
+    shape = tuple(tensor.shape)
+    return (name, set_id, call.kind, call.spec, call.root_rank, call.splits, tensor.dtype, shape, tensor.device.type, shared)
+
+
 def build(call: Call, tensor: torch.Tensor, name: str, shared: tuple[str, int] | None = None) -> Request:
-    """One ``Request`` for ``tensor``: the negotiated metadata, a contiguous input and where the result lands."""
-    meta = build_meta(call, tensor, name, shared)
+    """One ``Request`` for ``tensor``: the negotiated metadata, a contiguous input and where the result lands.
+
+    The metadata is checked here, Horovod's rules first and then the engine's ``check_request``, so the engine
+    need not check it again. A repeating call (the same name, op, process set, dtype, shape and device) reuses the
+    metadata made and checked the first time in this session.
+    """
+    key = _meta_key(call, tensor, name, shared)
+    current = session.current_session()
+    cache = current.metas if current is not None else {}
+    meta = cache.get(key)
+    fresh = meta is None
+    if meta is None:
+        meta = build_meta(call, tensor, name, shared)
     detached = tensor.detach() if tensor.requires_grad else tensor  # no graph to cut: spare the alias
     contiguous = detached.contiguous()
-    if call.kind not in (Kind.ALLREDUCE, Kind.BROADCAST):
-        return Request(meta, contiguous, None)
-    if not call.in_place:
-        return Request(meta, contiguous, torch.empty_like(contiguous, memory_format=torch.contiguous_format))
-    _check_writable(tensor, call.kind)
-    request = Request(meta, contiguous, contiguous)
-    if contiguous is not detached:  # a non-contiguous tensor: reduce a copy, write the result back
+    output: torch.Tensor | None = None
+    if call.kind in (Kind.ALLREDUCE, Kind.BROADCAST):
+        if call.in_place:
+            _check_writable(tensor, call.kind)  # strides are not in the key: checked every time
+            output = contiguous
+        else:
+            output = torch.empty_like(contiguous, memory_format=torch.contiguous_format)
+    if fresh:
+        check_request(meta)
+        if len(cache) >= _META_CACHE_ENTRIES:
+            cache.clear()
+        cache[key] = meta
+    request = Request(meta, contiguous, output, checked=True)
+    if output is contiguous and contiguous is not detached:  # in place on a non-contiguous tensor: write it back
         request.user_tensor = tensor
     return request
 

@@ -17,7 +17,7 @@ from typing import Any
 from shoal.comm.shm import job_token
 from shoal.engine.config import EngineConfig
 from shoal.engine.engine import Engine, EngineStoppedError
-from shoal.engine.request import Request
+from shoal.engine.request import Request, RequestMeta
 from shoal.exceptions import NotInitializedError
 from shoal.runtime import context
 
@@ -42,6 +42,9 @@ class Session:
     handles: dict[int, _HandleEntry] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
     _counters: dict[tuple[str, int], itertools.count[int]] = field(default_factory=dict)
+    metas: dict[tuple[Any, ...], RequestMeta] = field(default_factory=dict)
+    """Checked request metadata by what it was made from (``requests.build_meta``): a repeating call builds and
+    checks its metadata once per session."""
 
     def next_number(self, kind: str, process_set: int) -> int:
         """The next number of an unnamed request of ``kind`` on ``process_set``: 0, 1, 2, ... per session."""

@@ -155,7 +155,8 @@ class Engine:
             EngineStoppedError: the engine has stopped.
         """
         for request in requests:
-            check_request(request.meta)
+            if not request.checked:
+                check_request(request.meta)
         keys = [(request.meta.process_set, request.meta.name) for request in requests]
         with self._lock:
             if self._stopped is not None:

@@ -129,6 +129,8 @@ class Request:
     error: BaseException | None = None
     user_tensor: torch.Tensor | None = None
     """For in-place forms on a non-contiguous tensor: the user's tensor, written back on completion."""
+    checked: bool = False
+    """``meta`` already passed ``check_request`` (the shared builder checks what it builds); the engine checks the rest."""
 
     def complete(self, result: Any) -> None:
         """Record the result and wake whoever waits."""
