@@ -9,11 +9,14 @@ import argparse
 import json
 import subprocess
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from shoal.predict.output import add_json_flag, emit
 
-__all__ = ["add_json_flag", "add_phase_flags", "barrier_us", "emit", "rank0_result"]
+if TYPE_CHECKING:
+    from shoal.comm.shm import SharedMemoryGroup
+
+__all__ = ["add_json_flag", "add_phase_flags", "barrier_us", "emit", "own_local_group", "rank0_result"]
 
 
 def add_phase_flags(parser: argparse.ArgumentParser) -> None:
@@ -36,6 +39,22 @@ def rank0_result(command: list[str], timeout: float, what: str) -> dict[str, Any
     return parsed
 
 
+def own_local_group(purpose: str, slot_bytes: int) -> SharedMemoryGroup | None:
+    """A shared-memory group of this host's ranks on a segment of its own (the engine's belongs to the engine
+    thread); None when this rank shares its host with no other or shared memory is unavailable. Every rank of the
+    host calls it together, each ``purpose`` once per job."""
+    from shoal.comm.shm import create_local_group, job_token
+    from shoal.runtime import context
+
+    ctx = context.current()
+    topology = ctx.topology
+    if topology.local_size == 1:
+        return None
+    host = topology.host_of_rank[topology.rank]
+    token = job_token(ctx.launch.secret)
+    return create_local_group(ctx.store, topology.local_rank, topology.local_size, host, token, slot_bytes, purpose=purpose)
+
+
 _placement_checks = 0
 """How many ``barrier_us`` calls this process made: each call's segment has its own name (ranks call in step)."""
 
@@ -47,34 +66,25 @@ def barrier_us(calls: int = 2000) -> float | None:
     It is how far apart the ranks' cores are: the barrier is one cache line per rank, written by its owner and read
     by the others. On this project's 2-core virtual machine it is about 0.65 us while the two cores share a cache
     and about 1.0 us while they do not, and a 38 MB shared-memory allreduce is then about 2.5 times slower; which
-    of the two a run gets is the host's choice. Benchmarks report it so that runs compare like with like. It uses
-    a small segment of its own: the engine's belongs to the engine thread.
+    of the two a run gets is the host's choice. Benchmarks report it so that runs compare like with like.
     """
     import torch
 
     import shoal.torch as hvd
-    from shoal.comm.shm import create_local_group, job_token
-    from shoal.runtime import context
 
     global _placement_checks
     _placement_checks += 1
-    ctx = context.current()
-    topology = ctx.topology
     mine = float("nan")
-    if topology.local_size > 1:
-        host = topology.host_of_rank[topology.rank]
-        token = job_token(ctx.launch.secret)
-        purpose = f"placement.{_placement_checks}"
-        local = create_local_group(ctx.store, topology.local_rank, topology.local_size, host, token, 4096, purpose=purpose)
-        if local is not None:
-            try:
-                for _ in range(100):
-                    local.barrier()
-                start = time.perf_counter()
-                for _ in range(calls):
-                    local.barrier()
-                mine = (time.perf_counter() - start) / calls * 1e6
-            finally:
-                local.close()
+    local = own_local_group(f"placement.{_placement_checks}", 4096)
+    if local is not None:
+        try:
+            for _ in range(100):
+                local.barrier()
+            start = time.perf_counter()
+            for _ in range(calls):
+                local.barrier()
+            mine = (time.perf_counter() - start) / calls * 1e6
+        finally:
+            local.close()
     slowest = float(hvd.allreduce(torch.tensor([mine], dtype=torch.float64), op=hvd.Max, name="bench.barrier_us").item())
     return None if slowest != slowest else round(slowest, 3)

@@ -29,10 +29,9 @@ from typing import Any
 import torch
 
 import shoal.torch as hvd
-from shoal.bench import add_json_flag, barrier_us, emit
+from shoal.bench import add_json_flag, barrier_us, emit, own_local_group
 from shoal.comm import collectives
 from shoal.comm.hierarchical import HierarchicalAllreduce
-from shoal.comm.shm import create_local_group, job_token
 from shoal.core import session as handles
 from shoal.plan.calibration import median_seconds
 from shoal.runtime import context
@@ -70,19 +69,9 @@ def _busbw(nbytes: int, ms: float) -> float:
 
 def build_hierarchical() -> HierarchicalAllreduce | None:
     """The hierarchical transport on a segment of its own (the engine's belongs to the engine thread)."""
-    ctx = context.current()
-    topology = ctx.topology
-    if topology.local_size == 1 or topology.cross_size > 1:
-        return None  # one rank per host: nothing to share; several hosts: the engine's path is what to measure
-    local = create_local_group(
-        ctx.store,
-        topology.local_rank,
-        topology.local_size,
-        topology.host_of_rank[topology.rank],
-        job_token(ctx.launch.secret),
-        slot_bytes=handles.engine().config.shm_slot_bytes,
-        purpose="bench",
-    )
+    if context.current().topology.cross_size > 1:
+        return None  # several hosts: the engine's path is what to measure
+    local = own_local_group("bench", handles.engine().config.shm_slot_bytes)
     return HierarchicalAllreduce(local, None, 1) if local is not None else None
 
 
