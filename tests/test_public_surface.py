@@ -59,6 +59,7 @@ COLLECTIVE_NAMES = {
 }
 
 HVD_NAMES = COLLECTIVE_NAMES | {
+    "BalancedLoader",  # Shoal's addition: the global batch as micro-batches shared out by speed (docs/unequal.md)
     "HorovodInternalError",
     "HostsUpdatedInterrupt",
     "sparse_allreduce_async",

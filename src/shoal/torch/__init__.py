@@ -27,6 +27,7 @@ from shoal.core.process_sets import ProcessSet, add_process_set, global_process_
 from shoal.core.session import poll, start_timeline, stop_timeline, synchronize
 from shoal.exceptions import HorovodInternalError, HostsUpdatedInterrupt
 from shoal.torch import elastic
+from shoal.torch.balanced_loader import BalancedLoader
 from shoal.torch.compression import Compression
 from shoal.torch.functions import (
     Adasum,
@@ -68,6 +69,7 @@ from shoal.torch.sync_batch_norm import SyncBatchNorm
 __all__ = [
     "Adasum",
     "Average",
+    "BalancedLoader",
     "Compression",
     "DistributedOptimizer",
     "HorovodInternalError",

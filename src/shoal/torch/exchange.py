@@ -27,6 +27,7 @@ from shoal.core.rules import ReduceOp, ReduceSpec
 from shoal.torch import functions, shared_grads
 from shoal.torch.compression import Compression, Compressor
 from shoal.torch.layer_comm.schemes import gradient_request_name
+from shoal.torch.micro_batch_grads import MicroBatchWeights
 from shoal.torch.optimizer_class import computed_too_often
 from shoal.torch.shared_grads import SharedGradients
 
@@ -217,6 +218,7 @@ class GradientExchange(_Exchange):
         "sparse_as_dense",
         "spec",
         "synchronized",
+        "weights",
     )
 
     def __init__(
@@ -279,6 +281,8 @@ class GradientExchange(_Exchange):
         """A gradient was not accumulated where the previous step left it (zero_grad(set_to_none=True))."""
         self._overlap: tuple[Any, str, bool] | None = None
         """The session and device type last decided for, and whether full buckets leave during backward."""
+        self.weights: MicroBatchWeights | None = None
+        """With a ``BalancedLoader``: each step's micro-batch shares and gradient scale (set by the optimizer)."""
 
     @property
     def pending(self) -> bool:
@@ -288,6 +292,23 @@ class GradientExchange(_Exchange):
     def attach(self) -> None:
         if self.member:
             super().attach()
+
+    # ----- the BalancedLoader's micro-batches -----
+
+    def begin_step(self, plan: Any) -> None:
+        """The loader starts a step (``core.balance.StepPlan``): this rank runs its share of micro-batches."""
+        weights = self._weights()
+        weights.begin_step(plan, self.process_set.size())
+        self.passes = weights.passes
+
+    def begin_micro_batch(self, index: int) -> None:
+        """The loader hands out this rank's ``index``-th micro-batch of the step."""
+        self._weights().begin_micro_batch(index, self.params)
+
+    def _weights(self) -> MicroBatchWeights:
+        if self.weights is None:
+            raise RuntimeError("this DistributedOptimizer was not given the BalancedLoader (loader=)")
+        return self.weights
 
     # ----- hooks: start each reduction as soon as its gradient is final -----
 
@@ -299,6 +320,11 @@ class GradientExchange(_Exchange):
 
     def _ready(self, param: torch.Tensor) -> None:
         key = id(param)
+        weights = self.weights
+        if weights is not None:
+            if weights.ordered is not None:  # the deterministic mode sums whole rows at wait()
+                return
+            weights.weigh(param)
         shared = self._shared()
         if shared is None:
             self._order.append(param)
@@ -414,6 +440,8 @@ class GradientExchange(_Exchange):
         """Why this optimizer's gradients stay where autograd puts them, or None."""
         if not handles.engine().config.shared_gradients:
             return "switched off (shared_gradients)"
+        if self.weights is not None and self.weights.ordered is not None:
+            return "the BalancedLoader's deterministic mode sums whole rows instead"
         if self._moved:
             return (
                 "gradients are set to None between steps (zero_grad(set_to_none=True), torch's default), so each would be "
@@ -429,7 +457,17 @@ class GradientExchange(_Exchange):
         return None
 
     def _finish(self) -> None:
+        weights = self.weights
+        if weights is not None:
+            weights.check_complete()
+            if weights.ordered is not None:
+                plan = weights.current_plan()
+                last = len(plan.mine[-1]) / plan.total_samples if plan.mine else None
+                weights.ordered.finish(self.params, self.process_set, last)
+                return
         self.flush(driven=True)  # this thread synchronizes below and runs the cycle itself if no other thread does
+        if weights is not None:
+            weights.weigh_rest(self.params)
         shared = self._shared()
         if shared is not None:
             self._submitted.update(id(p) for p in self.params if shared.holds(p))

@@ -21,9 +21,11 @@ from shoal.core import session as handles
 from shoal.core.process_sets import ProcessSet, global_process_set
 from shoal.core.rules import ReduceOp, split_groups
 from shoal.ps.config import resolve_config
+from shoal.torch.balanced_loader import BalancedLoader
 from shoal.torch.compression import Compression, Compressor
 from shoal.torch.exchange import AdasumExchange, GradientExchange, parameter_names
 from shoal.torch.layer_comm.router import COMM_CHOICES, LayerRouter, OptimizerFacts, plan_report
+from shoal.torch.micro_batch_grads import MicroBatchWeights, check_ordered_params
 from shoal.torch.optimizer_class import is_mixed_with, mix_into
 
 __all__ = ["DistributedOptimizer", "drop_unfinished_step", "plan_report"]
@@ -146,6 +148,7 @@ def DistributedOptimizer(
     comm_overrides: dict[Any, str] | None = None,
     ps_mode: str | None = None,
     ps_staleness: int | None = None,
+    loader: BalancedLoader | None = None,
 ) -> torch.optim.Optimizer:
     """Wrap ``optimizer`` so that gradients are averaged across ranks, overlapping backprop.
 
@@ -170,6 +173,12 @@ def DistributedOptimizer(
     ``"bsp"`` (default; the same update as allreduce), ``"ssp"`` (stale synchronous, bound ``ps_staleness``) or
     ``"async"``; the environment fallbacks are the ``PS_MODE`` and ``PS_STALENESS`` knobs (docs/knobs.md). The servers are
     dedicated processes under ``shoalrun --num-servers S``, otherwise a thread in every worker (co-located).
+
+    ``loader`` (keyword-only): a ``BalancedLoader`` whose steps this optimizer reduces. Each rank then runs its
+    share of the step's micro-batches, and each gradient is weighted so that the average is exactly one process's
+    mean gradient over the whole global batch (``micro_batch_grads``), with any share, zero included. Needs
+    ``op=Average``, ``backward_passes_per_step=1`` (the loader sets the passes) and the global process set;
+    ``sfb`` layers fall back to allreduce, as with several backward passes (their factors describe one pass).
     """
     if comm not in COMM_CHOICES:
         raise ValueError(f"comm must be one of {', '.join(COMM_CHOICES)}, got {comm!r}")
@@ -180,6 +189,10 @@ def DistributedOptimizer(
         raise ValueError(f"bucket_bytes must be >= 0, got {bucket_bytes}")
     handles.engine()  # raises Horovod's ValueError before init()
     params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
+    if loader is not None:
+        _check_balanced(loader, ReduceOp(op), backward_passes_per_step, process_set, comm, comm_overrides, compression)
+        if loader.deterministic:
+            check_ordered_params(params)
     if ReduceOp(op) == ReduceOp.Adasum and basics.size() > 1:  # as in Horovod: one rank needs no delta optimizer
         if process_set is not global_process_set or comm != "allreduce":
             raise NotImplementedError("op=Adasum supports the global process set and comm='allreduce' only")
@@ -207,15 +220,44 @@ def DistributedOptimizer(
             wrapped.param_groups,
             wrapped._shoal_base,
             exchange.op == ReduceOp.Average,
-            exchange.passes,
+            0 if loader is not None else exchange.passes,
             process_set,
         )
         exchange.router = LayerRouter(facts, model, comm, comm_overrides, ps_config)
         wrapped._shoal_exchange = exchange
+        if loader is not None:
+            exchange.weights = MicroBatchWeights(loader.deterministic)
+            loader.attach(exchange)
     # Horovod's attribute (code written for Horovod reads it): each parameter's name.
     wrapped._parameter_names = {p: names[id(p)] for group in wrapped.param_groups for p in group["params"] if id(p) in names}
     wrapped._shoal_exchange.attach()
     return wrapped
+
+
+def _check_balanced(
+    loader: BalancedLoader,
+    op: ReduceOp,
+    passes: int,
+    process_set: ProcessSet,
+    comm: str,
+    overrides: dict[Any, str] | None,
+    compression: type[Compressor],
+) -> None:
+    """What ``loader=`` needs of the optimizer's other arguments.
+
+    Raises:
+        ValueError: an argument the balanced global batch cannot honour.
+    """
+    if not isinstance(loader, BalancedLoader):
+        raise ValueError(f"loader must be a shoal.torch.BalancedLoader, got {type(loader).__name__}")
+    if op != ReduceOp.Average:
+        raise ValueError(f"loader= gives the global batch's mean gradient and needs op=Average, not {op.name}")
+    if passes != 1:
+        raise ValueError("loader= decides each step's backward passes (its micro-batches): leave backward_passes_per_step at 1")
+    if process_set is not global_process_set:
+        raise ValueError("loader= shares the global batch over every rank: use the global process set")
+    if loader.deterministic and (comm != "allreduce" or overrides or compression is not Compression.none):
+        raise ValueError("BalancedLoader(deterministic=True) sums exact rows: use comm='allreduce' and no compression")
 
 
 def _checked_groups(

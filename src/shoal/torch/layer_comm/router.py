@@ -111,7 +111,7 @@ class OptimizerFacts:
     """The wrapped optimizer's class (the servers run the same update)."""
     average: bool
     passes: int
-    """backward_passes_per_step."""
+    """backward_passes_per_step; 0: as many as each step's micro-batches (a ``BalancedLoader``)."""
     process_set: ProcessSet
 
 
@@ -218,8 +218,9 @@ class LayerRouter:
             if scheme == Scheme.PS:
                 served += params
                 continue
-            if scheme == Scheme.SFB and self.facts.passes > 1:
-                get_logger().info("sfb is off for '%s': backward_passes_per_step > 1 accumulates gradients", name)
+            if scheme == Scheme.SFB and self.facts.passes != 1:
+                why = "backward_passes_per_step > 1" if self.facts.passes else "a BalancedLoader's micro-batches"
+                get_logger().info("sfb is off for '%s': %s accumulate gradients", name, why)
                 continue
             if scheme == Scheme.SFB and name in tied:
                 refuse_tied_sfb(name)

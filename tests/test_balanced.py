@@ -1,0 +1,233 @@
+"""BalancedLoader: a world-size-invariant global batch of micro-batches, shared out by speed.
+
+Reference rule: any number of ranks, with any shares of a step's micro-batches (zero included, a short last
+micro-batch included), gives the weights of one process that takes the whole global batch in one backward pass.
+Tolerance: fp32 weights within atol 1e-5 (only the order of the floating-point sums differs). The deterministic mode
+must be bitwise identical across world sizes.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+import shoal.torch as hvd
+from shoal.core.balance import MicroBatchSchedule, ShareBalancer, StepPlan, equal_shares, split_by_cost
+from shoal.testing import run_ranks
+
+pytestmark = pytest.mark.check
+
+ATOL = 1e-5
+SAMPLES = 54  # with B=16, b=4: three full steps, then one of 6 samples (micro-batches of 4 and 2)
+GLOBAL_BATCH = 16
+MICRO_BATCH = 4
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(8, 16)
+        self.fc2 = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.tanh(self.fc1(x)))
+
+
+def dataset() -> TensorDataset:
+    generator = torch.Generator().manual_seed(7)
+    return TensorDataset(torch.randn(SAMPLES, 8, generator=generator), torch.randn(SAMPLES, 4, generator=generator))
+
+
+def make_optimizer(kind: str, model: nn.Module) -> torch.optim.Optimizer:
+    if kind == "adam":
+        return torch.optim.Adam(model.parameters(), lr=0.01)
+    return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+
+def reference(kind: str, epochs: int) -> dict[str, np.ndarray]:
+    """One process, the whole global batch of each step in one backward pass."""
+    torch.manual_seed(0)
+    model = Net()
+    optimizer = make_optimizer(kind, model)
+    data = dataset()
+    schedule = MicroBatchSchedule(SAMPLES, GLOBAL_BATCH, MICRO_BATCH, shuffle=True, seed=3)
+    for epoch in range(epochs):
+        for step in range(schedule.steps_per_epoch):
+            index = torch.tensor([i for m in schedule.micro_batches(epoch, step) for i in m])
+            optimizer.zero_grad()
+            nn.functional.mse_loss(model(data.tensors[0][index]), data.tensors[1][index]).backward()
+            optimizer.step()
+    return {k: v.numpy() for k, v in model.state_dict().items()}
+
+
+class FixedShares(ShareBalancer):
+    """Shares chosen by the test: a rotating list per step (for steps with fewer micro-batches: the first ranks)."""
+
+    def __init__(self, size: int, patterns: list[list[int]]) -> None:
+        super().__init__(size)
+        self.patterns = patterns
+        self.calls = 0
+
+    def shares(self, count: int) -> list[int]:
+        fitting = [p for p in self.patterns if sum(p) == count]
+        self.calls += 1
+        return fitting[self.calls % len(fitting)] if fitting else equal_shares(count, self.size)
+
+
+def _train(kind: str, epochs: int, options: dict[str, object]) -> dict[str, object]:
+    hvd.init()
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = Net()
+    optimizer = make_optimizer(kind, model)
+    patterns = options.pop("patterns", None)
+    bucket_bytes = options.pop("bucket_bytes", None)
+    loader = hvd.BalancedLoader(dataset(), GLOBAL_BATCH, MICRO_BATCH, shuffle=True, seed=3, **options)  # type: ignore[arg-type]
+    optimizer = hvd.DistributedOptimizer(
+        optimizer, named_parameters=model.named_parameters(), loader=loader, bucket_bytes=bucket_bytes
+    )  # type: ignore[arg-type]
+    if patterns is not None:
+        loader.balancer = FixedShares(hvd.size(), patterns)  # type: ignore[arg-type]
+    seen: list[int] = []
+    shares = []
+    for epoch in range(epochs):
+        loader.set_epoch(epoch)
+        for step in loader:
+            optimizer.zero_grad()
+            seen += step.indices
+            for x, y in step:
+                nn.functional.mse_loss(model(x), y).backward()
+            optimizer.step()
+            assert loader.plan is not None
+            shares.append(loader.plan.shares)
+    return {"weights": {k: v.numpy() for k, v in model.state_dict().items()}, "seen": seen, "shares": shares}
+
+
+# Each step's micro-batches (4, or 2 in the epoch's last step) over the ranks, zero shares included.
+PATTERNS = {
+    2: [[4, 0], [1, 3], [0, 4], [2, 2], [0, 2], [1, 1]],
+    3: [[2, 0, 2], [0, 0, 4], [1, 2, 1], [0, 1, 1], [0, 2, 0]],
+}
+
+
+@pytest.mark.parametrize("size", [2, 3])
+@pytest.mark.parametrize("kind", ["sgd", "adam"])
+def test_uneven_shares_match_one_process_over_the_global_batch(size: int, kind: str) -> None:
+    expected = reference(kind, epochs=2)
+    results = run_ranks(_train, size, args=(kind, 2, {"patterns": PATTERNS[size]}), timeout_s=120)
+    every: list[int] = []
+    for rank, result in enumerate(results):
+        every += result["seen"]
+        for name, value in expected.items():
+            np.testing.assert_allclose(result["weights"][name], value, atol=ATOL, err_msg=f"rank {rank}, {name}")
+    assert any(0 in s for s in results[0]["shares"]), "no step gave a rank zero micro-batches"
+    assert sorted(every) == sorted(list(range(SAMPLES)) * 2), "a sample was lost or repeated"
+
+
+def test_one_gradient_per_bucket_overlapping_the_last_micro_batch() -> None:
+    expected = reference("sgd", epochs=1)
+    options = {"patterns": PATTERNS[2], "bucket_bytes": 1}
+    for result in run_ranks(_train, 2, args=("sgd", 1, options), timeout_s=120):
+        for name, value in expected.items():
+            np.testing.assert_allclose(result["weights"][name], value, atol=ATOL, err_msg=name)
+
+
+def test_measured_shares_give_the_same_weights_on_one_two_and_three_ranks() -> None:
+    # 20 steps: 5 epochs of 4 steps, with shares from the ranks' measured speed.
+    runs = {size: run_ranks(_train, size, args=("sgd", 5, {}), timeout_s=120)[0] for size in (1, 2, 3)}
+    for size in (2, 3):
+        assert len(runs[size]["shares"]) == 20
+        for name, value in runs[1]["weights"].items():
+            np.testing.assert_allclose(runs[size]["weights"][name], value, atol=ATOL, err_msg=f"{size} ranks, {name}")
+
+
+def test_deterministic_mode_is_bitwise_identical_across_world_sizes() -> None:
+    options = {"deterministic": True}
+    runs = {size: run_ranks(_train, size, args=("adam", 3, dict(options)), timeout_s=120) for size in (1, 2, 3)}
+    expected = runs[1][0]["weights"]
+    for size in (2, 3):
+        for rank, result in enumerate(runs[size]):
+            for name, value in expected.items():
+                assert np.array_equal(result["weights"][name], value), f"{size} ranks, rank {rank}, {name} differs"
+    patterned = run_ranks(_train, 3, args=("adam", 3, {"deterministic": True, "patterns": PATTERNS[3]}), timeout_s=120)
+    for name, value in expected.items():
+        assert np.array_equal(patterned[1]["weights"][name], value), f"zero shares, {name} differs"
+
+
+# ----- the rules, in one process -----
+
+
+def test_a_steps_micro_batches_do_not_depend_on_the_world() -> None:
+    schedule = MicroBatchSchedule(SAMPLES, GLOBAL_BATCH, MICRO_BATCH, seed=3)
+    assert schedule.steps_per_epoch == 4
+    steps = [schedule.micro_batches(0, s) for s in range(4)]
+    assert [len(m) for s in steps for m in s] == [4] * 13 + [2]
+    assert sorted(i for s in steps for m in s for i in m) == list(range(SAMPLES))
+    assert schedule.micro_batches(1, 0) != steps[0]  # a new permutation each epoch
+    dropped = MicroBatchSchedule(SAMPLES, GLOBAL_BATCH, MICRO_BATCH, seed=3, drop_last=True)
+    assert dropped.steps_per_epoch == 3
+
+
+def test_shares_follow_cost_and_keep_every_rank_measured() -> None:
+    assert split_by_cost(8, [1.0, 1.0]) == [4, 4]
+    assert split_by_cost(8, [1.0, 3.0], minimum=1) == [6, 2]
+    assert split_by_cost(8, [1.0, 100.0], minimum=1) == [7, 1]
+    assert split_by_cost(2, [1.0, 1.0, 1.0], minimum=1) == [1, 1, 0]
+    balancer = ShareBalancer(2)
+    assert balancer.shares(8) == [4, 4]  # nothing measured yet
+    balancer.observe([0.4, 1.2], [4, 4])
+    assert balancer.shares(8) == [6, 2]
+    balancer.observe([0.6, 0.62], [6, 2])  # noise around the balanced point: the shares stay
+    assert balancer.shares(8) == [6, 2]
+    off = ShareBalancer(2, balance=False)
+    off.observe([0.4, 1.2], [4, 4])
+    assert off.shares(8) == [4, 4]
+
+
+def test_step_plan_ranges_and_checks() -> None:
+    plan = StepPlan(0, 0, ((1, 2), (3, 4), (5,)), (1, 0, 2), rank=2)
+    assert plan.mine == ((3, 4), (5,)) and plan.first == 1 and plan.total_samples == 5
+    with pytest.raises(ValueError, match="add up"):
+        StepPlan(0, 0, ((1,),), (1, 1), rank=0)
+    with pytest.raises(ValueError, match="multiple of micro_batch_size"):
+        MicroBatchSchedule(10, 6, 4)
+
+
+def _misuse(case: str) -> str:
+    hvd.init()
+    model = Net()
+    loader = hvd.BalancedLoader(dataset(), GLOBAL_BATCH, MICRO_BATCH)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    try:
+        if case == "no optimizer":
+            next(iter(loader))
+        elif case == "sum":
+            hvd.DistributedOptimizer(optimizer, loader=loader, op=hvd.Sum)
+        elif case == "passes":
+            hvd.DistributedOptimizer(optimizer, loader=loader, backward_passes_per_step=2)
+        elif case == "short step":
+            wrapped = hvd.DistributedOptimizer(optimizer, loader=loader)
+            step = next(iter(loader))
+            for x, y in step:
+                nn.functional.mse_loss(model(x), y).backward()
+                break
+            wrapped.step()
+    except (RuntimeError, ValueError) as error:
+        return str(error)
+    return "no error"
+
+
+@pytest.mark.parametrize(
+    ("case", "expected"),
+    [
+        ("no optimizer", "pass loader= to hvd.DistributedOptimizer"),
+        ("sum", "needs op=Average"),
+        ("passes", "leave backward_passes_per_step at 1"),
+        ("short step", "after 1 of this rank's 4 micro-batches"),
+    ],
+)
+def test_misuse_gets_a_clear_error(case: str, expected: str) -> None:
+    assert expected in run_ranks(_misuse, 1, args=(case,), timeout_s=60)[0]
