@@ -332,3 +332,47 @@ def test_unnamed_collectives_barrier_and_sync_batch_norm_pair_up_after_a_reform(
     grown = [line for line in job.lines if re.search(r"step \d+ world 3 rank \d ok", line)]
     assert {re.search(r"rank (\d)", line).group(1) for line in grown} == {"0", "1", "2"}, job.lines[-30:]  # type: ignore[union-attr]
     assert sum("done world 3" in line for line in job.lines) == 3, job.lines[-30:]
+
+
+@pytest.mark.timeout(240)
+def test_a_balanced_job_that_shrinks_and_grows_keeps_one_process_weights(tmp_path: Path) -> None:
+    """BalancedLoader under elastic: the world goes 2 -> 1 -> 2, the global batch stays; the weights equal one process
+    over the same global batches (atol 1e-5, float reassociation) and every sample of every epoch counts once."""
+    import importlib.util
+
+    import numpy as np
+
+    spec = importlib.util.spec_from_file_location("balanced_elastic", REPO / "tests" / "workers" / "balanced_elastic.py")
+    assert spec is not None and spec.loader is not None
+    worker = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(worker)
+    hosts, script = discovery(tmp_path, "localhost:2")
+    epochs = 12
+    job = RunningJob(
+        ["-np", "2", "--min-np", "1", "--max-np", "2", "--host-discovery-script", str(script)],
+        ["--epochs", str(epochs), "--step-delay", "0.1"],
+        [sys.executable, str(REPO / "tests" / "workers" / "balanced_elastic.py")],
+    )
+    job.wait_for(r"^\[0\]<stdout>:step 8 world 2", 90)
+    hosts.write_text("localhost:1\n")
+    job.wait_for(r"^\[0\]<stdout>:step \d+ world 1", 60)
+    hosts.write_text("localhost:2\n")
+    job.wait_for(r"^\[0\]<stdout>:step \d+ world 2", 60)
+    assert job.finish(150) == 0, "\n".join(job.lines[-30:])
+    result = None
+    for line in reversed(job.lines):
+        if line.startswith("[0]<stdout>:{"):
+            result = json.loads(line.split(":", 1)[1])
+            break
+    assert result is not None, "\n".join(job.lines[-30:])
+    log = result["log"]
+    worlds = [entry[2] for entry in log]
+    assert 1 in worlds and worlds[0] == 2 and worlds[-1] == 2, worlds
+    steps = [(entry[0], entry[1]) for entry in log]
+    assert steps == [(e, s) for e in range(epochs) for s in range(4)], steps  # each step committed once, in order
+    for epoch in range(epochs):
+        processed = [i for entry in log if entry[0] == epoch for i in entry[3]]
+        assert sorted(processed) == list(range(worker.SAMPLES)), f"epoch {epoch}: a sample was lost or repeated"
+    expected = worker.reference_weights(epochs)
+    for name, value in expected.items():
+        np.testing.assert_allclose(np.array(result["weights"][name]), np.array(value), atol=1e-5, err_msg=name)
