@@ -137,6 +137,10 @@ COVERED: dict[str, tuple[str, list[str]]] = {
         "test_ray.py::test_on_ray_benchmark_compares_the_executor_with_shoalrun",
         ["shoal.bench.on_ray", "--workers", "mlp"],
     ),
+    "python -m shoal.bench.unequal": (
+        "test_examples.py::test_unequal_benchmark_json_contract",
+        ["shoal.bench.unequal", "--transition-steps"],
+    ),  # the test runs a small model for a few steps
     "python -m shoal.bench.churn --workers 3 --minutes 5 --mean-interval 30": (
         "test_churn.py::test_a_short_churn_run_keeps_the_contract",
         ["shoal.bench.churn", '"--workers", "3"', '"--minutes"'],

@@ -225,3 +225,21 @@ def test_predicted_two_rank_shared_memory_cnn_is_close_to_a_measured_run(tmp_pat
     assert row["error"] == pytest.approx((row["predicted_ips"] - row["measured_ips"]) / row["measured_ips"], abs=0.002)
     assert abs(row["error"]) <= 0.40, row
     assert summary["median_error"] == summary["max_error"] == abs(row["error"])
+
+
+def test_unequal_benchmark_json_contract() -> None:
+    """The unequal-workers benchmark, small and short: it launches its own job, runs every phase with and without
+    the neighbour, and ends with its JSON line; the balanced run's loss equals the 1-process reference's."""
+    command = [sys.executable, "-m", "shoal.bench.unequal", "--model", "small", "--global-batch-size", "256"]
+    command += ["--micro-batch-size", "16", "--samples", "1024", "--steps", "3", "--warmup", "2", "--rounds", "1"]
+    command += ["--transition-steps", "12"]
+    result = subprocess.run(command, env=clean_env(), capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads(result.stdout.strip().splitlines()[-1])
+    assert summary["bench"] == "unequal" and summary["world"] == 2
+    for key in ("balanced_ips", "equal_ips", "ddp_ips", "bound_ips", "of_bound", "quiet_of_bound"):
+        assert float(summary[key]) > 0, key
+    assert abs(summary["of_bound"] - summary["balanced_ips"] / summary["bound_ips"]) < 0.01
+    assert set(summary["rebalance_steps"]) == {"start", "stop"}
+    assert len(summary["transition_shares"]) == 12 and all(sum(s) == 16 for s in summary["transition_shares"])
+    assert abs(summary["final_loss"] - summary["reference_loss"]) < 1e-4, summary
