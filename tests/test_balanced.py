@@ -84,10 +84,12 @@ def _train(kind: str, epochs: int, options: dict[str, object]) -> dict[str, obje
     model = Net()
     optimizer = make_optimizer(kind, model)
     patterns = options.pop("patterns", None)
-    bucket_bytes = options.pop("bucket_bytes", None)
+    scheme = {key: options.pop(key) for key in ("bucket_bytes", "comm", "compression") if key in options}
+    if "compression" in scheme:
+        scheme["compression"] = getattr(hvd.Compression, str(scheme["compression"]))
     loader = hvd.BalancedLoader(dataset(), GLOBAL_BATCH, MICRO_BATCH, shuffle=True, seed=3, **options)  # type: ignore[arg-type]
     optimizer = hvd.DistributedOptimizer(
-        optimizer, named_parameters=model.named_parameters(), loader=loader, bucket_bytes=bucket_bytes
+        optimizer, named_parameters=model.named_parameters(), loader=loader, model=model, **scheme
     )  # type: ignore[arg-type]
     if patterns is not None:
         loader.balancer = FixedShares(hvd.size(), patterns)  # type: ignore[arg-type]
@@ -127,12 +129,24 @@ def test_uneven_shares_match_one_process_over_the_global_batch(size: int, kind: 
     assert sorted(every) == sorted(list(range(SAMPLES)) * 2), "a sample was lost or repeated"
 
 
-def test_one_gradient_per_bucket_overlapping_the_last_micro_batch() -> None:
+# Every scheme that sends the optimizer's gradients keeps the rule: one gradient per bucket leaving as soon as it is
+# final (overlapping the last micro-batch), fp16 (tolerance 2e-3: an 11-bit mantissa on the wire), the parameter
+# server (co-located, BSP), and sfb, which falls back to allreduce under the loader (exact).
+SCHEMES = {
+    "one gradient per bucket": ({"bucket_bytes": 1}, ATOL),
+    "fp16": ({"compression": "fp16"}, 2e-3),
+    "parameter server": ({"comm": "ps"}, ATOL),
+    "sfb": ({"comm": "sfb"}, ATOL),
+}
+
+
+@pytest.mark.parametrize("scheme", list(SCHEMES))
+def test_every_scheme_keeps_the_rule(scheme: str) -> None:
+    options, tolerance = SCHEMES[scheme]
     expected = reference("sgd", epochs=1)
-    options = {"patterns": PATTERNS[2], "bucket_bytes": 1}
-    for result in run_ranks(_train, 2, args=("sgd", 1, options), timeout_s=120):
+    for result in run_ranks(_train, 2, args=("sgd", 1, {"patterns": PATTERNS[2], **options}), timeout_s=120):
         for name, value in expected.items():
-            np.testing.assert_allclose(result["weights"][name], value, atol=ATOL, err_msg=name)
+            np.testing.assert_allclose(result["weights"][name], value, atol=tolerance, err_msg=f"{scheme}: {name}")
 
 
 def test_measured_shares_give_the_same_weights_on_one_two_and_three_ranks() -> None:
