@@ -12,55 +12,20 @@ import numpy as np
 import pytest
 import torch
 from torch import nn
-from torch.utils.data import TensorDataset
 
 import shoal.torch as hvd
 from shoal.core.balance import MicroBatchSchedule, ShareBalancer, StepPlan, equal_shares, split_by_cost
 from shoal.testing import run_ranks
+from workers.balanced_elastic import GLOBAL_BATCH, MICRO_BATCH, SAMPLES, SEED, Net, dataset, optimizer_for, reference_weights
 
 pytestmark = pytest.mark.check
 
 ATOL = 1e-5
-SAMPLES = 54  # with B=16, b=4: three full steps, then one of 6 samples (micro-batches of 4 and 2)
-GLOBAL_BATCH = 16
-MICRO_BATCH = 4
-
-
-class Net(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc1 = nn.Linear(8, 16)
-        self.fc2 = nn.Linear(16, 4)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(torch.tanh(self.fc1(x)))
-
-
-def dataset() -> TensorDataset:
-    generator = torch.Generator().manual_seed(7)
-    return TensorDataset(torch.randn(SAMPLES, 8, generator=generator), torch.randn(SAMPLES, 4, generator=generator))
-
-
-def make_optimizer(kind: str, model: nn.Module) -> torch.optim.Optimizer:
-    if kind == "adam":
-        return torch.optim.Adam(model.parameters(), lr=0.01)
-    return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
 
 
 def reference(kind: str, epochs: int) -> dict[str, np.ndarray]:
     """One process, the whole global batch of each step in one backward pass."""
-    torch.manual_seed(0)
-    model = Net()
-    optimizer = make_optimizer(kind, model)
-    data = dataset()
-    schedule = MicroBatchSchedule(SAMPLES, GLOBAL_BATCH, MICRO_BATCH, shuffle=True, seed=3)
-    for epoch in range(epochs):
-        for step in range(schedule.steps_per_epoch):
-            index = torch.tensor([i for m in schedule.micro_batches(epoch, step) for i in m])
-            optimizer.zero_grad()
-            nn.functional.mse_loss(model(data.tensors[0][index]), data.tensors[1][index]).backward()
-            optimizer.step()
-    return {k: v.numpy() for k, v in model.state_dict().items()}
+    return {name: np.array(value, dtype=np.float32) for name, value in reference_weights(epochs, kind).items()}
 
 
 class FixedShares(ShareBalancer):
@@ -82,12 +47,12 @@ def _train(kind: str, epochs: int, options: dict[str, object]) -> dict[str, obje
     torch.set_num_threads(1)
     torch.manual_seed(0)
     model = Net()
-    optimizer = make_optimizer(kind, model)
+    optimizer = optimizer_for(model, kind)
     patterns = options.pop("patterns", None)
     scheme = {key: options.pop(key) for key in ("bucket_bytes", "comm", "compression") if key in options}
     if "compression" in scheme:
         scheme["compression"] = getattr(hvd.Compression, str(scheme["compression"]))
-    loader = hvd.BalancedLoader(dataset(), GLOBAL_BATCH, MICRO_BATCH, shuffle=True, seed=3, **options)  # type: ignore[arg-type]
+    loader = hvd.BalancedLoader(dataset(), GLOBAL_BATCH, MICRO_BATCH, shuffle=True, seed=SEED, **options)  # type: ignore[arg-type]
     optimizer = hvd.DistributedOptimizer(
         optimizer, named_parameters=model.named_parameters(), loader=loader, model=model, **scheme
     )  # type: ignore[arg-type]
@@ -175,13 +140,13 @@ def test_deterministic_mode_is_bitwise_identical_across_world_sizes() -> None:
 
 
 def test_a_steps_micro_batches_do_not_depend_on_the_world() -> None:
-    schedule = MicroBatchSchedule(SAMPLES, GLOBAL_BATCH, MICRO_BATCH, seed=3)
+    schedule = MicroBatchSchedule(SAMPLES, GLOBAL_BATCH, MICRO_BATCH, seed=SEED)
     assert schedule.steps_per_epoch == 4
     steps = [schedule.micro_batches(0, s) for s in range(4)]
     assert [len(m) for s in steps for m in s] == [4] * 13 + [2]
     assert sorted(i for s in steps for m in s for i in m) == list(range(SAMPLES))
     assert schedule.micro_batches(1, 0) != steps[0]  # a new permutation each epoch
-    dropped = MicroBatchSchedule(SAMPLES, GLOBAL_BATCH, MICRO_BATCH, seed=3, drop_last=True)
+    dropped = MicroBatchSchedule(SAMPLES, GLOBAL_BATCH, MICRO_BATCH, seed=SEED, drop_last=True)
     assert dropped.steps_per_epoch == 3
 
 

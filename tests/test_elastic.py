@@ -338,14 +338,10 @@ def test_unnamed_collectives_barrier_and_sync_batch_norm_pair_up_after_a_reform(
 def test_a_balanced_job_that_shrinks_and_grows_keeps_one_process_weights(tmp_path: Path) -> None:
     """BalancedLoader under elastic: the world goes 2 -> 1 -> 2, the global batch stays; the weights equal one process
     over the same global batches (atol 1e-5, float reassociation) and every sample of every epoch counts once."""
-    import importlib.util
-
     import numpy as np
 
-    spec = importlib.util.spec_from_file_location("balanced_elastic", REPO / "tests" / "workers" / "balanced_elastic.py")
-    assert spec is not None and spec.loader is not None
-    worker = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(worker)
+    from workers import balanced_elastic as worker
+
     hosts, script = discovery(tmp_path, "localhost:2")
     epochs = 12
     job = RunningJob(

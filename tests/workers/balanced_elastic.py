@@ -37,17 +37,19 @@ def dataset() -> TensorDataset:
     return TensorDataset(torch.randn(SAMPLES, 8, generator=generator), torch.randn(SAMPLES, 4, generator=generator))
 
 
-def optimizer_for(model: nn.Module) -> torch.optim.Optimizer:
+def optimizer_for(model: nn.Module, kind: str = "sgd") -> torch.optim.Optimizer:
+    if kind == "adam":
+        return torch.optim.Adam(model.parameters(), lr=0.01)
     return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
 
 
-def reference_weights(epochs: int) -> dict[str, Any]:
-    """One process, each step's whole global batch in one backward pass."""
+def reference_weights(epochs: int, kind: str = "sgd") -> dict[str, Any]:
+    """One process, each step's whole global batch in one backward pass (weights as lists)."""
     from shoal.core.balance import MicroBatchSchedule
 
     torch.manual_seed(0)
     model = Net()
-    optimizer = optimizer_for(model)
+    optimizer = optimizer_for(model, kind)
     x, y = dataset().tensors
     schedule = MicroBatchSchedule(SAMPLES, GLOBAL_BATCH, MICRO_BATCH, seed=SEED)
     for epoch in range(epochs):

@@ -164,22 +164,23 @@ class Job:
         return self.loader.global_batch_size * steps / _slowest(time.perf_counter() - start)
 
 
-def run_bound(args: argparse.Namespace, data: TensorDataset) -> float:
-    """Every rank trains its equal half of each global batch, as micro-batches, with no communication, all at once;
-    returns the sum of the ranks' own samples per second."""
-    torch.manual_seed(0)
-    model = build_model(args.model)
+def _time_equal_shares(args: argparse.Namespace, data: TensorDataset, model: nn.Module, one_batch: bool) -> tuple[float, int]:
+    """Seconds this rank takes for ``args.steps`` steps (after ``args.warmup``) of its equal share of each global
+    batch, and the samples it ran in them: its micro-batches accumulated (under DDP's ``no_sync()`` but for the
+    last), or ``one_batch``, all its samples as one batch."""
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     schedule = MicroBatchSchedule(len(data), args.global_batch_size, args.micro_batch_size, seed=args.seed)
     size, rank = hvd.size(), hvd.rank()
     x, y = data.tensors
+    no_sync = getattr(model, "no_sync", None)
 
     def step(index: int) -> int:
         micro = schedule.micro_batches(0, index % schedule.steps_per_epoch)
-        mine = micro[rank::size]
+        mine = [[i for m in micro for i in m][rank::size]] if one_batch else micro[rank::size]
         optimizer.zero_grad()
-        for indices in mine:
-            nn.functional.cross_entropy(model(x[indices]), y[indices]).backward()
+        for number, indices in enumerate(mine):
+            with no_sync() if no_sync is not None and number < len(mine) - 1 else _nothing():
+                nn.functional.cross_entropy(model(x[indices]), y[indices]).backward()
         optimizer.step()
         return sum(len(m) for m in mine)
 
@@ -188,7 +189,15 @@ def run_bound(args: argparse.Namespace, data: TensorDataset) -> float:
     hvd.barrier()
     start = time.perf_counter()
     samples = sum(step(index) for index in range(args.steps))
-    rate = samples / (time.perf_counter() - start)
+    return time.perf_counter() - start, samples
+
+
+def run_bound(args: argparse.Namespace, data: TensorDataset) -> float:
+    """Every rank trains its equal half of each global batch, as micro-batches, with no communication, all at once;
+    returns the sum of the ranks' own samples per second."""
+    torch.manual_seed(0)
+    seconds, samples = _time_equal_shares(args, data, build_model(args.model), one_batch=False)
+    rate = samples / seconds
     hvd.barrier()
     return float(hvd.allreduce(torch.tensor([rate]), op=hvd.Sum, name="bench.unequal.bound").item())
 
@@ -198,29 +207,8 @@ def run_ddp(args: argparse.Namespace, data: TensorDataset, one_batch: bool) -> f
     and reduces with the last (the like-for-like job), or, ``one_batch``, runs its global/world samples as one
     batch (the usual DDP loop, when memory allows)."""
     torch.manual_seed(0)
-    model = wrap_ddp(build_model(args.model))
-    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
-    schedule = MicroBatchSchedule(len(data), args.global_batch_size, args.micro_batch_size, seed=args.seed)
-    size, rank = hvd.size(), hvd.rank()
-    x, y = data.tensors
-
-    def step(index: int) -> None:
-        micro = schedule.micro_batches(0, index % schedule.steps_per_epoch)
-        mine = [[i for m in micro for i in m][rank::size]] if one_batch else micro[rank::size]
-        optimizer.zero_grad()
-        for number, indices in enumerate(mine):
-            context = model.no_sync() if number < len(mine) - 1 else _nothing()  # type: ignore[operator]
-            with context:
-                nn.functional.cross_entropy(model(x[indices]), y[indices]).backward()
-        optimizer.step()
-
-    for index in range(args.warmup):
-        step(index)
-    hvd.barrier()
-    start = time.perf_counter()
-    for index in range(args.steps):
-        step(index)
-    return args.global_batch_size * args.steps / _slowest(time.perf_counter() - start)
+    seconds, _ = _time_equal_shares(args, data, wrap_ddp(build_model(args.model)), one_batch)
+    return args.global_batch_size * args.steps / _slowest(seconds)
 
 
 def settle_step(shares: list[tuple[int, ...]], event: int, end: int) -> int | None:
