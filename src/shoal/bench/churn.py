@@ -22,7 +22,11 @@ re-forms, rank 0's steps) is printed as it goes. The last line is JSON:
 - ``recovery_s``: per kind, the mean seconds from an event to the first commit of the job re-formed after it;
 - ``steps_redone``: steps run again after a rollback (each attributed to the event before it);
 - ``lost_steps``: committed steps missing from, or repeated in, the committed log 0..N-1 (must be 0);
-- ``leftover_processes``: workers alive 10 s after the job ended (must be 0).
+- ``leftover_processes``: workers alive 10 s after the job ended (must be 0);
+- ``global_batches``: the samples per step the churned job trained with, every size seen. Without ``--balanced``
+  it follows the world (``--batch-size`` per worker, learning rate rescaled at each reset); with ``--balanced`` both
+  jobs use ``hvd.BalancedLoader`` with a global batch of ``--batch-size`` x ``--workers`` and one learning rate, and
+  this is one size.
 """
 
 from __future__ import annotations
@@ -101,12 +105,19 @@ def _worker(args: argparse.Namespace) -> None:
         nn.Flatten(),
         nn.Linear(32 * 4 * 4, 10),
     )
-    optimizer = hvd.DistributedOptimizer(
-        torch.optim.SGD(model.parameters(), lr=args.lr * hvd.size(), momentum=0.9), named_parameters=model.named_parameters()
-    )
-    sampler = hvd.elastic.ElasticSampler(train_set, shuffle=True, seed=0)
+    # Balanced: one global batch of --batch-size x --workers whatever the world, so the learning rate never changes.
+    global_batch = args.batch_size * args.workers
+    lr = args.lr * (args.workers if args.balanced else hvd.size())
+    base = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    balanced = None
+    if args.balanced:
+        balanced = hvd.BalancedLoader(train_set, global_batch, args.micro_batch_size, shuffle=True, seed=0)
+        extra: dict[str, Any] = {"loader": balanced}
+    else:
+        extra = {"sampler": hvd.elastic.ElasticSampler(train_set, shuffle=True, seed=0)}
+    optimizer = hvd.DistributedOptimizer(base, named_parameters=model.named_parameters(), loader=balanced)
     state: Any = hvd.elastic.TorchState(
-        model=model, optimizer=optimizer, sampler=sampler, epoch=0, step=0, samples=0, log=[], deadline=0.0
+        model=model, optimizer=optimizer, epoch=0, step=0, samples=0, log=[], deadline=0.0, batches=[], **extra
     )
     state.deadline = time.time() + args.seconds  # the first sync keeps rank 0's: every worker stops together
     log = open(args.log, "a", buffering=1)  # kept open for the whole run; lines are appended
@@ -115,7 +126,8 @@ def _worker(args: argparse.Namespace) -> None:
         for group in optimizer.param_groups:
             group["lr"] = args.lr * hvd.size()
 
-    state.register_reset_callbacks([on_reset])
+    if not args.balanced:
+        state.register_reset_callbacks([on_reset])
 
     def stop_now() -> bool:
         late = torch.tensor([1.0 if time.time() >= state.deadline else 0.0])
@@ -127,17 +139,12 @@ def _worker(args: argparse.Namespace) -> None:
     def train(state: Any) -> None:
         print(f"churn worker pid {os.getpid()} joined at step {state.step} as rank {hvd.rank()} of {hvd.size()}", flush=True)
         while True:
-            loader = DataLoader(train_set, batch_size=args.batch_size, sampler=state.sampler)
-            for batch_index, (x, y) in enumerate(loader):
-                if hvd.rank() == 0:
-                    log.write(f"run {state.step} {time.time():.3f}\n")
-                optimizer.zero_grad()
-                F.cross_entropy(model(x), y).backward()
-                optimizer.step()
-                state.sampler.record_batch(batch_index, args.batch_size)
+            for samples in _steps(state):
                 state.log.append(state.step)
                 state.step += 1
-                state.samples += len(x) * hvd.size()
+                state.samples += samples
+                if samples not in state.batches:
+                    state.batches.append(samples)
                 if args.step_delay:
                     time.sleep(args.step_delay)
                 if state.step % args.commit_every == 0:
@@ -150,8 +157,32 @@ def _worker(args: argparse.Namespace) -> None:
                     if stop_now():
                         return
             state.epoch += 1
-            state.sampler.set_epoch(state.epoch)
+            if not args.balanced:
+                state.sampler.set_epoch(state.epoch)
             state.commit()
+
+    def _steps(state: Any) -> Any:
+        """Train the epoch's remaining steps; yields each step's global batch (samples over all workers)."""
+        if balanced is not None:
+            balanced.set_epoch(state.epoch)
+            for step in balanced:
+                if hvd.rank() == 0:
+                    log.write(f"run {state.step} {time.time():.3f}\n")
+                optimizer.zero_grad()
+                for x, y in step:
+                    F.cross_entropy(model(x), y).backward()
+                optimizer.step()
+                yield step.plan.total_samples
+            return
+        loader = DataLoader(train_set, batch_size=args.batch_size, sampler=state.sampler)
+        for batch_index, (x, y) in enumerate(loader):
+            if hvd.rank() == 0:
+                log.write(f"run {state.step} {time.time():.3f}\n")
+            optimizer.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            optimizer.step()
+            state.sampler.record_batch(batch_index, args.batch_size)
+            yield len(x) * hvd.size()
 
     train(state)
     model.eval()
@@ -168,6 +199,7 @@ def _worker(args: argparse.Namespace) -> None:
             "repeated_steps": len(committed) - len(set(committed)),
             "accuracy": round(accuracy, 4),
             "world": hvd.size(),
+            "global_batches": sorted(state.batches),
             "train_s": round(time.time() - (state.deadline - args.seconds), 3),  # since the job's first worker began
         }
         print("churn summary " + json.dumps(summary), flush=True)
@@ -275,6 +307,11 @@ def _worker_command(args: argparse.Namespace, log: Path) -> list[str]:
         str(args.commit_every),
         "--lr",
         str(args.lr),
+        "--workers",
+        str(args.workers),
+        "--micro-batch-size",
+        str(args.micro_batch_size),
+        *(["--balanced"] if args.balanced else []),
     ]
 
 
@@ -445,6 +482,13 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--step-delay", type=float, default=0.02, help="seconds of sleep per step (default 0.02)")
     parser.add_argument("--commit-every", type=int, default=4, help="steps per commit (default 4)")
     parser.add_argument("--lr", type=float, default=0.03, help="learning rate of one worker (default 0.03)")
+    parser.add_argument(
+        "--balanced",
+        action="store_true",
+        help="both jobs train with hvd.BalancedLoader: a global batch of --batch-size x --workers whatever the world "
+        "(no learning-rate rescaling), shared out by speed",
+    )
+    parser.add_argument("--micro-batch-size", type=int, default=8, help="with --balanced: samples per micro-batch (default 8)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--seconds", type=float, default=0.0, help=argparse.SUPPRESS)
     parser.add_argument("--log", default="", help=argparse.SUPPRESS)
@@ -524,6 +568,9 @@ def main(argv: list[str] | None = None) -> int:
         "static_accuracy": static_summary["accuracy"],
         "final_world": churn_summary["world"],
         "committed_steps": churn_summary["committed_steps"],
+        "balanced": args.balanced,
+        # Samples per step over all workers, every size seen in the churned job (one, with --balanced).
+        "global_batches": churn_summary["global_batches"],
     }
     print(json.dumps(result), flush=True)
     return 0
