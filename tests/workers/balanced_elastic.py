@@ -1,6 +1,7 @@
-"""Elastic training with a BalancedLoader, for tests/test_balanced.py: a regression whose global batch stays the
-same while the world shrinks and grows. Rank 0 prints "step N world W" after each commit and, at the end, one JSON
-line {"weights": .., "log": [[epoch, step, world, [indices the ranks processed]], ...]} of the committed steps.
+"""Elastic training with a BalancedLoader, for tests/test_elastic.py (tests/test_balanced.py takes its model, data
+and 1-process reference): a regression whose global batch stays the same while the world shrinks and grows. Rank 0
+prints "step N world W" after each commit and, at the end, one JSON line {"weights": .., "log": [[epoch, step, world,
+[indices the ranks processed]], ...], "restores": ..} of the committed steps and rank 0's rollbacks to a commit.
 
 Run: ``shoalrun -np 2 --min-np 1 --host-discovery-script S python tests/workers/balanced_elastic.py``.
 """
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from typing import Any
 
@@ -69,12 +71,22 @@ def main() -> None:
     parser.add_argument("--step-delay", type=float, default=0.1)
     args = parser.parse_args()
     hvd.init()
+    print(f"worker pid {os.getpid()} starts as rank {hvd.rank()}", flush=True)
     torch.set_num_threads(1)
     torch.manual_seed(0)
     model = Net()
     loader = hvd.BalancedLoader(dataset(), GLOBAL_BATCH, MICRO_BATCH, shuffle=True, seed=SEED)
     optimizer = hvd.DistributedOptimizer(optimizer_for(model), named_parameters=model.named_parameters(), loader=loader)
     state = hvd.elastic.TorchState(model=model, optimizer=optimizer, loader=loader, epoch=0, log=[])
+    restores = 0
+    committed_restore = state.restore
+
+    def counting_restore() -> None:
+        nonlocal restores
+        restores += 1
+        committed_restore()
+
+    state.restore = counting_restore  # type: ignore[method-assign]
 
     @hvd.elastic.run
     def train(state: Any) -> None:
@@ -98,7 +110,7 @@ def main() -> None:
     train(state)
     if hvd.rank() == 0:
         weights = {k: v.tolist() for k, v in model.state_dict().items()}
-        print(json.dumps({"weights": weights, "log": state.log}), flush=True)
+        print(json.dumps({"weights": weights, "log": state.log, "restores": restores}), flush=True)
 
 
 if __name__ == "__main__":
