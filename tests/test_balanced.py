@@ -102,6 +102,8 @@ SCHEMES = {
     "fp16": ({"compression": "fp16"}, 2e-3),
     "parameter server": ({"comm": "ps"}, ATOL),
     "sfb": ({"comm": "sfb"}, ATOL),
+    # A rank's micro-batches joined into passes of up to 8 samples (two of 4, or 4 and the short 2).
+    "passes of two micro-batches": ({"max_pass_size": 8}, ATOL),
 }
 
 
@@ -169,6 +171,7 @@ def test_shares_follow_cost_and_keep_every_rank_measured() -> None:
 def test_step_plan_ranges_and_checks() -> None:
     plan = StepPlan(0, 0, ((1, 2), (3, 4), (5,)), (1, 0, 2), rank=2)
     assert plan.mine == ((3, 4), (5,)) and plan.first == 1 and plan.total_samples == 5
+    assert plan.passes(2) == [(3, 4), (5,)] and plan.passes(3) == [(3, 4, 5)]
     with pytest.raises(ValueError, match="add up"):
         StepPlan(0, 0, ((1,),), (1, 1), rank=0)
     with pytest.raises(ValueError, match="multiple of micro_batch_size"):
@@ -205,7 +208,7 @@ def _misuse(case: str) -> str:
         ("no optimizer", "pass loader= to hvd.DistributedOptimizer"),
         ("sum", "needs op=Average"),
         ("passes", "leave backward_passes_per_step at 1"),
-        ("short step", "after 1 of this rank's 4 micro-batches"),
+        ("short step", "after 1 of this rank's 4 passes"),
     ],
 )
 def test_misuse_gets_a_clear_error(case: str, expected: str) -> None:

@@ -81,21 +81,15 @@ def _digits() -> tuple[Any, Any]:
     return TensorDataset(x_train, y_train), TensorDataset(x_test, y_test)
 
 
-def _worker(args: argparse.Namespace) -> None:
-    """Train for ``args.seconds`` (agreed at commits), logging every step run and every commit to ``args.log``."""
+def _worker_job(args: argparse.Namespace, train_set: Any) -> tuple[Any, Any, Any, Any]:
+    """The worker's model, DistributedOptimizer, BalancedLoader (or None) and elastic state. Balanced: one global
+    batch of --batch-size x --workers whatever the world, so the learning rate never changes."""
     import torch
-    import torch.nn.functional as F
     from torch import nn
-    from torch.utils.data import DataLoader
 
     import shoal.torch as hvd
-    from shoal.config import env_name
 
-    torch.set_num_threads(1)
-    print(f"churn worker pid {os.getpid()} host {os.environ.get(env_name('HOSTNAME'), '?')}", flush=True)
-    hvd.init()
     torch.manual_seed(0)
-    train_set, test_set = _digits()
     model = nn.Sequential(
         nn.Conv2d(1, 16, 3, padding=1),
         nn.ReLU(),
@@ -105,20 +99,35 @@ def _worker(args: argparse.Namespace) -> None:
         nn.Flatten(),
         nn.Linear(32 * 4 * 4, 10),
     )
-    # Balanced: one global batch of --batch-size x --workers whatever the world, so the learning rate never changes.
-    global_batch = args.batch_size * args.workers
     lr = args.lr * (args.workers if args.balanced else hvd.size())
     base = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
     balanced = None
     if args.balanced:
-        balanced = hvd.BalancedLoader(train_set, global_batch, args.micro_batch_size, shuffle=True, seed=0)
+        balanced = hvd.BalancedLoader(train_set, args.batch_size * args.workers, args.micro_batch_size, seed=0)
         extra: dict[str, Any] = {"loader": balanced}
     else:
         extra = {"sampler": hvd.elastic.ElasticSampler(train_set, shuffle=True, seed=0)}
     optimizer = hvd.DistributedOptimizer(base, named_parameters=model.named_parameters(), loader=balanced)
-    state: Any = hvd.elastic.TorchState(
+    state = hvd.elastic.TorchState(
         model=model, optimizer=optimizer, epoch=0, step=0, samples=0, log=[], deadline=0.0, batches=[], **extra
     )
+    return model, optimizer, balanced, state
+
+
+def _worker(args: argparse.Namespace) -> None:
+    """Train for ``args.seconds`` (agreed at commits), logging every step run and every commit to ``args.log``."""
+    import torch
+    import torch.nn.functional as F
+    from torch.utils.data import DataLoader
+
+    import shoal.torch as hvd
+    from shoal.config import env_name
+
+    torch.set_num_threads(1)
+    print(f"churn worker pid {os.getpid()} host {os.environ.get(env_name('HOSTNAME'), '?')}", flush=True)
+    hvd.init()
+    train_set, test_set = _digits()
+    model, optimizer, balanced, state = _worker_job(args, train_set)
     state.deadline = time.time() + args.seconds  # the first sync keeps rank 0's: every worker stops together
     log = open(args.log, "a", buffering=1)  # kept open for the whole run; lines are appended
 

@@ -9,7 +9,8 @@ In one invocation, first without the neighbour and then with it, each for ``--ro
 - ``bound``: every rank trains its equal half of the global batch (the same micro-batches) with no communication at
   all, all at once; the bound is the sum of the ranks' own rates (what a perfectly balanced job with free
   communication could reach);
-- ``balanced``: Shoal with ``BalancedLoader`` (shares by measured speed);
+- ``balanced``: Shoal with ``BalancedLoader`` (shares by measured speed), one pass per micro-batch;
+- ``joined``: the same with ``max_pass_size`` = the global batch, so each rank runs its share in one pass;
 - ``equal``: the same with equal shares (what every synchronous framework does);
 - ``ddp``: torch's DistributedDataParallel with equal shares of the same micro-batches, accumulated under
   ``no_sync()`` (the like-for-like job); ``ddp_one_batch``: DDP with each rank's global/world samples as one batch.
@@ -46,6 +47,7 @@ import shoal.torch as hvd
 from shoal.bench import add_json_flag, emit
 from shoal.comm.baselines import wrap_ddp
 from shoal.core.balance import MicroBatchSchedule
+from shoal.runtime.launch_env import detect_launch
 
 MODELS = {
     "mlp": (1536, [1024, 512]),  # 2.1M parameters: its weights stay near the caches, so micro-batches of 128 run at
@@ -127,11 +129,17 @@ def _slowest(seconds: float) -> float:
 class Job:
     """A balanced (or equal-shares) Shoal training job: model, optimizer and loader, trained step by step."""
 
-    def __init__(self, args: argparse.Namespace, data: TensorDataset, balance: bool) -> None:
+    def __init__(self, args: argparse.Namespace, data: TensorDataset, balance: bool, joined: bool = False) -> None:
         torch.manual_seed(0)
         self.model = build_model(args.model)
         self.loader = hvd.BalancedLoader(
-            data, args.global_batch_size, args.micro_batch_size, shuffle=True, seed=args.seed, balance=balance
+            data,
+            args.global_batch_size,
+            args.micro_batch_size,
+            shuffle=True,
+            seed=args.seed,
+            balance=balance,
+            max_pass_size=args.global_batch_size if joined else None,
         )
         optimizer = torch.optim.SGD(self.model.parameters(), lr=args.lr, momentum=0.9)
         self.optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=self.model.named_parameters(), loader=self.loader)
@@ -310,13 +318,21 @@ def measure(args: argparse.Namespace) -> dict[str, Any] | None:
     data, held_out = build_data(args.model, args.samples)
     neighbour = Neighbour(core, here=hvd.rank() == hvd.size() - 1)
     figures: dict[str, dict[str, list[float]]] = {}
-    jobs = {regime: {"balanced": Job(args, data, True), "equal": Job(args, data, False)} for regime in ("quiet", "busy")}
+    jobs = {
+        regime: {
+            "balanced": Job(args, data, True),
+            "joined": Job(args, data, True, joined=True),
+            "equal": Job(args, data, False),
+        }
+        for regime in ("quiet", "busy")
+    }
     for regime in ("quiet", "busy"):
-        runs: dict[str, list[float]] = {"bound": [], "balanced": [], "equal": [], "ddp": [], "ddp_one_batch": []}
+        runs: dict[str, list[float]] = {"bound": [], "balanced": [], "joined": [], "equal": [], "ddp": [], "ddp_one_batch": []}
         with neighbour_on(neighbour) if regime == "busy" else _nothing():
             for round_number in range(args.rounds):
                 runs["bound"].append(run_bound(args, data))
                 runs["balanced"].append(jobs[regime]["balanced"].timed(args.warmup, args.steps))
+                runs["joined"].append(jobs[regime]["joined"].timed(args.warmup if round_number == 0 else 1, args.steps))
                 runs["equal"].append(jobs[regime]["equal"].timed(args.warmup if round_number == 0 else 1, args.steps))
                 runs["ddp"].append(run_ddp(args, data, one_batch=False))
                 runs["ddp_one_batch"].append(run_ddp(args, data, one_batch=True))
@@ -351,6 +367,10 @@ def measure(args: argparse.Namespace) -> dict[str, Any] | None:
         "vs_ddp": round(busy["balanced"] / busy["ddp"], 3),
         "ddp_one_batch_ips": round(busy["ddp_one_batch"], 1),
         "vs_ddp_one_batch": round(busy["balanced"] / busy["ddp_one_batch"], 3),
+        "joined_ips": round(busy["joined"], 1),
+        "joined_of_bound": round(busy["joined"] / busy["bound"], 3),
+        "joined_vs_ddp_one_batch": round(busy["joined"] / busy["ddp_one_batch"], 3),
+        "joined_vs_equal": round(busy["joined"] / busy["equal"], 3),
         "quiet": {k: round(v, 1) for k, v in quiet.items()},
         "quiet_vs_equal": round(quiet["balanced"] / quiet["equal"], 3),
         "rebalance_steps": {"start": transition["start"], "stop": transition["stop"]},
@@ -368,7 +388,7 @@ def _nothing() -> Iterator[None]:
 
 def main(argv: list[str] | None = None) -> None:
     args = _parse(argv)
-    if "SHOAL_RANK" not in os.environ and "HOROVOD_RANK" not in os.environ:
+    if detect_launch(os.environ).launcher == "single":  # not under a launcher: launch the ranks
         command = [sys.executable, "-m", "shoal.runner", "-np", str(args.workers), sys.executable, "-m", "shoal.bench.unequal"]
         command += argv if argv is not None else sys.argv[1:]
         done = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout)

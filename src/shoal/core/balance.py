@@ -192,3 +192,14 @@ class StepPlan:
     def mine(self) -> tuple[tuple[int, ...], ...]:
         """This rank's micro-batches."""
         return self.micro_batches[self.first : self.first + self.shares[self.rank]]
+
+    def passes(self, max_samples: int) -> list[tuple[int, ...]]:
+        """This rank's micro-batches joined into forward/backward passes of at most ``max_samples`` samples (a
+        micro-batch is never split): consecutive ones, in order, so that a pass is a contiguous run of the step."""
+        joined: list[tuple[int, ...]] = []
+        for micro in self.mine:
+            if joined and len(joined[-1]) + len(micro) <= max_samples:
+                joined[-1] = joined[-1] + micro
+            else:
+                joined.append(micro)
+        return joined

@@ -42,9 +42,9 @@ SPEEDS_NAME = "BalancedLoader.speeds"
 class StepListener(Protocol):
     """What the loader tells the optimizer that reduces the step's gradients."""
 
-    def begin_step(self, plan: StepPlan) -> None: ...
+    def begin_step(self, plan: StepPlan, sizes: tuple[int, ...]) -> None: ...
 
-    def begin_micro_batch(self, index: int) -> None: ...
+    def begin_pass(self, index: int) -> None: ...
 
 
 class BalancedLoader:
@@ -64,6 +64,11 @@ class BalancedLoader:
             traffic; see ``micro_batch_grads``).
         smoothing: weight of the newest measurement in each rank's moving average cost.
         threshold: the shares change only when the new ones promise a step at least this much shorter.
+        max_pass_size: the most samples one forward/backward pass may take (default ``micro_batch_size``: one pass per
+            micro-batch). Larger, a rank's consecutive micro-batches are joined into passes up to this size: the
+            micro-batch stays the unit of balancing, while the pass, the unit of compute, can be as large as memory
+            allows, and large batches run faster per sample. The gradient is the same within float reassociation;
+            layers that see the whole batch (BatchNorm) then see the pass, which depends on the shares.
     """
 
     def __init__(
@@ -79,7 +84,13 @@ class BalancedLoader:
         deterministic: bool = False,
         smoothing: float = 0.5,
         threshold: float = 0.04,
+        max_pass_size: int | None = None,
     ) -> None:
+        if max_pass_size is not None and max_pass_size < micro_batch_size:
+            raise ValueError(f"max_pass_size ({max_pass_size}) must be >= micro_batch_size ({micro_batch_size})")
+        if deterministic and max_pass_size not in (None, micro_batch_size):
+            raise ValueError("deterministic=True keeps one pass per micro-batch: leave max_pass_size unset")
+        self.max_pass_size = max_pass_size or micro_batch_size
         self.dataset = dataset
         self.schedule = MicroBatchSchedule(len(dataset), global_batch_size, micro_batch_size, shuffle, seed, drop_last)
         self.collate_fn = collate_fn or default_collate
@@ -160,8 +171,8 @@ class BalancedLoader:
             yield step
             if not step.finished:
                 raise RuntimeError(
-                    f"step {self.step} was left after {step.handed_out} of this rank's {len(step)} micro-batches: run "
-                    "every micro-batch of a step before asking for the next one"
+                    f"step {self.step} was left after {step.handed_out} of this rank's {len(step)} passes: run every "
+                    "micro-batch of a step before asking for the next one"
                 )
 
     def _agree(self) -> StepPlan:
@@ -180,8 +191,6 @@ class BalancedLoader:
         micro_batches = self.schedule.micro_batches(self.epoch, self.step, self._epoch_order())
         shares = balancer.shares(len(micro_batches))
         self.plan = StepPlan(self.epoch, self.step, tuple(tuple(m) for m in micro_batches), tuple(shares), rank)
-        assert self._listener is not None
-        self._listener.begin_step(self.plan)
         return self.plan
 
     def _epoch_order(self) -> np.ndarray:
@@ -210,19 +219,24 @@ class BalancedLoader:
 
 
 class Step:
-    """One step of the global batch on this rank: iterate over it for this rank's micro-batches."""
+    """One step of the global batch on this rank: iterate over it for this rank's passes (its micro-batches, one per
+    pass unless the loader's ``max_pass_size`` joins them)."""
 
-    __slots__ = ("finished", "handed_out", "loader", "plan")
+    __slots__ = ("finished", "handed_out", "loader", "passes", "plan")
 
     def __init__(self, loader: BalancedLoader, plan: StepPlan) -> None:
         self.loader = loader
         self.plan = plan
+        self.passes = plan.passes(loader.max_pass_size)
+        """This rank's passes, as dataset indices."""
         self.handed_out = 0
         self.finished = False
+        assert loader._listener is not None
+        loader._listener.begin_step(plan, tuple(len(p) for p in self.passes))
 
     def __len__(self) -> int:
-        """This rank's micro-batches in the step (0 is possible: the rank then only takes part in the reduction)."""
-        return len(self.plan.mine)
+        """This rank's passes in the step (0 is possible: the rank then only takes part in the reduction)."""
+        return len(self.passes)
 
     @property
     def indices(self) -> list[int]:
@@ -235,8 +249,8 @@ class Step:
         listener = self.loader._listener
         assert listener is not None
         started = time.perf_counter()
-        for index, indices in enumerate(self.plan.mine):
-            listener.begin_micro_batch(index)
+        for index, indices in enumerate(self.passes):
+            listener.begin_pass(index)
             self.handed_out = index + 1
             yield self.loader.fetch(indices)
         # From the first micro-batch handed out to the end of the last one's backward: this rank's compute alone.

@@ -295,15 +295,16 @@ class GradientExchange(_Exchange):
 
     # ----- the BalancedLoader's micro-batches -----
 
-    def begin_step(self, plan: Any) -> None:
-        """The loader starts a step (``core.balance.StepPlan``): this rank runs its share of micro-batches."""
+    def begin_step(self, plan: Any, sizes: tuple[int, ...]) -> None:
+        """The loader starts a step (``core.balance.StepPlan``): this rank runs its share of micro-batches in passes
+        of ``sizes`` samples."""
         weights = self._weights()
-        weights.begin_step(plan, self.process_set.size())
+        weights.begin_step(plan, self.process_set.size(), sizes)
         self.passes = weights.passes
 
-    def begin_micro_batch(self, index: int) -> None:
-        """The loader hands out this rank's ``index``-th micro-batch of the step."""
-        self._weights().begin_micro_batch(index, self.params)
+    def begin_pass(self, index: int) -> None:
+        """The loader hands out this rank's ``index``-th pass of the step."""
+        self._weights().begin_pass(index, self.params)
 
     def _weights(self) -> MicroBatchWeights:
         if self.weights is None:
@@ -461,9 +462,7 @@ class GradientExchange(_Exchange):
         if weights is not None:
             weights.check_complete()
             if weights.ordered is not None:
-                plan = weights.current_plan()
-                last = len(plan.mine[-1]) / plan.total_samples if plan.mine else None
-                weights.ordered.finish(self.params, self.process_set, last)
+                weights.ordered.finish(self.params, self.process_set, weights.last_weight())
                 return
         self.flush(driven=True)  # this thread synchronizes below and runs the cycle itself if no other thread does
         if weights is not None:

@@ -30,45 +30,47 @@ ORDERED_SUM_NAME = "DistributedOptimizer.ordered_sum"
 
 
 class MicroBatchWeights:
-    """One step's micro-batch bookkeeping for a ``GradientExchange``: how many backward passes this rank runs and
-    the scale each final gradient gets."""
+    """One step's bookkeeping for a ``GradientExchange``: how many backward passes this rank runs (its micro-batches,
+    one or several per pass) and the scale each final gradient gets."""
 
-    __slots__ = ("_weighted", "began", "ordered", "plan", "set_size", "unit")
+    __slots__ = ("_weighted", "began", "ordered", "plan", "set_size", "sizes", "unit")
 
     def __init__(self, deterministic: bool) -> None:
         self.ordered = OrderedSum() if deterministic else None
         """The deterministic mode's rows, or None."""
         self.plan: StepPlan | None = None
+        self.sizes: tuple[int, ...] = ()
+        """The samples of each of this rank's passes in the step."""
         self.set_size = 1
         self.unit = 0
-        """u: the micro-batch size the accumulated gradients are counted in."""
+        """u: the pass size the accumulated gradients are counted in."""
         self.began = 0
-        """This rank's micro-batches begun in this step."""
+        """This rank's passes begun in this step."""
         self._weighted: set[int] = set()
 
     @property
     def passes(self) -> int:
-        """Backward passes this rank runs in the step: its share of the micro-batches."""
-        plan = self.plan
-        return 0 if plan is None else plan.shares[plan.rank]
+        """Backward passes this rank runs in the step."""
+        return len(self.sizes)
 
-    def begin_step(self, plan: StepPlan, set_size: int) -> None:
-        """A new step: forget the last one."""
+    def begin_step(self, plan: StepPlan, set_size: int, sizes: tuple[int, ...]) -> None:
+        """A new step, in which this rank runs passes of ``sizes`` samples: forget the last one."""
         self.plan = plan
+        self.sizes = sizes
         self.set_size = set_size
-        self.unit = len(plan.mine[0]) if plan.mine else len(plan.micro_batches[0])
+        self.unit = sizes[0] if sizes else len(plan.micro_batches[0])
         self.began = 0
         self._weighted.clear()
         if self.ordered is not None:
             self.ordered.rows.clear()
 
-    def begin_micro_batch(self, index: int, params: list[torch.Tensor]) -> None:
-        """This rank's ``index``-th micro-batch of the step is about to run (the ones before it are done)."""
+    def begin_pass(self, index: int, params: list[torch.Tensor]) -> None:
+        """This rank's ``index``-th pass of the step is about to run (the ones before it are done)."""
         plan = self.current_plan()
-        size = len(plan.mine[index])
+        size = self.sizes[index]
         if self.ordered is not None:
             if index > 0:
-                self.ordered.keep(params, len(plan.mine[index - 1]) / plan.total_samples)
+                self.ordered.keep(params, self.sizes[index - 1] / plan.total_samples)
         elif index > 0 and size != self.unit:
             grads = [p.grad for p in params if p.grad is not None]
             if grads:
@@ -87,16 +89,20 @@ class MicroBatchWeights:
             param.grad.mul_(scale)
 
     def weigh_rest(self, params: list[torch.Tensor]) -> None:
-        """Scale every gradient not scaled yet (parameters that did not take part in every micro-batch)."""
+        """Scale every gradient not scaled yet (parameters that did not take part in every pass)."""
         for param in params:
             self.weigh(param)
 
+    def last_weight(self) -> float | None:
+        """The deterministic mode: the last pass's share of the step's samples (None if this rank ran none)."""
+        return self.sizes[-1] / self.current_plan().total_samples if self.sizes else None
+
     def check_complete(self) -> None:
-        """Raises when the step ends before this rank ran all of its micro-batches (its gradient would be short)."""
+        """Raises when the step ends before this rank ran all of its passes (its gradient would be short)."""
         plan = self.current_plan()
-        if self.began != len(plan.mine):
+        if self.began != len(self.sizes):
             raise RuntimeError(
-                f"the optimizer stepped after {self.began} of this rank's {len(plan.mine)} micro-batches of step "
+                f"the optimizer stepped after {self.began} of this rank's {len(self.sizes)} passes of step "
                 f"{plan.step}: run every micro-batch the BalancedLoader's step yields before optimizer.step()"
             )
 

@@ -174,11 +174,9 @@ def DistributedOptimizer(
     ``"async"``; the environment fallbacks are the ``PS_MODE`` and ``PS_STALENESS`` knobs (docs/knobs.md). The servers are
     dedicated processes under ``shoalrun --num-servers S``, otherwise a thread in every worker (co-located).
 
-    ``loader`` (keyword-only): a ``BalancedLoader`` whose steps this optimizer reduces. Each rank then runs its
-    share of the step's micro-batches, and each gradient is weighted so that the average is exactly one process's
-    mean gradient over the whole global batch (``micro_batch_grads``), with any share, zero included. Needs
-    ``op=Average``, ``backward_passes_per_step=1`` (the loader sets the passes) and the global process set;
-    ``sfb`` layers fall back to allreduce, as with several backward passes (their factors describe one pass).
+    ``loader``: a ``BalancedLoader`` whose steps this optimizer reduces, each rank's gradient weighted so that the
+    average is one process's mean gradient over the whole global batch, with any share (``micro_batch_grads``).
+    Needs ``op=Average``, ``backward_passes_per_step=1`` and the global set; ``sfb`` layers fall back to allreduce.
     """
     if comm not in COMM_CHOICES:
         raise ValueError(f"comm must be one of {', '.join(COMM_CHOICES)}, got {comm!r}")
@@ -190,9 +188,7 @@ def DistributedOptimizer(
     handles.engine()  # raises Horovod's ValueError before init()
     params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
     if loader is not None:
-        _check_balanced(loader, ReduceOp(op), backward_passes_per_step, process_set, comm, comm_overrides, compression)
-        if loader.deterministic:
-            check_ordered_params(params)
+        _check_balanced(loader, ReduceOp(op), backward_passes_per_step, process_set, comm, comm_overrides, compression, params)
     if ReduceOp(op) == ReduceOp.Adasum and basics.size() > 1:  # as in Horovod: one rank needs no delta optimizer
         if process_set is not global_process_set or comm != "allreduce":
             raise NotImplementedError("op=Adasum supports the global process set and comm='allreduce' only")
@@ -242,8 +238,9 @@ def _check_balanced(
     comm: str,
     overrides: dict[Any, str] | None,
     compression: type[Compressor],
+    params: list[torch.Tensor],
 ) -> None:
-    """What ``loader=`` needs of the optimizer's other arguments.
+    """What ``loader=`` needs of the optimizer's other arguments and parameters.
 
     Raises:
         ValueError: an argument the balanced global batch cannot honour.
@@ -258,6 +255,8 @@ def _check_balanced(
         raise ValueError("loader= shares the global batch over every rank: use the global process set")
     if loader.deterministic and (comm != "allreduce" or overrides or compression is not Compression.none):
         raise ValueError("BalancedLoader(deterministic=True) sums exact rows: use comm='allreduce' and no compression")
+    if loader.deterministic:
+        check_ordered_params(params)
 
 
 def _checked_groups(
