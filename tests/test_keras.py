@@ -221,3 +221,52 @@ def test_keras_digits_example_reaches_95_percent(workers: int, tmp_path: Path) -
     assert summary["example"] == "keras_digits" and summary["world"] == workers and summary["backend"] == "tensorflow"
     assert summary["test_accuracy"] >= 0.95, summary
     assert (tmp_path / "digits.keras").exists()
+
+
+def _fit_balanced(slow_rank: int) -> dict[str, Any]:
+    """Fit on hvd.BalancedData (B=16, b=4; 60 samples: three steps of 16, one of 12) for 3 epochs; ``slow_rank``
+    sleeps 20 ms in each batch, so the shares follow."""
+    keras = _keras()
+    import time
+
+    import torch
+
+    import shoal.keras as hvd
+
+    hvd.init()
+    torch.set_num_threads(1)
+    generator = np.random.default_rng(5)
+    x = generator.standard_normal((60, 6)).astype(np.float32)
+    y = (np.tanh(x @ generator.standard_normal((6, 1))) + 0.1).astype(np.float32)
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(8, activation="tanh"), keras.layers.Dense(1)])
+    data = hvd.BalancedData(x, y, global_batch_size=16, micro_batch_size=4, seed=1)
+    optimizer = hvd.DistributedOptimizer(keras.optimizers.SGD(learning_rate=0.1, momentum=0.9), loader=data)
+    model.compile(optimizer=optimizer, loss="mse")
+    shares: list[list[int]] = []
+
+    class Record(keras.callbacks.Callback):  # type: ignore[misc]
+        def on_train_batch_begin(self, batch: int, logs: Any = None) -> None:
+            if hvd.rank() == slow_rank:
+                time.sleep(0.02)
+
+        def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
+            assert data.plan is not None
+            shares.append(list(data.plan.shares))
+
+    callbacks = [hvd.callbacks.BroadcastGlobalVariablesCallback(0), Record()]
+    model.fit(data, epochs=3, verbose=0, callbacks=callbacks)
+    weights = [float(v) for w in model.get_weights() for v in np.asarray(w).ravel()]
+    return {"weights": weights, "shares": shares}
+
+
+def test_balanced_data_on_two_ranks_matches_one_process() -> None:
+    """Keras 3 on torch: BalancedData with shares that follow a slow rank gives one process's weights (1e-5)."""
+    env = {**ENV, "KERAS_BACKEND": "torch"}
+    two = run_ranks(_fit_balanced, 2, args=(1,), env=env, timeout_s=150, fresh=True)
+    one = run_ranks(_fit_balanced, 1, args=(-1,), env=env, timeout_s=150, fresh=True)[0]
+    assert len(one["shares"]) == len(two[0]["shares"]) == 12  # 4 steps an epoch, 3 epochs
+    assert two[0]["weights"] == two[1]["weights"]
+    difference = max(abs(a - b) for a, b in zip(two[0]["weights"], one["weights"], strict=True))
+    assert difference <= TOLERANCE, difference
+    assert any(s[0] > s[1] for s in two[0]["shares"]), two[0]["shares"]  # the slow rank got fewer micro-batches

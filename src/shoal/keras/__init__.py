@@ -37,6 +37,7 @@ from shoal.core.basics import (
 from shoal.core.process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
 from shoal.core.session import start_timeline, stop_timeline
 from shoal.keras import callbacks, elastic
+from shoal.keras.balanced import BalancedData
 from shoal.keras.optimizer import (
     DistributedOptimizer,
     PartialDistributedOptimizer,
@@ -97,6 +98,7 @@ def broadcast_global_variables(root_rank: int) -> None:
 
 __all__ = [
     "Average",
+    "BalancedData",
     "Compression",
     "DistributedOptimizer",
     "PartialDistributedOptimizer",

@@ -58,6 +58,9 @@ class _TorchGradientReducer:
         self.scale_local_gradients = scale_local
         self.aggregation = 1.0
         self.local_sources: set[Any] = set()
+        self.balanced: Any = None
+        """A ``BalancedData`` whose steps these gradients come from (``loader=``): each rank's scale, before the
+        average."""
 
     def register_local_source(self, variable: Any) -> None:
         """Keep ``variable``'s gradient local."""
@@ -70,6 +73,9 @@ class _TorchGradientReducer:
         members = self.process_set.size()
         shared, local = split_gradients(grads, [id(v) in self.local_sources for v in variables])
         exchange = exchanges_gradients(members, self.process_set.included())
+        if self.balanced is not None:
+            scale = self.balanced.reduction_scale(members)
+            grads = [g * scale if i in shared else g for i, g in enumerate(grads)]
         if exchange and shared:
             reduced = hvd.grouped_allreduce(
                 [grads[i] for i in shared],
@@ -216,9 +222,15 @@ def DistributedOptimizer(
     groups: Sequence[Sequence[Any]] | int | None = None,
     process_set: ProcessSet = global_process_set,
     scale_local_gradients: bool = True,
+    *,
+    loader: Any = None,
 ) -> Any:
     """A Keras optimizer of ``optimizer``'s class (rebuilt from its config) whose updates use gradients averaged
     (or summed) over the ranks; as ``horovod.tensorflow.keras.DistributedOptimizer``.
+
+    ``loader`` (Shoal's addition, keyword-only): the ``BalancedData`` that ``fit`` trains on; each rank's gradient
+    is then weighted so that the update is one process's over the whole global batch (Keras 3 on the torch backend,
+    ``op=Average``, the global process set, no accumulation).
 
     ``backward_passes_per_step=N`` accumulates N batches' gradients locally (Keras's own
     ``gradient_accumulation_steps``) and exchanges them once, on the N-th; the update uses their sum, or their
@@ -244,6 +256,8 @@ def DistributedOptimizer(
     if num_groups != 0:
         warnings.warn("num_groups is deprecated; use groups", DeprecationWarning, stacklevel=2)
         groups = groups if groups is not None else num_groups
+    if keras2 and loader is not None:
+        raise NotImplementedError("loader= (BalancedData) needs Keras 3 on the torch backend (KERAS_BACKEND=torch)")
     if keras2:
         return _keras2_distributed(
             optimizer,
@@ -277,6 +291,7 @@ def DistributedOptimizer(
             groups,
             process_set,
             scale_local_gradients,
+            loader=loader,
         )
         scaled: Any = type(
             "LossScaleOptimizer",
@@ -300,7 +315,25 @@ def DistributedOptimizer(
         device_dense,
         device_sparse,
     )
+    if loader is not None:
+        _check_balanced(reducer, op, passes, process_set, optimizer)
+        reducer.balanced = loader
     return _keras3_distributed(optimizer, name, reducer, backward_passes_per_step, average_aggregated_gradients)
+
+
+def _check_balanced(reducer: Any, op: int, passes: int, process_set: ProcessSet, optimizer: Any) -> None:
+    """What ``loader=`` needs.
+
+    Raises:
+        NotImplementedError: a backend other than torch.
+        ValueError: an argument the balanced global batch cannot honour.
+    """
+    if not isinstance(reducer, _TorchGradientReducer):
+        raise NotImplementedError("loader= (BalancedData) needs Keras 3 on the torch backend (KERAS_BACKEND=torch)")
+    if op != Average or passes != 1 or (optimizer.get_config().get("gradient_accumulation_steps") or 1) != 1:
+        raise ValueError("loader= gives the global batch's mean gradient: op=Average and no gradient accumulation")
+    if process_set is not global_process_set:
+        raise ValueError("loader= shares the global batch over every rank: use the global process set")
 
 
 def _keras3_distributed(optimizer: Any, name: str | None, reducer: Any, passes: int, average_aggregated: bool) -> Any:

@@ -167,13 +167,25 @@ class BalancedLoader:
             self.epoch, self.step = self.epoch + 1, 0
         self._epoch_chosen = False
         while self.step < len(self):
-            step = Step(self, self._agree())
+            step = self.next_step()
             yield step
             if not step.finished:
                 raise RuntimeError(
                     f"step {self.step} was left after {step.handed_out} of this rank's {len(step)} passes: run every "
                     "micro-batch of a step before asking for the next one"
                 )
+
+    def next_step(self) -> Step:
+        """Plan the epoch's next step (every rank together: it gathers the last step's costs). Iterating the loader
+        calls it; a front end that hands steps out itself (Keras's ``fit``) calls it directly. A step that is never
+        finished is planned again by the next call."""
+        if self._listener is None:
+            raise RuntimeError(
+                "BalancedLoader needs the optimizer that reduces its gradients: pass loader= to hvd.DistributedOptimizer"
+            )
+        if self.step >= len(self):
+            raise IndexError(f"epoch {self.epoch} is over ({len(self)} steps): call set_epoch for the next one")
+        return Step(self, self._agree())
 
     def _agree(self) -> StepPlan:
         """Every rank's cost of its last step, gathered; the same shares derived on every rank."""
@@ -222,7 +234,7 @@ class Step:
     """One step of the global batch on this rank: iterate over it for this rank's passes (its micro-batches, one per
     pass unless the loader's ``max_pass_size`` joins them)."""
 
-    __slots__ = ("finished", "handed_out", "loader", "passes", "plan")
+    __slots__ = ("_started", "finished", "handed_out", "loader", "passes", "plan")
 
     def __init__(self, loader: BalancedLoader, plan: StepPlan) -> None:
         self.loader = loader
@@ -231,6 +243,7 @@ class Step:
         """This rank's passes, as dataset indices."""
         self.handed_out = 0
         self.finished = False
+        self._started: float | None = None
         assert loader._listener is not None
         loader._listener.begin_step(plan, tuple(len(p) for p in self.passes))
 
@@ -248,11 +261,19 @@ class Step:
             raise RuntimeError("a step's micro-batches can be iterated once")
         listener = self.loader._listener
         assert listener is not None
-        started = time.perf_counter()
+        self._started = time.perf_counter()
         for index, indices in enumerate(self.passes):
             listener.begin_pass(index)
             self.handed_out = index + 1
             yield self.loader.fetch(indices)
-        # From the first micro-batch handed out to the end of the last one's backward: this rank's compute alone.
+        self.finish()
+
+    def finish(self) -> None:
+        """This rank's part of the step is computed: record its cost (from the first pass handed out to now: the end
+        of the last pass's backward, before any wait for other ranks) and start gathering it. Iterating the step to
+        its end calls it; calling it again does nothing."""
+        if self.finished:
+            return
         self.finished = True
+        started = time.perf_counter() if self._started is None else self._started
         self.loader._step_done(time.perf_counter() - started, len(self.plan.mine))
