@@ -104,7 +104,12 @@ class BalancedData(keras.utils.PyDataset):
 
     def __getitem__(self, index: int) -> tuple[np.ndarray, np.ndarray]:
         """The next step's batch for this rank (``index`` is ignored: steps come in the schedule's order)."""
-        step = self._step = self.loader.next_step()  # a step handed out earlier and never reduced is planned again
+        if self._step is not None:
+            raise RuntimeError(
+                "model.fit asked for the next BalancedData batch before the last one's gradients were reduced: pass "
+                "loader=<this BalancedData> to hvd.DistributedOptimizer, and keep steps_per_execution=1"
+            )
+        step = self._step = self.loader.next_step()
         if not len(step):
             raise RuntimeError(f"rank {basics.rank()} got no micro-batch in step {step.plan.step}")
         x, y = next(iter(step))
@@ -117,6 +122,13 @@ class BalancedData(keras.utils.PyDataset):
             self.loader.set_epoch(self.loader.epoch + 1)
 
     # ----- asked by the distributed optimizer -----
+
+    def skip_step(self) -> None:
+        """A loss-scale optimizer skips this step's update on every rank (non-finite gradients): the step is spent
+        all the same, as its batch is in any Keras job."""
+        if self._step is not None:
+            self._step.finish()
+            self._step = None
 
     def reduction_scale(self, set_size: int) -> float:
         """Called as the step's gradients are about to be reduced: ends this rank's compute time and returns the

@@ -193,12 +193,18 @@ class _AgreedFiniteCheck:
     def check_finite(self, grads: Any) -> Any:
         local = super().check_finite(grads)  # type: ignore[misc]
         process_set = self.inner_optimizer._shoal_reducer.process_set
+        balanced = getattr(self.inner_optimizer._shoal_reducer, "balanced", None)
         if process_set.size() < 2 or not process_set.included():
+            if balanced is not None and not bool(local):
+                balanced.skip_step()  # Keras skips the inner optimizer's apply, and with it the reduction
             return local
         if backend() == "torch":
             import shoal.torch as hvd
 
-            return hvd.allreduce(local.float().reshape(1), op=hvd.Min, process_set=process_set)[0] > 0.5
+            agreed = hvd.allreduce(local.float().reshape(1), op=hvd.Min, process_set=process_set)[0] > 0.5
+            if balanced is not None and not bool(agreed):
+                balanced.skip_step()
+            return agreed
         import tensorflow as tf
 
         from shoal.tf_ops.ops import Min, allreduce

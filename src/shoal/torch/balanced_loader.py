@@ -22,6 +22,7 @@ by a busy neighbour gets fewer micro-batches, and more again when the neighbour 
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable, Iterator, Sized
 from typing import Any, Protocol
@@ -35,8 +36,11 @@ from shoal.core import session as handles
 from shoal.core.balance import MicroBatchSchedule, ShareBalancer, StepPlan
 from shoal.torch import functions
 
-SPEEDS_NAME = "BalancedLoader.speeds"
-"""The engine request name of the per-step allgather of costs."""
+SPEEDS_NAME = "BalancedLoader.{index}.speeds"
+"""The engine request name of the per-step allgather of costs (each loader of a process its own, by the order in
+which the loaders were made, the same on every rank)."""
+
+_made = itertools.count()
 
 
 class StepListener(Protocol):
@@ -111,7 +115,10 @@ class BalancedLoader:
         """This rank's compute seconds and micro-batches in its last step (reported before the next)."""
         self._epoch_chosen = False
         """``set_epoch`` was called since the last iteration began (a finished epoch then stays finished)."""
-        self._gathering: int | None = None
+        self._gathering: tuple[Any, int] | None = None
+        """The session and handle of the allgather of every rank's last step cost, started when this rank's step was
+        computed."""
+        self._name = SPEEDS_NAME.format(index=next(_made))
         """The handle of the allgather of every rank's last step cost, started when this rank's step was computed."""
 
     # ----- set-up -----
@@ -169,6 +176,8 @@ class BalancedLoader:
         while self.step < len(self):
             step = self.next_step()
             yield step
+            if not step.finished and not len(step):
+                step.finish()  # a step with no pass for this rank, not iterated: nothing was left out
             if not step.finished:
                 raise RuntimeError(
                     f"step {self.step} was left after {step.handed_out} of this rank's {len(step)} passes: run every "
@@ -194,8 +203,10 @@ class BalancedLoader:
         if balancer is None or balancer.size != size:
             balancer = self.balancer = ShareBalancer(size, self.smoothing, self.threshold, self.balance)
         gathered, self._gathering = self._gathering, None
+        if gathered is not None and gathered[0] is not handles.current_session():
+            gathered = None  # started before a re-init: its session and handle are gone
         if gathered is not None:
-            every = handles.synchronize(gathered)  # long done: it travelled with the last step's gradients
+            every = handles.synchronize(gathered[1])  # long done: it travelled with the last step's gradients
             if every.shape[0] == size:
                 balancer.observe(every[:, 0].tolist(), [int(c) for c in every[:, 1].tolist()])
         elif size == 1:
@@ -217,7 +228,7 @@ class BalancedLoader:
         self.step += 1
         if basics.size() > 1:
             mine = torch.tensor([[seconds, float(count)]], dtype=torch.float64)
-            self._gathering = functions.allgather_async(mine, name=SPEEDS_NAME)
+            self._gathering = (handles.current_session(), functions.allgather_async(mine, name=self._name))
 
     def fetch(self, indices: tuple[int, ...]) -> Any:
         """One micro-batch: the samples at ``indices``, collated."""

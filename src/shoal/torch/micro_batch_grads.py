@@ -63,6 +63,7 @@ class MicroBatchWeights:
         self._weighted.clear()
         if self.ordered is not None:
             self.ordered.rows.clear()
+            self.ordered.summed = False
 
     def begin_pass(self, index: int, params: list[torch.Tensor]) -> None:
         """This rank's ``index``-th pass of the step is about to run (the ones before it are done)."""
@@ -115,13 +116,17 @@ class MicroBatchWeights:
 class OrderedSum:
     """The deterministic mode: each micro-batch's weighted gradient as one row, summed in micro-batch order."""
 
-    __slots__ = ("rows",)
+    __slots__ = ("rows", "summed")
 
     def __init__(self) -> None:
         self.rows: list[torch.Tensor] = []
+        self.summed = False
+        """This step's rows were summed already (a second ``synchronize()`` changes nothing)."""
 
     def keep(self, params: list[torch.Tensor], weight: float) -> None:
         """Take the gradients of the micro-batch just run, times ``weight``, as a row; zero them for the next."""
+        if any(p.grad is not None and p.grad.is_sparse for p in params):
+            raise ValueError("BalancedLoader(deterministic=True) needs dense gradients; this model makes sparse ones")
         parts = [torch.zeros(p.numel(), dtype=p.dtype) if p.grad is None else p.grad.detach().reshape(-1) for p in params]
         self.rows.append(torch.cat(parts).mul_(weight))
         for param in params:
@@ -131,6 +136,9 @@ class OrderedSum:
     def finish(self, params: list[torch.Tensor], process_set: Any, last_weight: float | None) -> None:
         """Keep the last micro-batch's row (``last_weight``: its n/N, None if this rank ran none), gather every rank's
         rows and write their in-order sum into every ``.grad``."""
+        if self.summed:
+            return
+        self.summed = True
         if last_weight is not None:
             self.keep(params, last_weight)
         width = sum(p.numel() for p in params)
