@@ -234,9 +234,7 @@ def DistributedOptimizer(
     """A Keras optimizer of ``optimizer``'s class (rebuilt from its config) whose updates use gradients averaged
     (or summed) over the ranks; as ``horovod.tensorflow.keras.DistributedOptimizer``.
 
-    ``loader`` (Shoal's addition, keyword-only): the ``BalancedData`` that ``fit`` trains on; each rank's gradient
-    is then weighted so that the update is one process's over the whole global batch (Keras 3 on the torch backend,
-    ``op=Average``, the global process set, no accumulation).
+    ``loader`` (Shoal's): the ``BalancedData`` that ``fit`` trains on (Keras 3 on torch; docs/keras.md).
 
     ``backward_passes_per_step=N`` accumulates N batches' gradients locally (Keras's own
     ``gradient_accumulation_steps``) and exchanges them once, on the N-th; the update uses their sum, or their
@@ -262,9 +260,8 @@ def DistributedOptimizer(
     if num_groups != 0:
         warnings.warn("num_groups is deprecated; use groups", DeprecationWarning, stacklevel=2)
         groups = groups if groups is not None else num_groups
-    if keras2 and loader is not None:
-        raise NotImplementedError("loader= (BalancedData) needs Keras 3 on the torch backend (KERAS_BACKEND=torch)")
     if keras2:
+        _check_balanced(None, op, passes, process_set, optimizer, loader)
         return _keras2_distributed(
             optimizer,
             name,
@@ -280,36 +277,7 @@ def DistributedOptimizer(
             device_sparse,
         )
     if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
-        # Its apply() checks the gradients and calls the inner optimizer's: distribute the inner one, and let every
-        # rank agree on the check (a rank that skipped the step while others reduced would leave them waiting).
-        inner = DistributedOptimizer(
-            optimizer.inner_optimizer,
-            None,
-            device_dense,
-            device_sparse,
-            compression,
-            sparse_as_dense,
-            gradient_predivide_factor,
-            op,
-            backward_passes_per_step,
-            average_aggregated_gradients,
-            0,  # already folded into groups above
-            groups,
-            process_set,
-            scale_local_gradients,
-            loader=loader,
-        )
-        scaled: Any = type(
-            "LossScaleOptimizer",
-            (_AgreedFiniteCheck, keras.optimizers.LossScaleOptimizer),
-            {"__module__": keras.optimizers.LossScaleOptimizer.__module__},
-        )
-        return scaled(
-            inner,
-            initial_scale=optimizer.initial_scale,
-            dynamic_growth_steps=optimizer.dynamic_growth_steps,
-            name=name or optimizer.name,
-        )
+        return _loss_scaled(optimizer, name, locals())
     reducer = make_reducer(
         compression,
         sparse_as_dense,
@@ -321,25 +289,58 @@ def DistributedOptimizer(
         device_dense,
         device_sparse,
     )
-    if loader is not None:
-        _check_balanced(reducer, op, passes, process_set, optimizer)
-        reducer.balanced = loader
+    _check_balanced(reducer, op, passes, process_set, optimizer, loader)
     return _keras3_distributed(optimizer, name, reducer, backward_passes_per_step, average_aggregated_gradients)
 
 
-def _check_balanced(reducer: Any, op: int, passes: int, process_set: ProcessSet, optimizer: Any) -> None:
-    """What ``loader=`` needs.
+def _loss_scaled(optimizer: Any, name: str | None, arguments: dict[str, Any]) -> Any:
+    """A Keras 3 ``LossScaleOptimizer`` around the distributed inner optimizer (``arguments``: DistributedOptimizer's)."""
+    # Its apply() checks the gradients and calls the inner optimizer's: distribute the inner one, and let every
+    # rank agree on the check (a rank that skipped the step while others reduced would leave them waiting).
+    keys = (
+        "device_dense",
+        "device_sparse",
+        "compression",
+        "sparse_as_dense",
+        "gradient_predivide_factor",
+        "op",
+        "backward_passes_per_step",
+        "average_aggregated_gradients",
+        "groups",
+        "process_set",
+        "scale_local_gradients",
+        "loader",
+    )  # num_groups is already folded into groups
+    inner = DistributedOptimizer(optimizer.inner_optimizer, None, num_groups=0, **{key: arguments[key] for key in keys})
+    scaled: Any = type(
+        "LossScaleOptimizer",
+        (_AgreedFiniteCheck, keras.optimizers.LossScaleOptimizer),
+        {"__module__": keras.optimizers.LossScaleOptimizer.__module__},
+    )
+    return scaled(
+        inner,
+        initial_scale=optimizer.initial_scale,
+        dynamic_growth_steps=optimizer.dynamic_growth_steps,
+        name=name or optimizer.name,
+    )
+
+
+def _check_balanced(reducer: Any, op: int, passes: int, process_set: ProcessSet, optimizer: Any, loader: Any) -> None:
+    """What ``loader=`` needs; then the reducer weighs the loader's steps (nothing happens without a loader).
 
     Raises:
         NotImplementedError: a backend other than torch.
         ValueError: an argument the balanced global batch cannot honour.
     """
+    if loader is None:
+        return
     if not isinstance(reducer, _TorchGradientReducer):
         raise NotImplementedError("loader= (BalancedData) needs Keras 3 on the torch backend (KERAS_BACKEND=torch)")
     if op != Average or passes != 1 or (optimizer.get_config().get("gradient_accumulation_steps") or 1) != 1:
         raise ValueError("loader= gives the global batch's mean gradient: op=Average and no gradient accumulation")
     if process_set is not global_process_set:
         raise ValueError("loader= shares the global batch over every rank: use the global process set")
+    reducer.balanced = loader
 
 
 def _keras3_distributed(optimizer: Any, name: str | None, reducer: Any, passes: int, average_aggregated: bool) -> Any:
