@@ -34,6 +34,15 @@ class Calibration:
     where a core works through the whole exchange (shared memory, copies); well under 1 where the exchange mostly
     waits on a slow wire. ``shoal.predict`` uses it on CPU-bound workers: only this share of an exchange takes a core
     from compute, the rest of it can overlap backward."""
+    local: dict[str, tuple[float, float]] = field(default_factory=dict)
+    """Local work of the compressed schemes, as lines ``seconds = latency + per_unit * units``: ``qr`` (PowerSGD's
+    orthogonalisation of an n×r matrix, in n·r²) and ``topk`` (selecting the largest entries, in elements). Missing
+    ones take ``DEFAULT_LOCAL``."""
+
+    def local_seconds(self, work: str, units: float) -> float:
+        """Predicted seconds of local ``work`` (``qr`` or ``topk``) for ``units``."""
+        latency, per_unit = self.local.get(work, DEFAULT_LOCAL[work])
+        return latency + per_unit * units
 
     def cpu_seconds(self, exchange: str, seconds: float) -> float:
         """How much of an exchange of ``seconds`` keeps a core busy (all of it when the share was not measured)."""
@@ -56,6 +65,11 @@ class Calibration:
             {"allreduce": (latency_s, s_per_byte), "fp16": half, "bf16": half, "allgather": (latency_s, s_per_byte)},
             flops_per_s,
         )
+
+
+DEFAULT_LOCAL = {"qr": (30e-6, 2e-9), "topk": (20e-6, 5e-9)}
+"""Stand-ins for calibrations that did not measure the compressed schemes' local work (files written before):
+roughly one core of this project's CI machine."""
 
 
 def fit_line(sizes: list[float], seconds: list[float]) -> tuple[float, float]:
@@ -96,6 +110,8 @@ def calibration_to_json(calibration: Calibration) -> str:
     raw: dict[str, object] = {"lines": lines, "flops_per_s": calibration.flops_per_s, "links": links}
     if calibration.cpu_share:
         raw["cpu_share"] = dict(calibration.cpu_share)
+    if calibration.local:
+        raw["local"] = {name: list(line) for name, line in calibration.local.items()}
     if calibration.measured_on is not None:
         raw["measured_on"] = {"ranks": calibration.measured_on[0], "hosts": calibration.measured_on[1]}
     return json.dumps(raw, indent=1, sort_keys=True)
@@ -111,7 +127,8 @@ def calibration_from_json(text: str, origin: str) -> Calibration:
         if measured_on is not None:
             measured_on = (int(measured_on["ranks"]), int(measured_on["hosts"]))
         cpu_share = {str(name): float(share) for name, share in raw.get("cpu_share", {}).items()}
-        result = Calibration(lines, float(raw["flops_per_s"]), links, measured_on, cpu_share)
+        local = {str(name): (float(line[0]), float(line[1])) for name, line in raw.get("local", {}).items()}
+        result = Calibration(lines, float(raw["flops_per_s"]), links, measured_on, cpu_share, local)
     except (ValueError, KeyError, TypeError, IndexError) as error:
         raise ValueError(f"{origin} is not a Shoal calibration file: {error!r}") from None
     missing = {"allreduce", "fp16", "bf16", "allgather"} - set(lines)

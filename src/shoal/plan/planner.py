@@ -10,14 +10,47 @@ ranks), so every rank reaches the same plan.
 
 from __future__ import annotations
 
-import math
 import warnings
 from dataclasses import dataclass, field
 
 from torch import nn
 
 from shoal.plan.calibration import Calibration
-from shoal.plan.schemes import SCHEMES, Scheme
+from shoal.plan.schemes import (
+    AUTO_SCHEMES,
+    DEFAULT_RANK,
+    SCHEMES,
+    Compressed,
+    CostContext,
+    LayerShape,
+    LossyOptions,
+    Scheme,
+    estimates,
+    predict_ps,
+    scheme_of,
+    sfb_allgather_seconds,
+    sfb_rebuild_flops,
+    sfb_spared_flops,
+)
+
+__all__ = [
+    "LOSSY_MARGIN",
+    "LayerPlan",
+    "build_plan",
+    "forced_scheme",
+    "format_plan",
+    "keep_measured",
+    "median_error",
+    "pick",
+    "predict",
+    "predict_ps",
+    "refuse_tied_sfb",
+    "sfb_allgather_seconds",
+    "sfb_rebuild_flops",
+    "sfb_spared_flops",
+    "spares_local_gradient",
+    "tied_modules",
+]
 
 
 @dataclass
@@ -39,6 +72,8 @@ class LayerPlan:
     spared_flops: float = 0.0
     """What SFB spares backward: autograd's local weight gradient (2·K·M·N), skipped where the layer has a trainable
     bias (``shoal.torch.layer_comm.sfb``); SFB's prediction is its allgathers plus the rebuild minus this."""
+    rank: int | None = None
+    """PowerSGD's rank for this layer, when that is the choice."""
     expected_ms: float | None = None
     """The chosen scheme's prediction as executed: a layer fused with others into one collective shares that
     collective's α and pays for its own bytes; what ``measured_ms`` is compared with (None before training)."""
@@ -55,8 +90,10 @@ def predict(
     itemsize: int = 4,
     servers: int | None = None,
     spares_local: bool = False,
+    shapes: tuple[tuple[int, ...], ...] = (),
+    lossy: LossyOptions | None = None,
 ) -> dict[Scheme, float]:
-    """Predicted seconds for each eligible scheme for one layer's gradient of ``nbytes``.
+    """Predicted seconds for each eligible scheme for one layer's gradient of ``nbytes`` (the table's ``cost``).
 
     Args:
         calibration: the fitted costs.
@@ -66,23 +103,12 @@ def predict(
         itemsize: bytes per element of the factors.
         servers: S, the parameter servers to predict ``ps`` for (None: no ``ps`` prediction).
         spares_local: SFB spares backward the layer's local weight gradient (it has a trainable bias).
+        shapes: the layer's parameter shapes (the compressed schemes need them; none: they are not predicted).
+        lossy: the compressed schemes' bounds.
     """
-    if workers == 1:
-        return {
-            scheme: 0.0
-            for scheme in SCHEMES
-            if (scheme != Scheme.SFB or linear is not None) and (scheme != Scheme.PS or servers)
-        }
-    predictions = {s: calibration.seconds(s.value, nbytes) for s in (Scheme.ALLREDUCE, Scheme.FP16, Scheme.BF16)}
-    if linear is not None:
-        rebuild = sfb_rebuild_flops(workers, linear) / calibration.flops_per_s
-        spared = sfb_spared_flops(linear) / calibration.flops_per_s if spares_local else 0.0
-        # Two allgathers (inputs and output gradients), then one matmul rebuilds the summed gradient; backward no
-        # longer computes the local one.
-        predictions[Scheme.SFB] = sum(sfb_allgather_seconds(calibration, workers, linear, itemsize)) + rebuild - spared
-    if servers:
-        predictions[Scheme.PS] = predict_ps(calibration, workers, servers, nbytes)
-    return predictions
+    ctx = CostContext(calibration, workers, servers, lossy or LossyOptions())
+    layer = LayerShape(nbytes, shapes, itemsize, linear, spares_local)
+    return {scheme: estimate.seconds for scheme, estimate in estimates(ctx, layer).items()}
 
 
 LOSSY_MARGIN = 0.9
@@ -91,7 +117,7 @@ the gradient must buy a real saving, not one within the probes' noise (their lat
 millisecond run to run)."""
 
 
-def pick(predictions: dict[Scheme, float], allowed: tuple[Scheme, ...] = SCHEMES) -> Scheme:
+def pick(predictions: dict[Scheme, float], allowed: tuple[Scheme, ...] = AUTO_SCHEMES) -> Scheme:
     """``auto``'s choice among ``allowed``: the cheapest lossless scheme unless a lossy one beats it by the margin."""
     eligible = {k: v for k, v in predictions.items() if k in allowed}
     lossless = {k: v for k, v in eligible.items() if not k.lossy}
@@ -101,29 +127,6 @@ def pick(predictions: dict[Scheme, float], allowed: tuple[Scheme, ...] = SCHEMES
         if eligible[best] > LOSSY_MARGIN * lossless[fallback]:
             return fallback
     return best
-
-
-def sfb_allgather_seconds(
-    calibration: Calibration, workers: int, linear: tuple[int, int, int], itemsize: int = 4
-) -> tuple[float, float]:
-    """SFB's two allgathers for (K, M, N): the inputs' (P·K·N elements) and the output gradients' (P·K·M)."""
-    rows, outputs, inputs = linear
-    return (
-        calibration.seconds("allgather", workers * rows * inputs * itemsize),
-        calibration.seconds("allgather", workers * rows * outputs * itemsize),
-    )
-
-
-def sfb_rebuild_flops(workers: int, linear: tuple[int, int, int]) -> float:
-    """Floating-point operations of SFB's rebuild for (K, M, N): the (M×PK)·(PK×N) matmul of the gathered factors."""
-    rows, outputs, inputs = linear
-    return 2.0 * workers * rows * outputs * inputs
-
-
-def sfb_spared_flops(linear: tuple[int, int, int]) -> float:
-    """Floating-point operations of the local weight gradient (K, M, N) that SFB spares backward: 2·K·M·N."""
-    rows, outputs, inputs = linear
-    return 2.0 * rows * outputs * inputs
 
 
 def spares_local_gradient(module: nn.Module) -> bool:
@@ -157,34 +160,21 @@ def refuse_tied_sfb(name: str) -> None:
     )
 
 
-def predict_ps(calibration: Calibration, workers: int, servers: int, nbytes: int) -> float:
-    """Poseidon's parameter-server cost for one layer: the busiest side's bytes times β, plus α per message.
-
-    Each worker pushes ``nbytes`` and pulls ``nbytes``; with bytes balanced over S servers, each server receives
-    P·nbytes/S and sends as much. A link's β and a message's α come from the calibrated ring allreduce, which
-    moves 2(P-1)/P·nbytes per rank in 2(P-1) messages: the inter-host link's when the job spans hosts with several
-    ranks each (PS traffic crosses hosts and does not use shared memory), else the job's end-to-end line.
-    """
-    latency, per_byte = calibration.lines["allreduce"]
-    ring = workers
-    if "inter-host" in calibration.links:
-        latency, per_byte = calibration.links["inter-host"]
-        ring = 2  # probed among one rank per host: the line of a two-party exchange is the closest stand-in
-    link_per_byte = per_byte * ring / (2 * (ring - 1))
-    message_latency = latency / (2 * (ring - 1))
-    busiest_bytes = max(2 * nbytes, 2 * workers * nbytes / servers)
-    messages = 2 * max(1, math.ceil(workers / servers))
-    return link_per_byte * busiest_bytes + message_latency * messages
-
-
-def forced_scheme(name: str, module: nn.Module, overrides: dict[object, str]) -> Scheme | None:
-    """The scheme ``overrides`` forces on a module, by its name first, then by its type."""
+def forced_setting(name: str, module: nn.Module, overrides: dict[object, object]) -> object | None:
+    """What ``overrides`` says for a module, by its name first, then by its type: a scheme's name, or a
+    ``Compressed`` with its settings."""
     if name in overrides:
-        return Scheme.parse(overrides[name], "comm_overrides")
-    for key, scheme in overrides.items():
+        return overrides[name]
+    for key, value in overrides.items():
         if isinstance(key, type) and isinstance(module, key):
-            return Scheme.parse(scheme, "comm_overrides")
+            return value
     return None
+
+
+def forced_scheme(name: str, module: nn.Module, overrides: dict[object, object]) -> Scheme | None:
+    """The scheme ``overrides`` forces on a module, by its name first, then by its type."""
+    value = forced_setting(name, module, overrides)
+    return None if value is None else scheme_of(value, "comm_overrides")
 
 
 def build_plan(
@@ -192,9 +182,10 @@ def build_plan(
     calibration: Calibration,
     workers: int,
     rows: dict[str, int],
-    overrides: dict[object, str] | None = None,
-    allowed: tuple[Scheme, ...] = SCHEMES,
+    overrides: dict[object, object] | None = None,
+    allowed: tuple[Scheme, ...] = AUTO_SCHEMES,
     servers: int | None = None,
+    lossy: LossyOptions | None = None,
 ) -> list[LayerPlan]:
     """Plan every module that owns trainable parameters directly.
 
@@ -206,10 +197,11 @@ def build_plan(
         overrides: scheme forced per module name or module type, e.g. ``{"fc1": "sfb", nn.Embedding: "allreduce"}``.
         allowed: schemes ``auto`` may choose from.
         servers: S for the ``ps`` prediction (None: ``ps`` is neither predicted nor chosen unless forced).
+        lossy: the compressed schemes' bounds (a layer's override may carry its own).
     """
     overrides = overrides or {}
-    for scheme in overrides.values():
-        Scheme.parse(scheme, "comm_overrides")
+    for value in overrides.values():
+        scheme_of(value, "comm_overrides")
     plans = []
     tied = tied_modules(model)
     for name, module in model.named_modules():
@@ -222,7 +214,13 @@ def build_plan(
         if isinstance(module, nn.Linear) and name in rows and not is_tied:
             linear = (rows[name], module.out_features, module.in_features)
         spares = spares_local_gradient(module)
-        predictions = predict(calibration, workers, nbytes, linear, params[0].element_size(), servers, spares)
+        setting = forced_setting(name, module, overrides)
+        options = setting.options if isinstance(setting, Compressed) else lossy or LossyOptions()
+        ctx = CostContext(calibration, workers, servers, options)
+        shapes = tuple(tuple(p.shape) for p in params)
+        layer = LayerShape(nbytes, shapes, params[0].element_size(), linear, spares)
+        estimated = estimates(ctx, layer)
+        predictions = {scheme: estimate.seconds for scheme, estimate in estimated.items()}
         plan = LayerPlan(
             name,
             type(module).__name__,
@@ -244,6 +242,9 @@ def build_plan(
             plan.choice, plan.forced = forced, True
         else:
             plan.choice = pick(predictions, allowed)
+        if plan.choice == Scheme.POWERSGD:
+            chosen = estimated.get(Scheme.POWERSGD)
+            plan.rank = options.rank or (chosen.rank if chosen is not None else None) or DEFAULT_RANK
         plans.append(plan)
     return plans
 
@@ -287,7 +288,7 @@ def format_plan(plans: list[LayerPlan], workers: int, calibration: Calibration |
         cells = " ".join(f"{plan.predicted_ms[s]:>10.3f}" if s in plan.predicted_ms else f"{'-':>10}" for s in SCHEMES)
         measured = f"{plan.measured_ms:>9.3f}" if plan.measured_ms is not None else f"{'-':>9}"
         measured = (f"{plan.expected_ms:>9.3f} " if plan.expected_ms is not None else f"{'-':>9} ") + measured
-        choice = plan.choice.value + ("*" if plan.forced else "")
+        choice = plan.choice.value + (f"@{plan.rank}" if plan.rank else "") + ("*" if plan.forced else "")
         lines.append(
             f"{plan.name or '(model)':<24} {'x'.join(map(str, plan.shape)):<16} {plan.nbytes:>11} "
             f"{plan.rows if plan.rows is not None else '-':>6} {cells} {choice:>10} {measured}"

@@ -27,8 +27,20 @@ import math
 from dataclasses import dataclass, field
 
 from shoal.plan.calibration import Calibration
-from shoal.plan.planner import pick, predict, sfb_allgather_seconds, sfb_rebuild_flops, sfb_spared_flops
-from shoal.plan.schemes import Scheme
+from shoal.plan.planner import pick
+from shoal.plan.schemes import (
+    AUTO_SCHEMES,
+    CostContext,
+    Estimate,
+    LayerShape,
+    LossyOptions,
+    Scheme,
+    estimates,
+    scheme_of,
+    sfb_allgather_seconds,
+    sfb_rebuild_flops,
+    sfb_spared_flops,
+)
 
 LINK_RATES = {"1gbit": 1e9, "10gbit": 1e10, "25gbit": 2.5e10, "100gbit": 1e11}
 """The ``--link`` presets: line rate in bits per second."""
@@ -161,6 +173,12 @@ class Layer:
     """(K, M, N) of a fully-connected layer: rows per step, outputs, inputs."""
     spares_local: bool = False
     """SFB on it spares backward the local weight gradient (``planner.spares_local_gradient``)."""
+    shapes: tuple[tuple[int, ...], ...] = ()
+    """Its parameters' shapes (what the compressed schemes need; none: they are not predicted)."""
+
+    def shape(self) -> LayerShape:
+        """What the scheme table needs of it."""
+        return LayerShape(self.nbytes, self.shapes, 4, self.linear, self.spares_local)
 
 
 @dataclass
@@ -229,16 +247,22 @@ class StepPrediction:
         return sorted(per_layer, key=per_layer.__getitem__, reverse=True)[:count]
 
 
+WITHOUT_SERVERS = tuple(scheme for scheme in AUTO_SCHEMES if scheme != Scheme.PS)
+"""What ``auto`` chooses from in a prediction (no dedicated parameter servers)."""
+
+
 def choose(
     predictions: dict[str, dict[Scheme, float]],
     comm: str = "auto",
-    allowed: tuple[Scheme, ...] = (Scheme.ALLREDUCE, Scheme.FP16, Scheme.BF16, Scheme.SFB),
+    allowed: tuple[Scheme, ...] = WITHOUT_SERVERS,
 ) -> dict[str, Scheme]:
     """Each layer's scheme from its predictions: ``comm`` forced where the layer can take it, else what the
-    planner's ``auto`` picks."""
-    if comm == "auto":
+    planner's ``auto`` (or ``auto-lossy``: the compressed schemes too) picks."""
+    if comm in ("auto", "auto-lossy"):
+        if comm == "auto-lossy":
+            allowed = (*allowed, Scheme.POWERSGD, Scheme.TOPK)
         return {name: pick(predicted, allowed) for name, predicted in predictions.items()}
-    forced = Scheme.parse(comm, "comm")
+    forced = scheme_of(comm, "comm")
     return {name: forced if forced in predicted else Scheme.ALLREDUCE for name, predicted in predictions.items()}
 
 
@@ -251,6 +275,7 @@ def simulate(
     bucket_bytes: int = 2 * 1024 * 1024,
     servers: int | None = None,
     cpu_bound: bool = False,
+    lossy: LossyOptions | None = None,
 ) -> StepPrediction:
     """Play one training step at ``workers`` ranks (see the module's description).
 
@@ -263,10 +288,9 @@ def simulate(
     """
     calibration = links.calibration(workers, ranks_per_host)
     layers = {layer.name: layer for layer in profile.layers}
-    predictions = {
-        layer.name: predict(calibration, workers, layer.nbytes, layer.linear, servers=servers, spares_local=layer.spares_local)
-        for layer in profile.layers
-    }
+    ctx = CostContext(calibration, workers, servers, lossy or LossyOptions())
+    estimated: dict[str, dict[Scheme, Estimate]] = {layer.name: estimates(ctx, layer.shape()) for layer in profile.layers}
+    predictions = {name: {s: e.seconds for s, e in by_scheme.items()} for name, by_scheme in estimated.items()}
     choices = choose(predictions, comm)
     exchanges: list[Exchange] = []
     rebuild_s = 0.0
@@ -290,17 +314,19 @@ def simulate(
         sent: set[str] = set()
         for gradient in sorted(profile.gradients, key=lambda g: g.ready_s):
             scheme = choices[gradient.layer]
-            if scheme in (Scheme.SFB, Scheme.PS):
+            if scheme.row.play != "bucket":
                 if gradient.layer in sent or gradient.ready_s < last_ready[gradient.layer]:
                     continue  # the layer's exchange leaves once all its gradients are final
                 sent.add(gradient.layer)
                 layer = layers[gradient.layer]
-                seconds = predictions[layer.name][scheme]
-                if scheme == Scheme.SFB:
+                estimate = estimated[layer.name][scheme]
+                seconds = estimate.wire_s
+                if scheme.row.play == "direct":  # compressing and rebuilding: local work at synchronize
+                    rebuild_s += estimate.local_s
+                else:  # factors (SFB)
                     assert layer.linear is not None
                     rebuild_s += sfb_rebuild_flops(workers, layer.linear) / calibration.flops_per_s  # at synchronize
-                    # The inputs' allgather leaves at forward (taken here as backward's start), the output
-                    # gradients' when the gradient is ready.
+                    # The inputs' allgather leaves at forward (as backward starts), the output gradients' when ready.
                     early, seconds = sfb_allgather_seconds(calibration, workers, layer.linear)
                     busy = calibration.cpu_seconds("allgather", early)
                     exchanges.append(Exchange(scheme, (layer.name,), layer.nbytes, 0.0, early, busy))

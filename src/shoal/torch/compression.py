@@ -6,6 +6,8 @@ from typing import Any
 
 import torch
 
+from shoal.plan.schemes import Compressed, LossyOptions, Scheme
+
 
 class Compressor:
     """Interface: compress before the wire, decompress after."""
@@ -61,9 +63,42 @@ class BF16Compressor(CastCompressor):
     wire_dtype = torch.bfloat16
 
 
+def powersgd(
+    rank: int | None = 4,
+    warmup_steps: int | None = None,
+    total_steps: int | None = None,
+    min_compression_rate: float = 2.0,
+    max_rank: int = 4,
+) -> Compressed:
+    """PowerSGD with error feedback and warm start for every gradient with a matrix view (docs/communication.md).
+
+    Args:
+        rank: r of the low-rank approximation; None: chosen per layer from the measured costs (``comm="auto-lossy"``),
+            up to ``max_rank``.
+        warmup_steps: optimizer steps sent uncompressed first; None: 10% of ``total_steps`` when given, else 100.
+        total_steps: the run's length in optimizer steps, when known.
+        min_compression_rate: a gradient is compressed only where n·m ≥ this × r·(n+m); the rest are allreduced.
+        max_rank: the highest rank a per-layer choice may take.
+    """
+    options = LossyOptions(rank=rank, max_rank=max(max_rank, rank or 1), min_rate=min_compression_rate)
+    return Compressed(Scheme.POWERSGD, options, warmup_steps, total_steps)
+
+
+def topk(
+    ratio: float = 0.01, warmup_steps: int | None = None, total_steps: int | None = None, min_compression_rate: float = 2.0
+) -> Compressed:
+    """Top-k sparsification with error feedback: each rank sends its ``ratio`` largest entries (by magnitude) of every
+    gradient it shrinks at least ``min_compression_rate`` times, with their indices (docs/communication.md).
+    ``warmup_steps`` and ``total_steps`` as for ``powersgd``."""
+    return Compressed(Scheme.TOPK, LossyOptions(ratio=ratio, min_rate=min_compression_rate), warmup_steps, total_steps)
+
+
 class Compression:
-    """The available compressors, under Horovod's names (plus ``bf16``, which Horovod lacks)."""
+    """The available compressors, under Horovod's names (plus ``bf16``, which Horovod lacks), and the compressed
+    schemes with error feedback, ``powersgd(rank=4)`` and ``topk(ratio=0.01)``, which Horovod lacks."""
 
     none = NoneCompressor
     fp16 = FP16Compressor
     bf16 = BF16Compressor
+    powersgd = staticmethod(powersgd)
+    topk = staticmethod(topk)

@@ -20,6 +20,7 @@ from shoal.core import basics
 from shoal.core import session as handles
 from shoal.core.process_sets import ProcessSet, global_process_set
 from shoal.core.rules import ReduceOp, split_groups
+from shoal.plan.schemes import Compressed
 from shoal.ps.config import resolve_config
 from shoal.torch.balanced_loader import BalancedLoader
 from shoal.torch.compression import Compression, Compressor
@@ -133,7 +134,7 @@ class _AdasumOptimizer(torch.optim.Optimizer):
 def DistributedOptimizer(
     optimizer: torch.optim.Optimizer,
     named_parameters: Iterable[tuple[str, torch.Tensor]] | None = None,
-    compression: type[Compressor] = Compression.none,
+    compression: type[Compressor] | Compressed = Compression.none,
     backward_passes_per_step: int = 1,
     op: int = ReduceOp.Average,
     gradient_predivide_factor: float = 1.0,
@@ -145,7 +146,7 @@ def DistributedOptimizer(
     *,
     model: nn.Module | None = None,
     comm: str = "allreduce",
-    comm_overrides: dict[Any, str] | None = None,
+    comm_overrides: dict[Any, Any] | None = None,
     ps_mode: str | None = None,
     ps_staleness: int | None = None,
     loader: BalancedLoader | None = None,
@@ -180,6 +181,7 @@ def DistributedOptimizer(
     """
     if comm not in COMM_CHOICES:
         raise ValueError(f"comm must be one of {', '.join(COMM_CHOICES)}, got {comm!r}")
+    compressed, compression, comm = _split_compression(compression, comm)
     ps_config = resolve_config(ps_mode, ps_staleness)
     if bucket_bytes is None:
         bucket_bytes = worker_setting("bucket_bytes")
@@ -219,7 +221,7 @@ def DistributedOptimizer(
             0 if loader is not None else exchange.passes,
             process_set,
         )
-        exchange.router = LayerRouter(facts, model, comm, comm_overrides, ps_config)
+        exchange.router = LayerRouter(facts, model, comm, comm_overrides, ps_config, compressed)
         wrapped._shoal_exchange = exchange
         if loader is not None:
             exchange.weights = MicroBatchWeights(loader.deterministic)
@@ -228,6 +230,24 @@ def DistributedOptimizer(
     wrapped._parameter_names = {p: names[id(p)] for group in wrapped.param_groups for p in group["params"] if id(p) in names}
     wrapped._shoal_exchange.attach()
     return wrapped
+
+
+def _split_compression(
+    compression: type[Compressor] | Compressed, comm: str
+) -> tuple[Compressed | None, type[Compressor], str]:
+    """``compression=Compression.powersgd(...)`` or ``.topk(...)``: that scheme for every layer (with the default
+    ``comm="allreduce"``), or its settings for ``comm="auto-lossy"``'s plan; the buckets then send plain gradients.
+    Returns (the compressed scheme or None, the buckets' compressor, comm)."""
+    if not isinstance(compression, Compressed):
+        return None, compression, comm
+    if comm == "allreduce":
+        return compression, Compression.none, compression.scheme.value
+    if comm in ("auto-lossy", compression.scheme.value):
+        return compression, Compression.none, comm
+    raise ValueError(
+        f"compression={compression.scheme.value} sets the scheme of every layer, or its settings with comm='auto-lossy'; "
+        f"it cannot go with comm={comm!r}"
+    )
 
 
 def _check_balanced(

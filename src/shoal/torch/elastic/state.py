@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from shoal.core.elastic import ObjectState
+from shoal.core.process_sets import global_process_set
 from shoal.torch.optimizer import drop_unfinished_step
 
 
@@ -47,6 +48,7 @@ class TorchState(ObjectState):
         self._saved_model: dict[str, torch.Tensor] = {}
         self._saved_optimizer: dict[str, Any] = {}
         self._saved_handled: dict[str, Any] = {}
+        self._saved_lossy: tuple[int, dict[str, Any]] | None = None
         self.save()
 
     def save(self) -> None:
@@ -57,6 +59,17 @@ class TorchState(ObjectState):
         if self.optimizer is not None:
             self._saved_optimizer = copy.deepcopy(self.optimizer.state_dict())
         self._saved_handled = {name: copy.deepcopy(value.state_dict()) for name, value in self._handled.items()}
+        lossy = self._lossy()
+        if lossy is not None:
+            from shoal.core.basics import size
+
+            self._saved_lossy = (size(), lossy.state_dict())
+
+    def _lossy(self) -> Any:
+        """The optimizer's compressed schemes' state (residuals, bases, step count), if it is a DistributedOptimizer."""
+        exchange = getattr(self.optimizer, "_shoal_exchange", None)
+        router = getattr(exchange, "router", None)
+        return getattr(router, "lossy", None)
 
     def restore(self) -> None:
         """Roll everything back to the last commit, and drop gradient exchanges of the failed step."""
@@ -68,6 +81,9 @@ class TorchState(ObjectState):
             self.optimizer.load_state_dict(copy.deepcopy(self._saved_optimizer))
         for name, value in self._handled.items():
             value.load_state_dict(copy.deepcopy(self._saved_handled[name]))
+        lossy = self._lossy()
+        if lossy is not None and self._saved_lossy is not None:
+            lossy.load_state_dict(self._saved_lossy[1])
 
     def sync(self) -> None:
         """Broadcast rank 0's model, optimizer state and values; re-shard samplers over the new world; save."""
@@ -80,6 +96,11 @@ class TorchState(ObjectState):
         if self.optimizer is not None:
             drop_unfinished_step(self.optimizer)
             broadcast_optimizer_state(self.optimizer, root_rank=0)
+            lossy = self._lossy()
+            if lossy is not None:  # what the residuals owe the model, shared among the ranks training now
+                from shoal.core.basics import size
+
+                lossy.pool(self._saved_lossy[0] if self._saved_lossy is not None else size(), global_process_set)
         for name, value in self._handled.items():
             if isinstance(value, ElasticSampler):
                 # Rank 0's record, plus any indices a rank recorded alone (record_indices with local indices).

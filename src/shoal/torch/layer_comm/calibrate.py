@@ -7,6 +7,7 @@ fit is broadcast so every rank plans with the same numbers. A probe round takes 
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable
 
@@ -91,9 +92,32 @@ def measure(repeats: int = 3) -> Calibration:
     topology = context.current().topology
     hosts = len(set(topology.host_of_rank))
     flops = 2 * 256**3 / max(matmul_s, 1e-9)
-    local = Calibration(lines, flops, _measure_links(repeats), (topology.size, hosts), cpu_share)
+    local = Calibration(lines, flops, _measure_links(repeats), (topology.size, hosts), cpu_share, measure_local_work(repeats))
     result: Calibration = broadcast_object(local, root_rank=0, name="shoal.cal.result")
     return result
+
+
+def measure_local_work(repeats: int = 3) -> dict[str, tuple[float, float]]:
+    """The compressed schemes' local work on this rank, as lines (``Calibration.local``): PowerSGD's
+    orthogonalisation (``torch.linalg.qr`` of n×r, in n·r²) and top-k's selection (``torch.topk`` of 1%, in
+    elements)."""
+    qr_units, qr_seconds = [], []
+    for rows, rank in ((64, 1), (1024, 4), (4096, 8), (16384, 16)):
+        matrix = torch.randn(rows, rank)
+        qr_units.append(float(rows * rank * rank))
+        qr_seconds.append(median_seconds(functools.partial(torch.linalg.qr, matrix), repeats))
+    topk_units, topk_seconds = [], []
+    for elements in (1024, 65536, 1 << 20):
+        values = torch.randn(elements)
+        k = max(1, elements // 100)
+        topk_units.append(float(elements))
+        topk_seconds.append(median_seconds(functools.partial(_select, values, k), repeats))
+    return {"qr": fit_line(qr_units, qr_seconds), "topk": fit_line(topk_units, topk_seconds)}
+
+
+def _select(values: torch.Tensor, k: int) -> torch.Tensor:
+    """Top-k's selection, as its scheme runs it."""
+    return values.abs().topk(k, sorted=False).indices
 
 
 def _measure_links(repeats: int) -> dict[str, tuple[float, float]]:

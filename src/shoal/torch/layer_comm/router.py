@@ -27,12 +27,13 @@ from shoal.plan.planner import (
     LayerPlan,
     build_plan,
     forced_scheme,
+    forced_setting,
     format_plan,
     keep_measured,
     refuse_tied_sfb,
     tied_modules,
 )
-from shoal.plan.schemes import SCHEMES, Scheme
+from shoal.plan.schemes import AUTO_SCHEMES, COMPRESSED, SCHEMES, Compressed, LossyOptions, Scheme, scheme_of
 from shoal.ps.client import PSSession
 from shoal.ps.config import PSConfig
 from shoal.ps.messages import SessionSpec
@@ -40,11 +41,33 @@ from shoal.runtime import context
 from shoal.torch import functions
 from shoal.torch.compression import Compressor
 from shoal.torch.layer_comm.calibrate import job_calibration, keep_calibration
-from shoal.torch.layer_comm.schemes import LayerComm, ParameterServer, SufficientFactors, Wiring, make_layer_comm
+from shoal.torch.layer_comm.lossy import LossyState, LowRank, TopK
+from shoal.torch.layer_comm.schemes import CastAllreduce, LayerComm, ParameterServer, SufficientFactors, Wiring
+
+LAYER_COMM: dict[Scheme, type[LayerComm]] = {
+    Scheme.ALLREDUCE: LayerComm,
+    Scheme.FP16: CastAllreduce,
+    Scheme.BF16: CastAllreduce,
+    Scheme.SFB: SufficientFactors,
+    Scheme.PS: ParameterServer,
+    Scheme.POWERSGD: LowRank,
+    Scheme.TOPK: TopK,
+}
+"""The class that carries each scheme; every ``Scheme`` has one."""
+
+
+def make_layer_comm(
+    scheme: Scheme, name: str, module: nn.Module | None, params: list[torch.Tensor], wiring: Wiring
+) -> LayerComm:
+    """The object that carries ``scheme`` for one layer."""
+    return LAYER_COMM[scheme].build(scheme, name, module, params, wiring)
+
 
 AUTO = "auto"
-COMM_CHOICES = (*(s.value for s in SCHEMES), AUTO)
-"""What ``DistributedOptimizer(comm=...)`` accepts."""
+AUTO_LOSSY = "auto-lossy"
+COMM_CHOICES = (*(s.value for s in SCHEMES), AUTO, AUTO_LOSSY)
+"""What ``DistributedOptimizer(comm=...)`` accepts: a scheme for every layer, or a plan (``auto``: lossless schemes,
+and fp16/bf16 only by a clear margin; ``auto-lossy``: the compressed schemes too)."""
 
 
 @dataclass
@@ -119,14 +142,28 @@ class LayerRouter:
     """Every parameter's ``LayerComm``, and with ``comm="auto"`` the plan and drift monitor that choose them."""
 
     def __init__(
-        self, facts: OptimizerFacts, model: nn.Module | None, comm: str, overrides: dict[Any, str] | None, ps_config: PSConfig
+        self,
+        facts: OptimizerFacts,
+        model: nn.Module | None,
+        comm: str,
+        overrides: dict[Any, Any] | None,
+        ps_config: PSConfig,
+        compressed: Compressed | None = None,
     ) -> None:
         self.facts = facts
         self.model = model
-        self.auto = comm == AUTO
+        self.auto = comm in (AUTO, AUTO_LOSSY)
+        self.lossy_allowed = comm == AUTO_LOSSY
+        """``auto-lossy``: the plan may choose the compressed schemes."""
         self.overrides = dict(overrides or {})
-        for scheme in self.overrides.values():
-            Scheme.parse(scheme, "comm_overrides")
+        for value in self.overrides.values():
+            scheme_of(value, "comm_overrides")
+        self.settings = {scheme: Compressed(scheme) for scheme in COMPRESSED}
+        """Each compressed scheme's settings where no override gives a layer its own."""
+        if compressed is not None:
+            self.settings[compressed.scheme] = compressed
+        self.lossy = LossyState()
+        """The compressed schemes' residuals, bases and step count (committed by the elastic ``TorchState``)."""
         self.ps_config = ps_config
         self.ps: ParameterServer | None = None
         self._comm_of: dict[int, LayerComm] = {}
@@ -152,7 +189,7 @@ class LayerRouter:
                     # sfb is for fully-connected layers; the others keep the plain allreduce
                     default = Scheme.ALLREDUCE if chosen == Scheme.SFB and not isinstance(module, nn.Linear) else chosen
                     schemes[name] = forced_scheme(name, module, self.overrides) or default
-            self._assign(schemes)
+            self._assign(schemes, self._settings_of(model))
 
     # ----- asked by the optimizer -----
 
@@ -176,6 +213,7 @@ class LayerRouter:
         ps = self.ps  # (auto may open one below; its layers were allreduced this step)
         if ps is not None:
             ps.session.finish()
+        self.lossy.steps += 1  # every rank, every step: the compressed schemes' warm-up count
         if self.auto:
             if self.plans is None:
                 self.apply_plan()
@@ -196,19 +234,36 @@ class LayerRouter:
         """A parameter's current learning rate (the servers apply the update)."""
         return float(self._lr_of[id(param)]["lr"])
 
-    def _wiring(self, session: PSSession | None = None) -> Wiring:
-        return Wiring(self.facts.process_set, session, self._lr)
+    def _wiring(self, session: PSSession | None = None, setting: Compressed | None = None, rank: int | None = None) -> Wiring:
+        return Wiring(self.facts.process_set, session, self._lr, self.facts.names, self.lossy, setting, rank)
+
+    def _settings_of(self, model: nn.Module) -> dict[str, Compressed]:
+        """Per module name, the compressed scheme's settings an override gives it."""
+        found = {}
+        for name, module in model.named_modules():
+            value = forced_setting(name, module, self.overrides)
+            if isinstance(value, Compressed):
+                found[name] = value
+        return found
+
+    def lossy_options(self) -> LossyOptions:
+        """The bounds the planner weighs the compressed schemes with (PowerSGD's rank, top-k's ratio)."""
+        low_rank, sparse = self.settings[Scheme.POWERSGD].options, self.settings[Scheme.TOPK].options
+        return LossyOptions(low_rank.rank, low_rank.max_rank, sparse.ratio, low_rank.min_rate)
 
     def _assign_all(self, scheme: Scheme) -> None:
         """Without a model: one scheme for every parameter."""
         if scheme == Scheme.PS:
             self._open_ps(self.facts.params)
         elif scheme != Scheme.ALLREDUCE:
-            comm = make_layer_comm(scheme, "", None, self.facts.params, self._wiring())
+            comm = make_layer_comm(scheme, "", None, self.facts.params, self._wiring(setting=self.settings.get(scheme)))
             self._comm_of.update({id(p): comm for p in self.facts.params})
 
-    def _assign(self, schemes: dict[str, Scheme]) -> None:
-        """A scheme per module name (parameters of modules not named keep the plain allreduce)."""
+    def _assign(
+        self, schemes: dict[str, Scheme], settings: dict[str, Compressed] | None = None, ranks: dict[str, int] | None = None
+    ) -> None:
+        """A scheme per module name (parameters of modules not named keep the plain allreduce), with a compressed
+        scheme's settings and rank per module where given."""
         assert self.model is not None
         modules = dict(self.model.named_modules())
         tied = tied_modules(self.model)
@@ -226,7 +281,9 @@ class LayerRouter:
                 refuse_tied_sfb(name)
                 continue
             if scheme != Scheme.ALLREDUCE:
-                comm = make_layer_comm(scheme, name, modules[name], params, self._wiring())
+                setting = (settings or {}).get(name) or self.settings.get(scheme)
+                wiring = self._wiring(setting=setting, rank=(ranks or {}).get(name))
+                comm = make_layer_comm(scheme, name, modules[name], params, wiring)
                 self._comm_of.update({id(p): comm for p in params})
         if served:
             self._open_ps(served)
@@ -293,7 +350,9 @@ class LayerRouter:
         dedicated = self.ps_config.dedicated
         # ps only when servers exist, and only in the first plan: one session holds a fixed set of layers, so a
         # re-plan keeps the layers already served (their optimizer state lives there) and adds none.
-        allowed = SCHEMES if dedicated and self.ps is None else tuple(s for s in SCHEMES if s != Scheme.PS)
+        allowed = (*AUTO_SCHEMES, *(COMPRESSED if self.lossy_allowed else ()))
+        if not dedicated or self.ps is not None:
+            allowed = tuple(s for s in allowed if s != Scheme.PS)
         overrides = dict(self.overrides)
         modules = dict(self.model.named_modules())
         previous = self.plans or []
@@ -301,10 +360,14 @@ class LayerRouter:
             overrides.update({modules[p.name]: Scheme.PS for p in self.plans if p.choice == Scheme.PS})
             self._clear()
         servers = self.ps_config.num_servers if dedicated else workers
-        self.plans = build_plan(self.model, calibration, workers, self._rows, overrides, allowed, servers)
+        self.plans = build_plan(self.model, calibration, workers, self._rows, overrides, allowed, servers, self.lossy_options())
         keep_measured(self.plans, previous)  # the same on every rank: the agreed measurements, rank 0's refit
         # With a session open, every ps layer of this plan is one it already serves (a re-plan adds none).
-        self._assign({p.name: p.choice for p in self.plans if not (p.choice == Scheme.PS and self.ps is not None)})
+        self._assign(
+            {p.name: p.choice for p in self.plans if not (p.choice == Scheme.PS and self.ps is not None)},
+            self._settings_of(self.model),
+            {p.name: p.rank for p in self.plans if p.rank},
+        )
         exchanges = {plan.name: self._exchange_names(modules[plan.name]) for plan in self.plans}
         if self.drift is None:
             self.drift = DriftMonitor(self.plans, exchanges, calibration)

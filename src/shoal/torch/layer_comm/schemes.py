@@ -3,20 +3,21 @@
 ``DistributedOptimizer`` asks the ``LayerComm`` of each parameter at each point of a step (``LayerRouter`` keeps
 the map): whether the scheme takes a final gradient itself instead of the optimizer's allreduce buckets, which
 compressor the buckets use for it, what to do for parameters that got no gradient, how to finish at
-``synchronize()``, and which engine requests carry it (for the drift monitor). ``LAYER_COMM`` registers each class
-under its ``Scheme``, once.
+``synchronize()``, and which engine requests carry it (for the drift monitor). The router's ``LAYER_COMM`` registers
+each class under its ``Scheme``, once (the compressed schemes' classes are in ``lossy.py``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
 
 from shoal.core.process_sets import ProcessSet
-from shoal.plan.schemes import Scheme
+from shoal.plan.schemes import Compressed, Scheme
 from shoal.ps.client import PSSession
 from shoal.torch.compression import Compression, Compressor
 from shoal.torch.layer_comm.sfb import SufficientFactorLayer
@@ -36,6 +37,14 @@ class Wiring:
     """The optimizer's parameter-server session (for ``Scheme.PS``)."""
     lr_of: Callable[[torch.Tensor], float] | None = None
     """A parameter's current learning rate (the servers apply the update)."""
+    names: dict[int, str] | None = None
+    """The optimizer's parameter names, by ``id`` (the compressed schemes key their state by them)."""
+    lossy: Any = None
+    """The optimizer's ``lossy.LossyState`` (for the compressed schemes)."""
+    setting: Compressed | None = None
+    """The compressed scheme's settings for this layer (None: the defaults)."""
+    rank: int | None = None
+    """PowerSGD's rank the plan chose for this layer."""
 
 
 class LayerComm:
@@ -170,20 +179,3 @@ class ParameterServer(LayerComm):
 
     def exchange_names(self, names: dict[int, str]) -> list[str]:
         return []  # not engine collectives
-
-
-LAYER_COMM: dict[Scheme, type[LayerComm]] = {
-    Scheme.ALLREDUCE: LayerComm,
-    Scheme.FP16: CastAllreduce,
-    Scheme.BF16: CastAllreduce,
-    Scheme.SFB: SufficientFactors,
-    Scheme.PS: ParameterServer,
-}
-"""The class that carries each scheme; every ``Scheme`` has one."""
-
-
-def make_layer_comm(
-    scheme: Scheme, name: str, module: nn.Module | None, params: list[torch.Tensor], wiring: Wiring
-) -> LayerComm:
-    """The object that carries ``scheme`` for one layer."""
-    return LAYER_COMM[scheme].build(scheme, name, module, params, wiring)

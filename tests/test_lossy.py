@@ -1,0 +1,291 @@
+"""The compressed schemes (PowerSGD, top-k) with error feedback: exactness at full rank, the residual carried as a hand
+computation says, the planner's choices, the API's errors and the elastic state's round trip."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import shoal.torch as hvd
+from shoal.plan.calibration import Calibration
+from shoal.plan.planner import build_plan
+from shoal.plan.schemes import AUTO_SCHEMES, COMPRESSED, LossyOptions, Scheme
+from shoal.testing import run_ranks
+
+pytestmark = pytest.mark.timeout(120)
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(2, 6, 3)
+        self.fc1 = nn.Linear(6 * 4 * 4, 24)
+        self.fc2 = nn.Linear(24, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.relu(self.conv(x)).flatten(1)
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+def _data(size: int, rows: int, steps: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(7)
+    x = torch.randn(steps, size * rows, 2, 6, 6, generator=generator)
+    y = torch.randn(steps, size * rows, 3, generator=generator)
+    return x, y
+
+
+def _model() -> Net:
+    torch.manual_seed(3)
+    return Net()
+
+
+def _reference(size: int, rows: int, steps: int) -> dict[str, np.ndarray]:
+    """One process, the whole batch, plain SGD."""
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    x, y = _data(size, rows, steps)
+    for step in range(steps):
+        optimizer.zero_grad()
+        nn.functional.mse_loss(model(x[step]), y[step]).backward()
+        optimizer.step()
+    return {k: v.detach().numpy() for k, v in model.state_dict().items()}
+
+
+def _distributed(compression: object, rows: int, steps: int, comm: str = "allreduce") -> dict[str, object]:
+    torch.set_num_threads(1)
+    hvd.init()
+    model = _model()
+    optimizer = hvd.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.05),
+        named_parameters=model.named_parameters(),
+        model=model,
+        compression=compression,
+        comm=comm,
+    )
+    x, y = _data(hvd.size(), rows, steps)
+    mine = slice(hvd.rank() * rows, (hvd.rank() + 1) * rows)
+    for step in range(steps):
+        optimizer.zero_grad()
+        nn.functional.mse_loss(model(x[step][mine]), y[step][mine]).backward()
+        optimizer.step()
+    kinds = sorted({type(c).__name__ for c in optimizer._shoal_router.layers()})  # type: ignore[attr-defined]
+    residuals = sorted(optimizer._shoal_router.lossy.residuals)  # type: ignore[attr-defined]
+    return {"weights": {k: v.detach().numpy() for k, v in model.state_dict().items()}, "kinds": kinds, "residuals": residuals}
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_powersgd_at_full_rank_equals_allreduce(size: int) -> None:
+    # Rank 6 is the smallest side of every matrix here (conv 6×18, fc1 24×96 needs 24: rank 24 with no rate bound).
+    compression = hvd.Compression.powersgd(rank=24, warmup_steps=0, min_compression_rate=0.0)
+    results = run_ranks(_distributed, size, args=(compression, 4, 3))
+    reference = _reference(size, 4, 3)
+    for result in results:
+        assert result["kinds"] == ["LowRank"]
+        assert result["residuals"] == ["conv.weight", "fc1.weight", "fc2.weight"]
+        for name, value in reference.items():
+            np.testing.assert_allclose(result["weights"][name], value, rtol=0, atol=1e-5, err_msg=name)
+
+
+def test_topk_of_every_entry_equals_allreduce() -> None:
+    compression = hvd.Compression.topk(ratio=1.0, warmup_steps=0, min_compression_rate=0.0)
+    results = run_ranks(_distributed, 2, args=(compression, 4, 3))
+    reference = _reference(2, 4, 3)
+    for result in results:
+        assert result["kinds"] == ["TopK"]
+        for name, value in reference.items():
+            np.testing.assert_allclose(result["weights"][name], value, rtol=0, atol=1e-5, err_msg=name)
+
+
+def test_warm_up_steps_are_exact_and_compression_starts_after_them() -> None:
+    compression = hvd.Compression.powersgd(rank=1, warmup_steps=3)
+    (exact,) = {str(r["residuals"]) for r in run_ranks(_distributed, 2, args=(compression, 4, 3))}
+    assert exact == "[]"  # three steps, all in the warm-up: nothing compressed, nothing left over
+    result = run_ranks(_distributed, 2, args=(compression, 4, 3))[0]
+    reference = _reference(2, 4, 3)
+    for name, value in reference.items():
+        np.testing.assert_allclose(result["weights"][name], value, rtol=0, atol=1e-5, err_msg=name)
+    later = run_ranks(_distributed, 2, args=(compression, 4, 4))[0]
+    assert later["residuals"] == ["conv.weight", "fc1.weight", "fc2.weight"]  # rank 1 shrinks each at least 2×
+
+
+def _one_step_residual(scheme: str) -> dict[str, object]:
+    torch.set_num_threads(1)
+    hvd.init()
+    layer = nn.Linear(8, 6, bias=False)
+    with torch.no_grad():
+        layer.weight.zero_()
+    compression = hvd.Compression.powersgd(rank=1, warmup_steps=0) if scheme == "powersgd" else hvd.Compression.topk(0.25, 0)
+    optimizer = hvd.DistributedOptimizer(torch.optim.SGD(layer.parameters(), lr=1.0), compression=compression)
+    generator = torch.Generator().manual_seed(11 + hvd.rank())
+    grads = [torch.randn(6, 8, generator=generator) for _ in range(2)]
+    averaged = []
+    for grad in grads:
+        optimizer.zero_grad()
+        layer.weight.grad = grad.clone()
+        optimizer.synchronize()
+        averaged.append(layer.weight.grad.clone())
+        with optimizer.skip_synchronize():
+            optimizer.step()
+    residual = optimizer._shoal_router.lossy.residuals["allreduce.noname.0.0"]  # type: ignore[attr-defined]
+    base = optimizer._shoal_router.lossy.bases.get("allreduce.noname.0.0")  # type: ignore[attr-defined]
+    return {"grads": grads, "averaged": averaged, "residual": residual.view(6, 8), "base": base}
+
+
+def _hand_powersgd(grads_by_rank: list[torch.Tensor], errors: list[torch.Tensor], q: torch.Tensor) -> tuple:
+    """One PowerSGD step by hand: (average, per-rank residuals, new Q)."""
+    matrices = [g + e for g, e in zip(grads_by_rank, errors, strict=True)]
+    p = sum(m @ q for m in matrices)
+    p = torch.linalg.qr(p).Q
+    locals_ = [m.T @ p for m in matrices]
+    q_sum = sum(locals_)
+    average = p @ q_sum.T / len(matrices)
+    residuals = [m - p @ loc.T for m, loc in zip(matrices, locals_, strict=True)]
+    return average, residuals, q_sum
+
+
+def test_powersgd_error_feedback_carries_the_residual_as_computed_by_hand() -> None:
+    import zlib
+
+    ranks = run_ranks(_one_step_residual, 2, args=("powersgd",))
+    q = torch.randn(8, 1, generator=torch.Generator().manual_seed(zlib.crc32(b"allreduce.noname.0.0")))
+    errors = [torch.zeros(6, 8), torch.zeros(6, 8)]
+    for step in range(2):
+        average, errors, q = _hand_powersgd([r["grads"][step] for r in ranks], errors, q)
+        for result in ranks:
+            torch.testing.assert_close(result["averaged"][step], average, rtol=1e-4, atol=1e-5)
+    for result, error in zip(ranks, errors, strict=True):
+        torch.testing.assert_close(result["residual"], error, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(result["base"], q, rtol=1e-4, atol=1e-5)
+    assert float(errors[0].abs().sum()) > 0.1  # rank 1 of 6×8: there was a residual to carry
+
+
+def test_topk_error_feedback_carries_the_entries_not_sent() -> None:
+    ranks = run_ranks(_one_step_residual, 2, args=("topk",))
+    errors = [torch.zeros(48), torch.zeros(48)]
+    for step in range(2):
+        total = torch.zeros(48)
+        for index, result in enumerate(ranks):
+            value = result["grads"][step].reshape(-1) + errors[index]
+            keep = value.abs().topk(12).indices
+            sent = torch.zeros(48)
+            sent[keep] = value[keep]
+            total += sent
+            errors[index] = value - sent
+        for result in ranks:
+            torch.testing.assert_close(result["averaged"][step].reshape(-1), total / 2, rtol=1e-5, atol=1e-6)
+    for result, error in zip(ranks, errors, strict=True):
+        torch.testing.assert_close(result["residual"].reshape(-1), error, rtol=1e-5, atol=1e-6)
+
+
+def test_auto_never_plans_a_compressed_scheme_and_auto_lossy_does_on_a_slow_link() -> None:
+    model = Net()
+    slow = Calibration.uniform(1e-4, 8 / 1e8, 1e10)  # 100 Mbit/s, a fast matmul
+    rows = {"fc1": 64, "fc2": 64}
+    lossless = build_plan(model, slow, 2, rows)
+    assert all(p.choice in AUTO_SCHEMES for p in lossless)
+    lossy = build_plan(model, slow, 2, rows, allowed=(*AUTO_SCHEMES, *COMPRESSED), lossy=LossyOptions(max_rank=4))
+    chosen = {p.name: p for p in lossy}
+    assert chosen["fc1"].choice in COMPRESSED, chosen["fc1"].predicted_ms
+    if chosen["fc1"].choice == Scheme.POWERSGD:
+        assert chosen["fc1"].rank in (1, 2, 4)
+
+
+def test_auto_lossy_keeps_lossless_schemes_on_a_fast_link() -> None:
+    model = Net()
+    fast = Calibration.uniform(2e-5, 1 / 20e9, 5e9)  # shared memory: 20 GB/s
+    plans = build_plan(model, fast, 2, {"fc1": 64, "fc2": 64}, allowed=(*AUTO_SCHEMES, *COMPRESSED))
+    assert all(p.choice not in COMPRESSED for p in plans), [(p.name, p.choice, p.predicted_ms) for p in plans]
+
+
+def test_powersgd_rank_is_chosen_per_layer_from_the_costs() -> None:
+    big = nn.Sequential(nn.Linear(2048, 2048), nn.Linear(2048, 16))
+    latency_bound = Calibration.uniform(5e-3, 1e-12, 1e14)  # every message costs 5 ms, bytes and flops nearly nothing
+    bandwidth_bound = Calibration.uniform(1e-6, 8 / 1e8, 1e12)
+    allowed = (Scheme.POWERSGD,)
+    high = build_plan(big, latency_bound, 2, {}, allowed=allowed, lossy=LossyOptions(max_rank=8))
+    low = build_plan(big, bandwidth_bound, 2, {}, allowed=allowed, lossy=LossyOptions(max_rank=8))
+    assert high[0].rank == 8 and low[0].rank == 1, (high[0].rank, low[0].rank)
+
+
+def _misuse() -> list[str]:
+    hvd.init()
+    model = nn.Linear(4, 4)
+    messages = []
+    for kwargs in (
+        {"compression": hvd.Compression.powersgd(), "comm": "sfb", "model": model},
+        {"comm": "auto-lossy"},
+    ):
+        try:
+            hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), **kwargs)
+            messages.append("no error")
+        except ValueError as error:
+            messages.append(str(error))
+    return messages
+
+
+def test_misuse_gets_clear_errors() -> None:
+    with pytest.raises(ValueError, match="rank must be >= 1"):
+        hvd.Compression.powersgd(rank=0)
+    with pytest.raises(ValueError, match="ratio"):
+        hvd.Compression.topk(ratio=0.0)
+    with pytest.raises(ValueError, match="warmup_steps"):
+        hvd.Compression.topk(warmup_steps=-1)
+    (messages,) = run_ranks(_misuse, 1)
+    assert "cannot go with comm='sfb'" in messages[0]
+    assert "need model=" in messages[1]
+
+
+def test_warm_up_defaults_to_a_tenth_of_a_known_run() -> None:
+    assert hvd.Compression.powersgd(total_steps=500).warmup == 50
+    assert hvd.Compression.topk(warmup_steps=7, total_steps=500).warmup == 7
+    assert hvd.Compression.powersgd().warmup == 100
+
+
+def _elastic_round_trip() -> dict[str, object]:
+    from shoal.torch.elastic import TorchState
+
+    torch.set_num_threads(1)
+    hvd.init()
+    model = _model()
+    optimizer = hvd.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.05),
+        named_parameters=model.named_parameters(),
+        compression=hvd.Compression.powersgd(rank=1, warmup_steps=0),
+    )
+    state = TorchState(model, optimizer)
+    x, y = _data(hvd.size(), 4, 3)
+    mine = slice(hvd.rank() * 4, (hvd.rank() + 1) * 4)
+
+    def step(index: int) -> None:
+        optimizer.zero_grad()
+        nn.functional.mse_loss(model(x[index][mine]), y[index][mine]).backward()
+        optimizer.step()
+
+    lossy = optimizer._shoal_router.lossy  # type: ignore[attr-defined]
+    step(0)
+    state.commit()
+    committed = {k: v.clone() for k, v in lossy.residuals.items()}
+    steps = lossy.steps
+    step(1)
+    changed = any(not torch.equal(committed[k], v) for k, v in lossy.residuals.items())
+    state.restore()
+    restored = all(torch.equal(committed[k], lossy.residuals[k]) for k in committed) and lossy.steps == steps
+    owed = {k: hvd.allreduce(v, op=hvd.Sum, name=f"owed.{k}") / hvd.size() for k, v in lossy.residuals.items()}
+    state.sync()  # as after a change of workers: the residuals are pooled, the mean owed is kept
+    pooled = {k: v.clone() for k, v in lossy.residuals.items()}
+    same_everywhere = {k: hvd.allreduce(v, op=hvd.Max, name=f"max.{k}") - v for k, v in pooled.items()}
+    return {
+        "changed": changed,
+        "restored": restored,
+        "owed_kept": all(torch.allclose(pooled[k], owed[k], atol=1e-6) for k in owed),
+        "equal": all(float(d.abs().max()) == 0.0 for d in same_everywhere.values()),
+        "names": sorted(committed),
+    }
+
+
+def test_elastic_state_round_trips_the_error_feedback_buffers() -> None:
+    for result in run_ranks(_elastic_round_trip, 2):
+        assert result["names"] == ["conv.weight", "fc1.weight", "fc2.weight"]
+        assert result["changed"] and result["restored"] and result["owed_kept"] and result["equal"], result
