@@ -11,11 +11,14 @@ best a step can do when every core is busy computing, so the reduction cannot hi
 ``--lockstep-bound`` adds ``lockstep_ips`` and ``of_lockstep``: the bound with the ranks meeting after each backward
 pass (a one-element allreduce), as a synchronous job's ranks must, so that their memory-bound updates coincide.
 ``--compare-copying`` adds ``copying_ips`` and ``shared_gain`` (= shoal_ips / copying_ips): a second Shoal job in
-the same rounds whose gradients are copied to be reduced instead of living in shared memory. ``--zero-grad zeros``
-makes every phase's ``zero_grad`` fill gradients with zeros instead of setting them to None. ``--profile`` then
-times one more Shoal phase with a timeline and prints where a step's time goes. ``barrier_us`` is the shared-memory
-barrier's round trip before the phases and after them (``shoal.bench.barrier_us``: whether the ranks' cores shared
-a cache during the run; null without shared memory).
+the same rounds whose gradients are copied to be reduced instead of living in shared memory. ``--compare
+ddp,ddp-powersgd`` also runs DDP with torch's PowerSGD hook at ``--rank``: ``ddp_powersgd_ips`` and
+``powersgd_ratio`` (= shoal_ips / ddp_powersgd_ips). ``--comm auto-lossy`` lets the plan compress (PowerSGD up to
+``--rank``, top-k) after ``--lossy-warmup`` steps. ``--zero-grad zeros`` makes every phase's ``zero_grad`` fill
+gradients with zeros instead of setting them to None. ``--profile`` then times one more Shoal phase with a timeline
+and prints where a step's time goes. ``barrier_us`` is the shared-memory barrier's round trip before the phases and
+after them (``shoal.bench.barrier_us``: whether the ranks' cores shared a cache during the run; null without shared
+memory).
 """
 
 from __future__ import annotations
@@ -33,14 +36,15 @@ from torch import nn
 
 import shoal.torch as hvd
 from shoal.bench import add_json_flag, barrier_us, emit
-from shoal.comm.baselines import wrap_ddp
+from shoal.comm.baselines import wrap_ddp, wrap_ddp_powersgd
 from shoal.config import env_name
 from shoal.core import session as handles
 from shoal.plan.planner import median_error
-from shoal.plan.schemes import Scheme
+from shoal.plan.schemes import Compressed, Scheme
 from shoal.predict.models import build, parameter_count
 from shoal.ps.config import resolve_config
-from shoal.torch.layer_comm.router import AUTO, COMM_CHOICES, last_plan
+from shoal.torch.compression import Compressor
+from shoal.torch.layer_comm.router import AUTO, AUTO_LOSSY, COMM_CHOICES, last_plan
 from shoal.torch.layer_comm.schemes import SufficientFactors
 
 
@@ -95,9 +99,20 @@ def _shoal_model(args: argparse.Namespace) -> tuple[nn.Module, torch.optim.Optim
         named_parameters=model.named_parameters(),
         model=model,
         comm=args.comm,
+        compression=_compression(args),
     )
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     return model, optimizer
+
+
+def _compression(args: argparse.Namespace) -> type[Compressor] | Compressed:
+    """The compressed schemes' settings for ``--comm`` (their warm-up and PowerSGD's rank), else none."""
+    if args.comm == Scheme.TOPK:
+        return hvd.Compression.topk(warmup_steps=args.lossy_warmup)
+    if args.comm in (Scheme.POWERSGD, AUTO_LOSSY):
+        rank = None if args.comm == AUTO_LOSSY else args.rank
+        return hvd.Compression.powersgd(rank=rank, max_rank=args.rank, warmup_steps=args.lossy_warmup)
+    return hvd.Compression.none
 
 
 def run_shoal(
@@ -118,16 +133,17 @@ def run_shoal(
         )
     finally:
         config.shared_gradients = setting
-    if args.comm == AUTO:
+    if args.comm in (AUTO, AUTO_LOSSY):
         hvd.plan_report()  # rank 0 prints it
     return hvd.size() * args.batch_size * args.steps / elapsed
 
 
-def run_ddp(args: argparse.Namespace, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
-    """Images per second over all workers with torch's DistributedDataParallel."""
+def run_ddp(args: argparse.Namespace, batches: list[tuple[torch.Tensor, torch.Tensor]], powersgd: bool = False) -> float:
+    """Images per second over all workers with torch's DistributedDataParallel (``powersgd``: with its PowerSGD
+    hook at ``--rank``, compressing from the second of the phase's untimed warm-up steps on)."""
     torch.manual_seed(0)
     model, _ = build(args.model)
-    ddp_model = wrap_ddp(model)
+    ddp_model = wrap_ddp_powersgd(model, args.rank) if powersgd else wrap_ddp(model)
     optimizer = torch.optim.SGD(ddp_model.parameters(), lr=0.01, momentum=0.9)
     elapsed = _slowest(
         _timed_steps(ddp_model, optimizer, batches, args.warmup, args.steps, hvd.barrier, set_to_none=args.set_to_none)
@@ -252,11 +268,40 @@ def _report_bound(result: dict[str, object], key: str, what: str, runs: list[flo
     return best
 
 
+BASELINES = ("ddp", "ddp-powersgd")
+
+
+def _baselines(value: str) -> tuple[str, ...]:
+    """``--compare``'s list."""
+    names = tuple(name.strip() for name in value.split(",") if name.strip())
+    if names == ("none",):
+        return ()
+    unknown = [name for name in names if name not in BASELINES]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"unknown baseline {unknown or value!r}; choose from {', '.join(BASELINES)} or none")
+    return names
+
+
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     """The benchmark's flags."""
     parser = argparse.ArgumentParser(prog="python -m shoal.bench.train", description=__doc__.split("\n")[0])
     parser.add_argument("--model", choices=["cnn", "mlp", "transformer"], default="mlp")
-    parser.add_argument("--compare", choices=["ddp", "none"], default="ddp", help="baseline to run in the same invocation")
+    parser.add_argument(
+        "--compare",
+        type=_baselines,
+        default=("ddp",),
+        help="baselines to run in the same invocation, comma-separated: ddp, ddp-powersgd (torch's PowerSGD hook at "
+        "--rank), or none (default ddp)",
+    )
+    parser.add_argument(
+        "--rank", type=int, default=4, help="PowerSGD's rank: DDP's hook, Shoal's powersgd, auto-lossy's bound (default 4)"
+    )
+    parser.add_argument(
+        "--lossy-warmup",
+        type=int,
+        default=0,
+        help="Shoal's steps before compressing (--comm powersgd, topk, auto-lossy; default 0: the rates are steady-state)",
+    )
     parser.add_argument("--comm", choices=COMM_CHOICES, default="allreduce", help="how Shoal communicates gradients")
     parser.add_argument("--batch-size", type=int, default=32, help="per-worker batch size (default 32)")
     parser.add_argument("--steps", type=int, default=20, help="timed steps per phase (default 20)")
@@ -290,6 +335,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     )
     add_json_flag(parser)
     args = parser.parse_args(argv)
+    if args.warmup < 3 and "ddp-powersgd" in args.compare:
+        parser.error("--compare ddp-powersgd needs --warmup >= 3: torch's hook starts compressing at its second step")
     args.set_to_none = args.zero_grad == "none"
     return args
 
@@ -300,6 +347,7 @@ class Phases:
 
     shoal: list[float]
     ddp: list[float]
+    ddp_powersgd: list[float]
     bound: list[float]
     lockstep: list[float]
     copying: list[float]
@@ -335,15 +383,19 @@ def _report(args: argparse.Namespace, phases: Phases) -> None:
         result["ps_servers"] = config.num_servers if config.dedicated else hvd.size()
         result["ps_dedicated"] = config.dedicated
     plan = last_plan()
-    if args.comm == AUTO and plan is not None:
+    if args.comm in (AUTO, AUTO_LOSSY) and plan is not None:
         error = median_error(plan.plans)
         result["plan_median_error"] = round(error, 3) if error is not None else None
-        result["plan_choices"] = dict(Counter(p.choice for p in plan.plans))
+        result["plan_choices"] = dict(Counter(p.choice.value + (f"@{p.rank}" if p.rank else "") for p in plan.plans))
         result["plan_refits"] = plan.refits
     if phases.ddp:
         print(f"ddp:   {', '.join(f'{v:.1f}' for v in phases.ddp)} img/s")
         result["ddp_ips"] = round(max(phases.ddp), 1)
         result["ratio"] = round(shoal_ips / max(phases.ddp), 3)
+    if phases.ddp_powersgd:
+        print(f"ddp with torch's PowerSGD hook (rank {args.rank}): {', '.join(f'{v:.1f}' for v in phases.ddp_powersgd)} img/s")
+        result["ddp_powersgd_ips"] = round(max(phases.ddp_powersgd), 1)
+        result["powersgd_ratio"] = round(shoal_ips / max(phases.ddp_powersgd), 3)
     if phases.copying:
         print(f"copying gradients: {', '.join(f'{v:.1f}' for v in phases.copying)} img/s")
         result["copying_ips"] = round(max(phases.copying), 1)
@@ -384,7 +436,7 @@ def main(argv: list[str] | None = None) -> None:
     hvd.init()
     placement = [barrier_us()]
     batches = _batches(args.model, args.batch_size, 4)
-    shoal_runs, ddp_runs, bound_runs, lockstep_runs, copying_runs = [], [], [], [], []
+    shoal_runs, ddp_runs, powersgd_runs, bound_runs, lockstep_runs, copying_runs = [], [], [], [], [], []
     # One Shoal training job across the rounds, as in real training: comm="auto" plans (and may refit) once, in the
     # first round, and later rounds run the plan it settled on.
     shoal_job = _shoal_model(args)
@@ -393,13 +445,16 @@ def main(argv: list[str] | None = None) -> None:
         shoal_runs.append(run_shoal(args, batches, shoal_job))
         if copying_job is not None:
             copying_runs.append(run_shoal(args, batches, copying_job, shared_gradients=False))
-        if args.compare == "ddp":
+        if "ddp" in args.compare:
             ddp_runs.append(run_ddp(args, batches))
+        if "ddp-powersgd" in args.compare:
+            powersgd_runs.append(run_ddp(args, batches, powersgd=True))
         bound_runs.append(run_bound(args, batches))
         if args.lockstep_bound:
             lockstep_runs.append(run_bound(args, batches, lockstep=True))
         if hvd.rank() == 0:  # progress: each round as it ends
             ddp = f", ddp {ddp_runs[-1]:.1f}" if ddp_runs else ""
+            ddp += f", ddp-powersgd {powersgd_runs[-1]:.1f}" if powersgd_runs else ""
             lockstep = f", lockstep bound {lockstep_runs[-1]:.1f}" if lockstep_runs else ""
             copying = f", copying gradients {copying_runs[-1]:.1f}" if copying_runs else ""
             print(
@@ -427,6 +482,7 @@ def main(argv: list[str] | None = None) -> None:
             Phases(
                 shoal_runs,
                 ddp_runs,
+                powersgd_runs,
                 bound_runs,
                 lockstep_runs,
                 copying_runs,

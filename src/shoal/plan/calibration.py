@@ -35,12 +35,14 @@ class Calibration:
     waits on a slow wire. ``shoal.predict`` uses it on CPU-bound workers: only this share of an exchange takes a core
     from compute, the rest of it can overlap backward."""
     local: dict[str, tuple[float, float]] = field(default_factory=dict)
-    """Local work of the compressed schemes, as lines ``seconds = latency + per_unit * units``: ``qr`` (PowerSGD's
-    orthogonalisation of an n×r matrix, in n·r²) and ``topk`` (selecting the largest entries, in elements). Missing
-    ones take ``DEFAULT_LOCAL``."""
+    """Local work of the compressed schemes per gradient, as lines ``seconds = latency + per_unit * entries``:
+    ``powersgd@1`` and ``powersgd@4`` (everything PowerSGD does on one rank for an n×m gradient at rank 1 and 4: the
+    residual added, both projections, the orthogonalisation, the new residual and the rebuild, in n·m) and ``topk``
+    (the residual added, the selection, the new residual and the scatter, in entries). Missing ones take
+    ``DEFAULT_LOCAL``."""
 
     def local_seconds(self, work: str, units: float) -> float:
-        """Predicted seconds of local ``work`` (``qr`` or ``topk``) for ``units``."""
+        """Predicted seconds of local ``work`` (a ``DEFAULT_LOCAL`` key) for ``units``."""
         latency, per_unit = self.local.get(work, DEFAULT_LOCAL[work])
         return latency + per_unit * units
 
@@ -49,8 +51,19 @@ class Calibration:
         return seconds * self.cpu_share.get(exchange, 1.0)
 
     def with_lines(self, lines: dict[str, tuple[float, float]], flops_per_s: float) -> Calibration:
-        """The same calibration with other lines and matmul rate (the rest kept)."""
-        return replace(self, lines=lines, flops_per_s=flops_per_s)
+        """The same calibration with other lines and matmul rate. Local work (``local``) is computation too: where
+        the matmul rate changes (a refit from training, where the ranks' compute competes with it), its lines scale
+        by the same factor; the rest is kept."""
+        factor = self.flops_per_s / flops_per_s if flops_per_s > 0 else 1.0
+        local = {work: (latency * factor, per_unit * factor) for work, (latency, per_unit) in self.local.items()}
+        local.update(
+            {
+                work: (latency * factor, per_unit * factor)
+                for work, (latency, per_unit) in DEFAULT_LOCAL.items()
+                if work not in local
+            }
+        )
+        return replace(self, lines=lines, flops_per_s=flops_per_s, local=local if factor != 1.0 else dict(self.local))
 
     def seconds(self, exchange: str, nbytes: float) -> float:
         """Predicted time of ``exchange`` for ``nbytes``."""
@@ -67,9 +80,9 @@ class Calibration:
         )
 
 
-DEFAULT_LOCAL = {"qr": (30e-6, 2e-9), "topk": (20e-6, 5e-9)}
+DEFAULT_LOCAL = {"powersgd@1": (30e-6, 2e-9), "powersgd@4": (30e-6, 3e-9), "topk": (30e-6, 2e-8)}
 """Stand-ins for calibrations that did not measure the compressed schemes' local work (files written before):
-roughly one core of this project's CI machine."""
+about what one core of this project's 2-core CI machine measured with both cores training."""
 
 
 def fit_line(sizes: list[float], seconds: list[float]) -> tuple[float, float]:

@@ -237,10 +237,23 @@ def _rest_seconds(calibration: Calibration, nbytes: int) -> float:
     return calibration.lines["allreduce"][1] * nbytes
 
 
+LOW_RANK_PROBED = (1, 4)
+"""The ranks at which calibration times PowerSGD's local work (``Calibration.local``: ``powersgd@1``, ``powersgd@4``)."""
+
+
+def powersgd_local_seconds(calibration: Calibration, entries: int, rank: int) -> float:
+    """PowerSGD's local work on one rank for a gradient of ``entries`` at ``rank``: the calibrated pipeline at the
+    nearest probed rank not below it (memory-bound: it passes over the entries several times; above rank 1 the
+    products leave the matrix-vector path, and ranks 2 to 8 measure alike), plus the products' extra floating-point
+    work above the highest probed rank."""
+    probed = min((r for r in LOW_RANK_PROBED if r >= rank), default=LOW_RANK_PROBED[-1])
+    extra = 6.0 * entries * max(rank - probed, 0) / calibration.flops_per_s
+    return calibration.local_seconds(f"powersgd@{probed}", entries) + extra
+
+
 def powersgd_cost(ctx: CostContext, layer: LayerShape, rank: int) -> Estimate:
     """PowerSGD at ``rank`` for every gradient of the layer that it shrinks enough (the rest allreduced): per n×m
-    matrix, an allreduce of P (n·r) and of Q (m·r), the three n·m·r matmuls and the error's, and P's orthogonalisation
-    (the calibrated ``qr`` local line in n·r²)."""
+    matrix, an allreduce of P (n·r) and of Q (m·r), and the local work (``powersgd_local_seconds``)."""
     calibration, min_rate = ctx.calibration, ctx.lossy.min_rate
     wire = local = 0.0
     rest = 0
@@ -252,7 +265,7 @@ def powersgd_cost(ctx: CostContext, layer: LayerShape, rank: int) -> Estimate:
         rows, columns = view
         used = min(rank, rows, columns)
         wire += calibration.seconds("allreduce", rows * used * 4) + calibration.seconds("allreduce", columns * used * 4)
-        local += 8.0 * rows * columns * used / calibration.flops_per_s + calibration.local_seconds("qr", rows * used * used)
+        local += powersgd_local_seconds(calibration, rows * columns, used)
     return Estimate(wire + _rest_seconds(calibration, rest), local, rank)
 
 
@@ -283,7 +296,7 @@ def _powersgd_best(ctx: CostContext, layer: LayerShape) -> Estimate:
 
 def topk_cost(ctx: CostContext, layer: LayerShape) -> Estimate:
     """Top-k of every gradient it shrinks enough (the rest allreduced): one allgather of P·2k numbers (values and
-    indices), the selection (the calibrated ``topk`` local line in elements) and the scatter of P·k entries."""
+    indices), and the local work (the calibrated ``topk`` line: residual, selection and scatter, in entries)."""
     calibration, ratio, min_rate = ctx.calibration, ctx.lossy.ratio, ctx.lossy.min_rate
     wire = local = 0.0
     rest = 0
@@ -294,7 +307,7 @@ def topk_cost(ctx: CostContext, layer: LayerShape) -> Estimate:
             continue
         k = topk_count(elements, ratio)
         wire += calibration.seconds("allgather", ctx.workers * 2 * k * 4)
-        local += calibration.local_seconds("topk", elements) + calibration.local_seconds("topk", ctx.workers * k) / 4
+        local += calibration.local_seconds("topk", elements)
     return Estimate(wire + _rest_seconds(calibration, rest), local)
 
 

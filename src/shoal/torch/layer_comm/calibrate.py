@@ -7,7 +7,6 @@ fit is broadcast so every rank plans with the same numbers. A probe round takes 
 
 from __future__ import annotations
 
-import functools
 import os
 from collections.abc import Callable
 
@@ -25,8 +24,10 @@ from shoal.plan.calibration import (
     median_seconds,
     timed_calls,
 )
+from shoal.plan.schemes import LOW_RANK_PROBED
 from shoal.runtime import context
 from shoal.torch import functions
+from shoal.torch.layer_comm.lossy import low_rank_probe, top_k_probe
 
 _PROBE_BYTES = (4096, 262144, 2 * 1024 * 1024, 8 * 1024 * 1024, 32 * 1024 * 1024)
 """Message sizes probed, smallest first; large ones leave the caches, as real gradients do."""
@@ -98,26 +99,18 @@ def measure(repeats: int = 3) -> Calibration:
 
 
 def measure_local_work(repeats: int = 3) -> dict[str, tuple[float, float]]:
-    """The compressed schemes' local work on this rank, as lines (``Calibration.local``): PowerSGD's
-    orthogonalisation (``torch.linalg.qr`` of n×r, in n·r²) and top-k's selection (``torch.topk`` of 1%, in
-    elements)."""
-    qr_units, qr_seconds = [], []
-    for rows, rank in ((64, 1), (1024, 4), (4096, 8), (16384, 16)):
-        matrix = torch.randn(rows, rank)
-        qr_units.append(float(rows * rank * rank))
-        qr_seconds.append(median_seconds(functools.partial(torch.linalg.qr, matrix), repeats))
-    topk_units, topk_seconds = [], []
-    for elements in (1024, 65536, 1 << 20):
-        values = torch.randn(elements)
-        k = max(1, elements // 100)
-        topk_units.append(float(elements))
-        topk_seconds.append(median_seconds(functools.partial(_select, values, k), repeats))
-    return {"qr": fit_line(qr_units, qr_seconds), "topk": fit_line(topk_units, topk_seconds)}
-
-
-def _select(values: torch.Tensor, k: int) -> torch.Tensor:
-    """Top-k's selection, as its scheme runs it."""
-    return values.abs().topk(k, sorted=False).indices
+    """The compressed schemes' local work on this rank, as lines (``Calibration.local``), timed on their own kernels
+    (``lossy.low_rank_probe`` at ranks 1 and 4, ``lossy.top_k_probe`` at 1%) while every rank probes at once, as every
+    rank trains at once."""
+    shapes = ((64, 64), (512, 512), (2048, 4096))  # the largest leaves the caches, as real gradients do
+    entries = [float(rows * columns) for rows, columns in shapes]
+    lines = {}
+    for rank in LOW_RANK_PROBED:  # rank 1's products are matrix-vector ones, a path of their own
+        seconds = [median_seconds(low_rank_probe(rows, columns, rank), repeats) for rows, columns in shapes]
+        lines[f"powersgd@{rank}"] = fit_line(entries, seconds)
+    elements = (4096, 262144, 8 * 1024 * 1024)
+    lines["topk"] = fit_line([float(count) for count in elements], [median_seconds(top_k_probe(n), repeats) for n in elements])
+    return lines
 
 
 def _measure_links(repeats: int) -> dict[str, tuple[float, float]]:

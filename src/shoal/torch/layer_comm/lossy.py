@@ -23,6 +23,7 @@ allreduce buckets instead, as torch's hook does with vectors.
 from __future__ import annotations
 
 import zlib
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -103,6 +104,76 @@ Taken = tuple[torch.Tensor, tuple[Any, ...]]
 """A parameter taken this step, and what its scheme's first collective left for ``finish``."""
 
 
+def working_copy(param: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """The gradient as one float32 vector to compress in place: the gradient itself where it is a contiguous float32
+    tensor (True), else a float32 copy (False; the result is copied back)."""
+    grad = param.grad
+    assert grad is not None
+    if grad.dtype == torch.float32 and grad.is_contiguous():
+        return grad.detach().view(-1), True
+    return grad.detach().to(torch.float32).reshape(-1), False
+
+
+def add_residual(value: torch.Tensor, residual: torch.Tensor | None) -> None:
+    """Error feedback: what earlier steps did not send joins this step's gradient (in place)."""
+    if residual is not None:
+        value.add_(residual)
+
+
+def low_rank_project(matrix: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
+    """PowerSGD's first half on one rank: P = M·Q."""
+    return matrix @ base
+
+
+def low_rank_basis(matrix: torch.Tensor, projected_sum: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """PowerSGD's second half on one rank: orthonormal P from the summed projections (the same on every rank: the
+    same summed input), and this rank's Q = Mᵀ·P. Returns (P, Q)."""
+    basis = torch.linalg.qr(projected_sum).Q
+    return basis, matrix.T @ basis
+
+
+def low_rank_residual(matrix: torch.Tensor, basis: torch.Tensor, local: torch.Tensor, out: torch.Tensor) -> None:
+    """What this rank's share dropped, ``M − P·Qᵀ``, into ``out``."""
+    torch.addmm(matrix, basis, local.T, alpha=-1.0, out=out)
+
+
+def low_rank_probe(rows: int, columns: int, rank: int = 1) -> Callable[[], None]:
+    """PowerSGD's local work for one n×m gradient at ``rank``, without collectives, on buffers made once (what
+    calibration times)."""
+    matrix, residual, base = torch.randn(rows, columns), torch.zeros(rows, columns), torch.randn(columns, rank)
+
+    def run() -> None:
+        add_residual(matrix.view(-1), residual.view(-1))
+        basis, local = low_rank_basis(matrix, low_rank_project(matrix, base))
+        low_rank_residual(matrix, basis, local, residual)
+        torch.mm(basis, local.T, out=matrix)
+
+    return run
+
+
+def top_entries(value: torch.Tensor, count: int, scratch: torch.Tensor) -> torch.Tensor:
+    """The indices of ``value``'s ``count`` largest magnitudes (``scratch``: a buffer of its size for them)."""
+    torch.abs(value, out=scratch)
+    return scratch.topk(count, sorted=False).indices
+
+
+def top_k_probe(elements: int, ratio: float = 0.01) -> Callable[[], None]:
+    """Top-k's local work for one gradient of ``elements`` entries, without collectives, on buffers made once (what
+    calibration times)."""
+    value, residual = torch.randn(elements), torch.zeros(elements)
+    count = topk_count(elements, ratio)
+
+    def run() -> None:
+        add_residual(value, residual)
+        indices = top_entries(value, count, residual)
+        values = value[indices]
+        residual.copy_(value)
+        residual[indices] = 0.0
+        value.zero_().index_add_(0, indices, values)
+
+    return run
+
+
 class _Compressing(LayerComm):
     """What both compressed schemes share: which gradients they take, the warm-up, the residuals."""
 
@@ -113,7 +184,7 @@ class _Compressing(LayerComm):
         self.state = wiring.lossy
         self.process_set = wiring.process_set
         self.names = {id(p): wiring.names[id(p)] for p in params}
-        self._taken: dict[int, tuple[Any, ...]] = {}
+        self._taken: dict[int, Taken] = {}
         self._compressible = {id(p) for p in params if self.fits(p)}
 
     @classmethod
@@ -137,11 +208,17 @@ class _Compressing(LayerComm):
         if not self.active or id(param) not in self._compressible or grad is None or grad.is_sparse:
             return False
         name = self.names[id(param)]
-        value = grad.detach().to(torch.float32).reshape(-1)
-        residual = self.state.residuals.get(name)
-        value = value + residual if residual is not None else value.clone()
-        self._taken[id(param)] = (param, self._start(param, name, value))
+        value, in_place = working_copy(param)
+        add_residual(value, self.state.residuals.get(name))
+        self._taken[id(param)] = (param, (name, value, in_place, *self._start(name, value)))
         return True
+
+    def _residual(self, name: str, like: torch.Tensor) -> torch.Tensor:
+        """The residual buffer of a gradient (reused step after step: a new one would cost page faults)."""
+        residual = self.state.residuals.get(name)
+        if residual is None or residual.shape != like.shape:
+            residual = self.state.residuals[name] = torch.empty_like(like)
+        return residual
 
     def claim_missing(self, missing: list[torch.Tensor]) -> list[torch.Tensor]:
         claimed = []
@@ -155,27 +232,29 @@ class _Compressing(LayerComm):
 
     def finish(self, average: bool) -> None:
         taken, self._taken = self._taken, {}
-        if taken:
-            for param, result in self._finish(list(taken.values()), average):
+        if not taken:
+            return
+        scale = 1.0 / self.process_set.size() if average else 1.0
+        for param, (_, value, in_place, *_rest) in self._finish(list(taken.values()), scale):
+            if not in_place:  # the float32 copy holds the result
                 assert param.grad is not None
-                param.grad.copy_(result.view_as(param.grad))
+                param.grad.copy_(value.view_as(param.grad))
 
     def reset(self) -> None:
         for _, work in self._taken.values():
-            for handle in work[-1:]:
-                if isinstance(handle, int):
-                    handles.discard(handle)
+            handles.discard(work[-1])
         self._taken = {}
 
     def exchange_names(self, names: dict[int, str]) -> list[str]:
-        return []  # two collectives per gradient with their own names; the drift monitor does not follow them
+        return []  # collectives of their own per gradient; the drift monitor does not follow them
 
-    def _start(self, param: torch.Tensor, name: str, value: torch.Tensor) -> tuple[Any, ...]:
+    def _start(self, name: str, value: torch.Tensor) -> tuple[Any, ...]:
+        """Compress ``value`` (gradient plus residual, float32, one vector) and start the first collective; the last
+        item returned is its handle."""
         raise NotImplementedError
 
-    def _finish(
-        self, taken: list[tuple[torch.Tensor, tuple[Any, ...]]], average: bool
-    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def _finish(self, taken: list[Taken], scale: float) -> list[Taken]:
+        """Complete the exchanges, leave each averaged (``scale``) result in its value vector; returns ``taken``."""
         raise NotImplementedError
 
 
@@ -186,10 +265,11 @@ class LowRank(_Compressing):
 
     def __init__(self, name: str, params: list[torch.Tensor], setting: Compressed, wiring: Wiring) -> None:
         self.rank = setting.options.rank or wiring.rank or 4
+        self._views = {id(p): matrix_view(tuple(p.shape)) for p in params}
         super().__init__(name, params, setting, wiring)
 
     def fits(self, param: torch.Tensor) -> bool:
-        view = matrix_view(tuple(param.shape))
+        view = self._views[id(param)]
         return view is not None and powersgd_rank_fits(view, self.rank, self.setting.options.min_rate)
 
     def _base(self, name: str, view: tuple[int, int]) -> torch.Tensor:
@@ -202,37 +282,32 @@ class LowRank(_Compressing):
             base = torch.randn(*shape, generator=generator)
         return base
 
-    def _start(self, param: torch.Tensor, name: str, value: torch.Tensor) -> tuple[Any, ...]:
-        view = matrix_view(tuple(param.shape))
+    def _start(self, name: str, value: torch.Tensor) -> tuple[Any, ...]:
+        view = next(v for key, v in self._views.items() if self.names[key] == name)
         assert view is not None
         matrix = value.view(view)
-        projected = matrix @ self._base(name, view)  # P = M·Q
+        projected = low_rank_project(matrix, self._base(name, view))
         handle = functions.allreduce_async_(
             projected, name=f"DistributedOptimizer.powersgd.P.{name}", op=functions.Sum, process_set=self.process_set
         )
-        return name, matrix, projected, handle
+        return matrix, projected, handle
 
-    def _finish(
-        self, taken: list[tuple[torch.Tensor, tuple[Any, ...]]], average: bool
-    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        second = []
-        for param, (name, matrix, projected, handle) in taken:
+    def _finish(self, taken: list[Taken], scale: float) -> list[Taken]:
+        pending = []
+        for _, (name, value, _, matrix, projected, handle) in taken:
             handles.synchronize(handle)
-            basis = torch.linalg.qr(projected).Q  # orthonormal P: the same on every rank (the same summed input)
-            local = matrix.T @ basis  # this rank's Q = Mᵀ·P
-            summed = local.clone()
+            basis, local = low_rank_basis(matrix, projected)
+            summed = local.clone()  # every layer's Q travels together
             handle = functions.allreduce_async_(
                 summed, name=f"DistributedOptimizer.powersgd.Q.{name}", op=functions.Sum, process_set=self.process_set
             )
-            second.append((param, name, matrix, basis, local, summed, handle))
-        results = []
-        scale = 1.0 / self.process_set.size() if average else 1.0
-        for param, name, matrix, basis, local, summed, handle in second:
+            low_rank_residual(matrix, basis, local, self._residual(name, value).view(matrix.shape))
+            pending.append((name, matrix, basis, summed, handle))
+        for name, matrix, basis, summed, handle in pending:
             handles.synchronize(handle)
-            self.state.residuals[name] = (matrix - basis @ local.T).reshape(-1)  # what this rank's share dropped
             self.state.bases[name] = summed
-            results.append((param, (basis @ summed.T).mul_(scale).to(param.dtype)))
-        return results
+            torch.mm(basis, (summed * scale).T, out=matrix)  # the averaged approximation, into the gradient
+        return taken
 
 
 class TopK(_Compressing):
@@ -244,27 +319,23 @@ class TopK(_Compressing):
         options = self.setting.options
         return topk_fits(param.numel(), options.ratio, options.min_rate)
 
-    def _start(self, param: torch.Tensor, name: str, value: torch.Tensor) -> tuple[Any, ...]:
+    def _start(self, name: str, value: torch.Tensor) -> tuple[Any, ...]:
         count = topk_count(value.numel(), self.setting.options.ratio)
-        indices = value.abs().topk(count, sorted=False).indices
+        residual = self._residual(name, value)
+        indices = top_entries(value, count, residual)  # the residual buffer is scratch until it is written below
         values = value[indices]
-        value[indices] = 0.0
-        self.state.residuals[name] = value  # what was not sent
+        residual.copy_(value)
+        residual[indices] = 0.0  # what was not sent
         # Values and their indices in one allgather: the int32 indices travel as float32 bit patterns (copied, never
         # computed on), which assumes fewer than 2³¹ entries per gradient.
         payload = torch.cat([values, indices.to(torch.int32).view(torch.float32)])
         handle = functions.allgather_async(payload, name=f"DistributedOptimizer.topk.{name}", process_set=self.process_set)
         return count, handle
 
-    def _finish(
-        self, taken: list[tuple[torch.Tensor, tuple[Any, ...]]], average: bool
-    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        results = []
-        scale = 1.0 / self.process_set.size() if average else 1.0
-        for param, (count, handle) in taken:
+    def _finish(self, taken: list[Taken], scale: float) -> list[Taken]:
+        for _, (_, value, _, count, handle) in taken:
             gathered = handles.synchronize(handle).view(-1, 2 * count)
-            values = gathered[:, :count].reshape(-1)
+            values = gathered[:, :count].reshape(-1).mul_(scale)
             indices = gathered[:, count:].contiguous().view(torch.int32).reshape(-1).long()
-            dense = torch.zeros(param.numel(), dtype=torch.float32).index_add_(0, indices, values)
-            results.append((param, dense.mul_(scale).to(param.dtype)))
-        return results
+            value.zero_().index_add_(0, indices, values)
+        return taken

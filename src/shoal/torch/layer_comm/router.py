@@ -152,13 +152,16 @@ class LayerRouter:
     ) -> None:
         self.facts = facts
         self.model = model
+        self.comm = comm
         self.auto = comm in (AUTO, AUTO_LOSSY)
         self.lossy_allowed = comm == AUTO_LOSSY
         """``auto-lossy``: the plan may choose the compressed schemes."""
         self.overrides = dict(overrides or {})
         for value in self.overrides.values():
             scheme_of(value, "comm_overrides")
-        self.settings = {scheme: Compressed(scheme) for scheme in COMPRESSED}
+        # The warm-up is the run's, whichever scheme a layer gets: the others take the given one's.
+        warmup, total = (compressed.warmup_steps, compressed.total_steps) if compressed is not None else (None, None)
+        self.settings = {scheme: Compressed(scheme, warmup_steps=warmup, total_steps=total) for scheme in COMPRESSED}
         """Each compressed scheme's settings where no override gives a layer its own."""
         if compressed is not None:
             self.settings[compressed.scheme] = compressed
@@ -376,7 +379,7 @@ class LayerRouter:
         context.current().set_part("torch.last_plan", LastPlan(self.plans, workers, self.drift.recalibrations, calibration))
         if basics.rank() == 0:  # one line per (re-)plan, so that the planner never works silently
             print(
-                f"[shoal] comm='auto' {'re-planned' if refresh else 'planned'} {len(self.plans)} layers "
+                f"[shoal] comm='{self.comm}' {'re-planned' if refresh else 'planned'} {len(self.plans)} layers "
                 f"({describe_choices(self.plans)}) from {describe_calibration(calibration)}",
                 file=sys.stderr,
                 flush=True,
