@@ -478,8 +478,7 @@ class GradientExchange(_Exchange):
         missing = [p for p in self.params if id(p) not in self._submitted]
         if missing:  # no gradient this step here (or a layer that fell back): stand in, so no rank ever hangs
             self._submit(missing)
-        for layer in reversed(layers):  # backward's order: the last layers' exchanges were the first to leave
-            layer.finish(average=self.op == ReduceOp.Average)
+        self.router.finish(average=self.op == ReduceOp.Average)
         if shared is not None:
             shared.wait()
         for handle, params, compressed_list, contexts in self._in_flight:

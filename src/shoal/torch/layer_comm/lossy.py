@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import zlib
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -31,15 +32,41 @@ from torch import nn
 
 from shoal.core import session as handles
 from shoal.core.process_sets import ProcessSet
+from shoal.core.rules import ReduceOp
 from shoal.plan.schemes import Compressed, Scheme, matrix_view, powersgd_rank_fits, topk_count, topk_fits
 from shoal.torch import functions
 from shoal.torch.layer_comm.schemes import LayerComm, Wiring
 
+GROUP_BYTES = 1 << 20
+"""The compressed payloads (PowerSGD's P, top-k's entries) wait until this many bytes are ready, then leave as one
+fused collective; the rest leave together at ``synchronize``. They are small: sent one by one, each would pay a
+collective's latency, which on a slow link is most of its cost."""
+
+
+@dataclass
+class Item:
+    """One gradient compressed this step: where it is, and its scheme's work so far."""
+
+    layer: _Compressing
+    param: torch.Tensor
+    name: str
+    value: torch.Tensor
+    """Gradient plus residual, float32, one vector (the gradient itself where ``in_place``)."""
+    in_place: bool
+    work: tuple[Any, ...]
+    """PowerSGD: (matrix view, P); top-k: (k, payload)."""
+
+    @property
+    def payload(self) -> torch.Tensor:
+        payload: torch.Tensor = self.work[-1]
+        return payload
+
 
 class LossyState:
-    """Per optimizer: the error-feedback residuals and warm-start bases by parameter name, and the step count."""
+    """Per optimizer: the error-feedback residuals and warm-start bases by parameter name, and the step count; and
+    this step's compressed payloads, waiting or in flight."""
 
-    __slots__ = ("bases", "residuals", "steps")
+    __slots__ = ("bases", "flights", "outbox", "residuals", "steps")
 
     def __init__(self) -> None:
         self.steps = 0
@@ -47,6 +74,41 @@ class LossyState:
         self.residuals: dict[str, torch.Tensor] = {}
         self.bases: dict[str, torch.Tensor] = {}
         """PowerSGD's Q per gradient, the same on every rank."""
+        self.outbox: dict[type[_Compressing], list[Item]] = {}
+        self.flights: list[tuple[type[_Compressing], int, list[Item]]] = []
+
+    def queue(self, item: Item, process_set: ProcessSet) -> None:
+        """A compressed gradient is ready: send its scheme's waiting payloads once they reach ``GROUP_BYTES``."""
+        kind = type(item.layer)
+        waiting = self.outbox.setdefault(kind, [])
+        waiting.append(item)
+        if sum(i.payload.numel() * 4 for i in waiting) >= GROUP_BYTES:
+            self._send(kind, process_set, driven=False)
+
+    def _send(self, kind: type[_Compressing], process_set: ProcessSet, driven: bool) -> None:
+        items = self.outbox.pop(kind, [])
+        if items:
+            self.flights.append((kind, kind.send(items, process_set, driven), items))
+
+    def finish(self, average: bool, process_set: ProcessSet) -> None:
+        """At ``synchronize``: send what waits, complete every exchange, leave the averaged results in the gradients."""
+        for kind in list(self.outbox):
+            self._send(kind, process_set, driven=True)
+        flights, self.flights = self.flights, []
+        scale = 1.0 / process_set.size() if average else 1.0
+        for kind in dict.fromkeys(kind for kind, _, _ in flights):
+            kind.complete([(handle, items) for k, handle, items in flights if k is kind], scale, process_set)
+        for _, _, items in flights:
+            for item in items:
+                if not item.in_place:  # the float32 copy holds the result
+                    assert item.param.grad is not None
+                    item.param.grad.copy_(item.value.view_as(item.param.grad))
+
+    def discard(self) -> None:
+        """Forget this step's exchanges (elastic recovery)."""
+        for _, handle, _ in self.flights:
+            handles.discard(handle)
+        self.flights, self.outbox = [], {}
 
     def state_dict(self) -> dict[str, Any]:
         """A copy (tensors cloned)."""
@@ -98,10 +160,6 @@ class LossyState:
             base = base if base is not None and tuple(base.shape) == shape else torch.zeros(shape)
             bases[name] = functions.broadcast(base, root_rank, name=f"lossy.pool.base.{name}", process_set=process_set)
         self.bases = bases
-
-
-Taken = tuple[torch.Tensor, tuple[Any, ...]]
-"""A parameter taken this step, and what its scheme's first collective left for ``finish``."""
 
 
 def working_copy(param: torch.Tensor) -> tuple[torch.Tensor, bool]:
@@ -184,7 +242,6 @@ class _Compressing(LayerComm):
         self.state = wiring.lossy
         self.process_set = wiring.process_set
         self.names = {id(p): wiring.names[id(p)] for p in params}
-        self._taken: dict[int, Taken] = {}
         self._compressible = {id(p) for p in params if self.fits(p)}
 
     @classmethod
@@ -210,7 +267,7 @@ class _Compressing(LayerComm):
         name = self.names[id(param)]
         value, in_place = working_copy(param)
         add_residual(value, self.state.residuals.get(name))
-        self._taken[id(param)] = (param, (name, value, in_place, *self._start(name, value)))
+        self.state.queue(Item(self, param, name, value, in_place, self._compress(name, value)), self.process_set)
         return True
 
     def _residual(self, name: str, like: torch.Tensor) -> torch.Tensor:
@@ -230,31 +287,25 @@ class _Compressing(LayerComm):
                     claimed.append(param)
         return claimed
 
-    def finish(self, average: bool) -> None:
-        taken, self._taken = self._taken, {}
-        if not taken:
-            return
-        scale = 1.0 / self.process_set.size() if average else 1.0
-        for param, (_, value, in_place, *_rest) in self._finish(list(taken.values()), scale):
-            if not in_place:  # the float32 copy holds the result
-                assert param.grad is not None
-                param.grad.copy_(value.view_as(param.grad))
-
     def reset(self) -> None:
-        for _, work in self._taken.values():
-            handles.discard(work[-1])
-        self._taken = {}
+        self.state.discard()
 
     def exchange_names(self, names: dict[int, str]) -> list[str]:
-        return []  # collectives of their own per gradient; the drift monitor does not follow them
+        return []  # fused collectives of their own; the drift monitor does not follow them
 
-    def _start(self, name: str, value: torch.Tensor) -> tuple[Any, ...]:
-        """Compress ``value`` (gradient plus residual, float32, one vector) and start the first collective; the last
-        item returned is its handle."""
+    def _compress(self, name: str, value: torch.Tensor) -> tuple[Any, ...]:
+        """This rank's compression of ``value`` (gradient plus residual, float32, one vector); the last item is the
+        payload to send."""
         raise NotImplementedError
 
-    def _finish(self, taken: list[Taken], scale: float) -> list[Taken]:
-        """Complete the exchanges, leave each averaged (``scale``) result in its value vector; returns ``taken``."""
+    @classmethod
+    def send(cls, items: list[Item], process_set: ProcessSet, driven: bool) -> int:
+        """Start the first collective of these items, fused; returns its handle."""
+        raise NotImplementedError
+
+    @classmethod
+    def complete(cls, flights: list[tuple[int, list[Item]]], scale: float, process_set: ProcessSet) -> None:
+        """Complete the exchanges; leave each averaged (``scale``) result in its item's value vector."""
         raise NotImplementedError
 
 
@@ -282,32 +333,37 @@ class LowRank(_Compressing):
             base = torch.randn(*shape, generator=generator)
         return base
 
-    def _start(self, name: str, value: torch.Tensor) -> tuple[Any, ...]:
+    def _compress(self, name: str, value: torch.Tensor) -> tuple[Any, ...]:
         view = next(v for key, v in self._views.items() if self.names[key] == name)
         assert view is not None
         matrix = value.view(view)
-        projected = low_rank_project(matrix, self._base(name, view))
-        handle = functions.allreduce_async_(
-            projected, name=f"DistributedOptimizer.powersgd.P.{name}", op=functions.Sum, process_set=self.process_set
-        )
-        return matrix, projected, handle
+        return matrix, low_rank_project(matrix, self._base(name, view))
 
-    def _finish(self, taken: list[Taken], scale: float) -> list[Taken]:
-        pending = []
-        for _, (name, value, _, matrix, projected, handle) in taken:
+    @classmethod
+    def send(cls, items: list[Item], process_set: ProcessSet, driven: bool) -> int:
+        names = [f"DistributedOptimizer.powersgd.P.{item.name}" for item in items]
+        return functions.allreduce_named_async_(
+            [item.payload for item in items], names, ReduceOp.Sum, 1.0, 1.0, process_set, driven
+        )
+
+    @classmethod
+    def complete(cls, flights: list[tuple[int, list[Item]]], scale: float, process_set: ProcessSet) -> None:
+        done = []
+        for handle, items in flights:
             handles.synchronize(handle)
-            basis, local = low_rank_basis(matrix, projected)
-            summed = local.clone()  # every layer's Q travels together
-            handle = functions.allreduce_async_(
-                summed, name=f"DistributedOptimizer.powersgd.Q.{name}", op=functions.Sum, process_set=self.process_set
-            )
-            low_rank_residual(matrix, basis, local, self._residual(name, value).view(matrix.shape))
-            pending.append((name, matrix, basis, summed, handle))
-        for name, matrix, basis, summed, handle in pending:
-            handles.synchronize(handle)
-            self.state.bases[name] = summed
+            for item in items:
+                matrix, projected = item.work
+                basis, local = low_rank_basis(matrix, projected)
+                done.append((item, matrix, basis, local, local.clone()))
+        # Every gradient's Q together, while this rank works out its residuals.
+        names = [f"DistributedOptimizer.powersgd.Q.{item.name}" for item, *_ in done]
+        handle = functions.allreduce_named_async_([q for *_, q in done], names, ReduceOp.Sum, 1.0, 1.0, process_set, True)
+        for item, matrix, basis, local, _ in done:
+            low_rank_residual(matrix, basis, local, item.layer._residual(item.name, item.value).view(matrix.shape))
+        handles.synchronize(handle)
+        for item, matrix, basis, _, summed in done:
+            item.layer.state.bases[item.name] = summed
             torch.mm(basis, (summed * scale).T, out=matrix)  # the averaged approximation, into the gradient
-        return taken
 
 
 class TopK(_Compressing):
@@ -319,23 +375,28 @@ class TopK(_Compressing):
         options = self.setting.options
         return topk_fits(param.numel(), options.ratio, options.min_rate)
 
-    def _start(self, name: str, value: torch.Tensor) -> tuple[Any, ...]:
+    def _compress(self, name: str, value: torch.Tensor) -> tuple[Any, ...]:
         count = topk_count(value.numel(), self.setting.options.ratio)
         residual = self._residual(name, value)
         indices = top_entries(value, count, residual)  # the residual buffer is scratch until it is written below
         values = value[indices]
         residual.copy_(value)
         residual[indices] = 0.0  # what was not sent
-        # Values and their indices in one allgather: the int32 indices travel as float32 bit patterns (copied, never
+        # Values and their indices in one payload: the int32 indices travel as float32 bit patterns (copied, never
         # computed on), which assumes fewer than 2³¹ entries per gradient.
-        payload = torch.cat([values, indices.to(torch.int32).view(torch.float32)])
-        handle = functions.allgather_async(payload, name=f"DistributedOptimizer.topk.{name}", process_set=self.process_set)
-        return count, handle
+        return count, torch.cat([values, indices.to(torch.int32).view(torch.float32)])
 
-    def _finish(self, taken: list[Taken], scale: float) -> list[Taken]:
-        for _, (_, value, _, count, handle) in taken:
-            gathered = handles.synchronize(handle).view(-1, 2 * count)
-            values = gathered[:, :count].reshape(-1).mul_(scale)
-            indices = gathered[:, count:].contiguous().view(torch.int32).reshape(-1).long()
-            value.zero_().index_add_(0, indices, values)
-        return taken
+    @classmethod
+    def send(cls, items: list[Item], process_set: ProcessSet, driven: bool) -> int:
+        name = f"DistributedOptimizer.topk.{items[0].name}.{len(items)}"
+        return functions.grouped_allgather_async([item.payload for item in items], name=name, process_set=process_set)
+
+    @classmethod
+    def complete(cls, flights: list[tuple[int, list[Item]]], scale: float, process_set: ProcessSet) -> None:
+        for handle, items in flights:
+            for item, gathered in zip(items, handles.synchronize(handle), strict=True):
+                count = item.work[0]
+                rows = gathered.view(-1, 2 * count)
+                values = rows[:, :count].reshape(-1).mul_(scale)
+                indices = rows[:, count:].contiguous().view(torch.int32).reshape(-1).long()
+                item.value.zero_().index_add_(0, indices, values)

@@ -210,6 +210,12 @@ class LayerRouter:
         """Every distinct ``LayerComm`` (each once)."""
         return list({id(comm): comm for comm in self._comm_of.values()}.values())
 
+    def finish(self, average: bool) -> None:
+        """At ``synchronize()``: complete every layer's exchange of this step (the compressed schemes' together)."""
+        for layer in reversed(self.layers()):  # backward's order: the last layers' exchanges were the first to leave
+            layer.finish(average)
+        self.lossy.finish(average, self.facts.process_set)
+
     def start_update(self, synchronized: bool) -> list[torch.Tensor]:
         """Before the local optimizer's step: pull the servers' values, (re-)plan if due. Returns the parameters
         the local step must skip (the servers updated them)."""
