@@ -289,3 +289,23 @@ def test_elastic_state_round_trips_the_error_feedback_buffers() -> None:
     for result in run_ranks(_elastic_round_trip, 2):
         assert result["names"] == ["conv.weight", "fc1.weight", "fc2.weight"]
         assert result["changed"] and result["restored"] and result["owed_kept"] and result["equal"], result
+
+
+def _digits_curves(model: str) -> dict[str, list[tuple[float, float]]]:
+    from shoal.bench.accuracy import train_variant
+
+    torch.set_num_threads(1)
+    hvd.init()
+    return {v: train_variant(v, model, 20, 32, 0.02, width=256, rank=2, ratio=0.05) for v in ("shoal", "powersgd", "topk")}
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("model", ["mlp", "cnn"])
+def test_each_compressed_scheme_trains_digits_to_within_a_point_of_uncompressed(model: str) -> None:
+    # PowerSGD at rank 2 and top-k of 5%, error feedback, warm-up 10% of the run; 20 epochs on 2 ranks. The test
+    # accuracy moves by a point from epoch to epoch, so each run is scored by its last five epochs' mean.
+    curves = run_ranks(_digits_curves, 2, args=(model,), timeout_s=220)[0]
+    scores = {name: float(np.mean([accuracy for _, accuracy in curve[-5:]])) for name, curve in curves.items()}
+    assert scores["shoal"] > 0.95, scores
+    for scheme in ("powersgd", "topk"):
+        assert scores[scheme] >= scores["shoal"] - 0.01, scores

@@ -102,13 +102,13 @@ def measure_local_work(repeats: int = 3) -> dict[str, tuple[float, float]]:
     """The compressed schemes' local work on this rank, as lines (``Calibration.local``), timed on their own kernels
     (``lossy.low_rank_probe`` at ranks 1 and 4, ``lossy.top_k_probe`` at 1%) while every rank probes at once, as every
     rank trains at once."""
-    shapes = ((64, 64), (512, 512), (2048, 4096))  # the largest leaves the caches, as real gradients do
+    shapes = ((64, 64), (512, 512), (1024, 4096))  # the largest leaves the caches, as real gradients do
     entries = [float(rows * columns) for rows, columns in shapes]
     lines = {}
     for rank in LOW_RANK_PROBED:  # rank 1's products are matrix-vector ones, a path of their own
         seconds = [median_seconds(low_rank_probe(rows, columns, rank), repeats) for rows, columns in shapes]
         lines[f"powersgd@{rank}"] = fit_line(entries, seconds)
-    elements = (4096, 262144, 8 * 1024 * 1024)
+    elements = (4096, 65536, 1024 * 1024)
     lines["topk"] = fit_line([float(count) for count in elements], [median_seconds(top_k_probe(n), repeats) for n in elements])
     return lines
 
