@@ -75,6 +75,9 @@ class Links:
     cpu_share: dict[str, float] = field(default_factory=dict)
     """By exchange, the share of its time that keeps a core busy, as a calibration measured it (``Calibration.
     cpu_share``; empty: all of it)."""
+    local: dict[str, tuple[float, float]] = field(default_factory=dict)
+    """The compressed schemes' local work, as a calibration measured it (``Calibration.local``; empty: its
+    stand-ins)."""
 
     @classmethod
     def preset(cls, link: str, intra: Line, cast_per_byte_s: float, flops_per_s: float) -> Links:
@@ -102,7 +105,8 @@ class Links:
         if hosts == 1:
             intra = Line(latency, per_byte)
             gather_latency, gather_per_byte = calibration.lines["allgather"]
-            return cls(None, intra, cast, calibration.flops_per_s, Line(gather_latency, gather_per_byte), share)
+            gather = Line(gather_latency, gather_per_byte)
+            return cls(None, intra, cast, calibration.flops_per_s, gather, share, dict(calibration.local))
         if workers == hosts:
             inter = Line(latency / (2 * (hosts - 1)), per_byte * hosts / (2 * (hosts - 1)))
             intra = Line(0.0, 0.0)
@@ -112,7 +116,7 @@ class Links:
             inter_latency, inter_per_byte = calibration.links["inter-host"]
             inter = Line(inter_latency / (2 * (hosts - 1)), inter_per_byte * hosts / (2 * (hosts - 1)))
             intra = Line(*calibration.links["intra-host"])
-        return cls(inter, intra, cast, calibration.flops_per_s, cpu_share=share)
+        return cls(inter, intra, cast, calibration.flops_per_s, cpu_share=share, local=dict(calibration.local))
 
     def calibration(self, workers: int, ranks_per_host: int) -> Calibration:
         """The lines the planner would measure on ``workers`` ranks, ``ranks_per_host`` on each host.
@@ -149,7 +153,7 @@ class Links:
                 "intra-host": (self.intra.latency_s, self.intra.per_byte_s),
                 "inter-host": (2 * self.inter.latency_s, self.inter.per_byte_s),  # a two-party ring: the stand-in
             }
-        return Calibration(lines, self.flops_per_s, links, cpu_share=dict(self.cpu_share))
+        return Calibration(lines, self.flops_per_s, links, cpu_share=dict(self.cpu_share), local=dict(self.local))
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from shoal.plan.schemes import Scheme
 from shoal.plan.simulate import Links, StepPrediction, StepProfile, simulate
 
-ALTERNATIVES = ("allreduce", "fp16", "bf16", "sfb", "auto")
+ALTERNATIVES = ("allreduce", "fp16", "bf16", "sfb", "powersgd", "topk", "auto", "auto-lossy")
 """The comm settings the advice compares (what ``DistributedOptimizer(comm=...)`` offers without servers)."""
 
 
@@ -68,7 +68,7 @@ def scaling(
 ) -> list[Row]:
     """Predict ``comm`` at each worker count, and the best of the other comm settings beside it (``cpu_bound``: see
     ``shoal.plan.simulate.simulate``)."""
-    if comm != "auto":
+    if comm not in ("auto", "auto-lossy"):
         Scheme.parse(comm, "comm")
     layer_bytes = {layer.name: layer.nbytes for layer in profile.layers}
     rows = []

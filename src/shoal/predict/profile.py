@@ -85,7 +85,8 @@ def _layers(model: nn.Module, rows: dict[str, int]) -> list[Layer]:
         linear = None
         if isinstance(module, nn.Linear) and name in rows:
             linear = (rows[name], module.out_features, module.in_features)
-        layers.append(Layer(name, type(module).__name__, nbytes, linear, spares_local_gradient(module)))
+        shapes = tuple(tuple(p.shape) for _, p in params)
+        layers.append(Layer(name, type(module).__name__, nbytes, linear, spares_local_gradient(module), shapes))
     return layers
 
 
