@@ -82,7 +82,7 @@ def test_powersgd_at_full_rank_equals_allreduce(size: int) -> None:
     results = run_ranks(_distributed, size, args=(compression, 4, 3))
     reference = _reference(size, 4, 3)
     for result in results:
-        assert result["kinds"] == ["LowRank"]
+        assert result["kinds"] == ["FactoredLowRank", "LowRank"]  # fc1 and fc2 from their factors, conv dense
         assert result["residuals"] == ["conv.weight", "fc1.weight", "fc2.weight"]
         for name, value in reference.items():
             np.testing.assert_allclose(result["weights"][name], value, rtol=0, atol=1e-5, err_msg=name)
@@ -205,8 +205,9 @@ def test_powersgd_rank_is_chosen_per_layer_from_the_costs() -> None:
     bandwidth_bound = Calibration.uniform(1e-6, 8 / 1e8, 1e12)
     allowed = (Scheme.POWERSGD,)
     high = build_plan(big, latency_bound, 2, {}, allowed=allowed, lossy=LossyOptions(max_rank=8))
-    low = build_plan(big, bandwidth_bound, 2, {}, allowed=allowed, lossy=LossyOptions(max_rank=8))
-    assert high[0].rank == 8 and low[0].rank == 1, (high[0].rank, low[0].rank)
+    low = build_plan(big, bandwidth_bound, 2, {}, allowed=allowed, lossy=LossyOptions(max_rank=8, min_rank=1))
+    floor = build_plan(big, bandwidth_bound, 2, {}, allowed=allowed, lossy=LossyOptions(max_rank=8))
+    assert high[0].rank == 8 and low[0].rank == 1 and floor[0].rank >= 2, (high[0].rank, low[0].rank, floor[0].rank)
 
 
 def _misuse() -> list[str]:
@@ -309,3 +310,46 @@ def test_each_compressed_scheme_trains_digits_to_within_a_point_of_uncompressed(
     assert scores["shoal"] > 0.95, scores
     for scheme in ("powersgd", "topk"):
         assert scores[scheme] >= scores["shoal"] - 0.01, scores
+
+
+def _twice_on_rank_zero(distributed: bool) -> dict[str, np.ndarray]:
+    """An nn.Linear called twice per step on rank 0 and once on rank 1; PowerSGD at full rank from its factors."""
+    torch.set_num_threads(1)
+    torch.manual_seed(5)
+    layer = nn.Linear(8, 8)
+    generator = torch.Generator().manual_seed(9)
+    x, y = torch.randn(3, 8, 8, generator=generator), torch.randn(3, 8, 8, generator=generator)
+
+    def loss(rows: slice, twice: bool, step: int) -> torch.Tensor:
+        h = layer(x[step][rows])
+        return nn.functional.mse_loss(layer(torch.relu(h)) if twice else h, y[step][rows])
+
+    if not distributed:
+        optimizer = torch.optim.SGD(layer.parameters(), lr=0.1)
+        for step in range(3):
+            optimizer.zero_grad()
+            ((loss(slice(0, 4), True, step) + loss(slice(4, 8), False, step)) / 2).backward()
+            optimizer.step()
+        return {k: v.detach().numpy() for k, v in layer.state_dict().items()}
+    hvd.init()
+    compression = hvd.Compression.powersgd(rank=8, warmup_steps=0, min_compression_rate=0.0)
+    optimizer = hvd.DistributedOptimizer(
+        torch.optim.SGD(layer.parameters(), lr=0.1),
+        named_parameters=layer.named_parameters(),
+        model=layer,
+        compression=compression,
+    )
+    assert [type(c).__name__ for c in optimizer._shoal_router.layers()] == ["FactoredLowRank"]  # type: ignore[attr-defined]
+    rows = slice(4 * hvd.rank(), 4 * hvd.rank() + 4)
+    for step in range(3):
+        optimizer.zero_grad()
+        loss(rows, hvd.rank() == 0, step).backward()
+        optimizer.step()
+    return {k: v.detach().numpy() for k, v in layer.state_dict().items()}
+
+
+def test_factored_powersgd_counts_every_call_and_matches_one_process() -> None:
+    reference = _twice_on_rank_zero(False)
+    for result in run_ranks(_twice_on_rank_zero, 2, args=(True,)):
+        for name, value in reference.items():
+            np.testing.assert_allclose(result[name], value, rtol=0, atol=1e-5, err_msg=name)

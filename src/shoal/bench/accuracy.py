@@ -2,14 +2,15 @@
 DDP and DDP with torch's PowerSGD hook, one after another in one invocation, on scikit-learn's digits (1,797 real
 8×8 images; needs scikit-learn).
 
-Run: ``shoalrun -np 2 python -m shoal.bench.accuracy --model mlp`` (or under ``shoal.bench.netns`` for a slow
-link). Each variant trains from the same initial weights on the same shards for ``--epochs``; after every epoch the
-clock stops and every rank scores the test set. Rank 0 prints each curve (seconds, test accuracy), then one JSON
-line: ``{"bench": "accuracy", "model": .., "world": .., "target": .., "variants": {name: {"final_accuracy": ..,
-"seconds": .., "time_to_target_s": .., "curve": [[s, acc], ...]}}, "lossy_vs_ddp": .., "lossy_vs_ddp_powersgd": ..}``
-where ``target`` is the uncompressed Shoal run's final accuracy minus half a point, ``time_to_target_s`` the training
-seconds until a variant first reaches it (null if never), and the ratios are DDP's time to target over
-``auto-lossy``'s. ``--plot FILE`` draws the curves (needs matplotlib).
+Run: ``shoalrun -np 2 python -m shoal.bench.accuracy --model mlp`` (or under ``shoal.bench.netns`` for a slow link).
+Each variant trains from the same initial weights on the same shards for ``--epochs``; after every epoch the clock
+stops and every rank scores the test set; the uncompressed Shoal run comes first and sets the target, and every
+other variant trains on past ``--epochs`` until it reaches the target (up to ``--max-epochs``). Rank 0 prints each
+curve (seconds, test accuracy), then one JSON line: ``{"bench": "accuracy", "model": .., "world": .., "target": ..,
+"variants": {name: {"final_accuracy": .., "seconds": .., "time_to_target_s": .., "curve": [[s, acc], ...]}},
+"lossy_vs_ddp": .., "lossy_vs_ddp_powersgd": ..}`` where ``target`` is the uncompressed Shoal run's final accuracy
+minus half a point, ``time_to_target_s`` the training seconds until a variant first reaches it (null if never), and
+the ratios are DDP's time to target over ``auto-lossy``'s. ``--plot FILE`` draws the curves (needs matplotlib).
 """
 
 from __future__ import annotations
@@ -110,9 +111,12 @@ def train_variant(
     width: int = 512,
     rank: int = 4,
     ratio: float = 0.01,
+    target: float | None = None,
+    max_epochs: int | None = None,
 ) -> list[tuple[float, float]]:
     """Train one variant (every rank calls it); returns its curve: (training seconds so far, test accuracy) after
-    each epoch. The clock stops while the test set is scored."""
+    each epoch. The clock stops while the test set is scored. With ``target``, training goes on past ``epochs`` (up
+    to ``max_epochs``) until the test accuracy reaches it: every rank holds the same weights, so all stop alike."""
     if variant not in VARIANTS:
         raise ValueError(f"unknown variant {variant!r}; choose from {', '.join(VARIANTS)}")
     train_set, test_set = load_digits_tensors()
@@ -122,11 +126,14 @@ def train_variant(
     loader = DataLoader(train_set, batch_size=batch_size, sampler=sampler, drop_last=True)
     model = build_model(model_name, width)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    last = max(epochs, max_epochs or epochs) if target is not None else epochs
     trained, optimizer = _optimizer(variant, model, lr, epochs * len(loader), rank, ratio)
     loss_fn = nn.CrossEntropyLoss()
-    curve = []
+    curve: list[tuple[float, float]] = []
     elapsed = 0.0
-    for epoch in range(epochs):
+    for epoch in range(last):
+        if epoch >= epochs and target is not None and curve[-1][1] >= target:
+            break
         sampler.set_epoch(epoch)
         hvd.barrier()
         start = time.perf_counter()
@@ -173,22 +180,26 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--variants", default=",".join(VARIANTS), help=f"comma-separated, from {', '.join(VARIANTS)} (shoal always runs)"
     )
+    parser.add_argument(
+        "--max-epochs", type=int, default=None, help="the others train on until the target, up to this (default 2x --epochs)"
+    )
     parser.add_argument("--ratio", type=float, default=0.01, help="top-k's share of entries sent (default 0.01)")
     parser.add_argument("--plot", default=None, help="draw the curves into this PNG (needs matplotlib)")
     add_json_flag(parser)
     args = parser.parse_args(argv)
+    args.max_epochs = args.max_epochs or 2 * args.epochs
     variants = ["shoal", *(v for v in args.variants.split(",") if v and v != "shoal")]
     unknown = [v for v in variants if v not in VARIANTS]
     if unknown:
         parser.error(f"unknown variants {unknown}; choose from {', '.join(VARIANTS)}")
     torch.set_num_threads(1)
     hvd.init()
-    curves = {
-        v: train_variant(v, args.model, args.epochs, args.batch_size, args.lr, args.width, args.rank, args.ratio)
-        for v in variants
-    }
+    settings = (args.model, args.epochs, args.batch_size, args.lr, args.width, args.rank, args.ratio)
+    curves = {"shoal": train_variant("shoal", *settings)}
+    target = round(curves["shoal"][-1][1] - 0.005, 4)
+    for variant in variants[1:]:  # each goes on until it reaches the target, up to --max-epochs
+        curves[variant] = train_variant(variant, *settings, target=target, max_epochs=args.max_epochs)
     if hvd.rank() == 0:
-        target = round(curves["shoal"][-1][1] - 0.005, 4)
         result: dict[str, object] = {"bench": "accuracy", "model": args.model, "world": hvd.size(), "target": target}
         table = {}
         for name, curve in curves.items():

@@ -69,16 +69,9 @@ _REASONS = {
 
 
 def _digits() -> tuple[Any, Any]:
-    import torch
-    from sklearn.datasets import load_digits  # type: ignore[import-untyped]
-    from sklearn.model_selection import train_test_split  # type: ignore[import-untyped]
-    from torch.utils.data import TensorDataset
+    from shoal.bench.accuracy import load_digits_tensors
 
-    digits = load_digits()
-    images = torch.tensor(digits.images, dtype=torch.float32).unsqueeze(1) / 16.0
-    labels = torch.tensor(digits.target)
-    x_train, x_test, y_train, y_test = train_test_split(images, labels, test_size=0.2, random_state=0)
-    return TensorDataset(x_train, y_train), TensorDataset(x_test, y_test)
+    return load_digits_tensors()
 
 
 def _worker_job(args: argparse.Namespace, train_set: Any) -> tuple[Any, Any, Any, Any]:

@@ -14,11 +14,12 @@ pass (a one-element allreduce), as a synchronous job's ranks must, so that their
 the same rounds whose gradients are copied to be reduced instead of living in shared memory. ``--compare
 ddp,ddp-powersgd`` also runs DDP with torch's PowerSGD hook at ``--rank``: ``ddp_powersgd_ips`` and
 ``powersgd_ratio`` (= shoal_ips / ddp_powersgd_ips). ``--comm auto-lossy`` lets the plan compress (PowerSGD up to
-``--rank``, top-k) after ``--lossy-warmup`` steps. ``--zero-grad zeros`` makes every phase's ``zero_grad`` fill
-gradients with zeros instead of setting them to None. ``--profile`` then times one more Shoal phase with a timeline
-and prints where a step's time goes. ``barrier_us`` is the shared-memory barrier's round trip before the phases and
-after them (``shoal.bench.barrier_us``: whether the ranks' cores shared a cache during the run; null without shared
-memory).
+``--rank``, top-k) after ``--lossy-warmup`` steps. ``--compare-comm C`` adds a second Shoal job with comm C in the
+same rounds: ``other_ips`` and ``comm_ratio`` (= shoal_ips / other_ips). ``--zero-grad zeros`` makes every phase's
+``zero_grad`` fill gradients with zeros instead of setting them to None. ``--profile`` then times one more Shoal
+phase with a timeline and prints where a step's time goes. ``barrier_us`` is the shared-memory barrier's round trip
+before the phases and after them (``shoal.bench.barrier_us``: whether the ranks' cores shared a cache during the
+run; null without shared memory).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -328,6 +330,12 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         "gradients): copying_ips, shared_gain",
     )
     parser.add_argument(
+        "--compare-comm",
+        choices=COMM_CHOICES,
+        default=None,
+        help="each round also time a second Shoal job with this comm: other_ips, comm_ratio (= shoal_ips / other_ips)",
+    )
+    parser.add_argument(
         "--zero-grad",
         choices=["none", "zeros"],
         default="none",
@@ -351,6 +359,10 @@ class Phases:
     bound: list[float]
     lockstep: list[float]
     copying: list[float]
+    other: list[float]
+    """A second Shoal job's rates (``--compare-comm``)."""
+    plan: Any
+    """The main Shoal job's last plan (``comm="auto"`` or ``"auto-lossy"``), or None."""
     solo_ips: float
     reduce_s: float
     profile: list[str]
@@ -382,7 +394,7 @@ def _report(args: argparse.Namespace, phases: Phases) -> None:
         result["ps_mode"] = config.mode
         result["ps_servers"] = config.num_servers if config.dedicated else hvd.size()
         result["ps_dedicated"] = config.dedicated
-    plan = last_plan()
+    plan = phases.plan
     if args.comm in (AUTO, AUTO_LOSSY) and plan is not None:
         error = median_error(plan.plans)
         result["plan_median_error"] = round(error, 3) if error is not None else None
@@ -396,6 +408,11 @@ def _report(args: argparse.Namespace, phases: Phases) -> None:
         print(f"ddp with torch's PowerSGD hook (rank {args.rank}): {', '.join(f'{v:.1f}' for v in phases.ddp_powersgd)} img/s")
         result["ddp_powersgd_ips"] = round(max(phases.ddp_powersgd), 1)
         result["powersgd_ratio"] = round(shoal_ips / max(phases.ddp_powersgd), 3)
+    if phases.other:
+        print(f"shoal with comm {args.compare_comm}: {', '.join(f'{v:.1f}' for v in phases.other)} img/s")
+        result["other_comm"] = args.compare_comm
+        result["other_ips"] = round(max(phases.other), 1)
+        result["comm_ratio"] = round(shoal_ips / max(phases.other), 3)
     if phases.copying:
         print(f"copying gradients: {', '.join(f'{v:.1f}' for v in phases.copying)} img/s")
         result["copying_ips"] = round(max(phases.copying), 1)
@@ -436,13 +453,19 @@ def main(argv: list[str] | None = None) -> None:
     hvd.init()
     placement = [barrier_us()]
     batches = _batches(args.model, args.batch_size, 4)
-    shoal_runs, ddp_runs, powersgd_runs, bound_runs, lockstep_runs, copying_runs = [], [], [], [], [], []
+    shoal_runs, ddp_runs, powersgd_runs, bound_runs, lockstep_runs, copying_runs, other_runs = [], [], [], [], [], [], []
     # One Shoal training job across the rounds, as in real training: comm="auto" plans (and may refit) once, in the
     # first round, and later rounds run the plan it settled on.
     shoal_job = _shoal_model(args)
     copying_job = _shoal_model(args) if args.compare_copying else None
+    other_args = argparse.Namespace(**{**vars(args), "comm": args.compare_comm})
+    other_job = _shoal_model(other_args) if args.compare_comm else None
+    plan = None
     for round_number in range(args.rounds):  # alternating, so that a slow spell of the machine hits each alike
         shoal_runs.append(run_shoal(args, batches, shoal_job))
+        plan = last_plan()  # this job's (the other job plans too)
+        if other_job is not None:
+            other_runs.append(run_shoal(other_args, batches, other_job))
         if copying_job is not None:
             copying_runs.append(run_shoal(args, batches, copying_job, shared_gradients=False))
         if "ddp" in args.compare:
@@ -457,6 +480,7 @@ def main(argv: list[str] | None = None) -> None:
             ddp += f", ddp-powersgd {powersgd_runs[-1]:.1f}" if powersgd_runs else ""
             lockstep = f", lockstep bound {lockstep_runs[-1]:.1f}" if lockstep_runs else ""
             copying = f", copying gradients {copying_runs[-1]:.1f}" if copying_runs else ""
+            copying += f", shoal with comm {args.compare_comm} {other_runs[-1]:.1f}" if other_runs else ""
             print(
                 f"round {round_number + 1}/{args.rounds}: shoal {shoal_runs[-1]:.1f}{copying}{ddp}, no-communication bound "
                 f"{bound_runs[-1]:.1f}{lockstep} img/s",
@@ -486,6 +510,8 @@ def main(argv: list[str] | None = None) -> None:
                 bound_runs,
                 lockstep_runs,
                 copying_runs,
+                other_runs,
+                plan,
                 solo_ips,
                 reduce_s,
                 profile,

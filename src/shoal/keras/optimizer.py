@@ -112,6 +112,13 @@ def make_reducer(
     """An object whose ``reduce(gradients, variables)`` reduces over the ranks on Keras's backend (TensorFlow for
     Keras 2), with ``local_sources`` (variables whose gradients stay local) and ``aggregation`` (a factor on the
     result)."""
+    from shoal.plan.schemes import Compressed
+
+    if isinstance(compression, Compressed):
+        raise NotImplementedError(
+            f"compression={compression.scheme.value} (with error feedback) is for shoal.torch's DistributedOptimizer; "
+            "Keras and TensorFlow optimizers take Compression.none, .fp16 or .bf16"
+        )
     if not keras2 and backend() == "torch":
         spec = ReduceSpec.for_gradients(op, gradient_predivide_factor)
         compression = compression or default_compression().none

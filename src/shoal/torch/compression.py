@@ -69,6 +69,7 @@ def powersgd(
     total_steps: int | None = None,
     min_compression_rate: float = 2.0,
     max_rank: int = 4,
+    min_rank: int = 2,
 ) -> Compressed:
     """PowerSGD with error feedback and warm start for every gradient with a matrix view (docs/communication.md).
 
@@ -79,8 +80,9 @@ def powersgd(
         total_steps: the run's length in optimizer steps, when known.
         min_compression_rate: a gradient is compressed only where n·m ≥ this × r·(n+m); the rest are allreduced.
         max_rank: the highest rank a per-layer choice may take.
+        min_rank: the lowest (rank 1 converges noticeably slower).
     """
-    options = LossyOptions(rank=rank, max_rank=max(max_rank, rank or 1), min_rate=min_compression_rate)
+    options = LossyOptions(rank=rank, max_rank=max(max_rank, rank or 1), min_rank=min_rank, min_rate=min_compression_rate)
     return Compressed(Scheme.POWERSGD, options, warmup_steps, total_steps)
 
 

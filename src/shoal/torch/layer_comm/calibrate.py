@@ -27,12 +27,13 @@ from shoal.plan.calibration import (
 from shoal.plan.schemes import LOW_RANK_PROBED
 from shoal.runtime import context
 from shoal.torch import functions
-from shoal.torch.layer_comm.lossy import low_rank_probe, top_k_probe
+from shoal.torch.layer_comm.lossy import factored_probe, low_rank_probe, top_k_probe
 
 _PROBE_BYTES = (4096, 262144, 2 * 1024 * 1024, 8 * 1024 * 1024, 32 * 1024 * 1024)
 """Message sizes probed, smallest first; large ones leave the caches, as real gradients do."""
 _PROBE_BUDGET_S = 0.05
-"""Once an allreduce probe takes this long, larger sizes are skipped (slow links are linear well before that)."""
+"""Once an allreduce probe takes this long, larger sizes are skipped (slow links are linear well before that); a size
+predicted to take over twice this long is not probed at all."""
 
 _PART = "torch.calibration"
 """The process context's part holding this job's calibration: one probe round per ``init()``."""
@@ -66,8 +67,14 @@ def _probe_lines(probes_at: Callable[[int, int], Probes], repeats: int, tag: str
             totals = busy.setdefault(exchange, [0.0, 0.0])
             totals[0] += wall
             totals[1] += cpu
-        agreed = functions.allreduce(torch.tensor([slowest]), op=functions.Max, name=f"{tag}.max.{index}")
-        if float(agreed) > _PROBE_BUDGET_S:
+        agreed = float(functions.allreduce(torch.tensor([slowest]), op=functions.Max, name=f"{tag}.max.{index}"))
+        following = _PROBE_BYTES[index + 1] if index + 1 < len(_PROBE_BYTES) else None
+        # Past the budget, or a next size that would take over twice the budget (scaled by its bytes from this one):
+        # on a 100 Mbit/s link the 2 MiB probes alone took 2.5 s of the first step, and 256 KiB is already
+        # bandwidth-bound there.
+        if agreed > _PROBE_BUDGET_S or (
+            following is not None and index > 0 and agreed * following / nbytes > 2 * _PROBE_BUDGET_S
+        ):
             break
     lines = {exchange: fit_line(*points) for exchange, points in samples.items()}
     return lines, {exchange: round(cpu / wall, 3) for exchange, (wall, cpu) in busy.items() if wall > 0}
@@ -100,7 +107,8 @@ def measure(repeats: int = 3) -> Calibration:
 
 def measure_local_work(repeats: int = 3) -> dict[str, tuple[float, float]]:
     """The compressed schemes' local work on this rank, as lines (``Calibration.local``), timed on their own kernels
-    (``lossy.low_rank_probe`` at ranks 1 and 4, ``lossy.top_k_probe`` at 1%) while every rank probes at once, as every
+    (``lossy.low_rank_probe`` at ranks 1 and 4, ``lossy.factored_probe`` with 32 rows at rank 4,
+    ``lossy.top_k_probe`` at 1%) while every rank probes at once, as every
     rank trains at once."""
     shapes = ((64, 64), (512, 512), (1024, 4096))  # the largest leaves the caches, as real gradients do
     entries = [float(rows * columns) for rows, columns in shapes]
@@ -108,6 +116,8 @@ def measure_local_work(repeats: int = 3) -> dict[str, tuple[float, float]]:
     for rank in LOW_RANK_PROBED:  # rank 1's products are matrix-vector ones, a path of their own
         seconds = [median_seconds(low_rank_probe(rows, columns, rank), repeats) for rows, columns in shapes]
         lines[f"powersgd@{rank}"] = fit_line(entries, seconds)
+    seconds = [median_seconds(factored_probe(rows, columns), repeats) for rows, columns in shapes]
+    lines["powersgd-factored"] = fit_line(entries, seconds)
     elements = (4096, 65536, 1024 * 1024)
     lines["topk"] = fit_line([float(count) for count in elements], [median_seconds(top_k_probe(n), repeats) for n in elements])
     return lines

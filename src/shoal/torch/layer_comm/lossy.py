@@ -22,6 +22,7 @@ allreduce buckets instead, as torch's hook does with vectors.
 
 from __future__ import annotations
 
+import functools
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -33,6 +34,7 @@ from torch import nn
 from shoal.core import session as handles
 from shoal.core.process_sets import ProcessSet
 from shoal.core.rules import ReduceOp
+from shoal.plan.planner import spares_local_gradient
 from shoal.plan.schemes import Compressed, Scheme, matrix_view, powersgd_rank_fits, topk_count, topk_fits
 from shoal.torch import functions
 from shoal.torch.layer_comm.schemes import LayerComm, Wiring
@@ -209,6 +211,22 @@ def low_rank_probe(rows: int, columns: int, rank: int = 1) -> Callable[[], None]
     return run
 
 
+def factored_probe(rows: int, columns: int, count: int = 32, rank: int = 4) -> Callable[[], None]:
+    """PowerSGD's local work from a linear layer's factors (``Factors``: ``count`` rows of inputs and output
+    gradients) for an n×m weight at ``rank``, without collectives, on buffers made once (what calibration times)."""
+    grads, inputs = torch.randn(count, rows), torch.randn(count, columns)
+    residual, out, base = torch.zeros(rows, columns), torch.empty(rows, columns), torch.randn(columns, rank)
+
+    def run() -> None:
+        factors = Factors(grads, inputs, residual)
+        basis = torch.linalg.qr(factors.times(base)).Q
+        local = factors.transposed_times(basis)
+        factors.update_residual(basis, local, residual)
+        torch.mm(basis, local.T, out=out)
+
+    return run
+
+
 def top_entries(value: torch.Tensor, count: int, scratch: torch.Tensor) -> torch.Tensor:
     """The indices of ``value``'s ``count`` largest magnitudes (``scratch``: a buffer of its size for them)."""
     torch.abs(value, out=scratch)
@@ -314,6 +332,15 @@ class LowRank(_Compressing):
 
     scheme = Scheme.POWERSGD
 
+    @classmethod
+    def build(
+        cls, scheme: Scheme, name: str, module: nn.Module | None, params: list[torch.Tensor], wiring: Wiring
+    ) -> LayerComm:
+        setting = wiring.setting if wiring.setting is not None else Compressed(scheme)
+        if wiring.factored and isinstance(module, nn.Linear) and spares_local_gradient(module):
+            return FactoredLowRank(name, module, params, setting, wiring)
+        return cls(name, params, setting, wiring)
+
     def __init__(self, name: str, params: list[torch.Tensor], setting: Compressed, wiring: Wiring) -> None:
         self.rank = setting.options.rank or wiring.rank or 4
         self._views = {id(p): matrix_view(tuple(p.shape)) for p in params}
@@ -352,18 +379,141 @@ class LowRank(_Compressing):
         for handle, items in flights:
             handles.synchronize(handle)
             for item in items:
-                matrix, projected = item.work
-                basis, local = low_rank_basis(matrix, projected)
-                done.append((item, matrix, basis, local, local.clone()))
+                source, projected = item.work
+                if isinstance(source, Factors):
+                    basis = torch.linalg.qr(projected).Q
+                    local = source.transposed_times(basis)
+                else:
+                    basis, local = low_rank_basis(source, projected)
+                done.append((item, source, basis, local, local.clone()))
         # Every gradient's Q together, while this rank works out its residuals.
         names = [f"DistributedOptimizer.powersgd.Q.{item.name}" for item, *_ in done]
         handle = functions.allreduce_named_async_([q for *_, q in done], names, ReduceOp.Sum, 1.0, 1.0, process_set, True)
-        for item, matrix, basis, local, _ in done:
-            low_rank_residual(matrix, basis, local, item.layer._residual(item.name, item.value).view(matrix.shape))
+        for item, source, basis, local, _ in done:
+            residual = item.layer._residual(item.name, item.value)
+            if isinstance(source, Factors):
+                source.update_residual(basis, local, residual.view(source.shape))
+            else:
+                low_rank_residual(source, basis, local, residual.view(source.shape))
         handles.synchronize(handle)
-        for item, matrix, basis, _, summed in done:
+        for item, source, basis, _, summed in done:
             item.layer.state.bases[item.name] = summed
-            torch.mm(basis, (summed * scale).T, out=matrix)  # the averaged approximation, into the gradient
+            # The averaged approximation, into the gradient.
+            torch.mm(basis, (summed * scale).T, out=item.value.view(source.shape))
+
+
+class Factors:
+    """A fully-connected layer's gradient plus residual kept as factors, ``M = Gᵀ·X + E`` (G: the K output gradients'
+    rows, X: the K input rows, E: the residual or None), so that PowerSGD's products touch the n·m entries only where
+    the residual is: P = Gᵀ·(X·Q) + E·Q, Mᵀ·P = Xᵀ·(G·P) + Eᵀ·P, and the new residual is one rank-(K+r) update of E."""
+
+    def __init__(self, grads: torch.Tensor, inputs: torch.Tensor, residual: torch.Tensor | None) -> None:
+        self.grads = grads
+        self.inputs = inputs
+        self.residual = residual
+        self.shape = (grads.shape[1], inputs.shape[1])
+
+    def times(self, base: torch.Tensor) -> torch.Tensor:
+        """M·Q."""
+        product = self.grads.T @ (self.inputs @ base)
+        return product if self.residual is None else product.addmm_(self.residual, base)
+
+    def transposed_times(self, basis: torch.Tensor) -> torch.Tensor:
+        """Mᵀ·P."""
+        product = self.inputs.T @ (self.grads @ basis)
+        return product if self.residual is None else product.addmm_(self.residual.T, basis)
+
+    def update_residual(self, basis: torch.Tensor, local: torch.Tensor, out: torch.Tensor) -> None:
+        """``M − P·(Mᵀ·P)ᵀ`` into ``out`` (which may hold E itself): one matrix product of rank K + r."""
+        left = torch.cat([self.grads.T, -basis], dim=1)
+        right = torch.cat([self.inputs, local.T], dim=0)
+        if self.residual is None:
+            torch.mm(left, right, out=out)
+        elif self.residual.data_ptr() == out.data_ptr():
+            out.addmm_(left, right)
+        else:
+            torch.addmm(self.residual, left, right, out=out)
+
+
+class FactoredLowRank(LowRank):
+    """PowerSGD for an ``nn.Linear`` with a trainable bias, from its factors (``Factors``): as SFB does, the weight is
+    left out of autograd's graph while the layer runs forward, so backward never computes its local gradient, and
+    the layer's inputs and output gradients are kept instead. Every call of the step counts (the rows of all its calls
+    are stacked). The collectives are PowerSGD's own, so a rank may compress one layer from factors and another rank
+    the same layer from a dense gradient. Used only with one backward pass per step."""
+
+    def __init__(self, name: str, module: nn.Linear, params: list[torch.Tensor], setting: Compressed, wiring: Wiring) -> None:
+        super().__init__(name, params, setting, wiring)
+        self.module = module
+        self._inputs: list[torch.Tensor] = []
+        self._grads: dict[int, torch.Tensor] = {}
+        self._skipping = False
+        self._taken = False
+        self._hooks = [
+            module.register_forward_pre_hook(self._before_forward),
+            module.register_forward_hook(self._on_forward, always_call=True),
+        ]
+
+    def _factored(self) -> bool:
+        weight = self.module.weight
+        return (
+            self.active and id(weight) in self._compressible and self.module.bias is not None and self.module.bias.requires_grad
+        )
+
+    def _before_forward(self, module: nn.Module, args: tuple[Any, ...]) -> None:
+        weight = self.module.weight
+        if torch.is_grad_enabled() and module.training and weight.requires_grad and self._factored():
+            weight.requires_grad_(False)
+            self._skipping = True
+
+    def _on_forward(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        skipped, self._skipping = self._skipping, False
+        if not skipped:
+            return
+        self.module.weight.requires_grad_(True)
+        if isinstance(output, torch.Tensor) and output.requires_grad:
+            self._inputs.append(args[0].detach().reshape(-1, self.module.in_features))
+            output.register_hook(functools.partial(self._on_output_grad, len(self._inputs) - 1))
+
+    def _on_output_grad(self, call: int, grad: torch.Tensor) -> None:
+        self._grads[call] = grad.detach().reshape(-1, self.module.out_features)
+        if len(self._grads) == len(self._inputs):
+            self._take_factors()
+
+    def _take_factors(self) -> None:
+        """Every call's output gradient is in: project and queue P (as ``takes`` does for a dense gradient)."""
+        weight = self.module.weight
+        name = self.names[id(weight)]
+        calls = sorted(self._grads)
+        grads = torch.cat([self._grads[c] for c in calls]).to(torch.float32)
+        inputs = torch.cat([self._inputs[c] for c in calls]).to(torch.float32)
+        residual = self.state.residuals.get(name)
+        view = (self.module.out_features, self.module.in_features)
+        factors = Factors(grads, inputs, residual.view(view) if residual is not None else None)
+        if weight.grad is None or weight.grad.dtype != torch.float32 or not weight.grad.is_contiguous():
+            weight.grad = torch.empty_like(weight, dtype=torch.float32)
+        projected = factors.times(self._base(name, view))
+        self.state.queue(Item(self, weight, name, weight.grad.view(-1), True, (factors, projected)), self.process_set)
+        self._taken = True
+
+    def claim_missing(self, missing: list[torch.Tensor]) -> list[torch.Tensor]:
+        weight = self.module.weight
+        if any(p is weight for p in missing) and not self._taken and self._grads:
+            self._take_factors()  # some call's output took no part in the loss: the calls that did count
+        claimed = [weight] if self._taken and any(p is weight for p in missing) else []
+        rest = [p for p in missing if p is not weight or not self._taken]
+        return claimed + super().claim_missing(rest)
+
+    def finish(self, average: bool) -> None:
+        self._inputs, self._grads, self._taken = [], {}, False
+
+    def reset(self) -> None:
+        self.finish(True)
+        super().reset()
+
+    def remove(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
 
 
 class TopK(_Compressing):

@@ -243,8 +243,15 @@ class LayerRouter:
         """A parameter's current learning rate (the servers apply the update)."""
         return float(self._lr_of[id(param)]["lr"])
 
-    def _wiring(self, session: PSSession | None = None, setting: Compressed | None = None, rank: int | None = None) -> Wiring:
-        return Wiring(self.facts.process_set, session, self._lr, self.facts.names, self.lossy, setting, rank)
+    def _wiring(
+        self,
+        session: PSSession | None = None,
+        setting: Compressed | None = None,
+        rank: int | None = None,
+        factored: bool = False,
+    ) -> Wiring:
+        names, lossy = self.facts.names, self.lossy
+        return Wiring(self.facts.process_set, session, self._lr, names, lossy, setting, rank, factored)
 
     def _settings_of(self, model: nn.Module) -> dict[str, Compressed]:
         """Per module name, the compressed scheme's settings an override gives it."""
@@ -258,7 +265,7 @@ class LayerRouter:
     def lossy_options(self) -> LossyOptions:
         """The bounds the planner weighs the compressed schemes with (PowerSGD's rank, top-k's ratio)."""
         low_rank, sparse = self.settings[Scheme.POWERSGD].options, self.settings[Scheme.TOPK].options
-        return LossyOptions(low_rank.rank, low_rank.max_rank, sparse.ratio, low_rank.min_rate)
+        return LossyOptions(low_rank.rank, low_rank.max_rank, low_rank.min_rank, sparse.ratio, low_rank.min_rate)
 
     def _assign_all(self, scheme: Scheme) -> None:
         """Without a model: one scheme for every parameter."""
@@ -291,7 +298,8 @@ class LayerRouter:
                 continue
             if scheme != Scheme.ALLREDUCE:
                 setting = (settings or {}).get(name) or self.settings.get(scheme)
-                wiring = self._wiring(setting=setting, rank=(ranks or {}).get(name))
+                factored = self.facts.passes == 1 and name not in tied  # PowerSGD from a linear layer's factors
+                wiring = self._wiring(setting=setting, rank=(ranks or {}).get(name), factored=factored)
                 comm = make_layer_comm(scheme, name, modules[name], params, wiring)
                 self._comm_of.update({id(p): comm for p in params})
         if served:

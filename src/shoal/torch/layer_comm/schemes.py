@@ -45,6 +45,8 @@ class Wiring:
     """The compressed scheme's settings for this layer (None: the defaults)."""
     rank: int | None = None
     """PowerSGD's rank the plan chose for this layer."""
+    factored: bool = False
+    """One backward pass per step and no tied weight: PowerSGD may work from a linear layer's factors."""
 
 
 class LayerComm:
