@@ -353,3 +353,27 @@ def test_factored_powersgd_counts_every_call_and_matches_one_process() -> None:
     for result in run_ranks(_twice_on_rank_zero, 2, args=(True,)):
         for name, value in reference.items():
             np.testing.assert_allclose(result[name], value, rtol=0, atol=1e-5, err_msg=name)
+
+
+def _overridden() -> dict[str, object]:
+    torch.set_num_threads(1)
+    hvd.init()
+    model = _model()
+    optimizer = hvd.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.05),
+        named_parameters=model.named_parameters(),
+        model=model,
+        comm_overrides={"fc1": hvd.Compression.powersgd(rank=3, warmup_steps=0), nn.Conv2d: "topk"},
+    )
+    router = optimizer._shoal_router  # type: ignore[attr-defined]
+    by_name = {name: router._comm_of.get(id(module.weight)) for name, module in model.named_children()}
+    return {
+        name: (type(comm).__name__, getattr(comm, "rank", None), comm.setting.warmup if hasattr(comm, "setting") else None)
+        for name, comm in by_name.items()
+        if comm is not None
+    }
+
+
+def test_overrides_take_a_scheme_name_or_a_compression_with_its_settings() -> None:
+    (chosen,) = run_ranks(_overridden, 1)
+    assert chosen == {"fc1": ("FactoredLowRank", 3, 0), "conv": ("TopK", None, 100)}, chosen

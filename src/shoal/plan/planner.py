@@ -1,11 +1,10 @@
 """The per-layer communication planner: predict each scheme's time with the calibrated model, pick the cheapest.
 
-Schemes: ``allreduce`` (plain), ``fp16`` and ``bf16`` (allreduce of half the bytes plus two casts), ``sfb``
-(sufficient factor broadcasting, fully-connected layers only: allgather K·(M+N) per rank plus the rebuild matmul)
-and ``ps`` (the sharded parameter server: push the gradient, pull the values). ``ps`` is predicted whenever a
-server count is given, but ``auto`` may only choose it when dedicated servers are configured (the caller passes
-``allowed``). Every rank plans from the same calibration (rank 0's) and the same row counts (the maximum over
-ranks), so every rank reaches the same plan.
+What each scheme can serve and costs is its row of the table (``shoal.plan.schemes``); this module asks every row
+for every layer of a model, picks among the schemes ``allowed`` (``auto``: the lossless ones, fp16/bf16 only by a
+clear margin; ``auto-lossy``: PowerSGD and top-k too; ``ps`` only when dedicated servers are configured), and keeps
+a plan's rows for the report and the drift monitor. Every rank plans from the same calibration (rank 0's) and the
+same row counts (the maximum over ranks), so every rank reaches the same plan.
 """
 
 from __future__ import annotations

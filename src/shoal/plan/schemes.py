@@ -452,6 +452,14 @@ def scheme_of(value: object, where: str) -> Scheme:
     return Scheme.parse(value, where)
 
 
+def fill_bucket(held: int, nbytes: int, limit: int) -> tuple[int, bool]:
+    """The bucket policy of the ``bucket`` schemes, one function for the optimizer and the simulator: a gradient of
+    ``nbytes`` that became final joins the bucket holding ``held`` bytes, and the bucket leaves once ``limit`` bytes
+    wait (0: every gradient alone). Returns (bytes held now, whether the bucket leaves)."""
+    held += nbytes
+    return held, held >= limit
+
+
 def estimates(ctx: CostContext, layer: LayerShape) -> dict[Scheme, Estimate]:
     """Every scheme's estimate for one layer, among the schemes that can serve it (all zero on one worker)."""
     served = [s for s in SCHEMES if ROWS[s].serves(ctx, layer)]

@@ -36,6 +36,7 @@ from shoal.plan.schemes import (
     LossyOptions,
     Scheme,
     estimates,
+    fill_bucket,
     scheme_of,
     sfb_allgather_seconds,
     sfb_rebuild_flops,
@@ -338,8 +339,9 @@ def simulate(
                 exchanges.append(Exchange(scheme, (layer.name,), layer.nbytes, ready(gradient.ready_s), seconds, busy))
                 continue
             names, size = open_buckets.get(scheme, ([], 0))
-            names, size = [*names, gradient.layer], size + gradient.nbytes
-            if size >= bucket_bytes:
+            names = [*names, gradient.layer]
+            size, full = fill_bucket(size, gradient.nbytes, bucket_bytes)
+            if full:
                 exchanges.append(_bucket(scheme, names, size, ready(gradient.ready_s), calibration))
                 open_buckets.pop(scheme, None)
             else:

@@ -24,6 +24,7 @@ import torch
 from shoal.core import session as handles
 from shoal.core.process_sets import ProcessSet, set_id_of
 from shoal.core.rules import ReduceOp, ReduceSpec
+from shoal.plan.schemes import fill_bucket
 from shoal.torch import functions, shared_grads
 from shoal.torch.compression import Compression, Compressor
 from shoal.torch.layer_comm.schemes import gradient_request_name
@@ -347,8 +348,8 @@ class GradientExchange(_Exchange):
                 self._group_ready.pop(group, None)
             return
         self._bucket.append(param)
-        self._bucket_size += param.numel() * param.element_size()
-        if self._bucket_size >= self._bucket_limit() and self._overlapping(param):
+        self._bucket_size, full = fill_bucket(self._bucket_size, param.numel() * param.element_size(), self._bucket_limit())
+        if full and self._overlapping(param):
             self.flush()
 
     def _overlapping(self, param: torch.Tensor) -> bool:

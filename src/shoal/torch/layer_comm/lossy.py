@@ -189,7 +189,13 @@ def low_rank_basis(matrix: torch.Tensor, projected_sum: torch.Tensor) -> tuple[t
     """PowerSGD's second half on one rank: orthonormal P from the summed projections (the same on every rank: the
     same summed input), and this rank's Q = Mᵀ·P. Returns (P, Q)."""
     basis = torch.linalg.qr(projected_sum).Q
-    return basis, matrix.T @ basis
+    return basis, transposed_times(matrix, basis)
+
+
+def transposed_times(matrix: torch.Tensor, basis: torch.Tensor) -> torch.Tensor:
+    """``matrixᵀ·basis``, contiguous, computed as ``(basisᵀ·matrix)ᵀ``: reading the row-major matrix along its rows
+    took a third of the time (1.1 against 3.3 ms for 2048×3072 at rank 4 on one core)."""
+    return (basis.T @ matrix).T.contiguous()
 
 
 def low_rank_residual(matrix: torch.Tensor, basis: torch.Tensor, local: torch.Tensor, out: torch.Tensor) -> None:
@@ -421,7 +427,7 @@ class Factors:
     def transposed_times(self, basis: torch.Tensor) -> torch.Tensor:
         """Mᵀ·P."""
         product = self.inputs.T @ (self.grads @ basis)
-        return product if self.residual is None else product.addmm_(self.residual.T, basis)
+        return product if self.residual is None else product.add_(transposed_times(self.residual, basis))
 
     def update_residual(self, basis: torch.Tensor, local: torch.Tensor, out: torch.Tensor) -> None:
         """``M − P·(Mᵀ·P)ᵀ`` into ``out`` (which may hold E itself): one matrix product of rank K + r."""
@@ -449,6 +455,7 @@ class FactoredLowRank(LowRank):
         self._grads: dict[int, torch.Tensor] = {}
         self._skipping = False
         self._taken = False
+        self._result: torch.Tensor | None = None
         self._hooks = [
             module.register_forward_pre_hook(self._before_forward),
             module.register_forward_hook(self._on_forward, always_call=True),
@@ -491,7 +498,11 @@ class FactoredLowRank(LowRank):
         view = (self.module.out_features, self.module.in_features)
         factors = Factors(grads, inputs, residual.view(view) if residual is not None else None)
         if weight.grad is None or weight.grad.dtype != torch.float32 or not weight.grad.is_contiguous():
-            weight.grad = torch.empty_like(weight, dtype=torch.float32)
+            # The result's buffer, kept from step to step (zero_grad(set_to_none=True) drops .grad each step, and a
+            # new buffer would cost its page faults again when the result is written).
+            if self._result is None or self._result.shape != weight.shape:
+                self._result = torch.empty_like(weight, dtype=torch.float32)
+            weight.grad = self._result
         projected = factors.times(self._base(name, view))
         self.state.queue(Item(self, weight, name, weight.grad.view(-1), True, (factors, projected)), self.process_set)
         self._taken = True
