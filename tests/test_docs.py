@@ -137,6 +137,15 @@ COVERED: dict[str, tuple[str, list[str]]] = {
         "test_ray.py::test_on_ray_benchmark_compares_the_executor_with_shoalrun",
         ["shoal.bench.on_ray", "--workers", "mlp"],
     ),
+    "python -m shoal.bench.netns --hosts 2 --rate 100mbit -- python -m shoal.bench.train --model mlp --comm auto-lossy "
+    "--compare ddp,ddp-powersgd": (
+        "test_examples.py::test_train_benchmark_lossy_against_ddp_and_its_powersgd_hook_on_a_slow_link",
+        ["shoal.bench.netns", "shoal.bench.train", "auto-lossy", "ddp,ddp-powersgd"],
+    ),  # the test runs at 1 Gbit/s for 3 steps
+    "python -m shoal.bench.netns --hosts 2 --rate 100mbit -- python -m shoal.bench.accuracy --model mlp --plot acc.png": (
+        "test_examples.py::test_accuracy_benchmark_curves_targets_and_plot",
+        ["shoal.bench.accuracy", "--plot", "mlp"],
+    ),  # the test runs a small MLP for 3 epochs on one host
     "python -m shoal.bench.unequal": (
         "test_examples.py::test_unequal_benchmark_json_contract",
         ["shoal.bench.unequal", "--transition-steps"],

@@ -112,7 +112,7 @@ def make_reducer(
     """An object whose ``reduce(gradients, variables)`` reduces over the ranks on Keras's backend (TensorFlow for
     Keras 2), with ``local_sources`` (variables whose gradients stay local) and ``aggregation`` (a factor on the
     result)."""
-    from shoal.plan.schemes import Compressed
+    from shoal.torch.compression import Compressed  # (torch is a dependency of every front end)
 
     if isinstance(compression, Compressed):
         raise NotImplementedError(

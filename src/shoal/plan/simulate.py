@@ -293,10 +293,8 @@ def simulate(
     """
     calibration = links.calibration(workers, ranks_per_host)
     layers = {layer.name: layer for layer in profile.layers}
-    ctx = CostContext(calibration, workers, servers, lossy or LossyOptions())
-    estimated: dict[str, dict[Scheme, Estimate]] = {layer.name: estimates(ctx, layer.shape()) for layer in profile.layers}
-    predictions = {name: {s: e.seconds for s, e in by_scheme.items()} for name, by_scheme in estimated.items()}
-    choices = choose(predictions, comm)
+    estimated = _estimates(profile, CostContext(calibration, workers, servers, lossy or LossyOptions()))
+    choices = choose({name: {s: e.seconds for s, e in by_scheme.items()} for name, by_scheme in estimated.items()}, comm)
     exchanges: list[Exchange] = []
     rebuild_s = 0.0
     backward_s = profile.backward_s
@@ -372,6 +370,11 @@ def simulate(
         exchanges=exchanges,
         calibration=calibration,
     )
+
+
+def _estimates(profile: StepProfile, ctx: CostContext) -> dict[str, dict[Scheme, Estimate]]:
+    """Every layer's estimate per scheme (the table's rows)."""
+    return {layer.name: estimates(ctx, layer.shape()) for layer in profile.layers}
 
 
 def _bucket(scheme: Scheme, names: list[str], nbytes: int, submitted_s: float, calibration: Calibration) -> Exchange:

@@ -8,6 +8,18 @@ import torch
 
 from shoal.plan.schemes import Compressed, LossyOptions, Scheme
 
+__all__ = [
+    "BF16Compressor",
+    "CastCompressor",
+    "Compressed",
+    "Compression",
+    "Compressor",
+    "FP16Compressor",
+    "NoneCompressor",
+    "powersgd",
+    "topk",
+]
+
 
 class Compressor:
     """Interface: compress before the wire, decompress after."""

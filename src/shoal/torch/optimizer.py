@@ -166,12 +166,8 @@ def DistributedOptimizer(
     ``"bf16"``, ``"sfb"`` (sufficient factor broadcasting for every ``nn.Linear``) or ``"auto"`` (after the first
     step, calibrate the network and let the planner choose per layer; see ``plan_report()``). ``comm_overrides``
     forces a scheme per module name or type, e.g. ``{"fc1": "sfb", nn.Conv2d: "allreduce"}``. ``sfb``, ``auto`` and
-    overrides need ``model=``.
-
-    Compressed schemes (lossy, with error feedback; docs/communication.md): ``compression=Compression.powersgd(rank=4)``
-    or ``Compression.topk(ratio=0.01)`` (or ``comm="powersgd"``/``"topk"``) compress every gradient they shrink
-    enough, after a warm-up; ``comm="auto-lossy"`` lets the planner choose them per layer (a compression passed with it
-    sets their settings); ``comm_overrides`` values may be a ``Compression.powersgd(...)``/``.topk(...)`` too.
+    overrides need ``model=``. ``compression=Compression.powersgd(rank=4)`` or ``.topk(ratio=0.01)`` compress with
+    error feedback (lossy); ``comm="auto-lossy"`` lets the planner choose them per layer (docs/communication.md).
 
     ``comm="ps"`` (or ``"ps"`` in ``comm_overrides``) routes parameters through the sharded parameter server: the
     hook pushes each gradient to the servers that own its pieces, the servers run this optimizer's class and
