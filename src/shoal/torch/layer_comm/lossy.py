@@ -1,7 +1,9 @@
 """The compressed schemes: PowerSGD (low rank) and top-k sparsification, both with error feedback.
 
-Each takes a gradient in the optimizer's gradient hook, the moment it is final, and starts its first collective
-there, so the engine fuses it with whatever else is in flight (the buckets, other layers' factors).
+Each compresses a gradient in the optimizer's gradient hook, the moment it is final; the payloads (PowerSGD's P,
+top-k's entries) wait until ``GROUP_BYTES`` of them are ready and leave as one fused collective, the rest together at
+``synchronize`` (``LossyState.queue``/``finish``). An ``nn.Linear`` with a trainable bias is compressed from its
+factors instead (``FactoredLowRank``), without forming its gradient.
 
 - **PowerSGD** (Vogels et al., 2019; torch's ``powerSGD_hook`` is the reference for behaviour): a gradient's matrix
   view M (n×m: a linear weight, a convolution as out × in·kh·kw, an embedding) plus the residual left from earlier
