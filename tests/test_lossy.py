@@ -377,3 +377,24 @@ def _overridden() -> dict[str, object]:
 def test_overrides_take_a_scheme_name_or_a_compression_with_its_settings() -> None:
     (chosen,) = run_ranks(_overridden, 1)
     assert chosen == {"fc1": ("FactoredLowRank", 3, 0), "conv": ("TopK", None, 100)}, chosen
+
+
+def _two_backward_passes() -> str:
+    torch.set_num_threads(1)
+    hvd.init()
+    layer = nn.Linear(8, 8)
+    compression = hvd.Compression.powersgd(rank=2, warmup_steps=0, min_compression_rate=0.0)
+    optimizer = hvd.DistributedOptimizer(torch.optim.SGD(layer.parameters(), lr=0.1), model=layer, compression=compression)
+    x = torch.randn(4, 8)
+    layer(x).sum().backward()
+    try:
+        layer(x).sum().backward()  # again before step(): refused, as for a dense gradient
+    except (AssertionError, RuntimeError) as error:
+        optimizer.synchronize()
+        return str(error)
+    return "no error"
+
+
+def test_factored_powersgd_refuses_a_second_backward_pass_before_step() -> None:
+    (message,) = run_ranks(_two_backward_passes, 2)[:1]
+    assert "computed more than backward_passes_per_step=1 times" in message, message

@@ -40,6 +40,7 @@ from shoal.plan.planner import spares_local_gradient
 from shoal.plan.schemes import Compressed, Scheme, matrix_view, powersgd_rank_fits, topk_count, topk_fits
 from shoal.torch import functions
 from shoal.torch.layer_comm.schemes import LayerComm, Wiring
+from shoal.torch.optimizer_class import computed_too_often
 
 GROUP_BYTES = 1 << 20
 """The compressed payloads (PowerSGD's P, top-k's entries) wait until this many bytes are ready, then leave as one
@@ -485,6 +486,9 @@ class FactoredLowRank(LowRank):
             output.register_hook(functools.partial(self._on_output_grad, len(self._inputs) - 1))
 
     def _on_output_grad(self, call: int, grad: torch.Tensor) -> None:
+        if self._taken:  # a second backward pass before step(), as a dense gradient's hook would refuse it
+            name = self.names[id(self.module.weight)]
+            raise computed_too_often(name, 1, "call optimizer.step() (or synchronize()) between backward passes")
         self._grads[call] = grad.detach().reshape(-1, self.module.out_features)
         if len(self._grads) == len(self._inputs):
             self._take_factors()
