@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from shoal.core.basics import rank, size
 from shoal.core.elastic import ObjectState
 from shoal.core.process_sets import global_process_set
 from shoal.torch.optimizer import drop_unfinished_step
@@ -36,7 +37,6 @@ class TorchState(ObjectState):
     def __init__(
         self, model: torch.nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None, **kwargs: Any
     ) -> None:
-        from shoal.core.basics import rank
         from shoal.core.objects import broadcast_object
 
         self.model = model
@@ -61,8 +61,6 @@ class TorchState(ObjectState):
         self._saved_handled = {name: copy.deepcopy(value.state_dict()) for name, value in self._handled.items()}
         lossy = self._lossy()
         if lossy is not None:
-            from shoal.core.basics import size
-
             self._saved_lossy = (size(), lossy.state_dict())
 
     def _lossy(self) -> Any:
@@ -98,8 +96,6 @@ class TorchState(ObjectState):
             broadcast_optimizer_state(self.optimizer, root_rank=0)
             lossy = self._lossy()
             if lossy is not None:  # what the residuals owe the model, shared among the ranks training now
-                from shoal.core.basics import size
-
                 lossy.pool(self._saved_lossy[0] if self._saved_lossy is not None else size(), global_process_set)
         for name, value in self._handled.items():
             if isinstance(value, ElasticSampler):

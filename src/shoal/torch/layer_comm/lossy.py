@@ -37,7 +37,7 @@ from shoal.core import session as handles
 from shoal.core.process_sets import ProcessSet
 from shoal.core.rules import ReduceOp
 from shoal.plan.planner import spares_local_gradient
-from shoal.plan.schemes import Compressed, Scheme, matrix_view, powersgd_rank_fits, topk_count, topk_fits
+from shoal.plan.schemes import DEFAULT_RANK, Compressed, Scheme, matrix_view, powersgd_rank_fits, topk_count, topk_fits
 from shoal.torch import functions
 from shoal.torch.layer_comm.schemes import LayerComm, Wiring
 from shoal.torch.optimizer_class import computed_too_often
@@ -236,10 +236,15 @@ def factored_probe(rows: int, columns: int, count: int = 32, rank: int = 4) -> C
     return run
 
 
-def top_entries(value: torch.Tensor, count: int, scratch: torch.Tensor) -> torch.Tensor:
-    """The indices of ``value``'s ``count`` largest magnitudes (``scratch``: a buffer of its size for them)."""
-    torch.abs(value, out=scratch)
-    return scratch.topk(count, sorted=False).indices
+def top_k_split(value: torch.Tensor, count: int, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k's compression of ``value``: the indices and values of its ``count`` largest magnitudes; what is not sent
+    goes into ``residual`` (a buffer of ``value``'s size, scratch for the magnitudes until then)."""
+    torch.abs(value, out=residual)
+    indices = residual.topk(count, sorted=False).indices
+    values = value[indices]
+    residual.copy_(value)
+    residual[indices] = 0.0
+    return indices, values
 
 
 def top_k_probe(elements: int, ratio: float = 0.01) -> Callable[[], None]:
@@ -250,10 +255,7 @@ def top_k_probe(elements: int, ratio: float = 0.01) -> Callable[[], None]:
 
     def run() -> None:
         add_residual(value, residual)
-        indices = top_entries(value, count, residual)
-        values = value[indices]
-        residual.copy_(value)
-        residual[indices] = 0.0
+        indices, values = top_k_split(value, count, residual)
         value.zero_().index_add_(0, indices, values)
 
     return run
@@ -275,8 +277,12 @@ class _Compressing(LayerComm):
     def build(
         cls, scheme: Scheme, name: str, module: nn.Module | None, params: list[torch.Tensor], wiring: Wiring
     ) -> LayerComm:
-        setting = wiring.setting if wiring.setting is not None else Compressed(scheme)
-        return cls(name, params, setting, wiring)
+        return cls(name, params, cls.setting_of(scheme, wiring), wiring)
+
+    @staticmethod
+    def setting_of(scheme: Scheme, wiring: Wiring) -> Compressed:
+        """The layer's settings: the router's (an override's, or the optimizer's), else the scheme's defaults."""
+        return wiring.setting if wiring.setting is not None else Compressed(scheme)
 
     def fits(self, param: torch.Tensor) -> bool:
         """Whether this scheme shrinks ``param``'s gradient enough to compress it."""
@@ -345,13 +351,12 @@ class LowRank(_Compressing):
     def build(
         cls, scheme: Scheme, name: str, module: nn.Module | None, params: list[torch.Tensor], wiring: Wiring
     ) -> LayerComm:
-        setting = wiring.setting if wiring.setting is not None else Compressed(scheme)
         if wiring.factored and isinstance(module, nn.Linear) and spares_local_gradient(module):
-            return FactoredLowRank(name, module, params, setting, wiring)
-        return cls(name, params, setting, wiring)
+            return FactoredLowRank(name, module, params, cls.setting_of(scheme, wiring), wiring)
+        return super().build(scheme, name, module, params, wiring)
 
     def __init__(self, name: str, params: list[torch.Tensor], setting: Compressed, wiring: Wiring) -> None:
-        self.rank = setting.options.rank or wiring.rank or 4
+        self.rank = setting.options.rank or wiring.rank or DEFAULT_RANK
         self._views = {id(p): matrix_view(tuple(p.shape)) for p in params}
         super().__init__(name, params, setting, wiring)
 
@@ -544,11 +549,7 @@ class TopK(_Compressing):
 
     def _compress(self, name: str, value: torch.Tensor) -> tuple[Any, ...]:
         count = topk_count(value.numel(), self.setting.options.ratio)
-        residual = self._residual(name, value)
-        indices = top_entries(value, count, residual)  # the residual buffer is scratch until it is written below
-        values = value[indices]
-        residual.copy_(value)
-        residual[indices] = 0.0  # what was not sent
+        indices, values = top_k_split(value, count, self._residual(name, value))
         # Values and their indices in one payload: the int32 indices travel as float32 bit patterns (copied, never
         # computed on), which assumes fewer than 2³¹ entries per gradient.
         return count, torch.cat([values, indices.to(torch.int32).view(torch.float32)])
