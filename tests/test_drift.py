@@ -83,6 +83,25 @@ def test_layers_without_engine_exchanges_are_skipped() -> None:
     assert [p.name for p in monitor.plans] == ["fc0"]
 
 
+def test_a_small_measured_share_of_the_plan_never_drifts() -> None:
+    # Two large PowerSGD layers have no engine exchange to measure; the one small allreduce layer measuring 10x its
+    # prediction (queued behind their traffic) is not evidence that the network changed.
+    layer_plans = [
+        LayerPlan("fc0", "Linear", (2048, 3072), 25_000_000, 32, predicted_ms={"powersgd": 40.0}, choice="powersgd"),
+        LayerPlan("fc1", "Linear", (1536, 2048), 12_500_000, 32, predicted_ms={"powersgd": 30.0}, choice="powersgd"),
+        LayerPlan("fc2", "Linear", (10, 1536), 61_000, 32, predicted_ms={"allreduce": 10.0}),
+    ]
+    config = DriftConfig(steps=2, first_backoff_steps=0, warmup_steps=0)
+    monitor = DriftMonitor(layer_plans, {"fc2": ["fc2"]}, CALIBRATION, config)
+    assert [step(monitor, (0.100, 8, 8)) for _ in range(4)] == [None] * 4
+    assert not monitor.drifted() and layer_plans[2].measured_ms == pytest.approx(100.0)
+    # The same layer carrying the plan's time does drift.
+    layer_plans[0].predicted_ms["powersgd"] = layer_plans[1].predicted_ms["powersgd"] = 5.0
+    monitor = DriftMonitor(layer_plans, {"fc2": ["fc2"]}, CALIBRATION, config)
+    assert [step(monitor, (0.100, 8, 8)) for _ in range(2)] == [pytest.approx(0.9)] * 2
+    assert monitor.drifted()
+
+
 def test_calibration_file_round_trip_and_errors() -> None:
     calibration = Calibration.uniform(1e-4, 1e-9, 1e10)
     assert calibration_from_json(calibration_to_json(calibration), "x") == calibration

@@ -57,6 +57,7 @@ class DriftMonitor:
         "_over",
         "_pending",
         "_plan_step",
+        "_planned_s",
         "_step",
         "calibration",
         "config",
@@ -85,6 +86,9 @@ class DriftMonitor:
     def _start(self, plans: list[LayerPlan], names_by_layer: dict[str, list[str]], calibration: Calibration) -> None:
         self._plan_step = self._step
         self.plans = [p for p in plans if names_by_layer.get(p.name)]
+        self._planned_s = sum(p.predicted_ms[p.choice] for p in plans if p.choice in p.predicted_ms) / 1e3
+        """What the whole plan predicts, measured layers or not (compressed layers are not: their time is mostly
+        local work); the measured layers' predictions must carry ``MIN_EVIDENCE`` of it."""
         self._names = names_by_layer
         self.calibration = calibration
         window = self.config.window
@@ -168,8 +172,10 @@ class DriftMonitor:
         return error
 
     def _count(self, row: dict[str, tuple[float, ...]], agreed: Sequence[float]) -> float | None:
-        """Add one step's agreed times to the running medians; returns its median relative error."""
+        """Add one step's agreed times to the running medians; returns its median relative error (None, and no count
+        for or against drift, when the measured layers carry under ``MIN_EVIDENCE`` of the plan's predicted time)."""
         errors = []
+        covered = 0.0
         for plan, measured in zip(self.plans, agreed, strict=True):
             if plan.name not in row or not math.isfinite(measured):
                 continue
@@ -186,7 +192,8 @@ class DriftMonitor:
                 self.terms[plan.name] = (share, float(plan.nbytes))
             if typical > 0:
                 errors.append(abs(expected - typical) / typical)
-        if not errors:
+                covered += plan.predicted_ms[plan.choice] / 1e3
+        if not errors or covered < MIN_EVIDENCE * self._planned_s:
             return None
         error = statistics.median(errors)
         self._over = self._over + 1 if error > self.config.threshold else 0
@@ -267,6 +274,12 @@ def refit(
     }
     return calibration.with_lines(lines, flops_per_s)
 
+
+MIN_EVIDENCE = 0.25
+"""The measured layers must carry this share of the plan's predicted time for a step to count for or against drift.
+A 1 Gbit/s MLP planned as PowerSGD for its two large layers (unmeasured) and allreduce for a 61 KB one was re-planned
+from that one layer alone: its 10 ms, queued behind the PowerSGD traffic, scaled every line tenfold, the plan fell
+to bf16 and the run to 0.12 of the bound."""
 
 SEPARABLE_SPAN = 4.0
 """Bytes per latency must differ this much (largest over smallest) among a line's layers for least squares to tell α
