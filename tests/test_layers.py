@@ -139,6 +139,46 @@ def package_graph(edges: dict[str, set[str]]) -> dict[str, set[str]]:
     return packages
 
 
+def engine_parts() -> dict[str, set[str]]:
+    """The table of docs/architecture.md's "The engine's parts": part -> the parts it may import."""
+    text = (REPO / "docs" / "architecture.md").read_text()
+    section = text.split("## The engine's parts", 1)[1].split("\n## ", 1)[0]
+    table = {}
+    for line in section.splitlines():
+        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+        if len(cells) == 2 and cells[0].startswith("`"):
+            table[cells[0].strip("`")] = set(re.findall(r"`(\w+)`", cells[1]))
+    return table
+
+
+def test_the_engines_parts_import_only_the_parts_below_them() -> None:
+    parts = engine_parts()
+    assert {"engine", "cycle", "one_round", "executor", "transport", "inbox"} <= set(parts)
+    breaches = []
+    for module, targets in graph().items():
+        if not module.startswith("shoal.engine."):
+            continue
+        name = module.removeprefix("shoal.engine.")
+        imported = {t.removeprefix("shoal.engine.").split(".")[0] for t in targets if t.startswith("shoal.engine.")}
+        allowed = parts.get(name, set())  # a leaf may import leaves only
+        breaches += [f"{name} imports {part}" for part in sorted(imported & set(parts) - allowed)]
+    assert not breaches, breaches
+
+
+def test_no_engine_module_is_over_400_lines_and_no_class_over_250() -> None:
+    large = []
+    for name, path in modules().items():
+        if not name.startswith("shoal.engine"):
+            continue
+        text = path.read_text()
+        if len(text.splitlines()) > 400:
+            large.append(f"{name}: {len(text.splitlines())} lines")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.ClassDef) and node.end_lineno is not None and node.end_lineno - node.lineno + 1 > 250:
+                large.append(f"{name}.{node.name}: {node.end_lineno - node.lineno + 1} lines")
+    assert not large, large
+
+
 def test_no_import_cycles() -> None:
     cycles = strongly_connected(graph())
     assert not cycles, f"modules that import each other: {cycles}"

@@ -17,18 +17,51 @@ small CPU allreduces of one fused batch qualify: a bet that fails costs that set
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+from typing import Any
 
-from shoal.engine.executor import RoundPlan
+import torch
+
+from shoal.engine.buffers import dtype_of, postscale_factor, scale_, scale_into
+from shoal.engine.executor import Executor
 from shoal.engine.fusion import plan_batches
 from shoal.engine.negotiation import Response
-from shoal.engine.request import Kind, ReduceOp
+from shoal.engine.request import Kind, ReduceOp, Request
+from shoal.engine.transport import ProcessSetState, TransportError
+from shoal.log import get_logger
 
 MAX_BYTES = 64 * 1024
 """The largest set worth a bet: at 1 Gbit/s, 64 KiB takes about as long as the round trip it saves."""
 
 _EXACT_COUNTS = {"float32": 2**24, "float64": 2**53, "int32": 2**31 - 1, "int64": 2**63 - 1, "float16": 2048}
 """Dtypes whose sums of ones stay exact up to this many ranks (bfloat16 is exact to 256 only; it is left out)."""
+
+
+@dataclass
+class RoundPlan:
+    """An armed one-round set's buffers (``Executor.plan_round``), made once and reused every round it is sent."""
+
+    responses: list[Response]
+    keys: list[tuple[int, str]]
+    """(process set, name) of each response, in order."""
+    cache_ids: list[int]
+    buffer: torch.Tensor
+    """Every part's data, then one count per part and the quiet count: what the round's one allreduce sends."""
+    data: torch.Tensor
+    """The parts' data, without the counts."""
+    parts: list[torch.Tensor]
+    """Each response's flat range of the buffer."""
+    control: Any
+    """The counts, as a numpy view of the buffer (read and written without a torch call per value)."""
+    sizes: list[int]
+    """Each response's elements."""
+    prescale: float
+    postscale: float
+    """The factor applied to a delivered part (Average's division by the members included)."""
+    state: ProcessSetState
+    wire_us: tuple[float, float, str] = (0.0, 0.0, "")
+    """The last round on the timeline's clock: (wire start, wire end, its phase name)."""
 
 
 @dataclass
@@ -117,4 +150,105 @@ def _key(pairs: list[tuple[int, Response]]) -> frozenset[tuple[int, str]]:
     return frozenset((response.process_set, response.name) for _, response in pairs)
 
 
-__all__ = ["MAX_BYTES", "OneRound"]
+def plan_round(armed: list[tuple[int, Response]], state: ProcessSetState) -> RoundPlan:
+    """The buffers of an armed set (of process set ``state``), made once and reused every round the set is sent."""
+    responses = [response for _, response in armed]
+    meta = responses[0].meta
+    assert meta.op is not None
+    sizes = [math.prod(r.meta.shape) for r in responses]
+    total = sum(sizes)
+    buffer = torch.empty(total + len(responses) + 1, dtype=dtype_of(meta))
+    *parts, control = buffer.split([*sizes, len(responses) + 1])
+    return RoundPlan(
+        responses=responses,
+        keys=[(r.process_set, r.name) for r in responses],
+        cache_ids=[cache_id for cache_id, _ in armed],
+        buffer=buffer,
+        data=buffer[:total],
+        parts=parts,
+        control=control.numpy(),
+        sizes=sizes,
+        prescale=meta.prescale,
+        postscale=postscale_factor(ReduceOp(meta.op), meta.postscale, len(state.members)),
+        state=state,
+    )
+
+
+def speculate(executor: Executor, plan: RoundPlan, requests: list[Request | None], control: list[int]) -> list[int]:
+    """One SUM allreduce of a planned set's data, zeros where ``requests`` has None, with ``control`` appended,
+    in the plan's own buffer (the inputs stay as they are, so a part that not every rank sent is simply dropped).
+
+    Returns the summed control values; the reduced data stays in the plan's buffer for ``deliver``. A failure
+    here is on the wire, or before it while the peers are inside the collective: either way the engine must
+    stop (``TransportError``).
+    """
+    first = plan.responses[0]
+    transport = executor.transport
+    try:
+        for part, request in zip(plan.parts, requests, strict=True):
+            if request is not None and request.tensor is not None:
+                part.copy_(request.tensor.view(-1))
+            else:
+                part.zero_()
+        plan.control[:] = control
+        scale_(plan.data, plan.prescale)
+        executor.collective_calls += 1
+        timeline = executor.timeline()
+        started_us = timeline.now_us() if timeline is not None else 0.0
+        transport.reduce_(plan.buffer, "sum", first.process_set, plan.state, first.name)
+        if timeline is not None:
+            plan.wire_us = (started_us, timeline.now_us(), transport.reduce_phase(plan.buffer, first.process_set))
+    except TransportError:
+        raise
+    except Exception as error:
+        raise TransportError(f"one-round allreduce of '{first.name}' failed on rank {executor.rank}: {error}") from error
+    return [int(value) for value in plan.control.tolist()]
+
+
+def deliver(executor: Executor, plan: RoundPlan, requests: list[Request | None], delivered: list[bool], seconds: float) -> None:
+    """Finish a one-round cycle: scale the parts every rank sent, copy them out and complete their requests. The
+    other parts' requests stay pending, with nothing in the timeline: to them the round was a negotiation."""
+    every = zip(plan.responses, requests, plan.parts, plan.sizes, delivered, strict=True)
+    kept = [(response, request, part, size) for response, request, part, size, ok in every if ok and request is not None]
+    if not kept:
+        return
+    done = [response for response, _, _, _ in kept]
+    _mark_round(executor, plan, done)
+    executor.begin_phase(done, "MEMCPY_OUT_FUSION_BUFFER")
+    try:
+        for _, request, part, _ in kept:
+            assert request is not None
+            if request.output is not None:
+                scale_into(part, plan.postscale, request.output.view(-1))
+    except Exception as error:
+        names = ", ".join(repr(r.name) for r in done)
+        message = f"Shoal could not complete allreduce of {names} on rank {executor.rank}: {error}"
+        get_logger().error("%s", message)
+        for _, request, _, _ in kept:
+            assert request is not None
+            request.fail(RuntimeError(message))
+        return
+    finally:
+        executor.end_phase(done, "MEMCPY_OUT_FUSION_BUFFER")
+        executor.end_phase(done, "ALLREDUCE")
+    executor.record_seconds(done, seconds, [size for _, _, _, size in kept])
+    for _, request, _, _ in kept:
+        assert request is not None
+        request.complete(request.output)
+
+
+def _mark_round(executor: Executor, plan: RoundPlan, done: list[Response]) -> None:
+    """Timeline rows of the requests a one-round cycle completed: their negotiation ended when the round began,
+    which was also their allreduce's wire phase."""
+    timeline = executor.timeline()
+    if timeline is None:
+        return
+    started_us, ended_us, phase = plan.wire_us
+    for response in done:
+        timeline.end(response.name, f"NEGOTIATE_{response.kind.value.upper()}", started_us)
+        timeline.begin(response.name, "ALLREDUCE", {"one_round": True}, started_us)
+        timeline.begin(response.name, phase, None, started_us)
+        timeline.end(response.name, phase, ended_us)
+
+
+__all__ = ["MAX_BYTES", "OneRound", "RoundPlan", "deliver", "plan_round", "speculate"]

@@ -136,6 +136,13 @@ class Timeline:
                 self._file = None
 
 
+def open_timeline(path: str, rank: int, mark_cycles: bool) -> Timeline | None:
+    """As in Horovod, rank 0 writes the timeline; a path containing ``{rank}`` gives every rank its own file."""
+    if "{rank}" in path:
+        return Timeline(path.replace("{rank}", str(rank)), rank, mark_cycles)
+    return Timeline(path, rank, mark_cycles) if rank == 0 else None
+
+
 def load_timeline(path: str) -> list[dict[str, Any]]:
     """Load a timeline file, complete or truncated by a killed job; returns its events."""
     events = []
