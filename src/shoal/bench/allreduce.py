@@ -165,7 +165,7 @@ def bench_shared_gradients(
     """A 40 MB gradient reduced where it lies in the ranks' arenas (the optimizer's shared-gradient path), against
     the bare shared-memory transport on the same bytes; each as the memory traffic per gradient byte and rank that
     its time implies at the single-core copy bandwidth (a copy moves 2 bytes per byte: one read, one write)."""
-    site = handles.engine().arena_site()
+    site = handles.engine().transport.arena_site()
     if hierarchical is None or site is None:
         return None
     arena, failure = shared_grads.map_arenas(site, nbytes, "bench.arena")

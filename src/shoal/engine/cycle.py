@@ -56,6 +56,18 @@ def make_autotuner(config: EngineConfig, rank: int, hierarchical: bool, cache_en
     return Autotuner(tuning, rank, hierarchical, settings)
 
 
+def pause_ms(config: EngineConfig, pending: bool, stalled_cycles: int) -> float:
+    """How long to sleep before the next cycle, unless a local submission wakes the engine first.
+
+    While this rank waits on others (say, for their backprop to reach the same layer), each empty cycle doubles the
+    pause up to the idle period: on a 2-core machine every cycle's collective takes CPU from backprop.
+    """
+    if not pending:
+        return config.idle_cycle_time_ms
+    # The exponent is capped: after hours of waiting the count is huge, and 2**count would overflow a float.
+    return min(config.cycle_time_ms * (2 ** min(stalled_cycles, 32)), config.idle_cycle_time_ms)
+
+
 def ready_ids(words: list[int]) -> list[int]:
     """Cache ids whose bit survived the AND, ascending."""
     ids = []

@@ -15,16 +15,15 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from shoal.comm.shared_arena import SharedArena
 from shoal.engine.config import EngineConfig
-from shoal.engine.cycle import Cycle
+from shoal.engine.cycle import Cycle, pause_ms
 from shoal.engine.executor import Executor
 from shoal.engine.inbox import EngineStoppedError, Inbox, Key
 from shoal.engine.request import Kind, Request
 from shoal.engine.response_cache import ResponseCache
 from shoal.engine.stall import CollectiveWatch
 from shoal.engine.timeline import Timeline, open_timeline
-from shoal.engine.transport import ArenaSite, Transport
+from shoal.engine.transport import ArenaSite, Transport  # ArenaSite: re-exported
 from shoal.engine.validation import check_request
 from shoal.log import get_logger
 from shoal.runtime.topology import Topology
@@ -127,14 +126,6 @@ class Engine:
         fused batch's elements); None before it ran."""
         return self._executor.executions.get((process_set, name))
 
-    def arena_site(self) -> ArenaSite | None:
-        """Where this rank's shared-memory arenas live (``Transport.arena_site``)."""
-        return self.transport.arena_site()
-
-    def register_arena(self, key: str, arena: SharedArena) -> None:
-        """From now on, allreduces that name ``key`` in ``RequestMeta.shared`` are ranges of ``arena``."""
-        self.transport.register_arena(key, arena)
-
     def stop(self, timeout_s: float | None = None) -> bool:
         """Ask every rank's engine to stop, fail what is pending, and wait for the thread to end.
 
@@ -167,20 +158,17 @@ class Engine:
 
     def start_timeline(self, path: str, mark_cycles: bool = False) -> None:
         """Start writing a timeline at run time (replacing any current one)."""
-        new = open_timeline(path, self.rank, mark_cycles)
-        with self._lock:
-            old, self.timeline = self.timeline, new
-        if old is not None:
-            old.close()
+        self._swap_timeline(open_timeline(path, self.rank, mark_cycles))
 
     def stop_timeline(self) -> None:
-        """Stop writing the timeline and close its file.
+        """Stop writing the timeline and close its file."""
+        self._swap_timeline(None)
 
-        Every reader takes ``self.timeline`` once into a local, and a closed timeline ignores further events, so
-        the engine thread never sees it vanish between a check and a use.
-        """
+    def _swap_timeline(self, new: Timeline | None) -> None:
+        """Every reader takes ``self.timeline`` once into a local, and a closed timeline ignores further events, so
+        the engine thread never sees it vanish between a check and a use."""
         with self._lock:
-            old, self.timeline = self.timeline, None
+            old, self.timeline = self.timeline, new
         if old is not None:
             old.close()
 
@@ -258,15 +246,7 @@ class Engine:
                     self._lock.notify_all()  # the engine thread carries what is left
 
     def _wait_ms(self, stalled_cycles: int) -> float:
-        """How long to sleep before the next cycle, unless a local submission wakes the engine first.
-
-        While this rank waits on others (say, for their backprop to reach the same layer), each empty cycle doubles
-        the pause up to the idle period: on a 2-core machine every cycle's collective takes CPU from backprop.
-        """
-        if not self._pending:
-            return self.config.idle_cycle_time_ms
-        # The exponent is capped: after hours of waiting the count is huge, and 2**count would overflow a float.
-        return min(self.config.cycle_time_ms * (2 ** min(stalled_cycles, 32)), self.config.idle_cycle_time_ms)
+        return pause_ms(self.config, bool(self._pending), stalled_cycles)
 
     def _fail_everything(self, error: BaseException) -> None:
         with self._lock:

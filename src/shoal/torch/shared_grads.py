@@ -187,7 +187,7 @@ def adopt(
     ``refusal`` is this rank's reason not to (the setting is off, an option the path does not serve), or None.
     """
     engine = handles.engine()
-    site = engine.arena_site()
+    site = engine.transport.arena_site()
     if site is None:
         return None
     key = f"g{handles.session().next_number('shared_gradients', 0)}"
@@ -208,7 +208,7 @@ def adopt(
     if arena is None:
         _warn(engine.rank, failure)
         return None
-    engine.register_arena(key, arena)
+    engine.transport.register_arena(key, arena)
     call = requests.Call(Kind.ALLREDUCE, process_set, spec, in_place=True)
     shared = SharedGradients(key, arena, buckets, call, handles.session())
     for param in params:
