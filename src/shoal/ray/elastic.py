@@ -12,7 +12,6 @@ function decorated with ``@hvd.elastic.run``.
 from __future__ import annotations
 
 import os
-import pickle
 import signal
 import subprocess
 import sys
@@ -21,12 +20,11 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 from shoal.config import LAUNCHER_PID_ENV, LaunchConfig
-from shoal.runner.api import _dumps
 from shoal.runner.discovery import HostDiscovery
 from shoal.runner.elastic_driver import ElasticJob
+from shoal.runner.function_job import FunctionJob
 from shoal.runner.hosts import HostSlots, SlotInfo
 from shoal.runner.launcher import PolledProcess, Worker
-from shoal.runner.task import PAYLOAD_KEY, elastic_result_key, task_prefix
 from shoal.runtime.elastic_rendezvous import ELASTIC_ID_ENV
 from shoal.runtime.watchdog import die_with_parent
 
@@ -314,18 +312,14 @@ class ElasticRayExecutor:
         if self._ray is None:
             self.start()
         ray = self._ray
-        payload = _dumps((fn, tuple(args or ()), dict(kwargs or {})))
-        results: dict[str, tuple[str, Any]] = {}
+        function = FunctionJob("ElasticRayExecutor.run", fn, args, kwargs)
         nodes = RayNodes(ray, self.cpus_per_slot, self.gpus_per_slot)
 
         def publish(store: Any) -> None:
-            store.with_prefix(task_prefix(job.secret)).set(PAYLOAD_KEY, payload)
+            function.publish(store, job.secret)
 
         def collect(store: Any) -> None:
-            view = store.with_prefix(task_prefix(job.secret))
-            for worker in job.elastic:
-                if view.check([elastic_result_key(worker.worker_id)]):
-                    results[worker.worker_id] = pickle.loads(view.get(elastic_result_key(worker.worker_id)))
+            function.take_workers(function.view(store, job.secret), [worker.worker_id for worker in job.elastic])
 
         job = RayElasticJob(
             self._config(),
@@ -342,14 +336,7 @@ class ElasticRayExecutor:
             code = job.run()
         finally:
             job.end_actors()
-        failures = [f"worker {wid} raised:\n{value}" for wid, (status, value) in results.items() if status != "ok"]
-        finished = sorted((w for w in job.elastic if w.state == "finished"), key=lambda w: w.rank or 0)
-        if code != 0 or not finished:
-            detail = "\n".join(failures) or "see its messages above"
-            raise RuntimeError(f"ElasticRayExecutor.run: the elastic job failed (exit code {code}): {detail}")
-        if failures:  # workers the job recovered from: it finished without them
-            print("ElasticRayExecutor.run: recovered from:\n" + "\n".join(failures), file=sys.stderr, flush=True)
-        return [results[w.worker_id][1] for w in finished if w.worker_id in results]
+        return function.of_finished(code, job.elastic)
 
     def shutdown(self) -> None:
         """Nothing outlives ``run`` (its actors end with it); kept for Horovod's API."""

@@ -2,23 +2,13 @@
 
 from __future__ import annotations
 
-import pickle
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from shoal.config import LaunchConfig
+from shoal.runner.function_job import FunctionJob
 from shoal.runner.launcher import Job, build_slots
-from shoal.runner.task import PAYLOAD_KEY, result_key, task_prefix
-
-
-def _dumps(value: Any) -> bytes:
-    """cloudpickle when installed (lambdas and closures travel by value, as in Horovod), else pickle."""
-    try:
-        import cloudpickle  # type: ignore[import-not-found,import-untyped,unused-ignore]
-    except ImportError:
-        return pickle.dumps(value)
-    return bytes(cloudpickle.dumps(value))
 
 
 def run(
@@ -94,25 +84,14 @@ def run(
         config.check()
     except ValueError as error:
         raise ValueError(f"shoal.run: {error}") from None
-    payload = _dumps((func, tuple(args), dict(kwargs or {})))
-    results: dict[int, tuple[str, Any]] = {}
+    function = FunctionJob("shoal.run", func, args, kwargs)
     slots = build_slots(config)
 
-    def publish(store: Any) -> None:
-        store.with_prefix(task_prefix(job.secret)).set(PAYLOAD_KEY, payload)
-
     def collect(store: Any) -> None:
-        view = store.with_prefix(task_prefix(job.secret))
-        for slot in slots:
-            if view.check([result_key(slot.rank)]):
-                results[slot.rank] = pickle.loads(view.get(result_key(slot.rank)))
+        function.take_ranks(function.view(store, job.secret), len(slots))
+
+    def publish(store: Any) -> None:
+        function.publish(store, job.secret)
 
     job = Job(config, slots, extra_env=dict(env or {}), on_store=publish, on_finish=collect)
-    code = job.run()
-    failures = [f"rank {rank} raised:\n{value}" for rank, (status, value) in sorted(results.items()) if status != "ok"]
-    if failures:
-        raise RuntimeError("shoal.run: " + "\n".join(failures))
-    if code != 0 or len(results) != len(slots):
-        missing = sorted(set(range(len(slots))) - set(results))
-        raise RuntimeError(f"shoal.run: the job failed (exit code {code}); ranks without a result: {missing}")
-    return [results[rank][1] for rank in range(len(slots))]
+    return function.in_rank_order(job.run(), len(slots))

@@ -9,7 +9,6 @@ shipped to the tasks inside their closure, never on a command line); each task s
 
 from __future__ import annotations
 
-import pickle
 import re
 import secrets
 import socket
@@ -181,8 +180,7 @@ def run(
         NotImplementedError: ``use_mpi=True`` or ``extra_mpi_args``.
         ValueError: ``num_proc`` below 1.
     """
-    from shoal.runner.api import _dumps
-    from shoal.runner.task import PAYLOAD_KEY, task_prefix
+    from shoal.runner.function_job import FunctionJob
     from shoal.spark._task import TaskSettings
 
     if use_mpi or extra_mpi_args:
@@ -200,8 +198,8 @@ def run(
     secret = secrets.token_hex(16)
     addr = _driver_address(context, nics)
     store, port = _host_store(addr, secret, timeout_s)
-    view = store.with_prefix(task_prefix(secret))
-    view.set(PAYLOAD_KEY, _dumps((fn, tuple(args), dict(kwargs or {}))))
+    function = FunctionJob("shoal.spark.run", fn, args, kwargs)
+    view = function.publish(store, secret)
     sinks = {name: sink for name, sink in (("stdout", stdout), ("stderr", stderr)) if sink is not None}
     settings = TaskSettings(addr, port, secret, timeout_s, dict(env or {}), stream_output=bool(sinks), executable=executable)
     group = f"shoal.spark.run.{secret[:12]}"
@@ -215,13 +213,12 @@ def run(
     output = _Output(view, num_proc, sinks, prefix_output_with_timestamp)
     try:
         thread.start()
-        results: dict[int, Any] = {}
-        failure = _supervise(view, num_proc, thread, outcome, started_at, timeout_s, output, context, results)
+        failure = _supervise(view, num_proc, thread, outcome, started_at, timeout_s, output, context, function)
         if failure is not None:
             context.cancelJobGroup(group)
             thread.join(timeout=60)
             raise RuntimeError(failure)
-        return [results[rank] for rank in range(num_proc)]
+        return [function.results[rank][1] for rank in range(num_proc)]
     finally:
         if thread.is_alive():
             context.cancelJobGroup(group)
@@ -251,31 +248,26 @@ def _supervise(
     timeout_s: float,
     output: _Output,
     context: Any,
-    results: dict[int, Any],
+    function: Any,
 ) -> str | None:
-    """Wait for the stage, putting each rank's returned value into ``results`` as it arrives (fetched and unpickled
-    once); the reason the job failed, or None when every rank returned a result."""
-    from shoal.runner.task import result_key
-
+    """Wait for the stage, taking each rank's result into ``function.results`` (a ``FunctionJob``) as it arrives;
+    the reason the job failed, or None when every rank returned a result."""
     while True:
         alive = thread.is_alive()  # before the scan: a stage that ends during it is scanned once more
         output.drain()
         errors = []
-        for rank in range(num_proc):
-            if rank not in results and view.check([result_key(rank)]):
-                status, value = pickle.loads(view.get(result_key(rank)))
-                if status == "ok":
-                    results[rank] = value
-                else:
-                    host = view.get(f"host/{rank}").decode() if view.check([f"host/{rank}"]) else "?"
-                    errors.append(f"rank {rank} on host {host} raised:\n{value}")
+        for rank in function.take_ranks(view, num_proc):
+            status, value = function.results[rank]
+            if status != "ok":
+                host = view.get(f"host/{rank}").decode() if view.check([f"host/{rank}"]) else "?"
+                errors.append(f"rank {rank} on host {host} raised:\n{value}")
         if errors:
             return "shoal.spark.run: " + "\n".join(errors)
         if not alive:
-            if len(results) == num_proc:
+            if len(function.results) == num_proc:
                 return None
             error = outcome.get("error")
-            missing = [rank for rank in range(num_proc) if rank not in results]
+            missing = [rank for rank in range(num_proc) if rank not in function.results]
             detail = f": {_first_line(error)}" if error is not None else ""
             return f"shoal.spark.run: the Spark stage failed; ranks without a result: {missing}{detail}"
         started = view.add("started", 0) if view.check(["started"]) else 0

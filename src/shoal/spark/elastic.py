@@ -21,12 +21,12 @@ from dataclasses import dataclass
 from typing import IO, Any, cast
 
 from shoal.config import LaunchConfig
-from shoal.runner.api import _dumps
 from shoal.runner.discovery import HostDiscovery
 from shoal.runner.elastic_driver import ElasticJob
+from shoal.runner.function_job import FunctionJob
 from shoal.runner.hosts import HostSlots, SlotInfo
 from shoal.runner.launcher import LaunchError, PolledProcess, Worker
-from shoal.runner.task import PAYLOAD_KEY, elastic_result_key, task_prefix
+from shoal.runner.task import task_prefix
 from shoal.spark._slot import END_KEY, signal_number, slot_key
 from shoal.spark._task import TaskSettings
 
@@ -219,7 +219,8 @@ class SlotWorker(Worker):
 class SparkElasticJob(ElasticJob):
     """Shoal's elastic driver with Spark slots as hosts and the store as the way to start workers."""
 
-    def __init__(self, config: LaunchConfig, slots: SparkSlots, output: Any, **job_options: Any) -> None:
+    def __init__(self, config: LaunchConfig, slots: SparkSlots, output: Callable[[], Any], **job_options: Any) -> None:
+        """``output``: the job's output streams once the store is up (the ``_Output`` whose ranks to follow), or None."""
         super().__init__(config, [], discovery=slots, **job_options)
         self._slots = slots
         self._output = output
@@ -237,8 +238,9 @@ class SparkElasticJob(ElasticJob):
         chosen = self._slots.take(slot.hostname)
         index = self._slots.commands.get(chosen, 0)
         view.set(slot_key(chosen, "cmd", index), pickle.dumps((slot.rank, env)))
-        if self._output is not None:
-            self._output.watch(slot.rank)
+        output = self._output()
+        if output is not None:
+            output.watch(slot.rank)
         self._verbose(f"worker [{slot.rank}] in Spark slot {chosen} on {slot.hostname}")
         return SlotWorker(slot=slot, process=cast(Any, SlotProcess(view, self._slots, chosen, index)))
 
@@ -297,20 +299,17 @@ def run_elastic(
     config = _config(num_proc, low, high, reset_limit, elastic_timeout, _start_timeout(start_timeout), verbose)
     if verbose >= 1:
         print(f"shoal.spark.run_elastic: {num_proc} processes ({low} to {high})", file=sys.stderr, flush=True)
-    payload = _dumps((fn, tuple(args), dict(kwargs or {})))
+    function = FunctionJob("shoal.spark.run_elastic", fn, args, kwargs)
     group = f"shoal.spark.run_elastic.{time.time_ns()}"
     slots = SparkSlots(context, group, high, verbose >= 2)
     sinks = {name: sink for name, sink in (("stdout", stdout), ("stderr", stderr)) if sink is not None}
-    results: dict[str, tuple[str, Any]] = {}
     output: _Output | None = None
 
     def publish(store: Any) -> None:
         nonlocal output
-        view = store.with_prefix(task_prefix(job.secret))
-        view.set(PAYLOAD_KEY, payload)
+        view = function.publish(store, job.secret)
         if sinks:
             output = _Output(view, 0, sinks, prefix_output_with_timestamp)
-            job._output = output
         settings = TaskSettings(
             job.rendezvous_addr, job.rendezvous_port, job.secret, config.start_timeout, dict(env or {}),
             stream_output=bool(sinks), executable=None,
@@ -318,16 +317,13 @@ def run_elastic(
         slots.begin(view, settings)
 
     def collect(store: Any) -> None:
-        view = store.with_prefix(task_prefix(job.secret))
         if output is not None:
             output.drain()
-        for worker in job.elastic:
-            if view.check([elastic_result_key(worker.worker_id)]):
-                results[worker.worker_id] = pickle.loads(view.get(elastic_result_key(worker.worker_id)))
+        function.take_workers(function.view(store, job.secret), [worker.worker_id for worker in job.elastic])
         slots.finish()
 
     job = SparkElasticJob(
-        config, slots, None, rendezvous_addr=_driver_address(context, nics), on_store=publish, on_finish=collect
+        config, slots, lambda: output, rendezvous_addr=_driver_address(context, nics), on_store=publish, on_finish=collect
     )
     drainer = _Drainer(lambda: output)
     try:
@@ -336,7 +332,8 @@ def run_elastic(
     finally:
         drainer.stop()
         slots.end()
-    return _outcome(job, code, results, slots.last_error)
+    last = f"\nthe last Spark slot error: {slots.last_error}" if slots.last_error else ""
+    return function.of_finished(code, job.elastic, last)
 
 
 def _config(
@@ -357,20 +354,6 @@ def _config(
     config.check()
     config.host_discovery_script = "<Spark's tasks>"  # hosts come and go: the driver watches the discovery
     return config
-
-
-def _outcome(job: SparkElasticJob, code: int, results: dict[str, tuple[str, Any]], slot_error: str) -> list[Any]:
-    """The finished workers' results in rank order; a failed job raises with the workers' tracebacks (a worker
-    that raised but was recovered from, in a job that finished, is only reported)."""
-    failures = [f"worker {wid} raised:\n{value}" for wid, (status, value) in results.items() if status != "ok"]
-    finished = sorted((w for w in job.elastic if w.state == "finished"), key=lambda w: w.rank or 0)
-    if code != 0 or not finished:
-        detail = "\n".join(failures) or "see its messages above"
-        last = f"\nthe last Spark slot error: {slot_error}" if slot_error else ""
-        raise RuntimeError(f"shoal.spark.run_elastic: the elastic job failed (exit code {code}): {detail}{last}")
-    if failures:
-        print("shoal.spark.run_elastic: recovered from:\n" + "\n".join(failures), file=sys.stderr, flush=True)
-    return [results[w.worker_id][1] for w in finished if w.worker_id in results]
 
 
 class _Drainer:

@@ -530,7 +530,7 @@ class _TorchModelWriter(MLWriter):
         self.instance = instance
 
     def saveImpl(self, path: str) -> None:
-        from shoal.runner.api import _dumps
+        from shoal.runner.function_job import dumps
 
         path = _local(path)
         if os.path.exists(path) and not self.shouldOverwrite:
@@ -548,7 +548,7 @@ class _TorchModelWriter(MLWriter):
             "loss": model.getOrDefault("loss"),
         }
         with open(os.path.join(path, "model.pkl"), "wb") as handle:
-            handle.write(_dumps(payload))
+            handle.write(dumps(payload))
 
 
 class _TorchModelReader(MLReader):
