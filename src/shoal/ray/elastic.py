@@ -41,7 +41,7 @@ class RayNodes(HostDiscovery):
     """
 
     def __init__(self, ray: Any, cpus_per_worker: float, gpus_per_worker: float, interval_s: float = NODE_POLL_S) -> None:
-        super().__init__([], script="<Ray's nodes>", interval_s=interval_s)
+        super().__init__([], None, interval_s=interval_s, dynamic=True)
         self._ray = ray
         self._cpus = cpus_per_worker
         self._gpus = gpus_per_worker
@@ -290,7 +290,6 @@ class ElasticRayExecutor:
             command=["python", "-m", "shoal.runner.task"],
         )
         config.check()
-        config.host_discovery_script = "<Ray's nodes>"  # hosts come and go: the driver watches the discovery
         return config
 
     def run(

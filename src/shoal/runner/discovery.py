@@ -45,13 +45,21 @@ def progress_period(timeout_s: float) -> float:
 
 
 class HostDiscovery:
-    """Keeps the current host list: static (``-H``/``--hostfile``/``-np``), or polled from a script in a thread."""
+    """Keeps the current host list: static (``-H``/``--hostfile``/``-np``), or polled in a thread from a script (or,
+    in a subclass, from a cluster manager: Ray's nodes, Spark's tasks) when ``dynamic``."""
 
     def __init__(
-        self, static_hosts: list[HostSlots], script: str | None, interval_s: float = 1.0, default_slots: int = 1
+        self,
+        static_hosts: list[HostSlots],
+        script: str | None,
+        interval_s: float = 1.0,
+        default_slots: int = 1,
+        dynamic: bool | None = None,
     ) -> None:
         self._hosts = list(static_hosts)
         self._script = script
+        self.dynamic = script is not None if dynamic is None else dynamic
+        """Whether hosts come and go (polled): an elastic job then follows them, and listens on every interface."""
         self._interval_s = interval_s
         self._default_slots = default_slots
         self._lock = threading.Lock()
@@ -61,7 +69,7 @@ class HostDiscovery:
 
     def start(self) -> None:
         """Run the script once now (so the first answer is known), then keep polling in the background."""
-        if self._script is None:
+        if not self.dynamic:
             return
         self._poll_once()
         self._thread = threading.Thread(target=self._poll_forever, name="shoalrun-discovery", daemon=True)
@@ -106,7 +114,7 @@ class HostDiscovery:
             if offered >= needed:
                 return True
             now = time.monotonic()
-            if now >= deadline or self._script is None:
+            if now >= deadline or not self.dynamic:
                 return False
             if now - said >= progress_period(timeout_s):
                 said = now

@@ -76,7 +76,7 @@ class ElasticJob(Job):
         discovery.start()
         # Only used to choose the rendezvous address: hosts discovered later may be remote, so then listen on all.
         known = [SlotInfo(h.hostname, 0, 1, 0, 1, 0, 1) for h in discovery.hosts()]
-        super().__init__(config, slots=known, bind_all=config.host_discovery_script is not None, **job_options)
+        super().__init__(config, slots=known, bind_all=discovery.dynamic, **job_options)
         self.num_proc, self.min_np, self.max_np = config.num_proc, config.min_np, config.max_np
         self.discovery = discovery
         self.elastic: list[ElasticWorker] = []
@@ -161,13 +161,9 @@ class ElasticJob(Job):
         """Members that stay (rank order kept, so rank 0 has trained), then newcomers ready to rendezvous."""
         assert self._store is not None and self._keys is not None
         slots = {h.hostname: h.slots for h in self.discovery.hosts()}
-        stay = [
-            w
-            for w in self._alive("member")
-            if (w.hostname in slots or not self.config.host_discovery_script) and w.leaving is None
-        ]
+        stay = [w for w in self._alive("member") if (w.hostname in slots or not self.discovery.dynamic) and w.leaving is None]
         stay.sort(key=lambda w: w.rank if w.rank is not None else 0)
-        if self.config.host_discovery_script:  # a host that offers fewer slots keeps its lowest-ranked workers
+        if self.discovery.dynamic:  # a host that offers fewer slots keeps its lowest-ranked workers
             kept: dict[str, int] = {}
             for worker in list(stay):
                 kept[worker.hostname] = kept.get(worker.hostname, 0) + 1
@@ -194,7 +190,7 @@ class ElasticJob(Job):
                 if now - self._ready_seen_at >= _READY_SETTLE_S:
                     return f"worker {worker.worker_id} asked to re-form the job"
                 return None
-        if self.config.host_discovery_script:
+        if self.discovery.dynamic:
             slots = {h.hostname: h.slots for h in self.discovery.hosts()}
             members = self._alive("member")
             if any(w.hostname not in slots for w in members):
@@ -434,7 +430,7 @@ class ElasticJob(Job):
     def _maybe_reform(self) -> int | None:
         config = self.config
         self._watch_round()
-        if config.host_discovery_script or config.blacklist_cooldown_range is not None:
+        if self.discovery.dynamic or config.blacklist_cooldown_range is not None:
             self._fill_slots(self.max_np)  # static hosts come back only after a cooldown
         reason = self._wants_new_round()
         if reason is None:

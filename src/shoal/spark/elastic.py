@@ -42,7 +42,7 @@ class SparkSlots(HostDiscovery):
     """The slots (Spark tasks) that registered in the store and still run, as hosts with that many slots."""
 
     def __init__(self, context: Any, group: str, wanted: int, verbose: bool) -> None:
-        super().__init__([], script="<Spark's tasks>", interval_s=0.2)
+        super().__init__([], None, interval_s=0.2, dynamic=True)
         self._context, self._group, self._wanted, self._verbose_on = context, group, wanted, verbose
         self._view: Any = None
         self._settings: TaskSettings | None = None
@@ -352,7 +352,6 @@ def _config(
     if elastic_timeout is not None:
         config.elastic_timeout = float(elastic_timeout)
     config.check()
-    config.host_discovery_script = "<Spark's tasks>"  # hosts come and go: the driver watches the discovery
     return config
 
 
