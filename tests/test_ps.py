@@ -19,10 +19,11 @@ import torch
 from torch import nn
 
 import shoal.torch as hvd
+from shoal.config import LaunchConfig
 from shoal.plan.calibration import Calibration
 from shoal.plan.planner import build_plan, format_plan, predict
 from shoal.ps.consistency import PieceClocks, PullRecorder
-from shoal.ps.launch import server_processes, worker_env
+from shoal.ps.launch import server_processes
 from shoal.ps.optimizers import describe_optimizer
 from shoal.ps.sharding import build_shard_plan, server_loads
 from shoal.testing import MultiRankError, run_ranks
@@ -124,7 +125,7 @@ def dedicated(workers: int, servers: int) -> dict[str, object]:
         overrides[rank] = {
             f"{prefix}_{name}": str(workers) for prefix in ("SHOAL", "HOROVOD") for name in ("SIZE", "LOCAL_SIZE")
         }
-        overrides[rank].update(worker_env(servers))
+        overrides[rank].update(LaunchConfig(num_servers=servers).worker_env())  # what shoalrun gives every worker
     for index, (argv, env) in enumerate(server_processes(servers, workers, rendezvous)):
         assert argv[1:] == ["-m", "shoal.ps.server"]
         overrides[workers + index] = {k: v for k, v in env.items() if k not in rendezvous}

@@ -4,7 +4,7 @@ the knobs table of docs/knobs.md, which a test keeps equal to these declarations
 
 from __future__ import annotations
 
-from shoal.config.engine import EngineConfig
+from shoal.config.engine import EngineConfig, engine_setting
 from shoal.config.env import (
     PREFIX,
     Knob,
@@ -69,6 +69,7 @@ __all__ = [
     "Setting",
     "SlotInfo",
     "WorkerSettings",
+    "engine_setting",
     "env_bool",
     "env_float",
     "env_int",

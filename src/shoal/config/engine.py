@@ -7,8 +7,9 @@ shoalrun's tuning flags, the workers' environment and docs/knobs.md are made fro
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
-from shoal.config.env import from_env, knob
+from shoal.config.env import from_env, knob, read_setting
 
 MIB = 1024 * 1024
 _TUNING = "engine tuning (passed to the workers as environment variables)"
@@ -237,3 +238,9 @@ class EngineConfig:
     def from_env(cls) -> EngineConfig:
         """Defaults overridden by the SHOAL_ (or HOROVOD_) environment variables."""
         return from_env(cls)
+
+
+def engine_setting(name: str) -> Any:
+    """One of this process's ``EngineConfig`` settings, read alone (a malformed other setting does not stop it):
+    for parts outside the engine that follow its knobs (the parameter server's waits)."""
+    return read_setting(EngineConfig, name)

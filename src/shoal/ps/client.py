@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from shoal.comm.p2p import PeerGroup, PeerLostError, PendingSend
-from shoal.config import env_float
+from shoal.config import engine_setting
 from shoal.log import get_logger
 from shoal.ps.messages import (
     TAG_TO_SERVER,
@@ -37,8 +37,6 @@ from shoal.ps.messages import (
 from shoal.ps.sharding import Piece, build_shard_plan
 
 _CLOSE_WAIT_S = 60.0
-_STALL_CHECK_S = 60.0
-"""Default period of the warnings about a slow server (``STALL_CHECK_TIME_SECONDS``, as the engine's; docs/knobs.md)."""
 
 
 class ParameterServerError(RuntimeError):
@@ -63,6 +61,8 @@ class PSClient:
         self.dedicated = dedicated
         self.error: str | None = None
         self.cond = threading.Condition()
+        self._stall_period_s = float(engine_setting("stall_check_time_s"))
+        """How often a long wait for the servers is reported (the engine's stall check time)."""
         self._sessions: dict[int, PSSession] = {}
         self._next_session = 0
         self._send_locks = [threading.Lock() for _ in range(servers)]
@@ -159,7 +159,7 @@ class PSClient:
         A dead server fails the wait within seconds (its connection drops); a live one that is slow to answer is
         waited for, as the engine waits for a busy peer, and named in a warning every period.
         """
-        period_s = env_float("STALL_CHECK_TIME_SECONDS", _STALL_CHECK_S)
+        period_s = self._stall_period_s
         started = time.monotonic()
         with self.cond:
             while not self.cond.wait_for(lambda: self.error is not None or done(), timeout=period_s):

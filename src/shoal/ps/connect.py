@@ -14,16 +14,13 @@ from typing import Any
 
 from shoal.comm.p2p import PeerGroup, arrive_and_wait, connect_job_store
 from shoal.comm.store import prefix_store
-from shoal.config import JobAddress, env_float, env_name, worker_setting
+from shoal.config import JobAddress, engine_setting, env_name, worker_setting
 from shoal.log import get_logger
 from shoal.ps.client import PSClient, exiting_on_error
 from shoal.ps.config import PSConfig
 from shoal.ps.consistency import PullRecorder
 from shoal.ps.server import ShardServer, WorkerLostError
 from shoal.runtime import context
-
-_CLOSE_TIMEOUT_S = 600.0
-"""How long shutdown() waits for the other workers to leave this worker's co-located server."""
 
 
 class _Connection:
@@ -120,7 +117,7 @@ def close() -> None:
     if connection.thread is not None and connection.client.error is None and not exiting_on_error():
         # A co-located server keeps serving until every worker has left; peers still training may take long, so
         # the wait is bounded (and the thread is a daemon: it cannot keep the process alive past its exit).
-        limit_s = env_float("COLLECTIVE_TIMEOUT_SECONDS", _CLOSE_TIMEOUT_S)
+        limit_s = float(engine_setting("collective_timeout_s"))
         connection.thread.join(limit_s)
         if connection.thread.is_alive():
             get_logger().error(

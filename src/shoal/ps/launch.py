@@ -22,7 +22,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Mapping
 
-from shoal.config import RENDEZVOUS_ENV_NAMES, ServerIdentity, env_name
+from shoal.config import RENDEZVOUS_ENV_NAMES, ServerIdentity
 
 SERVER_MODULE = "shoal.ps.server"
 
@@ -53,8 +53,3 @@ def server_processes(
         env.update(ServerIdentity(index, num_servers, num_workers).to_env())
         processes.append(([python, "-m", SERVER_MODULE], env))
     return processes
-
-
-def worker_env(num_servers: int) -> dict[str, str]:
-    """What every worker gets on top of its usual environment when the job has dedicated servers."""
-    return {env_name("NUM_SERVERS"): str(num_servers)}
