@@ -19,14 +19,14 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
-from shoal.config import LAUNCHER_PID_ENV, LaunchConfig
+from shoal.config import LaunchConfig
 from shoal.runner.discovery import HostDiscovery
 from shoal.runner.elastic_driver import ElasticJob
 from shoal.runner.function_job import FunctionJob
 from shoal.runner.hosts import HostSlots, SlotInfo
 from shoal.runner.launcher import PolledProcess, Worker
+from shoal.runner.worker_env import child_env, start_worker
 from shoal.runtime.elastic_rendezvous import ELASTIC_ID_ENV
-from shoal.runtime.watchdog import die_with_parent
 
 NODE_POLL_S = 1.0
 """How often the driver asks Ray for its nodes."""
@@ -87,10 +87,7 @@ class WorkerProcessActor:
 
     def start(self, module_args: Sequence[str], env: Mapping[str, str]) -> int:
         """Run ``python -m ...`` with this node's interpreter and the job's environment; its exit code."""
-        environment = {**os.environ, **env, LAUNCHER_PID_ENV: str(os.getpid())}
-        self.process = subprocess.Popen(
-            [sys.executable, *module_args], env=environment, start_new_session=True, preexec_fn=die_with_parent
-        )
+        self.process = start_worker([sys.executable, *module_args], child_env(env, 1), stream=False)
         return self.process.wait()
 
     def signal(self, sig: int) -> None:

@@ -12,6 +12,7 @@ from shoal.comm.store import host_store
 from shoal.config import LaunchConfig
 from shoal.config.worker import JobAddress, SlotInfo
 from shoal.runner.hosts import place_ranks
+from shoal.runner.worker_env import worker_env
 
 
 def import_ray() -> Any:
@@ -46,12 +47,9 @@ class RayJobStore:
     def rank_envs(self, nodes_in_rank_order: list[str], extra: Mapping[str, str] | None = None) -> list[dict[str, str]]:
         """Every rank's environment when rank r runs on ``nodes_in_rank_order[r]``."""
         slots: list[SlotInfo] = place_ranks(nodes_in_rank_order)
-        common = {
-            **JobAddress(self.address, self.port, self.secret).to_env(),
-            **LaunchConfig(start_timeout=self.timeout_s).worker_env(),
-            "PYTHONUNBUFFERED": "1",
-        }
-        return [{**common, **slot.to_env(), **dict(extra or {})} for slot in slots]
+        address = JobAddress(self.address, self.port, self.secret)
+        settings = {**LaunchConfig(start_timeout=self.timeout_s).worker_env(), "PYTHONUNBUFFERED": "1"}
+        return [worker_env(address, settings, slot, extra) for slot in slots]
 
     def close(self) -> None:
         """Stop the store (idempotent) and unlink shared memory a worker on this node left behind."""

@@ -22,11 +22,12 @@ from pathlib import Path
 from typing import Any
 
 from shoal.compat import HOROVOD_SHIM_PATH
-from shoal.config import LAUNCHER_PID_ENV, LaunchConfig, env_name
+from shoal.config import LaunchConfig, env_name
 from shoal.config.worker import JobAddress
 from shoal.runner.hosts import HostSlots, SlotInfo, assign_slots, is_local_host, parse_hostfile, parse_hosts
 from shoal.runner.output import OutputPump
 from shoal.runner.rendezvous_address import pick_rendezvous_address
+from shoal.runner.worker_env import child_env, start_worker, worker_env
 
 TERMINATE_GRACE_S = 2.0
 """After SIGTERM, how long workers get before SIGKILL; the whole tree is gone well within 5 s."""
@@ -247,20 +248,14 @@ class Job:
 
     def _job_env(self) -> dict[str, str]:
         """What every process of the job gets: the rendezvous, the secret and the knobs (no rank: servers have none)."""
-        env = JobAddress(self.rendezvous_addr, self.rendezvous_port, self.secret).to_env()
-        env.update(self.config.worker_env())
+        settings = self.config.worker_env()
         if self.config.horovod_compat:
-            env["PYTHONPATH"] = os.pathsep.join(p for p in (HOROVOD_SHIM_PATH, os.environ.get("PYTHONPATH")) if p)
-        return env
+            settings["PYTHONPATH"] = os.pathsep.join(p for p in (HOROVOD_SHIM_PATH, os.environ.get("PYTHONPATH")) if p)
+        return worker_env(JobAddress(self.rendezvous_addr, self.rendezvous_port, self.secret), settings)
 
-    def _worker_env(self, slot: SlotInfo, worker_env: dict[str, str] | None, server_index: int | None) -> dict[str, str]:
+    def _worker_env(self, slot: SlotInfo, extra: dict[str, str] | None, server_index: int | None) -> dict[str, str]:
         """The Shoal environment of one process: the job's, its rank's (not for a server), then extras."""
-        extra = self._job_env()
-        if server_index is None:
-            extra.update(slot.to_env())
-        extra.update(self.extra_env)
-        extra.update(worker_env or {})
-        return extra
+        return {**self._job_env(), **(slot.to_env() if server_index is None else {}), **self.extra_env, **(extra or {})}
 
     def _spawn(
         self,
@@ -272,12 +267,7 @@ class Job:
         extra = self._worker_env(slot, worker_env, server_index)
         command = command or self.config.command
         if self._is_local(slot.hostname):
-            env = dict(os.environ)
-            env.setdefault("PYTHONUNBUFFERED", "1")
-            env.update(extra)
-            if "OMP_NUM_THREADS" not in env:
-                env["OMP_NUM_THREADS"] = str(self._threads_per_worker(slot.hostname))
-            env[LAUNCHER_PID_ENV] = str(os.getpid())  # lets a worker end itself if shoalrun is SIGKILLed
+            env = child_env(extra, self._threads_per_worker(slot.hostname))  # (its launcher pid: shoalrun's)
             argv = [*self.local_prefixes.get(slot.hostname, []), *command]
             stdin: int = subprocess.DEVNULL
         else:
@@ -295,9 +285,7 @@ class Job:
         label = process_label(slot, server_index)
         self._verbose(f"{label} on {slot.hostname}: {shlex.join(shown)}")
         try:
-            process = subprocess.Popen(
-                argv, env=env, stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True
-            )
+            process = start_worker(argv, env, stream=True, stdin=stdin, bound=False)
         except OSError as error:
             raise LaunchError(f"cannot start {label} on {slot.hostname}: {error}") from error
         if stdin == subprocess.PIPE:

@@ -47,25 +47,10 @@ def _wait_for_command(store: Any, slot: int, index: int, parent: int) -> bytes |
 
 
 def _start_worker(settings: TaskSettings, command: dict[str, str]) -> subprocess.Popen[bytes]:
-    from shoal.config import LAUNCHER_PID_ENV
-    from shoal.runtime.watchdog import die_with_parent
-    from shoal.spark._task import overlay
+    from shoal.runner.worker_env import child_env, start_worker
 
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    env.setdefault("OMP_NUM_THREADS", str(_task_cpus()))
-    overlay(env, settings.env)
-    env.update(command)
-    env[LAUNCHER_PID_ENV] = str(os.getpid())
-    pipe = subprocess.PIPE if settings.stream_output else None
-    return subprocess.Popen(
-        [settings.executable or sys.executable, "-m", "shoal.runner.task"],
-        env=env,
-        stdin=subprocess.DEVNULL,
-        stdout=pipe,
-        stderr=pipe,
-        start_new_session=True,
-        preexec_fn=die_with_parent,
-    )
+    env = child_env({**settings.env, **command}, _task_cpus())  # the user's variables, then the driver's for the rank
+    return start_worker([settings.executable or sys.executable, "-m", "shoal.runner.task"], env, settings.stream_output)
 
 
 def _task_cpus() -> int:

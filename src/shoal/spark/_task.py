@@ -67,15 +67,6 @@ def _pump(pipe: IO[bytes], store: Any, rank: int, stream: str, echo: IO[bytes]) 
         store.add(output_key(rank, stream), 1)
 
 
-def overlay(env: dict[str, str], changes: dict[str, str | None]) -> None:
-    """``changes`` laid over ``env``: a None value removes that variable."""
-    for name, value in changes.items():
-        if value is None:
-            env.pop(name, None)
-        else:
-            env[name] = value
-
-
 def start_pumps(process: subprocess.Popen[bytes], store: Any, label: int) -> list[threading.Thread]:
     """Threads forwarding a worker's piped stdout and stderr to the driver as ``label``'s (and to this executor's
     own log)."""
@@ -96,11 +87,11 @@ def run_rank(settings: TaskSettings, _partition: Iterator[Any]) -> Iterator[tupl
     from pyspark import BarrierTaskContext
 
     from shoal.comm.store import connect_job_store
-    from shoal.config import LAUNCHER_PID_ENV, env_name
+    from shoal.config import LaunchConfig
     from shoal.config.worker import JobAddress
     from shoal.runner.hosts import place_ranks
     from shoal.runner.task import task_prefix
-    from shoal.runtime.watchdog import die_with_parent
+    from shoal.runner.worker_env import child_env, start_worker, worker_env
 
     context = BarrierTaskContext.get()
     hosts = [info.address.rsplit(":", 1)[0] for info in context.getTaskInfos()]
@@ -111,23 +102,11 @@ def run_rank(settings: TaskSettings, _partition: Iterator[Any]) -> Iterator[tupl
         settings.addr, settings.port, settings.secret, settings.start_timeout, task_prefix(settings.secret)
     )
     store.set(f"host/{rank}", slot.hostname)
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    env.setdefault("OMP_NUM_THREADS", str(max(1, int(context.cpus()))))
-    overlay(env, settings.env)
-    env.update(slot.to_env())
-    env.update(JobAddress(settings.addr, settings.port, settings.secret).to_env())
-    env[env_name("START_TIMEOUT")] = str(settings.start_timeout)
-    env[LAUNCHER_PID_ENV] = str(os.getpid())
-    pipe = subprocess.PIPE if settings.stream_output else None
-    process = subprocess.Popen(
-        [settings.executable or sys.executable, "-m", "shoal.runner.task"],
-        env=env,
-        stdin=subprocess.DEVNULL,
-        stdout=pipe,
-        stderr=pipe,
-        start_new_session=True,
-        preexec_fn=die_with_parent,
-    )
+    address = JobAddress(settings.addr, settings.port, settings.secret)
+    variables = worker_env(address, LaunchConfig(start_timeout=settings.start_timeout).worker_env(), slot)
+    env = child_env({**settings.env, **variables}, int(context.cpus()))  # the user's variables, then Shoal's
+    argv = [settings.executable or sys.executable, "-m", "shoal.runner.task"]
+    process = start_worker(argv, env, stream=settings.stream_output)
     store.add("started", 1)
     pumps = start_pumps(process, store, rank) if settings.stream_output else []
     try:
