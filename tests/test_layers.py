@@ -68,16 +68,21 @@ def package(module: str) -> str:
     return module.split(".")[1] if "." in module else ""
 
 
-def layer_table() -> dict[str, set[str]]:
-    """The table of docs/architecture.md: package -> the packages it may import."""
+def doc_table(heading: str) -> dict[str, set[str]]:
+    """A two-column table of docs/architecture.md under ``heading``: first cell -> the names in the second."""
     text = (REPO / "docs" / "architecture.md").read_text()
-    section = text.split("## Layers and what each may import", 1)[1].split("\n## ", 1)[0]
+    section = text.split(heading, 1)[1].split("\n## ", 1)[0]
     table = {}
     for line in section.splitlines():
         cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
         if len(cells) == 2 and cells[0].startswith("`"):
             table[cells[0].strip("`")] = set(re.findall(r"`(\w+)`", cells[1]))
     return table
+
+
+def layer_table() -> dict[str, set[str]]:
+    """The table of docs/architecture.md: package -> the packages it may import."""
+    return doc_table("## Layers and what each may import")
 
 
 def test_every_package_imports_only_what_its_layer_allows() -> None:
@@ -141,14 +146,7 @@ def package_graph(edges: dict[str, set[str]]) -> dict[str, set[str]]:
 
 def engine_parts() -> dict[str, set[str]]:
     """The table of docs/architecture.md's "The engine's parts": part -> the parts it may import."""
-    text = (REPO / "docs" / "architecture.md").read_text()
-    section = text.split("## The engine's parts", 1)[1].split("\n## ", 1)[0]
-    table = {}
-    for line in section.splitlines():
-        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
-        if len(cells) == 2 and cells[0].startswith("`"):
-            table[cells[0].strip("`")] = set(re.findall(r"`(\w+)`", cells[1]))
-    return table
+    return doc_table("## The engine's parts")
 
 
 def test_the_engines_parts_import_only_the_parts_below_them() -> None:
