@@ -256,7 +256,9 @@ def test_train_benchmark_lossy_against_ddp_and_its_powersgd_hook_on_a_slow_link(
     assert summary["comm"] == "auto-lossy" and summary["other_comm"] == "auto"
     for key in ("shoal_ips", "ddp_ips", "ddp_powersgd_ips", "other_ips", "bound_ips"):
         assert float(summary[key]) > 0, key  # type: ignore[arg-type]
-    assert summary["powersgd_ratio"] == round(float(summary["shoal_ips"]) / float(summary["ddp_powersgd_ips"]), 3)  # type: ignore[arg-type]
+    # The ratio comes from the unrounded rates; the printed rates have one decimal (6.036 against 6.034 once).
+    expected = float(summary["shoal_ips"]) / float(summary["ddp_powersgd_ips"])  # type: ignore[arg-type]
+    assert summary["powersgd_ratio"] == pytest.approx(expected, rel=1e-3)
     assert sum(summary["plan_choices"].values()) == 3, summary["plan_choices"]  # type: ignore[union-attr]
 
 
