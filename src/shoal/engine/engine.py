@@ -15,6 +15,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+from shoal.comm.hierarchical import HierarchicalAllreduce
 from shoal.engine.config import EngineConfig
 from shoal.engine.cycle import Cycle, pause_ms
 from shoal.engine.executor import Executor
@@ -109,7 +110,7 @@ class Engine:
         return self._cycler.one_round_cycles
 
     @property
-    def hierarchical(self) -> Any:
+    def hierarchical(self) -> HierarchicalAllreduce | None:
         """The shared-memory (hierarchical) allreduce, or None (``Transport.hierarchical``)."""
         return self.transport.hierarchical
 

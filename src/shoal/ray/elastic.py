@@ -87,6 +87,7 @@ class WorkerProcessActor:
 
     def start(self, module_args: Sequence[str], env: Mapping[str, str]) -> int:
         """Run ``python -m ...`` with this node's interpreter and the job's environment; its exit code."""
+        # (env carries OMP_NUM_THREADS, set by the driver from the actor's CPUs: child_env's default never applies)
         self.process = start_worker([sys.executable, *module_args], child_env(env, 1), stream=False)
         return self.process.wait()
 

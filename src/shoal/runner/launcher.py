@@ -246,16 +246,17 @@ class Job:
         except BaseException as error:  # reported by the supervisor loop, which ends the job
             self._store_error = error
 
-    def _job_env(self) -> dict[str, str]:
-        """What every process of the job gets: the rendezvous, the secret and the knobs (no rank: servers have none)."""
+    def _job_env(self, slot: SlotInfo | None = None, extra: dict[str, str] | None = None) -> dict[str, str]:
+        """The Shoal environment of one process (``worker_env``): the rendezvous, the secret and the knobs, then the
+        rank's identity (``slot``; none for a server) and extras; without them, what every process of the job gets."""
         settings = self.config.worker_env()
         if self.config.horovod_compat:
             settings["PYTHONPATH"] = os.pathsep.join(p for p in (HOROVOD_SHIM_PATH, os.environ.get("PYTHONPATH")) if p)
-        return worker_env(JobAddress(self.rendezvous_addr, self.rendezvous_port, self.secret), settings)
+        return worker_env(JobAddress(self.rendezvous_addr, self.rendezvous_port, self.secret), settings, slot, extra)
 
     def _worker_env(self, slot: SlotInfo, extra: dict[str, str] | None, server_index: int | None) -> dict[str, str]:
         """The Shoal environment of one process: the job's, its rank's (not for a server), then extras."""
-        return {**self._job_env(), **(slot.to_env() if server_index is None else {}), **self.extra_env, **(extra or {})}
+        return self._job_env(slot if server_index is None else None, {**self.extra_env, **(extra or {})})
 
     def _spawn(
         self,

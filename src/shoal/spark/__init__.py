@@ -16,7 +16,10 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # the driver imports it when run() is called
+    from shoal.runner.function_job import FunctionJob
 
 __all__ = ["LightningEstimator", "LocalStore", "Store", "TorchEstimator", "TorchModel", "run", "run_elastic"]
 
@@ -248,7 +251,7 @@ def _supervise(
     timeout_s: float,
     output: _Output,
     context: Any,
-    function: Any,
+    function: FunctionJob,
 ) -> str | None:
     """Wait for the stage, taking each rank's result into ``function.results`` (a ``FunctionJob``) as it arrives;
     the reason the job failed, or None when every rank returned a result."""
