@@ -37,10 +37,11 @@ check: lint
 
 # Two pytest workers (pytest-xdist): many tests wait on processes, sockets and timeouts, so two at once use the
 # second core; work stealing evens out the long tail. The few tests marked "alone" (a timing checked against a
-# measurement) run afterwards, one at a time, instead of holding both workers while they wait for a quiet machine.
+# measurement) run afterwards, one at a time, instead of holding both workers while they wait for a quiet machine;
+# so do those marked "slurm", which share one real Slurm cluster (started once, in that run).
 test: lint
-	$(BIN)/pytest -n 2 --dist worksteal -m "not alone"
-	$(BIN)/pytest -m alone
+	$(BIN)/pytest -n 2 --dist worksteal -m "not alone and not slurm"
+	$(BIN)/pytest -m "alone or slurm"
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache .mypy_cache .ruff_cache

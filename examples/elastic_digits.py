@@ -7,7 +7,9 @@ commit and receive rank 0's state. Ends with one JSON line:
 {"example": "elastic_digits", "world": .., "test_accuracy": .., "committed_steps": .., "resets": .., "restores": ..,
 "executed_steps": .., "epochs": [..]}. ``restores`` and ``executed_steps`` are rank 0's own (executed minus committed
 is the steps it redid); ``epochs`` lists, per epoch, the distinct samples processed and how many were recorded (equal
-when no committed step was lost or applied twice).
+when no committed step was lost or applied twice). A worker that leaves the job instead (a preemption notice, its
+host gone) prints {"example": "elastic_digits", "left": true, "committed_steps": .., "restores": ..,
+"executed_steps": ..} and exits 0.
 """
 
 from __future__ import annotations
@@ -71,7 +73,7 @@ def main() -> None:
     def train(state: hvd.elastic.TorchState) -> float:
         nonlocal report_commit, executed_steps
         # Runs after every sync: all workers, newcomers included, now hold rank 0's weights.
-        checksum = sum(float(p.double().sum()) for p in model.parameters())
+        checksum = sum(float(p.detach().double().sum()) for p in model.parameters())
         print(f"synced at step {state.step} as rank {hvd.rank()} of {hvd.size()}: weights checksum {checksum!r}", flush=True)
         while state.epoch < args.epochs:
             loader = DataLoader(train_set, batch_size=args.batch_size, sampler=state.sampler)
@@ -105,7 +107,13 @@ def main() -> None:
             state.commit()
         return evaluate(model, test_set)
 
-    test_accuracy = train(state)
+    try:
+        test_accuracy = train(state)
+    except SystemExit as leaving:  # elastic.run ends a worker left out of the job (a notice, its host gone) with 0
+        if not leaving.code:  # what it hands over: its last commit, and whether any step was redone before it
+            left = {"committed_steps": state.step, "restores": restores, "executed_steps": executed_steps}
+            print(json.dumps({"example": "elastic_digits", "left": True, **left}), flush=True)
+        raise
     if hvd.rank() == 0:
         summary = {
             "example": "elastic_digits",

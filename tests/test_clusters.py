@@ -11,8 +11,11 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, clean_env, free_port
+from shoal.runner.cli import parse_args
+from shoal.runner.hosts import HostSpecError
+from shoal.runner.launcher import build_slots, remote_argv, requested_hosts
 from shoal.runtime.launch_env import detect_launch
-from shoal.runtime.slurm import NodeListError, expand_nodelist, hostnames
+from shoal.runtime.slurm import NodeListError, allocation, expand_counts, expand_nodelist, hostnames
 
 FAKE_SRUN = Path(__file__).resolve().parent / "workers" / "fake_srun.py"
 
@@ -57,6 +60,51 @@ def test_scontrol_is_asked_first_and_the_built_in_parser_is_the_fallback(
     assert log.read_text().split() == ["show", "hostnames", "whatever[1-2]"]
     _fake_scontrol(tmp_path, log, None)
     assert hostnames("n[1-2]") == ["n1", "n2"]
+
+
+@pytest.mark.parametrize(("text", "counts"), [("2", [2]), ("2(x3),1", [2, 2, 2, 1]), ("4(x2)", [4, 4]), (" 1 ,3(x1)", [1, 3])])
+def test_slurm_tasks_per_node_expand(text: str, counts: list[int]) -> None:
+    assert expand_counts(text) == counts
+
+
+@pytest.mark.parametrize("bad", ["", "x", "2(x)", "2(3)", "2x3", "-1"])
+def test_bad_slurm_tasks_per_node_say_why(bad: str) -> None:
+    with pytest.raises(NodeListError, match="bad per-node count"):
+        expand_counts(bad)
+
+
+def test_shoalrun_takes_the_slurm_allocation_as_its_hosts(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("PATH", "/nonexistent")  # the built-in node list parser, whatever this machine has
+    for name in [n for n in os.environ if n.startswith("SLURM_")]:
+        monkeypatch.delenv(name)
+    assert allocation(os.environ) is None
+    monkeypatch.setenv("SLURM_JOB_ID", "42")
+    monkeypatch.setenv("SLURM_JOB_NODELIST", "n[1-3],gpu7")
+    monkeypatch.setenv("SLURM_TASKS_PER_NODE", "2(x3),4")
+    found = allocation(os.environ)
+    assert found is not None and found.tasks == 10 and found.describe() == "n1:2,n2:2,n3:2,gpu7:4"
+    hosts = requested_hosts(parse_args(["python", "train.py"]))  # no -np: the allocation's tasks
+    assert [(h.hostname, h.slots) for h in hosts] == [("n1", 2), ("n2", 2), ("n3", 2), ("gpu7", 4)]
+    assert len(build_slots(parse_args(["-np", "5", "python", "train.py"]))) == 5
+    with pytest.raises(HostSpecError, match=r"-np 11 is more than the 10 tasks of Slurm job 42's allocation"):
+        requested_hosts(parse_args(["-np", "11", "python", "train.py"]))
+    with pytest.raises(HostSpecError, match=r"-np 12 is more than"):  # an elastic job's --min-np counts too
+        requested_hosts(parse_args(["--min-np", "12", "python", "train.py"]))
+    assert [h.hostname for h in requested_hosts(parse_args(["-H", "a:1", "python", "t.py"]))] == ["a"]  # -H wins
+    monkeypatch.setenv("SLURM_TASKS_PER_NODE", "2(x2)")
+    with pytest.raises(NodeListError, match="gives 2 counts for the 4 nodes"):
+        allocation(os.environ)
+    # Outside an allocation a node of it is reached over ssh; inside, as a one-task Slurm step when srun exists.
+    monkeypatch.setenv("SLURM_TASKS_PER_NODE", "2(x3),4")
+    config = parse_args(["python", "train.py"])
+    assert remote_argv(config, "n2", "true")[0] == "ssh"
+    bin_dir = tmp_path
+    (bin_dir / "srun").write_text("#!/bin/sh\nexit 0\n")
+    (bin_dir / "srun").chmod(0o755)
+    monkeypatch.setenv("PATH", str(bin_dir))
+    step = remote_argv(config, "n2", "true")
+    assert step[0] == str(bin_dir / "srun") and "--nodelist=n2" in step and "--overlap" in step
+    assert remote_argv(config, "elsewhere", "true")[0] == "ssh"  # not a node of the allocation
 
 
 def test_slurm_rendezvous_is_the_first_host_of_an_odd_node_list() -> None:

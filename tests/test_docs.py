@@ -101,6 +101,30 @@ COVERED: dict[str, tuple[str, list[str]]] = {
         "test_predict.py::test_device_flops_predicts_an_imagenet_model_without_running_it",
         ["published:vgg16", "--device-flops", "--link-latency-us", "--intra-gbps", "--bucket-bytes"],
     ),
+    "srun -n 2 python examples/digits.py": (
+        "test_slurm.py::test_srun_without_shoalrun_takes_slurm_step_environment_and_trains",
+        ['"srun", "-n", "2"', "examples/digits.py"],
+    ),  # a real single-node Slurm (tests/slurm_cluster.py)
+    "salloc -n 2 shoalrun -np 2 python train.py": (
+        "test_slurm.py::test_shoalrun_in_salloc_uses_the_allocation",
+        ['"salloc", "-n", "2", *SHOALRUN, "-np", "2"'],
+    ),
+    "sbatch examples/slurm/elastic.sbatch": (
+        "test_slurm.py::test_elastic_job_leaves_at_a_commit_on_usr1",
+        ["slurm.sbatch(", "examples/slurm/elastic.sbatch"],
+    ),
+    "scancel --batch --signal=USR1 <job id>": (
+        "test_slurm.py::test_elastic_job_leaves_at_a_commit_on_usr1",
+        ['"scancel", who, "--signal=USR1"', "scancel --batch --signal=USR1"],  # who: --batch (and --full)
+    ),
+    "sbatch examples/slurm/checkpointed.sbatch": (
+        "test_slurm.py::test_requeued_job_resumes_from_its_checkpoint",
+        ["_checkpointed_job("],  # which submits examples/slurm/checkpointed.sbatch with sbatch
+    ),
+    "scontrol requeue <job id>": (
+        "test_slurm.py::test_requeued_job_resumes_from_its_checkpoint",
+        ['"scontrol", "requeue", job'],
+    ),
     "sbatch examples/slurm/train.sbatch": (
         "test_clusters.py::test_sbatch_example_trains_under_a_simulated_slurm_allocation",
         ["examples/slurm/train.sbatch", "FAKE_SRUN", "SLURM_JOB_NODELIST"],

@@ -325,7 +325,8 @@ def test_unnamed_collectives_barrier_and_sync_batch_norm_pair_up_after_a_reform(
     """Survivors and a newcomer name unnamed requests alike after the re-form (the counters restart per init)."""
     hosts, script = discovery(tmp_path, "localhost:2")
     worker = [sys.executable, str(REPO / "tests" / "workers" / "elastic_unnamed.py")]
-    job = RunningJob(["-np", "2", "--max-np", "3", "--host-discovery-script", str(script)], ["--steps", "40"], worker)
+    # 120 steps of 0.05 s: time enough for the newcomer to start and join on a loaded machine before training ends.
+    job = RunningJob(["-np", "2", "--max-np", "3", "--host-discovery-script", str(script)], ["--steps", "120"], worker)
     job.wait_for(r"step 5 world 2 rank 0 ok", 60)
     hosts.write_text("localhost:3\n")
     assert job.finish(120) == 0, "\n".join(job.lines[-30:])

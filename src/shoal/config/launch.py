@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -56,7 +57,12 @@ class LaunchConfig:
     defaults; shoalrun turns its ``ValueError`` into a one-line usage error.
     """
 
-    num_proc: int | None = knob(None, "number of worker processes", flags=("-np", "--num-proc"))
+    num_proc: int | None = knob(
+        None,
+        "number of worker processes; without it, the slots of -H or --hostfile, or the tasks of the Slurm allocation "
+        "shoalrun runs in (salloc, sbatch)",
+        flags=("-np", "--num-proc"),
+    )
     check_build: bool = knob(
         False, "show which frameworks and backends are available, then exit", flags=("-cb", "--check-build")
     )
@@ -254,10 +260,15 @@ class LaunchConfig:
         ):
             if value is not None:
                 raise ValueError(f"{flag} is for elastic jobs (--min-np, --max-np or --host-discovery-script)")
-        if self.num_proc is None and not (self.hosts or self.hostfile):
+        if self.num_proc is None and not self._hosts_known():
             raise ValueError("-np is required when no hosts are given")
         if self.num_proc is not None and self.num_proc < 1:
             raise ValueError(f"-np must be >= 1, got {self.num_proc}")
+
+    def _hosts_known(self) -> bool:
+        """Whether the hosts and their slots are known without -np: -H, --hostfile, or a Slurm allocation (salloc,
+        sbatch), whose tasks are the slots."""
+        return bool(self.hosts or self.hostfile or (os.environ.get("SLURM_JOB_ID") and os.environ.get("SLURM_JOB_NODELIST")))
 
     def _check_engine(self) -> None:
         """The engine settings as the workers will see them (over this process's environment) must be valid."""
@@ -281,7 +292,7 @@ class LaunchConfig:
                 raise ValueError(f"{flag} must be >= 1, got {value}")
         if self.num_proc is None:
             self.num_proc = self.min_np
-        if self.num_proc is None and not (self.hosts or self.hostfile):
+        if self.num_proc is None and not self._hosts_known():
             raise ValueError("an elastic job needs -np or --min-np")
         if self.min_np is None and self.num_proc is not None:
             self.min_np = self.num_proc  # else from the hosts' slots, once they are known (shoal.runner.main)

@@ -21,9 +21,10 @@ class WorkerSettings:
         600.0, "elastic jobs: seconds to wait for at least --min-np workers before failing the job", env="ELASTIC_TIMEOUT"
     )
     preemption_signals: str = knob(
-        "SIGTERM",
-        "elastic workers: comma-separated signals taken as a preemption notice (the worker leaves at its next commit "
-        "with nothing rolled back); 'none' turns notices off, so these signals end a worker as before",
+        "SIGTERM,SIGUSR1",
+        "elastic jobs: comma-separated signals taken as a preemption notice (a worker that gets one leaves at its next "
+        "commit with nothing rolled back; shoalrun given one other than SIGINT, SIGTERM or SIGHUP ends the whole job "
+        "that way); 'none' turns notices off, so these signals end a worker as before",
         env="PREEMPTION_SIGNALS",
     )
     preemption_grace_seconds: float = knob(

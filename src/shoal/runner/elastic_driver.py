@@ -12,6 +12,11 @@ The driver hosts the job store (it outlives every worker) and forms *rounds* of 
 - a member gets a preemption notice (SIGTERM by default; ``shoal.runtime.preemption``): the new round leaves it
   out, every member learns of it at its next commit and goes on from that commit, nothing rolled back, and the
   worker leaves with status 0. Its host gets no new worker before it has gone.
+- the whole job gets notice: shoalrun itself receives one of the notice signals other than SIGINT, SIGTERM and
+  SIGHUP (SIGUSR1 by default: Slurm's ``sbatch --signal=B:USR1@60``, ``scancel --batch --signal=USR1``), or every
+  member has got one: the driver publishes a round with no members, every worker leaves at its next commit with
+  status 0, and shoalrun exits 0. Past ``--preemption-grace-seconds`` without it, the workers are ended and shoalrun
+  exits with 128 + the signal.
 
 Rank 0 of a new round is always a worker that was already training, so ``state.sync()`` hands its state to the
 newcomers. With fewer than ``--min-np`` workers the driver waits up to ``--elastic-timeout`` for discovery to offer
@@ -23,11 +28,13 @@ from __future__ import annotations
 import math
 import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any
 
 from shoal.config import LaunchConfig, worker_setting
+from shoal.config.worker import parse_signal_names
 from shoal.runner.cooldown import HostCooldown
 from shoal.runner.discovery import HostDiscovery, progress_period
 from shoal.runner.hosts import HostSlots, SlotInfo, place_ranks
@@ -97,6 +104,10 @@ class ElasticJob(Job):
         """Worker id -> its last heartbeat value and when the driver first saw it."""
         self._liveness_checked = 0.0
         self._unreachable_s = float(worker_setting("elastic_unreachable_seconds"))
+        self._job_notice: str | None = None
+        """The notice the whole job got (a signal's name), once it did: every worker leaves at its next commit."""
+        self._job_notice_deadline: float | None = None
+        """When the workers given the job's notice must have left (set when their empty round is published)."""
 
     # ----- the worker set -----
 
@@ -241,6 +252,55 @@ class ElasticJob(Job):
             return
         for worker in self._alive("starting", "member"):
             self._check_notice(worker)
+        members = self._alive("member")
+        if self._job_notice is None and members and all(w.leaving is not None for w in members):
+            self._job_notice = members[0].leaving  # nobody would stay: the whole job is being preempted
+
+    def _on_job_notice(self, signum: int, _frame: object) -> None:
+        self._job_notice = self._job_notice or signal.Signals(signum).name
+
+    def _job_notice_signals(self) -> list[int]:
+        """The notice signals shoalrun takes for the whole job: the workers' (``--preemption-signals``) except those
+        that end the job at once (SIGINT, SIGTERM, SIGHUP)."""
+        names = self.config.preemption_signals or str(worker_setting("preemption_signals"))
+        return [n for n in parse_signal_names(names) if n not in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)]
+
+    def _end_after_notice(self) -> int | None:
+        """Once the job has notice: publish a round without members (each worker leaves at its next commit), then
+        end the job when all have left (0), or when they have not within the grace period (128 + the signal)."""
+        assert self._job_notice is not None
+        now = time.monotonic()
+        if self._job_notice_deadline is None:
+            grace_s = self.config.preemption_grace_seconds
+            grace_s = float(worker_setting("preemption_grace_seconds") if grace_s is None else grace_s)
+            self._job_notice_deadline = now + grace_s
+            print(
+                f"shoalrun: the job got {self._job_notice}; every worker leaves at its next commit, with nothing "
+                f"rolled back, and the job ends (grace {grace_s:.0f} s)",
+                file=sys.stderr,
+                flush=True,
+            )
+            if self._store is not None and self._keys is not None:
+                self._publish_round([])
+            for worker in self._alive("starting"):  # newcomers hold nothing to hand over
+                worker.process.signal_tree(signal.SIGTERM)
+        if all(w.process.returncode is not None for w in self.elastic):
+            failed = [w.worker_id for w in self.elastic if w.state == "failed"]
+            if failed:
+                print(f"shoalrun: after {self._job_notice}, worker(s) {', '.join(failed)} failed", file=sys.stderr)
+                return 1
+            print(f"shoalrun: every worker left at a commit after {self._job_notice}", file=sys.stderr, flush=True)
+            return 0
+        if now >= self._job_notice_deadline:
+            print(
+                f"shoalrun: workers still running {now - self._job_notice_deadline:.0f} s past the grace period after "
+                f"{self._job_notice} (--preemption-grace-seconds); ending them",
+                file=sys.stderr,
+                flush=True,
+            )
+            self.terminate_all()
+            return 128 + signal.Signals[self._job_notice].value
+        return None
 
     def _check_notice(self, worker: ElasticWorker) -> None:
         assert self._store is not None and self._keys is not None
@@ -330,16 +390,22 @@ class ElasticJob(Job):
             for worker in self._alive("starting", "removed", "member"):
                 worker.process.signal_tree(signal.SIGTERM)
             return 0
-        if self.elastic and all(w.process.returncode is not None for w in self.elastic):
+        if self._job_notice is None and self.elastic and all(w.process.returncode is not None for w in self.elastic):
             print("shoalrun: every worker has exited and none finished", file=sys.stderr, flush=True)
             return 1
         return None
 
     def run(self) -> int:
-        """Start the job, keep it going through failures and host changes, return shoalrun's exit code."""
+        """Start the job, keep it going through failures and host changes, return shoalrun's exit code. In the main
+        thread, a notice signal to shoalrun (SIGUSR1 by default) is a notice to the whole job."""
+        previous: dict[int, Any] = {}
+        if threading.current_thread() is threading.main_thread():
+            previous = {sig: signal.signal(sig, self._on_job_notice) for sig in self._job_notice_signals()}
         try:
             return super().run()
         finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
             self.discovery.stop()
 
     def _launch(self) -> int:
@@ -365,7 +431,11 @@ class ElasticJob(Job):
                 if outcome != 0:
                     self.terminate_all()
                 return outcome
-            if not any(w.state == "finished" for w in self.elastic):
+            if self._job_notice is not None and not any(w.state == "finished" for w in self.elastic):
+                outcome = self._end_after_notice()
+                if outcome is not None:
+                    return outcome
+            elif not any(w.state == "finished" for w in self.elastic):
                 self._check_notices()
                 self._check_liveness()
                 code = self._maybe_reform()

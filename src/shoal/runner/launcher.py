@@ -10,6 +10,7 @@ import json
 import os
 import secrets
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
@@ -24,10 +25,20 @@ from typing import Any
 from shoal.compat import HOROVOD_SHIM_PATH
 from shoal.config import LaunchConfig, env_name
 from shoal.config.worker import JobAddress
-from shoal.runner.hosts import HostSlots, SlotInfo, assign_slots, is_local_host, parse_hostfile, parse_hosts
+from shoal.runner.hosts import (
+    HostSlots,
+    HostSpecError,
+    SlotInfo,
+    assign_slots,
+    check_hostname,
+    is_local_host,
+    parse_hostfile,
+    parse_hosts,
+)
 from shoal.runner.output import OutputPump
 from shoal.runner.rendezvous_address import pick_rendezvous_address
 from shoal.runner.worker_env import child_env, start_worker, worker_env
+from shoal.runtime.slurm import NodeListError, allocation
 
 TERMINATE_GRACE_S = 2.0
 """After SIGTERM, how long workers get before SIGKILL; the whole tree is gone well within 5 s."""
@@ -279,7 +290,7 @@ class Job:
                 f"cd {shlex.quote(os.getcwd())} && exec {shlex.quote(sys.executable)} -m shoal.runner.remote "
                 f"--env-from-stdin -- {shlex.join(command)}"
             )
-            argv = ssh_argv(self.config, slot.hostname, remote_cmd)
+            argv = remote_argv(self.config, slot.hostname, remote_cmd)
             env = dict(os.environ)
             stdin = subprocess.PIPE
         shown = argv if self._is_local(slot.hostname) else [*argv[:-1], "<remote command>"]
@@ -475,10 +486,56 @@ def build_slots(config: LaunchConfig) -> list[SlotInfo]:
 
 
 def requested_hosts(config: LaunchConfig) -> list[HostSlots]:
-    """The hosts given by -H or --hostfile, else ``localhost`` with -np slots."""
+    """The hosts given by -H or --hostfile; else, inside a Slurm allocation (``salloc``, ``sbatch``), its nodes with
+    their tasks as slots; else ``localhost`` with -np slots.
+
+    Raises:
+        HostSpecError: a bad host list, or -np larger than the Slurm allocation.
+    """
     if config.hosts:
         return parse_hosts(config.hosts, config.slots_per_host or 1)
     if config.hostfile:
         return parse_hostfile(config.hostfile, config.slots_per_host or 1)
+    try:
+        slurm = allocation(os.environ)
+    except NodeListError as error:
+        raise HostSpecError(f"cannot read the Slurm allocation: {error}") from None
+    if slurm is not None:
+        wanted = max(config.num_proc or 0, config.min_np or 0)
+        if wanted > slurm.tasks:
+            raise HostSpecError(
+                f"-np {wanted} is more than the {slurm.tasks} tasks of Slurm job {slurm.job_id}'s allocation "
+                f"({slurm.describe()}); ask salloc/sbatch for more tasks (-n, or -N with --ntasks-per-node), lower "
+                "-np, or name the hosts with -H"
+            )
+        return [HostSlots(check_hostname(host, f"Slurm job {slurm.job_id}'s node list"), count) for host, count in slurm.nodes]
     assert config.num_proc is not None, "checked by LaunchConfig.check()"
     return [HostSlots("localhost", config.num_proc)]
+
+
+def remote_argv(config: LaunchConfig, hostname: str, remote_cmd: str) -> list[str]:
+    """How a worker on another host starts: a one-task Slurm step there (``srun``) when the host is a node of the
+    Slurm allocation shoalrun runs in (its nodes need no ssh, and Slurm then signals, accounts and cleans up the
+    worker), else ssh."""
+    try:
+        slurm = allocation(os.environ)
+    except NodeListError:
+        slurm = None
+    srun = shutil.which("srun")
+    if slurm is None or srun is None or hostname not in {host for host, _ in slurm.nodes}:
+        return ssh_argv(config, hostname, remote_cmd)
+    # --overlap: the step shares the allocation's CPUs with the batch script (shoalrun) and the other workers' steps;
+    # --kill-on-bad-exit and --quiet: the worker's exit is the step's, and srun adds no lines of its own.
+    return [
+        srun,
+        "--overlap",
+        "--nodes=1",
+        "--ntasks=1",
+        f"--nodelist={hostname}",
+        "--kill-on-bad-exit=1",
+        "--quiet",
+        f"--chdir={os.getcwd()}",
+        "/bin/sh",
+        "-c",
+        remote_cmd,
+    ]

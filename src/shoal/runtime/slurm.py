@@ -4,6 +4,9 @@
 back to ``expand_nodelist``, which follows the same rules: commas outside brackets separate entries; a bracket holds
 comma-separated numbers and ``lo-hi`` ranges, zero-padded to the width written (``[08-10]`` gives 08, 09, 10);
 several brackets in one entry give every combination, leftmost varying slowest; text around brackets is kept.
+
+``allocation`` reads the allocation a process runs in (``salloc``, ``sbatch``): its nodes and tasks per node, which
+shoalrun uses as its hosts and slots when no ``-H`` or hostfile is given.
 """
 
 from __future__ import annotations
@@ -11,6 +14,8 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
+from collections.abc import Mapping
+from dataclasses import dataclass
 
 SCONTROL_TIMEOUT_S = 10.0
 """How long ``scontrol show hostnames`` may take before the built-in parser is used instead."""
@@ -110,3 +115,61 @@ def hostnames(nodelist: str) -> list[str]:
         if done is not None and done.returncode == 0 and done.stdout.split():
             return done.stdout.split()
     return expand_nodelist(nodelist)
+
+
+_TASK_COUNT = re.compile(r"(\d+)(?:\(x(\d+)\))?")
+
+
+def expand_counts(text: str) -> list[int]:
+    """A Slurm per-node count list, ``2(x3),1`` -> [2, 2, 2, 1] (``SLURM_TASKS_PER_NODE``'s form).
+
+    Raises:
+        NodeListError: a malformed list.
+    """
+    counts: list[int] = []
+    for item in text.split(","):
+        match = _TASK_COUNT.fullmatch(item.strip())
+        if match is None:
+            raise NodeListError(f"bad per-node count {item!r} in {text!r}; expected forms such as 2(x3),1")
+        counts += [int(match.group(1))] * int(match.group(2) or 1)
+    return counts
+
+
+@dataclass(frozen=True)
+class Allocation:
+    """The Slurm allocation (``salloc``, ``sbatch``) this process runs in: its job id and tasks per node."""
+
+    job_id: str
+    nodes: tuple[tuple[str, int], ...]
+    """Each node's host name and how many tasks the allocation has there, in Slurm's order."""
+
+    @property
+    def tasks(self) -> int:
+        """The allocation's tasks on all its nodes."""
+        return sum(count for _, count in self.nodes)
+
+    def describe(self) -> str:
+        """``localhost:2,node2:2``: the nodes as shoalrun's ``-H`` would write them."""
+        return ",".join(f"{host}:{count}" for host, count in self.nodes)
+
+
+def allocation(env: Mapping[str, str]) -> Allocation | None:
+    """The Slurm allocation described by ``env`` (``SLURM_JOB_ID``, ``SLURM_JOB_NODELIST``, ``SLURM_TASKS_PER_NODE``),
+    or None outside one. Without a task count (an allocation made with ``--cpus-per-task`` alone), one task a node.
+
+    Raises:
+        NodeListError: a node list or count list that cannot be read, or counts that do not match the nodes.
+    """
+    job_id = env.get("SLURM_JOB_ID") or env.get("SLURM_JOBID")
+    nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
+    if not job_id or not nodelist:
+        return None
+    hosts = hostnames(nodelist)
+    counts_text = env.get("SLURM_TASKS_PER_NODE")
+    counts = expand_counts(counts_text) if counts_text else [1] * len(hosts)
+    if len(counts) != len(hosts):
+        raise NodeListError(
+            f"Slurm job {job_id}: SLURM_TASKS_PER_NODE={counts_text!r} gives {len(counts)} counts for the "
+            f"{len(hosts)} nodes of {nodelist!r}"
+        )
+    return Allocation(job_id, tuple(zip(hosts, counts, strict=True)))
