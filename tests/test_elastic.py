@@ -226,7 +226,7 @@ def test_discovery_adds_a_worker_that_receives_rank_0_state(tmp_path: Path) -> N
     hosts, script = discovery(tmp_path, "localhost:2")
     job = RunningJob(
         ["-np", "2", "--max-np", "3", "--host-discovery-script", str(script)],
-        ["--epochs", "4", "--step-delay", "0.04", "--log-every", "5"],
+        ["--epochs", "6", "--step-delay", "0.04", "--log-every", "5"],  # time for the newcomer on a loaded machine
     )
     job.worker_pids(2)
     job.wait_for(r"^\[0\]<stdout>:step 10 ", 60)
@@ -234,7 +234,7 @@ def test_discovery_adds_a_worker_that_receives_rank_0_state(tmp_path: Path) -> N
     assert job.finish(150) == 0, "\n".join(job.lines[-30:])
     summary = job.summary()
     assert summary["world"] == 3 and summary["resets"] == 1, summary
-    check_every_sample_once(summary, 4)
+    check_every_sample_once(summary, 6)
     synced = [re.search(r"synced at step (\d+) as rank (\d) of 3: weights checksum (\S+)", line) for line in job.lines]
     after_growth = [m for m in synced if m is not None]
     assert sorted(int(m.group(2)) for m in after_growth) == [0, 1, 2], job.lines[-30:]

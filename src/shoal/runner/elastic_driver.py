@@ -397,10 +397,13 @@ class ElasticJob(Job):
 
     def run(self) -> int:
         """Start the job, keep it going through failures and host changes, return shoalrun's exit code. In the main
-        thread, a notice signal to shoalrun (SIGUSR1 by default) is a notice to the whole job."""
+        thread, a notice signal to shoalrun (SIGUSR1 by default) that the process does not handle already is a notice
+        to the whole job."""
         previous: dict[int, Any] = {}
         if threading.current_thread() is threading.main_thread():
-            previous = {sig: signal.signal(sig, self._on_job_notice) for sig in self._job_notice_signals()}
+            # Only signals nobody here handles yet: a program that runs the job (shoal.bench.netns) may use one.
+            free = [sig for sig in self._job_notice_signals() if signal.getsignal(sig) is signal.SIG_DFL]
+            previous = {sig: signal.signal(sig, self._on_job_notice) for sig in free}
         try:
             return super().run()
         finally:
