@@ -5,7 +5,9 @@ Each row runs one op on one front end and checks:
 - the gradient against Horovod's definition, written here in numpy from Horovod 0.28's code (independently of
   ``shoal.core.rules``, so a changed factor in the table fails every front end);
 - a cross-rank mismatch (rank 1 submits another shape) raising the framework's Horovod class on every rank, and the
-  next call working.
+  next call working;
+- the errors a rank finds alone (bad splits, an uneven split, a scalar reducescatter, a bad root rank, an op or a dtype
+  Horovod refuses) raising Horovod's class, in a graph as eagerly.
 
 The rows come from ``ROWS`` (the ops) and ``FRONT_ENDS``; a new op or front end gets its rows by adding one entry.
 One launched job per world size runs every row of every front end, so the matrix costs two jobs.
@@ -312,6 +314,94 @@ def _mismatch(front_end: str, row: Row, what: str, set_rank: int, ranks: list[in
     return "none"
 
 
+ARGUMENT_ERRORS = {
+    "alltoall.indivisible": "invalid",
+    "alltoall.splits_past_the_rows": "invalid",
+    "reducescatter.scalar": "invalid",
+    "grouped_reducescatter.scalar": "invalid",
+    "broadcast.bad_root": "invalid",
+    "reducescatter.max": "unsupported",
+    "allreduce.bool_sum": "dtype",
+}
+"""Errors one rank finds alone, before anything is sent (each rank here makes the same one): bad arguments, an op
+Horovod does not run, a dtype the reduction cannot take. Named by their ``rules.ErrorKind``."""
+ERROR_CLASS = {
+    "torch": {"invalid": "ValueError", "unsupported": "RuntimeError", "dtype": "TypeError"},
+    **{
+        mode: {"invalid": "InvalidArgumentError", "unsupported": "AbortedError", "dtype": "TypeError"}
+        for mode in FRONT_ENDS[1:]
+    },
+}
+"""Horovod's class for each kind: its torch ops raise ValueError for an invalid argument and RuntimeError for an
+aborted op; its TensorFlow ops InvalidArgumentError and AbortedError, in every mode; a dtype is refused with TypeError
+where the op is built."""
+
+
+def _argument_error_op(hvd: Any, case: str, x: Any, splits: Any, process_set: Any) -> Any:
+    """Run ``case`` on ``hvd`` (shoal.torch or shoal.tensorflow): ``x`` the input, ``splits`` an alltoall's."""
+    if case.startswith("alltoall."):
+        return hvd.alltoall(x, splits=splits, process_set=process_set)
+    if case == "reducescatter.scalar":
+        return hvd.reducescatter(x, op=hvd.Sum, process_set=process_set)
+    if case == "grouped_reducescatter.scalar":
+        return hvd.grouped_reducescatter([x], op=hvd.Sum, process_set=process_set)[0]
+    if case == "broadcast.bad_root":
+        return hvd.broadcast(x, hvd.size(), process_set=process_set)
+    if case == "reducescatter.max":
+        return hvd.reducescatter(x, op=hvd.Max, process_set=process_set)
+    return hvd.allreduce(x, op=hvd.Sum, process_set=process_set)
+
+
+def _argument_error_input(case: str, members: int) -> tuple[np.ndarray, list[int] | None]:
+    if case == "alltoall.indivisible":
+        return np.ones((members + 1, 2)), None
+    if case == "alltoall.splits_past_the_rows":
+        return np.ones((2, 2)), [3] * members  # more rows than the tensor has
+    if case.endswith(".scalar"):
+        return np.array(1.0), None
+    if case == "allreduce.bool_sum":
+        return np.ones(2, dtype=bool), None
+    return np.ones((2 * members, 2)), None
+
+
+def _argument_error(front_end: str, case: str, process_set: Any) -> str:
+    """The classes ``case`` raised on ``front_end`` (in its mode: eager, a tf.function or a v1 session), or "none".
+    In a graph the input's shape and the splits are unknown until it runs, so the run finds what a build could not."""
+    x, splits = _argument_error_input(case, process_set.size())
+    try:
+        if front_end == "torch":
+            import torch
+
+            import shoal.torch as hvd
+
+            _argument_error_op(hvd, case, torch.from_numpy(x), splits, process_set)
+        else:
+            import tensorflow as tf
+
+            import shoal.tensorflow as hvd_tf
+
+            dtype = tf.as_dtype(x.dtype)
+            split_values = np.array(splits or [0], dtype=np.int32)
+
+            def step(value: Any, counts: Any) -> Any:
+                return _argument_error_op(hvd_tf, case, value, None if splits is None else counts, process_set)
+
+            if front_end == "tf_eager":
+                step(tf.constant(x), tf.constant(split_values))
+            elif front_end == "tf_function":
+                signature = [tf.TensorSpec(None, dtype), tf.TensorSpec([None], tf.int32)]
+                tf.function(step, input_signature=signature)(tf.constant(x), tf.constant(split_values))
+            else:
+                graph = tf.Graph()
+                with graph.as_default(), tf.compat.v1.Session(graph=graph) as session:
+                    value = tf.compat.v1.placeholder(dtype, shape=None)
+                    counts = tf.compat.v1.placeholder(tf.int32, shape=[None])
+                    session.run(step(value, counts), feed_dict={value: x, counts: split_values})
+    except Exception as error:
+        return ",".join(cls.__name__ for cls in type(error).__mro__)
+    return "none"
+
+
 def _torch_forward_only(row: Row, tensor: Any, set_rank: int, root: int, process_set: Any) -> Any:
     import shoal.torch as hvd
 
@@ -473,6 +563,9 @@ def _rows_on(front_ends: list[str], process_set: Any, ranks: list[int]) -> dict[
                 results[f"{key}/mismatch/{what}"] = _mismatch(front_end, row, what, set_rank, ranks, process_set)
                 check = hvd.allreduce(torch.ones(2), op=hvd.Sum, process_set=process_set)
                 results[f"{key}/next/{what}"] = check.tolist()
+        for case in ARGUMENT_ERRORS:
+            results[f"{front_end}/argument/{case}"] = _argument_error(front_end, case, process_set)
+        results[f"{front_end}/argument/next"] = hvd.allreduce(torch.ones(2), op=hvd.Sum, process_set=process_set).tolist()
         if front_end == "tf_v1_graph":
             results["tf_v1_graph/broadcast_"] = _tf_v1_broadcast_inplace(set_rank, root, process_set)
         if front_end in ("torch", "tf_eager"):
@@ -531,6 +624,14 @@ def check_matrix(results: Any, front_ends: list[str], members: list[int]) -> int
                     after = results[rank][f"{key}/next/{what}"]
                     if after != [float(len(members))] * 2:
                         failures.append(f"{key} rank {rank}: the call after the {what} mismatch gave {after}")
+    for front_end in front_ends:
+        for rank in members:
+            for case, kind in ARGUMENT_ERRORS.items():
+                raised = results[rank][f"{front_end}/argument/{case}"].split(",")
+                if ERROR_CLASS[front_end][kind] not in raised:
+                    failures.append(f"{front_end} {case} rank {rank}: raised {raised}, want {ERROR_CLASS[front_end][kind]}")
+            if results[rank][f"{front_end}/argument/next"] != [float(len(members))] * 2:
+                failures.append(f"{front_end} rank {rank}: the call after the argument errors failed")
     if "tf_v1_graph" in front_ends:
         root_values = [[1.0 * len(members), 2.0 * len(members)], [10.0 * len(members), 20.0 * len(members)]]
         for rank in members:

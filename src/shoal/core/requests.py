@@ -71,6 +71,44 @@ def _check_call(call: Call, tensor: torch.Tensor) -> None:
         check_alltoall_splits(call.splits, tensor.shape[0], call.process_set.size())
 
 
+def check_where_built(
+    call: Call, dtype: str, shape: Sequence[int | None] | None, name: str | None = None, splits_known: bool = True
+) -> None:
+    """The checks a graph front end makes where its op is built, as Horovod's compiled ops do: the dtype, the reduce
+    op and its factors, the root rank, and what the static shape shows (a scalar, an uneven alltoall split). What only
+    the values show (splits held in a tensor, a dimension known when the graph runs) is checked when it runs.
+
+    Args:
+        dtype: the dtype's name (``float32``; TensorFlow and torch name them alike).
+        shape: the static shape, None for unknown dimensions, or None when even the rank is unknown.
+        name: the op's name, for the messages.
+        splits_known: False for an alltoall whose splits only its run will show (``call.splits`` is then None).
+
+    Raises:
+        TypeError, ValueError, UnsupportedOperationError: as the same call with a tensor would.
+    """
+    if call.kind == Kind.BROADCAST:
+        check_root_rank(call.root_rank, session.session().engine.size)
+    if shape is not None and call.kind in (Kind.ALLTOALL, Kind.REDUCESCATTER) and len(shape) == 0:
+        raise ValueError(f"{call.kind.value} needs a tensor with at least one dimension")
+    if call.kind == Kind.ALLTOALL and splits_known and shape and shape[0] is not None:
+        check_alltoall_splits(call.splits, shape[0], call.process_set.size())
+    spec = call.spec
+    check_request(
+        RequestMeta(
+            name=name or f"{call.kind.value} being built",
+            kind=call.kind,
+            process_set=set_id_of(call.process_set),
+            dtype=dtype,
+            shape=tuple(0 if dim is None else dim for dim in shape or ()),
+            op=None if spec is None else int(spec.op),
+            prescale=1.0 if spec is None else float(spec.prescale),
+            postscale=1.0 if spec is None else float(spec.postscale),
+            root=call.root_rank,
+        )
+    )
+
+
 _DTYPE_NAMES: dict[torch.dtype, str] = {}
 """``float32`` for ``torch.float32``: the name a request carries, looked up instead of formatted per request."""
 

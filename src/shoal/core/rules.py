@@ -17,7 +17,7 @@ import enum
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from shoal.engine.request import Kind, ReduceOp
 from shoal.engine.validation import MOVABLE_DTYPES, REDUCESCATTER_OPS, REDUCING_DTYPES, dtypes_for
@@ -116,6 +116,35 @@ class ReduceSpec:
     def aggregated(self, factor: float) -> ReduceSpec:
         """The same exchange with the result multiplied by ``factor`` (accumulated gradients)."""
         return ReduceSpec(self.op, self.prescale, self.postscale * factor)
+
+
+def resolve_groups(num_groups: int, groups: Any) -> Any:
+    """Horovod's ``num_groups`` and ``groups``, one rule for every front end: ``num_groups`` is deprecated (a
+    ``DeprecationWarning``) and stands for ``groups`` only when ``groups`` is not given; ``groups`` wins when both are.
+
+    Returns:
+        None (no explicit groups), a group count > 0, or the list of lists of parameters/variables as given.
+
+    Raises:
+        ValueError: a negative ``num_groups``, or ``groups`` that is neither an int > 0 nor a list of lists.
+    """
+    if isinstance(num_groups, bool) or not isinstance(num_groups, int) or num_groups < 0:
+        raise ValueError(f"num_groups must be an int >= 0, got {num_groups!r}")
+    if num_groups != 0:
+        warnings.warn(
+            "num_groups is deprecated (Horovod replaced it with groups); groups wins when both are given",
+            DeprecationWarning,
+            stacklevel=3,
+        )
+        if groups is None:
+            groups = num_groups
+    if groups is None:
+        return None
+    if isinstance(groups, bool) or not (
+        (isinstance(groups, int) and groups > 0) or (isinstance(groups, list) and all(isinstance(g, list) for g in groups))
+    ):
+        raise ValueError(f"groups must be an int > 0 or a list of lists of parameters, got {groups!r}")
+    return groups
 
 
 def split_groups(items: list[Item], count: int) -> list[list[Item]]:

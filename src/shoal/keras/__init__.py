@@ -8,6 +8,7 @@ gradients over the ranks; the callbacks are in ``shoal.keras.callbacks``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -38,6 +39,7 @@ from shoal.core.process_sets import ProcessSet, add_process_set, global_process_
 from shoal.core.session import start_timeline, stop_timeline
 from shoal.keras import callbacks, elastic
 from shoal.keras.balanced import BalancedData
+from shoal.keras.flavour import keras2_module
 from shoal.keras.optimizer import (
     DistributedOptimizer,
     PartialDistributedOptimizer,
@@ -57,6 +59,25 @@ def _tensor(value: Any) -> torch.Tensor:
     return torch.from_numpy(np.array(value))
 
 
+def _on_backend(tf_collective: Callable[[Any], Any], torch_collective: Callable[[torch.Tensor], Any], value: Any) -> Any:
+    """Run a collective on ``value`` as Horovod's Keras does, on the backend's tensors: a ``tf.Tensor`` back in eager
+    mode, the value evaluated in Keras's session in a TF1 graph (Keras 2 with eager execution off), a ``torch.Tensor``
+    on Keras 3's torch backend."""
+    if backend() == "torch":
+        return torch_collective(_tensor(value))
+    import tensorflow as tf
+
+    result = tf_collective(tf.constant(value))
+    if tf.executing_eagerly():
+        return result
+    return _keras_session().run(result)
+
+
+def _keras_session() -> Any:
+    """The session Keras 2 runs its graph in (``tf_keras.backend.get_session()``)."""
+    return keras2_module().backend.get_session()
+
+
 def allreduce(
     value: Any,
     name: str | None = None,
@@ -65,35 +86,81 @@ def allreduce(
     postscale_factor: float = 1.0,
     op: int | None = None,
     compression: Any = None,
-) -> np.ndarray:
-    """A value (number, array, tensor) averaged (or summed) over the ranks, as a numpy array."""
-    reduced = _functions.allreduce(
-        _tensor(value), average=average, name=name, op=op, prescale_factor=prescale_factor, postscale_factor=postscale_factor
+) -> Any:
+    """A value (number, array, tensor) averaged (or summed, ...) over the ranks: a tensor of the backend (numpy in a
+    TF1 graph, evaluated in Keras's session), as Horovod's."""
+
+    def on_tf(tensor: Any) -> Any:
+        compressor = compression or Compression.none
+        return _tf_ops().allreduce(
+            tensor,
+            average=average,
+            compression=compressor,
+            op=op,
+            prescale_factor=prescale_factor,
+            postscale_factor=postscale_factor,
+            name=name,
+        )
+
+    def on_torch(tensor: torch.Tensor) -> Any:
+        return _functions.allreduce(
+            tensor, average=average, name=name, op=op, prescale_factor=prescale_factor, postscale_factor=postscale_factor
+        )
+
+    return _on_backend(on_tf, on_torch, value)
+
+
+def allgather(value: Any, name: str | None = None) -> Any:
+    """Every rank's value concatenated along the first dimension (a tensor of the backend, as ``allreduce``)."""
+    return _on_backend(
+        lambda tensor: _tf_ops().allgather(tensor, name=name), lambda tensor: _functions.allgather(tensor, name=name), value
     )
-    return np.asarray(reduced.numpy())
 
 
-def allgather(value: Any, name: str | None = None) -> np.ndarray:
-    """Every rank's value concatenated along the first dimension, as a numpy array."""
-    return np.asarray(_functions.allgather(_tensor(value), name=name).numpy())
-
-
-def broadcast(value: Any, root_rank: int, name: str | None = None) -> np.ndarray:
-    """``root_rank``'s value on every rank, as a numpy array."""
-    return np.asarray(_functions.broadcast(_tensor(value), root_rank, name=name).numpy())
-
-
-def reducescatter(value: Any, name: str | None = None, op: int = Average) -> np.ndarray:
-    """The value reduced over the ranks, this rank's block of rows, as a numpy array."""
-    return np.asarray(_functions.reducescatter(_tensor(value), name=name, op=op).numpy())
-
-
-def broadcast_global_variables(root_rank: int) -> None:
-    """Horovod's TF1 graph-mode helper; under Keras 3 use ``BroadcastGlobalVariablesCallback``."""
-    raise RuntimeError(
-        "broadcast_global_variables() is a TF1 graph-mode helper: use callbacks.BroadcastGlobalVariablesCallback, "
-        "or callbacks.broadcast_variables(model.variables, root_rank)"
+def broadcast(value: Any, root_rank: int, name: str | None = None) -> Any:
+    """``root_rank``'s value on every rank (a tensor of the backend, as ``allreduce``)."""
+    return _on_backend(
+        lambda tensor: _tf_ops().broadcast(tensor, root_rank, name=name),
+        lambda tensor: _functions.broadcast(tensor, root_rank, name=name),
+        value,
     )
+
+
+def reducescatter(value: Any, name: str | None = None, op: int = Average) -> Any:
+    """The value reduced over the ranks, this rank's block of rows (a tensor of the backend, as ``allreduce``)."""
+    return _on_backend(
+        lambda tensor: _tf_ops().reducescatter(tensor, op=op, name=name),
+        lambda tensor: _functions.reducescatter(tensor, name=name, op=op),
+        value,
+    )
+
+
+def _tf_ops() -> Any:
+    """``shoal.tf_ops.ops``, imported on the TensorFlow backend only (the torch backend needs no TensorFlow)."""
+    from shoal.tf_ops import ops
+
+    return ops
+
+
+def broadcast_global_variables(root_rank: int) -> Any:
+    """Horovod's TF1 helper: assign ``root_rank``'s value to every global variable, in Keras's session.
+
+    Raises:
+        RuntimeError: in eager mode (Keras 3, or Keras 2 with eager execution on), as Horovod's does: broadcast the
+            model's variables with ``callbacks.BroadcastGlobalVariablesCallback`` or
+            ``callbacks.broadcast_variables(model.variables, root_rank)`` instead.
+    """
+    if backend() == "torch":
+        raise RuntimeError(
+            "broadcast_global_variables() is a TF1 graph-mode helper: use callbacks.BroadcastGlobalVariablesCallback, "
+            "or callbacks.broadcast_variables(model.variables, root_rank)"
+        )
+    import tensorflow as tf
+
+    op = _tf_ops().broadcast_global_variables(root_rank)  # raises RuntimeError in eager mode
+    if tf.executing_eagerly():  # pragma: no cover: the line above raised
+        return op
+    return _keras_session().run(op)
 
 
 __all__ = [

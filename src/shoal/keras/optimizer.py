@@ -15,14 +15,20 @@ train function), ``shoal.torch`` for the torch backend.
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import keras
 
 from shoal.core.process_sets import ProcessSet, global_process_set
-from shoal.core.rules import ReduceOp, ReduceSpec, divides_local_gradients, exchanges_gradients, split_gradients
+from shoal.core.rules import (
+    ReduceOp,
+    ReduceSpec,
+    divides_local_gradients,
+    exchanges_gradients,
+    resolve_groups,
+    split_gradients,
+)
 from shoal.keras.flavour import is_keras2, keras2_module
 
 Average, Sum = ReduceOp.Average, ReduceOp.Sum
@@ -264,9 +270,7 @@ def DistributedOptimizer(
         raise ValueError(f"backward_passes_per_step must be an int >= 1, got {backward_passes_per_step!r}")
     if is_distributed(optimizer):
         return optimizer
-    if num_groups != 0:
-        warnings.warn("num_groups is deprecated; use groups", DeprecationWarning, stacklevel=2)
-        groups = groups if groups is not None else num_groups
+    groups = resolve_groups(num_groups, groups)
     if keras2:
         _check_balanced(None, op, passes, process_set, optimizer, loader)
         return _keras2_distributed(

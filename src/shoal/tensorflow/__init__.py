@@ -33,7 +33,7 @@ from shoal.core.requests import barrier, join
 from shoal.core.session import start_timeline, stop_timeline
 from shoal.exceptions import HorovodInternalError, HostsUpdatedInterrupt
 from shoal.keras.sync_batch_norm import SyncBatchNormalization
-from shoal.tensorflow import elastic
+from shoal.tensorflow import elastic, util
 from shoal.tensorflow.optimizer import DistributedOptimizer
 from shoal.tf_ops.compression import Compression
 from shoal.tf_ops.gradient_tape import DistributedGradientTape, PartialDistributedGradientTape
@@ -50,6 +50,7 @@ from shoal.tf_ops.ops import (
     alltoall,
     broadcast,
     broadcast_,
+    broadcast_global_variables,
     broadcast_object,
     broadcast_variables,
     grouped_allgather,
@@ -86,6 +87,7 @@ __all__ = [
     "barrier",
     "broadcast",
     "broadcast_",
+    "broadcast_global_variables",
     "broadcast_object",
     "broadcast_variables",
     "ccl_built",
@@ -123,4 +125,5 @@ __all__ = [
     "size_op",
     "start_timeline",
     "stop_timeline",
+    "util",
 ]

@@ -8,14 +8,20 @@ start while backprop runs: the gradients of one ``gradient()`` call are reduced 
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Sequence
 from typing import Any
 
 import tensorflow as tf
 
 from shoal.core.process_sets import ProcessSet, global_process_set
-from shoal.core.rules import ReduceSpec, divides_local_gradients, exchanges_gradients, split_gradients, split_groups
+from shoal.core.rules import (
+    ReduceSpec,
+    divides_local_gradients,
+    exchanges_gradients,
+    resolve_groups,
+    split_gradients,
+    split_groups,
+)
 from shoal.runtime import elastic_rendezvous
 from shoal.tf_ops.compression import Compression, Compressor
 from shoal.tf_ops.ops import Average, grouped_allreduce, size_op
@@ -38,11 +44,7 @@ class GradientReducer:
         device_sparse: str = "",
     ) -> None:
         self.spec = ReduceSpec.for_gradients(op, gradient_predivide_factor)
-        if num_groups != 0:
-            warnings.warn("num_groups is deprecated; use groups", DeprecationWarning, stacklevel=3)
-            groups = groups if groups is not None else num_groups
-        if groups is not None and not (isinstance(groups, list) or (isinstance(groups, int) and groups > 0)):
-            raise ValueError("groups must be a list of lists of variables or an int > 0")
+        groups = resolve_groups(num_groups, groups)
         self.compression = compression
         self.sparse_as_dense = sparse_as_dense
         self.groups = groups
@@ -140,6 +142,19 @@ class _DistributedGradientTape(tf.GradientTape):
         if not isinstance(sources, (list, tuple)):
             return self._shoal_reducer.reduce([grads], [sources])[0]
         return self._shoal_reducer.reduce(list(grads), list(sources))
+
+    def get_local_and_global_gradients(
+        self, target: Any, sources: Any, output_gradients: Any = None, use_generic_names: bool = False
+    ) -> tuple[list[tuple[Any, Any]], list[tuple[Any, Any]]]:
+        """The gradients as ``gradient()`` computes them (the global ones reduced, the local ones scaled), as two
+        lists of ``(source, gradient)`` pairs in ``sources``' order: the local sources', then the global ones'."""
+        sources = list(sources)
+        grads = self.gradient(target, sources, output_gradients, use_generic_names)
+        local: list[tuple[Any, Any]] = []
+        shared: list[tuple[Any, Any]] = []
+        for source, grad in zip(sources, grads, strict=True):
+            (local if _ref(source) in self._shoal_reducer.local_sources else shared).append((source, grad))
+        return local, shared
 
 
 def DistributedGradientTape(

@@ -80,8 +80,9 @@ def _bridge(
     def run_in_graph(*values: Any) -> list[tf.Tensor]:
         try:
             return [*run(*values), tf.constant("")]
-        except tf.errors.FailedPreconditionError as error:  # raised by the check below, outside the py_function
-            return [tf.zeros([0], dtype) for dtype in dtypes] + [tf.constant(str(error.message))]
+        except _RAISED_OUTSIDE as error:  # raised by the check below, outside the py_function, with its class
+            status = _RAISED_OUTSIDE.index(type(error)) + 1
+            return [tf.zeros([0], dtype) for dtype in dtypes] + [tf.constant(f"{status}{error.message}")]
 
     graph = tf.compat.v1.get_default_graph()
     with _lock:
@@ -91,24 +92,56 @@ def _bridge(
         *outputs, status = tf.py_function(run_in_graph, list(inputs), [*dtypes, tf.string])
     with _lock:
         _last_op[id(graph)] = status.op
-    with tf.control_dependencies([_failed_precondition_unless_empty(status)]):
+    with tf.control_dependencies([_raise_unless_empty(status)]):
         return [tf.identity(output) for output in outputs]
 
 
-def _failed_precondition_unless_empty(message: Any) -> Any:
-    """An op that raises ``tf.errors.FailedPreconditionError`` carrying ``message`` when it is not empty.
+_RAISED_OUTSIDE = (tf.errors.FailedPreconditionError, tf.errors.InvalidArgumentError)
+"""The classes a collective's run in a graph reports through its status (``_raise_unless_empty``): a cross-rank
+mismatch, and an argument only the run could see (splits held in a tensor, a dimension unknown when the graph was
+built). Build-time errors (a dtype, an op Horovod does not run: ``_check_built``) are raised where the op is built."""
+
+
+def _raise_unless_empty(status: Any) -> Any:
+    """An op that raises the error a collective's status names (``<class index><message>``), or does nothing when the
+    status is empty.
 
     Horovod's compiled op sets its error's class itself. A Python op cannot: TensorFlow reports any exception
-    from a ``tf.py_function`` as ``UnknownError`` (``InvalidArgumentError`` for ValueError and TypeError), whatever
-    its class. So the py_function returns the message, and this op fails instead: reading a file below ``/dev/null``
-    fails with ENOTDIR, which TensorFlow reports as ``FailedPreconditionError`` with the path, and so the message,
-    in its text.
+    from a ``tf.py_function`` as ``UnknownError``, whatever its class. So the py_function returns the class and the
+    message, and an op of this one's fails instead, with that class and the message in its text:
+    ``FailedPreconditionError`` from reading a file below ``/dev/null`` (ENOTDIR, the path in the text), and
+    ``InvalidArgumentError`` from a failed ``tf.debugging.Assert``.
     """
 
-    def fail() -> Any:
-        return tf.io.read_file(tf.strings.join(["/dev/null/Shoal: ", tf.strings.substr(message, 0, 3000)]))
+    def failed_precondition() -> Any:
+        return tf.io.read_file(tf.strings.join(["/dev/null/Shoal: ", tf.strings.substr(status, 1, 3000)]))
 
-    return tf.cond(tf.equal(message, ""), lambda: tf.constant(""), fail)
+    def invalid_argument() -> Any:
+        message = tf.strings.join(["Shoal: ", tf.strings.substr(status, 1, 3000)])
+        with tf.control_dependencies([tf.debugging.Assert(False, [message])]):
+            return tf.constant("")
+
+    def fail() -> Any:
+        return tf.cond(tf.equal(tf.strings.substr(status, 0, 1), "1"), failed_precondition, invalid_argument)
+
+    return tf.cond(tf.equal(status, ""), lambda: tf.constant(""), fail)
+
+
+def _check_built(call: Call, tensors: Sequence[Any], name: str | None, splits_known: bool = True) -> None:
+    """In a graph, Horovod's checks where the op is built, with Horovod's TensorFlow classes (an eager call is
+    checked when it runs, with the same classes)."""
+    if tf.executing_eagerly():
+        return
+    for tensor in tensors:
+        static = tf.TensorShape(tensor.shape)  # a Keras variable's shape is a tuple, its dtype a string
+        shape = static.as_list() if static.rank is not None else None
+        try:
+            requests.check_where_built(call, tf.as_dtype(tensor.dtype).base_dtype.name, shape, name, splits_known)
+        except Exception as error:
+            mapped = as_tf_error(error)
+            if mapped is error:
+                raise
+            raise mapped from error
 
 
 def _reduce_call(kind: Kind, op: int, prescale: float, postscale: float, process_set: ProcessSet) -> Call:
@@ -159,6 +192,7 @@ def _gradient(kind: Kind, grads: list[Any], forward: dict[str, Any], name: str |
 def _allreduce_dense(tensor: Any, op: int, prescale: float, postscale: float, name: str | None, process_set: ProcessSet) -> Any:
     name = _graph_name("Allreduce", tensor, name)
     call = _reduce_call(Kind.ALLREDUCE, op, prescale, postscale, process_set)
+    _check_built(call, [tensor], name)
     forward_args = {"process_set": process_set, "op": op, "prescale": prescale, "postscale": postscale}
 
     @tf.custom_gradient
@@ -261,6 +295,7 @@ def _grouped_allreduce_dense(
         name = "HorovodGroupedAllreduce_" + re.sub(r"[^a-zA-Z0-9_]", "_", f"{tensors[0].name}_{tensors[-1].name}")
 
     call = _reduce_call(Kind.ALLREDUCE, op, prescale, postscale, process_set)
+    _check_built(call, tensors, name)
     forward_args = {"process_set": process_set, "op": op, "prescale": prescale, "postscale": postscale}
 
     @tf.custom_gradient
@@ -287,6 +322,7 @@ def allgather(
     name = _graph_name("Allgather", tensor, name)
 
     call = Call(Kind.ALLGATHER, process_set)
+    _check_built(call, [tensor], name)
 
     @tf.custom_gradient
     def forward(x: Any) -> Any:
@@ -322,6 +358,7 @@ def broadcast(
     name = _graph_name("Broadcast", tensor, name)
     _check_root(root_rank)
     call = Call(Kind.BROADCAST, process_set, root_rank=int(root_rank))
+    _check_built(call, [tensor], name)
 
     @tf.custom_gradient
     def forward(x: Any) -> Any:
@@ -363,6 +400,10 @@ def alltoall(
     ``splits`` is None (an even split), else (received tensor, received splits), as Horovod does."""
     name = _graph_name("Alltoall", tensor, name)
     split_input = tf.zeros([0], tf.int32) if splits is None else tf.cast(splits, tf.int32)
+    static_splits = None if splits is None else tf.get_static_value(split_input)
+    known = None if static_splits is None else tuple(int(count) for count in static_splits)
+    pending = splits is not None and known is None  # splits only the run will show
+    _check_built(Call(Kind.ALLTOALL, process_set, splits=known), [tensor], name, splits_known=not pending)
 
     @tf.custom_gradient
     def forward(x: Any, s: Any) -> Any:
@@ -407,6 +448,7 @@ def reducescatter(
 
 def _reducescatter(tensor: Any, op: int, name: str | None, process_set: ProcessSet, prescale: float, postscale: float) -> Any:
     call = _reduce_call(Kind.REDUCESCATTER, op, prescale, postscale, process_set)
+    _check_built(call, [tensor], name)
     forward_args = {"process_set": process_set, "op": op, "prescale": prescale, "postscale": postscale}
 
     @tf.custom_gradient
@@ -456,6 +498,21 @@ def broadcast_variables(
             variable.assign(_to_tf(value))
         return None
     return tf.group(*[v.assign(broadcast(v, root_rank, process_set=process_set)) for v in variables])
+
+
+def broadcast_global_variables(root_rank: int) -> Any:
+    """Horovod's TF1 helper: an op that assigns ``root_rank``'s value to every global variable of the default graph
+    (``tf.compat.v1.global_variables()``).
+
+    Raises:
+        RuntimeError: in eager mode, where there are no global variables (as Horovod's does).
+    """
+    if tf.executing_eagerly():
+        raise RuntimeError(
+            "hvd.broadcast_global_variables() does not support eager execution; use "
+            "hvd.broadcast_variables(<model/optimizer variables>, root_rank) instead"
+        )
+    return broadcast_variables(tf.compat.v1.global_variables(), root_rank)
 
 
 def broadcast_object(

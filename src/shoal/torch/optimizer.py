@@ -19,7 +19,7 @@ from shoal.config import worker_setting
 from shoal.core import basics
 from shoal.core import session as handles
 from shoal.core.process_sets import ProcessSet, global_process_set
-from shoal.core.rules import ReduceOp, split_groups
+from shoal.core.rules import ReduceOp, resolve_groups, split_groups
 from shoal.plan.schemes import Compressed
 from shoal.ps.config import resolve_config
 from shoal.torch.balanced_loader import BalancedLoader
@@ -283,15 +283,11 @@ def _check_balanced(
 def _checked_groups(
     params: list[torch.Tensor], groups: list[list[torch.Tensor]] | int | None, num_groups: int
 ) -> list[list[torch.Tensor]] | None:
-    """Horovod's ``groups``/``num_groups``: the parameter lists reduced together, checked, or None."""
+    """Horovod's ``groups``/``num_groups`` (``rules.resolve_groups``): the parameter lists reduced together, checked,
+    or None."""
+    groups = resolve_groups(num_groups, groups)
     if isinstance(groups, int):
-        num_groups, groups = groups, None
-    if num_groups < 0:
-        raise ValueError(f"num_groups must be >= 0, got {num_groups}")
-    if num_groups and groups:
-        raise ValueError("give either num_groups or groups, not both")
-    if num_groups:
-        groups = split_groups(params, min(num_groups, len(params)))
+        groups = split_groups(params, min(groups, len(params)))
     if groups:
         listed = [id(p) for group in groups for p in group]
         if len(set(listed)) != len(listed):
