@@ -1,6 +1,7 @@
 """Horovod's TensorFlow and Keras surface where Shoal once differed, on 2 ranks: ``hvd.util``, ``broadcast_global_variables``
 (eager and in a TF1 graph), the Keras collectives' return types on each backend and mode, the tape's
-``get_local_and_global_gradients``, and ``num_groups`` with ``groups`` (one rule on every front end)."""
+``get_local_and_global_gradients``, ``num_groups`` with ``groups`` (one rule on every front end), and one list reducer:
+the same gradients through the tape's, the Keras optimizer's and the torch adapter's give the same values."""
 
 from __future__ import annotations
 
@@ -112,6 +113,47 @@ def _groups_rule(tf: Any, hvd: Any) -> dict[str, Any]:
     return out
 
 
+def _one_list_reducer(tf: Any, hvd: Any, rank: int) -> dict[str, Any]:
+    """The same gradients (a dense one, a sparse one, a local one, a missing one) through the tape's, the Keras
+    optimizer's and the torch adapter's reducer, with groups and sparse_as_dense."""
+    import keras
+    import torch
+
+    import shoal.tensorflow.keras as hvd_keras
+    from shoal.core.gradient_lists import GradientOptions, ListReducer
+    from shoal.keras.optimizer import TorchListAdapter
+
+    dense = np.arange(6.0, dtype=np.float32).reshape(3, 2) + 10 * rank
+    rows, values = np.array([0, 2]), np.full((2, 2), 1.0 + rank, dtype=np.float32)
+    own = np.full((2,), 4.0 + rank, dtype=np.float32)
+    variables = [tf.Variable(np.zeros((3, 2), np.float32)), tf.Variable(np.zeros((3, 2), np.float32))]
+    variables += [tf.Variable(np.zeros(2, np.float32)), tf.Variable(np.zeros(2, np.float32))]
+    tf_grads = [tf.constant(dense), tf.IndexedSlices(tf.constant(values), tf.constant(rows), tf.constant([3, 2]))]
+    tf_grads += [tf.constant(own), None]
+    groups = [[variables[0], variables[1]]]
+
+    tape = hvd.DistributedGradientTape(tf.GradientTape(), groups=groups, sparse_as_dense=True)
+    tape.register_local_source(variables[2])
+    optimizer = hvd_keras.DistributedOptimizer(keras.optimizers.SGD(), groups=groups, sparse_as_dense=True)
+    optimizer.register_local_var(variables[2])
+    params = [torch.nn.Parameter(torch.zeros(3, 2)), torch.nn.Parameter(torch.zeros(3, 2))]
+    params += [torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(2))]
+    options = GradientOptions.parse(hvd.Average, groups=[[params[0], params[1]]], sparse_as_dense=True)
+    on_torch = ListReducer(options, TorchListAdapter(None))
+    on_torch.register_local_source(params[2])
+    sparse = torch.sparse_coo_tensor(torch.tensor(rows).reshape(1, 2), torch.tensor(values), (3, 2))
+    torch_grads = [torch.tensor(dense), sparse, torch.tensor(own), None]
+
+    def plain(result: list[Any]) -> list[Any]:
+        return [None if g is None else np.asarray(g).tolist() for g in result]
+
+    return {
+        "tape": plain(tape._shoal_reducer.reduce(tf_grads, variables)),
+        "keras": plain(optimizer._shoal_reducer.reduce(tf_grads, variables)),
+        "torch": plain(on_torch.reduce(torch_grads, params)),
+    }
+
+
 def _surface() -> dict[str, Any]:
     import tensorflow as tf
     import torch
@@ -128,6 +170,7 @@ def _surface() -> dict[str, Any]:
         "keras": _keras_collectives(tf, hvd_keras, rank),
         "tape": _tape_local_and_global(tf, hvd, rank),
         "groups": _groups_rule(tf, hvd),
+        "one_reducer": _one_list_reducer(tf, hvd, rank),
     }
 
 
@@ -166,6 +209,17 @@ def test_util_global_variables_keras_returns_tape_pairs_and_groups_on_two_ranks(
         assert "num_groups must be an int >= 0" in groups["tape_negative"]
         assert "groups must be an int > 0 or a list of lists" in groups["tape_bad_groups"]
         assert "groups must be an int > 0 or a list of lists" in groups["torch_bad_groups"]
+        # Averaged over the 2 ranks: the dense gradient, the sparse one made dense; the local one divided by 2.
+        want = [
+            (np.arange(6.0).reshape(3, 2) + 5).tolist(),
+            [[1.5, 1.5], [0.0, 0.0], [1.5, 1.5]],
+            [(4.0 + rank) / 2] * 2,
+            None,
+        ]
+        for adapter, got in result["one_reducer"].items():
+            assert got[3] is None, adapter
+            for index in range(3):
+                assert np.allclose(got[index], want[index], atol=TOLERANCE), (adapter, index, got[index])
 
 
 def _keras_on_torch() -> dict[str, Any]:

@@ -20,15 +20,9 @@ from typing import Any
 
 import keras
 
+from shoal.core.gradient_lists import GradientOptions, ListReducer, plain_exchanging
 from shoal.core.process_sets import ProcessSet, global_process_set
-from shoal.core.rules import (
-    ReduceOp,
-    ReduceSpec,
-    divides_local_gradients,
-    exchanges_gradients,
-    resolve_groups,
-    split_gradients,
-)
+from shoal.core.rules import ReduceOp, ReduceSpec
 from shoal.keras.flavour import is_keras2, keras2_module
 
 Average, Sum = ReduceOp.Average, ReduceOp.Sum
@@ -53,71 +47,55 @@ def default_compression() -> Any:
     return TorchCompression
 
 
-class _TorchGradientReducer:
-    """Reduce Keras-on-torch gradients (torch tensors) with ``shoal.torch``: one grouped allreduce per step; local
-    variables' gradients are kept, and divided by the number of ranks when ``scale_local_gradients``."""
+class TorchListAdapter:
+    """Keras-on-torch's part of the one list reducer (``shoal.core.gradient_lists``): gradients are torch tensors,
+    sparse ones made dense with ``to_dense()``, each group one ``shoal.torch.grouped_allreduce`` with the
+    compression given; a ``BalancedData`` (``loader=``) weighs each rank's gradients by its share of the global batch
+    before the average."""
 
-    def __init__(self, compression: Any, spec: ReduceSpec, process_set: ProcessSet, scale_local: bool) -> None:
-        self.compression = compression
-        self.spec = spec
-        self.process_set = process_set
-        self.scale_local_gradients = scale_local
-        self.aggregation = 1.0
-        self.local_sources: set[Any] = set()
+    def __init__(self, compression: Any = None) -> None:
+        from shoal.torch.compression import Compression
+
+        self.compression = compression if compression is not None else Compression.none
         self.balanced: Any = None
-        """A ``BalancedData`` whose steps these gradients come from (``loader=``): each rank's scale, before the
-        average."""
+        """A ``BalancedData`` whose steps these gradients come from (``loader=``)."""
 
-    def register_local_source(self, variable: Any) -> None:
-        """Keep ``variable``'s gradient local."""
-        self.local_sources.add(id(variable))
+    def key(self, source: Any) -> Any:
+        return id(source)
 
-    def reduce(self, grads: list[Any], variables: list[Any]) -> list[Any]:
+    def densify(self, grad: Any) -> Any:
+        return grad.to_dense() if getattr(grad, "is_sparse", False) else grad
+
+    def weigh(self, grads: list[Any], process_set: ProcessSet) -> list[Any]:
+        if self.balanced is None:
+            return grads
+        scale = self.balanced.reduction_scale(process_set.size())
+        return [grad * scale for grad in grads]
+
+    def allreduce(self, grads: list[Any], spec: ReduceSpec, process_set: ProcessSet) -> list[Any]:
         import shoal.torch as hvd
 
-        out = list(grads)
-        members = self.process_set.size()
-        shared, local = split_gradients(grads, [id(v) in self.local_sources for v in variables])
-        exchange = exchanges_gradients(members, self.process_set.included())
-        if self.balanced is not None:
-            scale = self.balanced.reduction_scale(members)
-            grads = [g * scale if i in shared else g for i, g in enumerate(grads)]
-        if exchange and shared:
-            reduced = hvd.grouped_allreduce(
-                [grads[i] for i in shared],
-                compression=self.compression,
-                op=self.spec.op,
-                prescale_factor=self.spec.prescale,
-                postscale_factor=self.spec.aggregated(self.aggregation).postscale,
-                process_set=self.process_set,
-            )
-            for index, value in zip(shared, reduced, strict=True):
-                out[index] = value
-        elif self.aggregation != 1.0:
-            for index in shared:
-                out[index] = grads[index] * self.aggregation
-        local_scale = self.aggregation / (members if divides_local_gradients(self.scale_local_gradients, exchange) else 1)
-        if local_scale != 1.0:
-            for index in local:
-                out[index] = grads[index] * local_scale
-        return out
+        return hvd.grouped_allreduce(
+            grads,
+            compression=self.compression,
+            op=spec.op,
+            prescale_factor=spec.prescale,
+            postscale_factor=spec.postscale,
+            process_set=process_set,
+        )
+
+    def scale(self, grad: Any, factor: float, per_member_of: ProcessSet | None) -> Any:
+        return grad * (factor / (per_member_of.size() if per_member_of is not None else 1))
+
+    def exchanging(self, options: GradientOptions) -> bool:
+        return plain_exchanging(options)
 
 
 def make_reducer(
-    compression: Any,
-    sparse_as_dense: bool,
-    op: int,
-    gradient_predivide_factor: float,
-    groups: Any,
-    process_set: ProcessSet,
-    scale_local_gradients: bool,
-    device_dense: str = "",
-    device_sparse: str = "",
-    keras2: bool = False,
-) -> Any:
-    """An object whose ``reduce(gradients, variables)`` reduces over the ranks on Keras's backend (TensorFlow for
-    Keras 2), with ``local_sources`` (variables whose gradients stay local) and ``aggregation`` (a factor on the
-    result)."""
+    options: GradientOptions, compression: Any, device_dense: str = "", device_sparse: str = "", keras2: bool = False
+) -> ListReducer:
+    """The one list reducer (``shoal.core.gradient_lists``) on Keras's backend: TensorFlow's tensors for Keras 2 and
+    Keras 3 on TensorFlow, torch's for Keras 3 on torch."""
     from shoal.torch.compression import Compressed  # (torch is a dependency of every front end)
 
     if isinstance(compression, Compressed):
@@ -126,24 +104,11 @@ def make_reducer(
             "Keras and TensorFlow optimizers take Compression.none, .fp16 or .bf16"
         )
     if not keras2 and backend() == "torch":
-        spec = ReduceSpec.for_gradients(op, gradient_predivide_factor)
-        compression = compression or default_compression().none
-        return _TorchGradientReducer(compression, spec, process_set, scale_local_gradients)
+        return ListReducer(options, TorchListAdapter(compression))
     from shoal.tf_ops.compression import Compression as TFCompression
-    from shoal.tf_ops.gradient_tape import GradientReducer
+    from shoal.tf_ops.gradient_tape import tf_list_reducer
 
-    return GradientReducer(
-        compression or TFCompression.none,
-        sparse_as_dense,
-        op,
-        gradient_predivide_factor,
-        0,
-        groups,
-        process_set,
-        scale_local_gradients,
-        device_dense,
-        device_sparse,
-    )
+    return tf_list_reducer(options, compression or TFCompression.none, device_dense, device_sparse)
 
 
 class _DistributedMethods:
@@ -206,7 +171,7 @@ class _AgreedFiniteCheck:
     def check_finite(self, grads: Any) -> Any:
         local = super().check_finite(grads)  # type: ignore[misc]
         process_set = self.inner_optimizer._shoal_reducer.process_set
-        balanced = getattr(self.inner_optimizer._shoal_reducer, "balanced", None)
+        balanced = getattr(self.inner_optimizer._shoal_reducer.adapter, "balanced", None)
         if process_set.size() < 2 or not process_set.included():
             if balanced is not None and not bool(local):
                 balanced.skip_step()  # Keras skips the inner optimizer's apply, and with it the reduction
@@ -270,36 +235,17 @@ def DistributedOptimizer(
         raise ValueError(f"backward_passes_per_step must be an int >= 1, got {backward_passes_per_step!r}")
     if is_distributed(optimizer):
         return optimizer
-    groups = resolve_groups(num_groups, groups)
+    options = GradientOptions.parse(
+        op, gradient_predivide_factor, num_groups, groups, sparse_as_dense, scale_local_gradients, process_set
+    )
+    groups = options.groups  # num_groups folded in, for the inner optimizer of a LossScaleOptimizer
     if keras2:
         _check_balanced(None, op, passes, process_set, optimizer, loader)
-        return _keras2_distributed(
-            optimizer,
-            name,
-            compression,
-            sparse_as_dense,
-            gradient_predivide_factor,
-            op,
-            passes,
-            groups,
-            process_set,
-            scale_local_gradients,
-            device_dense,
-            device_sparse,
-        )
+        reducer = make_reducer(options, compression, device_dense, device_sparse, keras2=True)
+        return _keras2_distributed(optimizer, name, reducer, passes)
     if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
         return _loss_scaled(optimizer, name, locals())
-    reducer = make_reducer(
-        compression,
-        sparse_as_dense,
-        op,
-        gradient_predivide_factor,
-        groups,
-        process_set,
-        scale_local_gradients,
-        device_dense,
-        device_sparse,
-    )
+    reducer = make_reducer(options, compression, device_dense, device_sparse)
     _check_balanced(reducer, op, passes, process_set, optimizer, loader)
     return _keras3_distributed(optimizer, name, reducer, backward_passes_per_step, average_aggregated_gradients)
 
@@ -345,13 +291,13 @@ def _check_balanced(reducer: Any, op: int, passes: int, process_set: ProcessSet,
     """
     if loader is None:
         return
-    if not isinstance(reducer, _TorchGradientReducer):
+    if not isinstance(reducer.adapter, TorchListAdapter):
         raise NotImplementedError("loader= (BalancedData) needs Keras 3 on the torch backend (KERAS_BACKEND=torch)")
     if op != Average or passes != 1 or (optimizer.get_config().get("gradient_accumulation_steps") or 1) != 1:
         raise ValueError("loader= gives the global batch's mean gradient: op=Average and no gradient accumulation")
     if process_set is not global_process_set:
         raise ValueError("loader= shares the global batch over every rank: use the global process set")
-    reducer.balanced = loader
+    reducer.adapter.balanced = loader
 
 
 def _keras3_distributed(optimizer: Any, name: str | None, reducer: Any, passes: int, average_aggregated: bool) -> Any:
@@ -378,21 +324,8 @@ def _keras3_distributed(optimizer: Any, name: str | None, reducer: Any, passes: 
     return distributed
 
 
-def _keras2_distributed(
-    optimizer: Any,
-    name: str | None,
-    compression: Any,
-    sparse_as_dense: bool,
-    gradient_predivide_factor: float,
-    op: int,
-    backward_passes_per_step: int,
-    groups: Any,
-    process_set: ProcessSet,
-    scale_local_gradients: bool,
-    device_dense: str,
-    device_sparse: str,
-) -> Any:
-    """A Keras 2 optimizer of ``optimizer``'s class whose aggregation hook reduces over the ranks."""
+def _keras2_distributed(optimizer: Any, name: str | None, reducer: ListReducer, backward_passes_per_step: int) -> Any:
+    """A Keras 2 optimizer of ``optimizer``'s class whose aggregation hook reduces over the ranks with ``reducer``."""
     tf_keras = keras2_module()
     if isinstance(optimizer, tf_keras.mixed_precision.LossScaleOptimizer):
         raise NotImplementedError(
@@ -402,18 +335,6 @@ def _keras2_distributed(
         raise NotImplementedError(
             "backward_passes_per_step > 1 with a Keras 2 optimizer: accumulate in your train step, or use Keras 3"
         )
-    reducer = make_reducer(
-        compression,
-        sparse_as_dense,
-        op,
-        gradient_predivide_factor,
-        groups,
-        process_set,
-        scale_local_gradients,
-        device_dense,
-        device_sparse,
-        keras2=True,
-    )
     base = optimizer.__class__
     cls: Any = type(base.__name__, (_Keras2DistributedMethods, base), {"__module__": base.__module__})
     config = optimizer.get_config()

@@ -13,104 +13,68 @@ from typing import Any
 
 import tensorflow as tf
 
+from shoal.core.gradient_lists import GradientOptions, ListReducer
 from shoal.core.process_sets import ProcessSet, global_process_set
-from shoal.core.rules import (
-    ReduceSpec,
-    divides_local_gradients,
-    exchanges_gradients,
-    resolve_groups,
-    split_gradients,
-    split_groups,
-)
+from shoal.core.rules import ReduceSpec, exchanges_gradients
 from shoal.runtime import elastic_rendezvous
 from shoal.tf_ops.compression import Compression, Compressor
 from shoal.tf_ops.ops import Average, grouped_allreduce, size_op
 
 
-class GradientReducer:
-    """Reduce a list of gradients as Horovod's optimizers and tapes do (shared with the Keras optimizer)."""
+class TFListAdapter:
+    """TensorFlow's part of the one list reducer (``shoal.core.gradient_lists``): ``IndexedSlices`` made dense, one
+    ``grouped_allreduce`` per group with the compression and devices given, factors as constants of each gradient's
+    dtype. In an elastic job the exchange is always traced (a no-op at size 1) and local gradients are divided by the
+    size read when the step runs: a compiled step is traced once, and the job's size may change between its runs."""
 
-    def __init__(
-        self,
-        compression: type[Compressor] = Compression.none,
-        sparse_as_dense: bool = False,
-        op: int = Average,
-        gradient_predivide_factor: float = 1.0,
-        num_groups: int = 0,
-        groups: Sequence[Sequence[Any]] | int | None = None,
-        process_set: ProcessSet = global_process_set,
-        scale_local_gradients: bool = True,
-        device_dense: str = "",
-        device_sparse: str = "",
-    ) -> None:
-        self.spec = ReduceSpec.for_gradients(op, gradient_predivide_factor)
-        groups = resolve_groups(num_groups, groups)
+    def __init__(self, compression: type[Compressor], device_dense: str = "", device_sparse: str = "") -> None:
         self.compression = compression
-        self.sparse_as_dense = sparse_as_dense
-        self.groups = groups
-        self.process_set = process_set
-        self.scale_local_gradients = scale_local_gradients
         self.device_dense = device_dense
         self.device_sparse = device_sparse
-        self.local_sources: set[Any] = set()
-        self.aggregation = 1.0
-        """A factor on every result (the Keras optimizer's sum of accumulated gradients)."""
 
-    def register_local_source(self, source: Any) -> None:
-        """Keep ``source``'s gradient local."""
-        self.local_sources.add(_ref(source))
+    def key(self, source: Any) -> Any:
+        return _ref(source)
 
-    def reduce(self, grads: Sequence[Any], sources: Sequence[Any]) -> list[Any]:
-        """The reduced gradients, in order; None stays None; local sources are only scaled."""
-        grads = [tf.convert_to_tensor(g) if self.sparse_as_dense and isinstance(g, tf.IndexedSlices) else g for g in grads]
-        results = list(grads)
-        shared, local = split_gradients(grads, [_ref(s) in self.local_sources for s in sources])
-        # Decided while tracing: in an elastic job the size may change between runs of the same graph, so there
-        # the exchange is always traced (a no-op at size 1) and local gradients use the size read at run time.
-        elastic = elastic_rendezvous.is_elastic_worker()
-        members = self.process_set.size()
-        exchanging = exchanges_gradients(members, self.process_set.included(), elastic)
-        if exchanging:
-            for chunk in self._chunks(shared, sources) if shared else []:
-                reduced = grouped_allreduce(
-                    [grads[i] for i in chunk],
-                    device_dense=self.device_dense,
-                    device_sparse=self.device_sparse,
-                    compression=self.compression,
-                    op=self.spec.op,
-                    prescale_factor=self.spec.prescale,
-                    postscale_factor=self.spec.aggregated(self.aggregation).postscale,
-                    process_set=self.process_set,
-                )
-                for index, value in zip(chunk, reduced, strict=True):
-                    results[index] = value
-        elif self.aggregation != 1.0:
-            for index in shared:
-                results[index] = _scaled(grads[index], lambda dtype: tf.constant(self.aggregation, dtype))
-        divide = divides_local_gradients(self.scale_local_gradients, exchanging)
-        if local and (divide or self.aggregation != 1.0):
+    def densify(self, grad: Any) -> Any:
+        return tf.convert_to_tensor(grad) if isinstance(grad, tf.IndexedSlices) else grad
 
-            def scale(dtype: Any) -> Any:
-                factor = tf.constant(self.aggregation, dtype)
-                if not divide:
-                    return factor
-                return factor / tf.cast(size_op(self.process_set.process_set_id or 0) if elastic else members, dtype)
+    def weigh(self, grads: list[Any], process_set: ProcessSet) -> list[Any]:
+        return grads
 
-            for index in local:
-                results[index] = _scaled(grads[index], scale)
-        return results
+    def allreduce(self, grads: list[Any], spec: ReduceSpec, process_set: ProcessSet) -> list[Any]:
+        return grouped_allreduce(
+            grads,
+            device_dense=self.device_dense,
+            device_sparse=self.device_sparse,
+            compression=self.compression,
+            op=spec.op,
+            prescale_factor=spec.prescale,
+            postscale_factor=spec.postscale,
+            process_set=process_set,
+        )
 
-    def _chunks(self, shared: list[int], sources: Sequence[Any]) -> list[list[int]]:
-        if self.groups is None:
-            return [shared]
-        if isinstance(self.groups, int):
-            return split_groups(shared, self.groups)
-        position = {_ref(v): g for g, group in enumerate(self.groups) for v in group}
-        grouped: dict[Any, list[int]] = {}
-        for index in shared:
-            key = position.get(_ref(sources[index]), ("alone", index))
-            grouped.setdefault(key, []).append(index)
-        return list(grouped.values())
+    def scale(self, grad: Any, factor: float, per_member_of: ProcessSet | None) -> Any:
+        def times(dtype: Any) -> Any:
+            value = tf.constant(factor, dtype)
+            if per_member_of is None:
+                return value
+            elastic = elastic_rendezvous.is_elastic_worker()
+            members = size_op(per_member_of.process_set_id or 0) if elastic else per_member_of.size()
+            return value / tf.cast(members, dtype)
+
+        return _scaled(grad, times)
+
+    def exchanging(self, options: GradientOptions) -> bool:
+        members, included = options.process_set.size(), options.process_set.included()
+        return exchanges_gradients(members, included, elastic_rendezvous.is_elastic_worker())
+
+
+def tf_list_reducer(
+    options: GradientOptions, compression: type[Compressor] = Compression.none, device_dense: str = "", device_sparse: str = ""
+) -> ListReducer:
+    """The one list reducer on TensorFlow's tensors (the tape's, the TF optimizer's and Keras 2's / Keras 3 on
+    TensorFlow's)."""
+    return ListReducer(options, TFListAdapter(compression, device_dense, device_sparse))
 
 
 def _scaled(grad: Any, factor: Any) -> Any:
@@ -127,7 +91,7 @@ def _ref(value: Any) -> Any:
 class _DistributedGradientTape(tf.GradientTape):
     """The methods mixed into the user's tape class."""
 
-    _shoal_reducer: GradientReducer
+    _shoal_reducer: ListReducer
 
     def register_local_source(self, source: Any) -> None:
         """Keep ``source``'s gradient local (not reduced; divided by the number of ranks when
@@ -153,7 +117,7 @@ class _DistributedGradientTape(tf.GradientTape):
         local: list[tuple[Any, Any]] = []
         shared: list[tuple[Any, Any]] = []
         for source, grad in zip(sources, grads, strict=True):
-            (local if _ref(source) in self._shoal_reducer.local_sources else shared).append((source, grad))
+            (local if self._shoal_reducer.is_local(source) else shared).append((source, grad))
         return local, shared
 
 
@@ -177,18 +141,10 @@ def DistributedGradientTape(
     cls: Any = type(gradtape.__class__.__name__, (_DistributedGradientTape, gradtape.__class__), {})
     tape = cls.__new__(cls)
     tape.__dict__ = gradtape.__dict__  # the same recording, persistence and watched variables
-    tape._shoal_reducer = GradientReducer(
-        compression,
-        sparse_as_dense,
-        op,
-        gradient_predivide_factor,
-        num_groups,
-        groups,
-        process_set,
-        scale_local_gradients,
-        device_dense,
-        device_sparse,
+    options = GradientOptions.parse(
+        op, gradient_predivide_factor, num_groups, groups, sparse_as_dense, scale_local_gradients, process_set
     )
+    tape._shoal_reducer = tf_list_reducer(options, compression, device_dense, device_sparse)
     return tape
 
 
