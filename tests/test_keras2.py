@@ -86,6 +86,79 @@ def test_fit_on_two_ranks_matches_one_process_with_the_global_batch() -> None:
     assert two[0]["legacy_adam"]["variables"] > 1
 
 
+UPDATES = 4
+"""Updates in the accumulation test: each takes 2 passes x 2 ranks x 4 samples, or one process's batch of 16."""
+
+
+def _fit_accumulated_and_loss_scaled() -> dict[str, Any]:
+    """Keras 2's backward_passes_per_step and LossScaleOptimizer. On 2 ranks: passes of 4 samples, 2 per update (the
+    mean at lr 0.1, the sum at lr 0.05, a legacy optimizer's mean), and a LossScaleOptimizer on batches of 4. In one
+    process, the references: batches of 16 at lr 0.1, and the LossScaleOptimizer on batches of 8."""
+    tf = _tf()
+    import shoal.tensorflow.keras as hvd
+
+    hvd.init()
+    rank, size = hvd.rank(), hvd.size()
+    generator = np.random.default_rng(5)
+    x = generator.standard_normal((16 * UPDATES, 6)).astype(np.float32)
+    y = (np.tanh(x @ generator.standard_normal((6, 1))) + 0.1).astype(np.float32)
+    # Update j takes samples 16j..16j+15: rank r's first pass is 16j+4r.., its second 16j+8+4r..
+    passes_of = np.concatenate(
+        [np.arange(16 * j + 8 * p + 4 * rank, 16 * j + 8 * p + 4 * rank + 4) for j in range(UPDATES) for p in range(2)]
+    )
+    halves = np.concatenate([np.arange(8 * k + 4 * rank, 8 * k + 4 * rank + 4) for k in range(2 * UPDATES)])
+
+    def fit(make: Any, rows: Any, batch: int, **options: Any) -> dict[str, Any]:
+        tf.keras.utils.set_random_seed(0)
+        model = tf.keras.Sequential([tf.keras.layers.Dense(8, activation="tanh", input_shape=(6,)), tf.keras.layers.Dense(1)])
+        optimizer = hvd.DistributedOptimizer(make(), **options)
+        model.compile(optimizer=optimizer, loss="mse")
+        model.fit(x[rows], y[rows], batch_size=batch, epochs=1, shuffle=False, verbose=0)
+        return {
+            "weights": np.concatenate([np.asarray(w).ravel() for w in model.get_weights()]).tolist(),
+            "iterations": int(np.asarray(model.optimizer.iterations)),
+            "class": type(model.optimizer).__name__,
+        }
+
+    sgd = lambda lr: lambda: tf.keras.optimizers.SGD(learning_rate=lr, momentum=0.9)  # noqa: E731
+    scaled = lambda: tf.keras.mixed_precision.LossScaleOptimizer(tf.keras.optimizers.SGD(learning_rate=0.1))  # noqa: E731
+    if size == 1:
+        return {"batch_16": fit(sgd(0.1), np.arange(16 * UPDATES), 16), "loss_scale": fit(scaled, np.arange(16 * UPDATES), 8)}
+    legacy = lambda: tf.keras.optimizers.legacy.SGD(learning_rate=0.1, momentum=0.9)  # noqa: E731
+    out = {
+        "passes_2_mean": fit(sgd(0.1), passes_of, 4, backward_passes_per_step=2, average_aggregated_gradients=True),
+        "passes_2_sum": fit(sgd(0.05), passes_of, 4, backward_passes_per_step=2),
+        "legacy_passes_2_mean": fit(legacy, passes_of, 4, backward_passes_per_step=2, average_aggregated_gradients=True),
+        "loss_scale": fit(scaled, halves, 4),
+    }
+    try:
+        hvd.DistributedOptimizer(scaled(), backward_passes_per_step=2)
+        out["loss_scale_passes"] = "none"
+    except NotImplementedError as error:
+        out["loss_scale_passes"] = str(error)
+    return out
+
+
+def test_backward_passes_and_loss_scale_optimizer_on_two_ranks_match_one_process() -> None:
+    """Two passes per update on 2 ranks (sum or mean, a tf_keras and a legacy optimizer) equal one process's batch of
+    all four passes; a Keras 2 LossScaleOptimizer trains, the ranks agree, and it equals one process (1e-5)."""
+    two = run_ranks(_fit_accumulated_and_loss_scaled, 2, env=ENV, timeout_s=150)
+    one = run_ranks(_fit_accumulated_and_loss_scaled, 1, env=ENV, timeout_s=150)[0]
+    for label, reference in (
+        ("passes_2_mean", "batch_16"),
+        ("passes_2_sum", "batch_16"),  # Horovod's sum of 2 passes at half the learning rate is the mean at the full one
+        ("legacy_passes_2_mean", "batch_16"),
+        ("loss_scale", "loss_scale"),
+    ):
+        assert two[0][label]["weights"] == two[1][label]["weights"], label  # the ranks agree exactly
+        difference = max(abs(a - b) for a, b in zip(two[0][label]["weights"], one[reference]["weights"], strict=True))
+        assert difference <= TOLERANCE, (label, difference)
+    assert two[0]["passes_2_mean"]["iterations"] == 2 * UPDATES, "Horovod counts every pass"
+    assert one["batch_16"]["iterations"] == UPDATES
+    assert two[0]["loss_scale"]["class"] == "LossScaleOptimizerV3"
+    assert "backward_passes_per_step > 1 with a Keras 2 LossScaleOptimizer" in two[0]["loss_scale_passes"]
+
+
 def _callbacks_and_load(path: str) -> dict[str, Any]:
     tf = _tf()
     import shoal.tensorflow.keras as hvd

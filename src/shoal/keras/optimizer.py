@@ -242,7 +242,7 @@ def DistributedOptimizer(
     if keras2:
         _check_balanced(None, op, passes, process_set, optimizer, loader)
         reducer = make_reducer(options, compression, device_dense, device_sparse, keras2=True)
-        return _keras2_distributed(optimizer, name, reducer, passes)
+        return _keras2_distributed(optimizer, name, reducer, passes, average_aggregated_gradients)
     if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
         return _loss_scaled(optimizer, name, locals())
     reducer = make_reducer(options, compression, device_dense, device_sparse)
@@ -324,25 +324,92 @@ def _keras3_distributed(optimizer: Any, name: str | None, reducer: Any, passes: 
     return distributed
 
 
-def _keras2_distributed(optimizer: Any, name: str | None, reducer: ListReducer, backward_passes_per_step: int) -> Any:
-    """A Keras 2 optimizer of ``optimizer``'s class whose aggregation hook reduces over the ranks with ``reducer``."""
+def _keras2_distributed(
+    optimizer: Any, name: str | None, reducer: ListReducer, passes: int, average_aggregated: bool = False
+) -> Any:
+    """A Keras 2 optimizer of ``optimizer``'s class whose aggregation hook reduces over the ranks with ``reducer``;
+    with ``passes`` > 1, one that accumulates that many batches' gradients and applies (and exchanges) once.
+
+    A Keras 2 ``LossScaleOptimizer`` is rebuilt around its distributed inner optimizer: it calls the inner one's
+    aggregation before its finiteness check, so a NaN or Inf on any rank reaches every rank, and all skip together.
+
+    Raises:
+        NotImplementedError: ``passes`` > 1 with a ``LossScaleOptimizer`` (its check would see one batch's share).
+    """
     tf_keras = keras2_module()
     if isinstance(optimizer, tf_keras.mixed_precision.LossScaleOptimizer):
-        raise NotImplementedError(
-            "a Keras 2 LossScaleOptimizer: wrap the inner optimizer, then LossScaleOptimizer(hvd.DistributedOptimizer(opt))"
-        )
-    if backward_passes_per_step > 1:
-        raise NotImplementedError(
-            "backward_passes_per_step > 1 with a Keras 2 optimizer: accumulate in your train step, or use Keras 3"
+        if passes > 1:
+            raise NotImplementedError(
+                "backward_passes_per_step > 1 with a Keras 2 LossScaleOptimizer: accumulate in your train step, or "
+                "use Keras 3, whose LossScaleOptimizer takes it"
+            )
+        inner = _keras2_distributed(optimizer.inner_optimizer, None, reducer, 1)
+        return tf_keras.mixed_precision.LossScaleOptimizer(
+            inner,
+            dynamic=optimizer.dynamic,
+            initial_scale=optimizer.initial_scale,
+            dynamic_growth_steps=optimizer.dynamic_growth_steps,
         )
     base = optimizer.__class__
-    cls: Any = type(base.__name__, (_Keras2DistributedMethods, base), {"__module__": base.__module__})
+    mixins = (_Keras2Accumulation, _Keras2DistributedMethods) if passes > 1 else (_Keras2DistributedMethods,)
+    cls: Any = type(base.__name__, (*mixins, base), {"__module__": base.__module__})
     config = optimizer.get_config()
     if name is not None:
         config["name"] = name
     distributed = cls.from_config(config)
     object.__setattr__(distributed, "_shoal_reducer", reducer)
+    object.__setattr__(distributed, "_shoal_passes", passes)
+    object.__setattr__(distributed, "_shoal_average_aggregated", bool(average_aggregated))
     return distributed
+
+
+class _Keras2Accumulation:
+    """Horovod's ``backward_passes_per_step`` for a Keras 2 optimizer: each ``apply_gradients`` adds the batch's
+    gradients to local sums; every ``_shoal_passes``-th call applies the sums (their mean with
+    ``average_aggregated_gradients``), so the exchange (the aggregation hook) and the update happen once per
+    ``_shoal_passes`` batches. The other calls only count ``iterations``, as Horovod's do. It works eagerly and inside
+    ``model.fit``'s compiled step (the decision is a ``tf.cond``; the sums are variables made on the first call)."""
+
+    _shoal_passes: int
+    _shoal_average_aggregated: bool
+    iterations: Any
+
+    def apply_gradients(self, grads_and_vars: Any, *args: Any, **kwargs: Any) -> Any:
+        import tensorflow as tf
+
+        pairs = [(grad, variable) for grad, variable in grads_and_vars if grad is not None]
+        sums, counter = self._shoal_sums([variable for _, variable in pairs])
+        added = [total.assign_add(tf.convert_to_tensor(grad)) for total, (grad, _) in zip(sums, pairs, strict=True)]
+        with tf.control_dependencies(added):
+            count = counter.assign_add(1)
+        factor = 1.0 / self._shoal_passes if self._shoal_average_aggregated else 1.0
+
+        def apply() -> Any:
+            summed = [total.read_value() * factor if factor != 1.0 else total.read_value() for total in sums]
+            applied = super(_Keras2Accumulation, self).apply_gradients(  # type: ignore[misc]
+                list(zip(summed, [variable for _, variable in pairs], strict=True)), *args, **kwargs
+            )
+            with tf.control_dependencies([applied] if applied is not None else []):
+                return tf.group(*[total.assign(tf.zeros_like(total)) for total in sums], counter.assign(0))
+
+        def count_only() -> Any:
+            return tf.group(self.iterations.assign_add(1))
+
+        return tf.cond(count >= self._shoal_passes, apply, count_only)
+
+    def _shoal_sums(self, variables: list[Any]) -> tuple[list[Any], Any]:
+        """The gradient sums (one per variable, made once) and the count of batches added since the last update."""
+        import tensorflow as tf
+
+        state = self.__dict__.get("_shoal_accumulated")
+        if state is None:
+            with tf.init_scope():  # variables made where model.fit's compiled step may make them
+                sums = {v.ref(): tf.Variable(tf.zeros_like(v), trainable=False, name="shoal_sum") for v in variables}
+                counter = tf.Variable(0, dtype=tf.int64, trainable=False, name="shoal_passes")
+            state = (sums, counter)
+            object.__setattr__(self, "_shoal_accumulated", state)
+        sums, counter = state
+        return [sums[v.ref()] for v in variables], counter
 
 
 def PartialDistributedOptimizer(
