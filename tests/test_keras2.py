@@ -1,6 +1,7 @@
 """Keras 2 (``tf_keras``, what ``tf.keras`` is under ``TF_USE_LEGACY_KERAS=1``) with Horovod's Keras 2 idioms:
 ``model.fit`` on 2 ranks x batch 4 equals one process x batch 8 (a ``tf_keras`` optimizer and a legacy one, and a
-``SyncBatchNormalization`` layer); the callbacks; ``load_model`` of an ``.h5`` file; elastic ``KerasState``."""
+``SyncBatchNormalization`` layer); the callbacks; ``load_model`` of an ``.h5`` file; elastic ``KerasState``; ``backward_passes_per_step`` and ``LossScaleOptimizer``;
+the Keras collectives in a TF1 graph."""
 
 from __future__ import annotations
 
@@ -157,6 +158,41 @@ def test_backward_passes_and_loss_scale_optimizer_on_two_ranks_match_one_process
     assert one["batch_16"]["iterations"] == UPDATES
     assert two[0]["loss_scale"]["class"] == "LossScaleOptimizerV3"
     assert "backward_passes_per_step > 1 with a Keras 2 LossScaleOptimizer" in two[0]["loss_scale_passes"]
+
+
+def _collectives_in_a_tf1_graph() -> dict[str, Any]:
+    """Keras 2 with eager execution off (TF1 style): the Keras collectives return the values evaluated in Keras's
+    session, as Horovod's do, and broadcast_global_variables assigns in that session."""
+    tf = _tf()
+    tf.compat.v1.disable_eager_execution()
+    import shoal.tensorflow.keras as hvd
+
+    hvd.init()
+    rank = hvd.rank()
+    value = np.arange(4.0).reshape(2, 2) + rank
+    results = {
+        "allreduce": hvd.allreduce(value, name="g.allreduce"),
+        "allgather": hvd.allgather(value, name="g.allgather"),
+        "broadcast": hvd.broadcast(value, 1, name="g.broadcast"),
+        "reducescatter": hvd.reducescatter(value, name="g.reducescatter", op=hvd.Sum),
+    }
+    out: dict[str, Any] = {name: [type(r).__name__, np.asarray(r).tolist()] for name, r in results.items()}
+    variable = tf.compat.v1.Variable([1.0 + rank, 10.0 * (rank + 1)])
+    session = tf.compat.v1.keras.backend.get_session()
+    session.run(variable.initializer)
+    hvd.broadcast_global_variables(1)
+    out["global_variable"] = session.run(variable).tolist()
+    return out
+
+
+def test_keras_collectives_in_a_tf1_graph_return_session_values() -> None:
+    results = run_ranks(_collectives_in_a_tf1_graph, 2, env=ENV, timeout_s=120, fresh=True)
+    for rank, result in enumerate(results):
+        assert result["allreduce"] == ["ndarray", [[0.5, 1.5], [2.5, 3.5]]]
+        assert result["allgather"] == ["ndarray", [[0.0, 1.0], [2.0, 3.0], [1.0, 2.0], [3.0, 4.0]]]
+        assert result["broadcast"] == ["ndarray", [[1.0, 2.0], [3.0, 4.0]]]
+        assert result["reducescatter"] == ["ndarray", [[[1.0, 3.0], [5.0, 7.0]][rank]]]
+        assert result["global_variable"] == [2.0, 20.0], "rank 1's global variables on every rank"
 
 
 def _callbacks_and_load(path: str) -> dict[str, Any]:

@@ -74,8 +74,17 @@ def _on_backend(tf_collective: Callable[[Any], Any], torch_collective: Callable[
 
 
 def _keras_session() -> Any:
-    """The session Keras 2 runs its graph in (``tf_keras.backend.get_session()``)."""
-    return keras2_module().backend.get_session()
+    """The session Keras 2 runs its TF1 graph in: ``tf.compat.v1.keras.backend.get_session()`` (Keras 2's under
+    ``TF_USE_LEGACY_KERAS=1``), else ``tf_keras``'s own."""
+    import tensorflow as tf
+
+    get_session = getattr(tf.compat.v1.keras.backend, "get_session", None)
+    if get_session is None:
+        keras2_module()  # says how to install tf_keras when it is missing
+        from tf_keras.src import backend as keras2_backend
+
+        get_session = keras2_backend.get_session
+    return get_session()
 
 
 def allreduce(
