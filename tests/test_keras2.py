@@ -1,7 +1,7 @@
 """Keras 2 (``tf_keras``, what ``tf.keras`` is under ``TF_USE_LEGACY_KERAS=1``) with Horovod's Keras 2 idioms:
 ``model.fit`` on 2 ranks x batch 4 equals one process x batch 8 (a ``tf_keras`` optimizer and a legacy one, and a
-``SyncBatchNormalization`` layer); the callbacks; ``load_model`` of an ``.h5`` file; elastic ``KerasState``; ``backward_passes_per_step`` and ``LossScaleOptimizer``;
-the Keras collectives in a TF1 graph."""
+``SyncBatchNormalization`` layer); the callbacks; ``load_model`` of an ``.h5`` file; elastic ``KerasState``;
+``backward_passes_per_step`` and ``LossScaleOptimizer``; the Keras collectives in a TF1 graph."""
 
 from __future__ import annotations
 

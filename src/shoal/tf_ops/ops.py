@@ -108,21 +108,18 @@ def _raise_unless_empty(status: Any) -> Any:
 
     Horovod's compiled op sets its error's class itself. A Python op cannot: TensorFlow reports any exception
     from a ``tf.py_function`` as ``UnknownError``, whatever its class. So the py_function returns the class and the
-    message, and an op of this one's fails instead, with that class and the message in its text:
-    ``FailedPreconditionError`` from reading a file below ``/dev/null`` (ENOTDIR, the path in the text), and
-    ``InvalidArgumentError`` from a failed ``tf.debugging.Assert``.
+    message, and ops of this one's fail instead, with that class and the message in their text: a failed
+    ``tf.debugging.Assert`` (``InvalidArgumentError``) unless the status names a mismatch, then, for a mismatch, a
+    read of a file below ``/dev/null`` (ENOTDIR: ``FailedPreconditionError``, the path in its text). One ``tf.cond``
+    and no other: the status is empty on every call that succeeds, and that path costs as little as it can.
     """
 
-    def failed_precondition() -> Any:
-        return tf.io.read_file(tf.strings.join(["/dev/null/Shoal: ", tf.strings.substr(status, 1, 3000)]))
-
-    def invalid_argument() -> Any:
-        message = tf.strings.join(["Shoal: ", tf.strings.substr(status, 1, 3000)])
-        with tf.control_dependencies([tf.debugging.Assert(False, [message])]):
-            return tf.constant("")
-
     def fail() -> Any:
-        return tf.cond(tf.equal(tf.strings.substr(status, 0, 1), "1"), failed_precondition, invalid_argument)
+        message = tf.strings.substr(status, 1, 3000)
+        mismatch = tf.equal(tf.strings.substr(status, 0, 1), "1")
+        invalid = tf.debugging.Assert(mismatch, [tf.strings.join(["Shoal: ", message])])
+        with tf.control_dependencies([invalid]):
+            return tf.io.read_file(tf.strings.join(["/dev/null/Shoal: ", message]))
 
     return tf.cond(tf.equal(status, ""), lambda: tf.constant(""), fail)
 
