@@ -253,3 +253,37 @@ def test_keras_collectives_on_the_torch_backend_return_torch_tensors() -> None:
     for rank, result in enumerate(results):
         assert "TF1 graph-mode helper" in result.pop("broadcast_global_variables")
         _check_keras(result, rank, "torch.Tensor")
+
+
+def _before_init() -> dict[str, str]:
+    """What a collective raises before ``init()``, eagerly, in a tf.function and in a v1 session."""
+    import tensorflow as tf
+
+    import shoal.tensorflow as hvd
+
+    def eager() -> Any:
+        return hvd.allreduce(tf.constant([1.0]))
+
+    def compiled() -> Any:
+        return tf.function(lambda x: hvd.allreduce(x))(tf.constant([1.0]))
+
+    def session() -> Any:
+        graph = tf.Graph()
+        with graph.as_default(), tf.compat.v1.Session(graph=graph) as running:
+            return running.run(hvd.allreduce(tf.constant([1.0])))
+
+    out = {}
+    for mode, call in (("eager", eager), ("tf_function", compiled), ("tf_v1_graph", session)):
+        try:
+            call()
+            out[mode] = "none"
+        except Exception as error:
+            out[mode] = type(error).__name__
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_use_before_init_is_horovods_failed_precondition_in_every_mode() -> None:
+    """Horovod's TensorFlow ops report use before init() as a precondition error (its CheckInitialized)."""
+    (result,) = run_ranks(_before_init, 1, env=ENV, timeout_s=100)
+    assert result == dict.fromkeys(("eager", "tf_function", "tf_v1_graph"), "FailedPreconditionError"), result

@@ -21,7 +21,7 @@ from typing import Any
 
 from shoal.comm import process_group, store
 from shoal.config import worker_setting
-from shoal.exceptions import HorovodInternalError
+from shoal.exceptions import HorovodInternalError, NotInitializedError
 from shoal.log import get_logger
 from shoal.runtime import elastic_rendezvous, heartbeat, preemption
 from shoal.runtime.launch_env import LaunchInfo, detect_launch
@@ -193,7 +193,7 @@ def current() -> Context:
     """Return the context, or raise the error Horovod users expect when ``init()`` was not called."""
     context = _context
     if context is None:
-        raise ValueError("Shoal has not been initialized; use shoal.torch.init() (hvd.init()).")
+        raise NotInitializedError("Shoal has not been initialized; use shoal.torch.init() (hvd.init()).")
     return context
 
 

@@ -1,10 +1,10 @@
 """Errors between Shoal and TensorFlow: Horovod's TensorFlow classes for Shoal's errors, and Shoal's exceptions
 back out of TensorFlow's op errors.
 
-A collective that fails raises what Horovod's TensorFlow ops raise (``as_tf_error``): a cross-rank mismatch is a
-``tf.errors.FailedPreconditionError``, a bad root rank or bad splits a ``tf.errors.InvalidArgumentError``, an op
-Horovod does not run a ``tf.errors.AbortedError``. The neutral kind comes from ``shoal.core.rules.classify``; only the
-class is TensorFlow's.
+A collective that fails raises what Horovod's TensorFlow ops raise (``as_tf_error``): a cross-rank mismatch or use
+before ``init()`` is a ``tf.errors.FailedPreconditionError``, a bad root rank or bad splits a
+``tf.errors.InvalidArgumentError``, an op Horovod does not run a ``tf.errors.AbortedError``. The neutral kind comes
+from ``shoal.core.rules.classify``; only the class is TensorFlow's.
 
 A collective inside a ``tf.function`` runs in a ``tf.py_function``; an exception it raises reaches the caller as a
 ``tf.errors.OpError`` (``UnknownError``) whose message names the original class. Elastic training must see the
@@ -26,12 +26,13 @@ _CARRIED = (HorovodInternalError, HostsUpdatedInterrupt, WorkerRemovedError)
 
 _TF_CLASSES = {
     ErrorKind.MISMATCH: "FailedPreconditionError",
+    ErrorKind.NOT_INITIALIZED: "FailedPreconditionError",
     ErrorKind.INVALID_ARGUMENT: "InvalidArgumentError",
     ErrorKind.UNSUPPORTED_OPERATION: "AbortedError",
 }
-"""Horovod's TensorFlow classes by kind. Other kinds keep their Python class: an unsupported dtype is a TypeError
-(Horovod's op refuses the dtype where it is built), use before init() a ValueError, a broken job Shoal's
-HorovodInternalError (elastic training catches it)."""
+"""Horovod's TensorFlow classes by kind (its ops report use before ``init()`` as a precondition error too). Other kinds
+keep their Python class: an unsupported dtype is a TypeError (Horovod's op refuses the dtype where it is built), a
+broken job Shoal's HorovodInternalError (elastic training catches it)."""
 
 
 def as_tf_error(error: BaseException) -> BaseException:
