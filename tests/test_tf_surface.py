@@ -287,3 +287,56 @@ def test_use_before_init_is_horovods_failed_precondition_in_every_mode() -> None
     """Horovod's TensorFlow ops report use before init() as a precondition error (its CheckInitialized)."""
     (result,) = run_ranks(_before_init, 1, env=ENV, timeout_s=100)
     assert result == dict.fromkeys(("eager", "tf_function", "tf_v1_graph"), "FailedPreconditionError"), result
+
+
+def _broken_job() -> dict[str, Any]:
+    """A collective of a broken job (here: the request layer raises HorovodInternalError, as when a peer died) in each
+    mode; and what elastic training's ``surfacing`` makes of it."""
+    import tensorflow as tf
+
+    import shoal.tensorflow as hvd
+    from shoal.core import requests
+    from shoal.exceptions import HorovodInternalError
+    from shoal.tf_ops.errors import surfacing
+
+    hvd.init()
+
+    def broken(*_args: Any, **_kwargs: Any) -> Any:
+        raise HorovodInternalError("peer 1 died")
+
+    requests.run = broken  # (this rank's process only; it ends with the test)
+
+    def session() -> Any:
+        graph = tf.Graph()
+        with graph.as_default(), tf.compat.v1.Session(graph=graph) as running:
+            return running.run(hvd.allreduce(tf.constant([1.0])))
+
+    modes = {
+        "eager": lambda: hvd.allreduce(tf.constant([1.0])),
+        "tf_function": lambda: tf.function(lambda x: hvd.allreduce(x))(tf.constant([1.0])),
+        "tf_v1_graph": session,
+    }
+    out: dict[str, Any] = {}
+    for mode, call in modes.items():
+        try:
+            call()
+            out[mode] = "none"
+        except Exception as error:
+            out[mode] = [type(error).__name__, "HorovodInternalError: peer 1 died" in str(error)]
+        try:
+            surfacing(call)()
+        except HorovodInternalError as error:
+            out[f"{mode}/surfaced"] = str(error)
+        except Exception as error:
+            out[f"{mode}/surfaced"] = f"not surfaced: {type(error).__name__}"
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_a_broken_job_is_an_unknown_error_in_every_mode_that_elastic_training_recognises() -> None:
+    """Horovod's TensorFlow ops report a broken job as UnknownError eagerly and in a graph; its elastic.run turns it
+    into HorovodInternalError (restore and re-form). Shoal's do the same."""
+    (result,) = run_ranks(_broken_job, 1, env=ENV, timeout_s=100)
+    for mode in ("eager", "tf_function", "tf_v1_graph"):
+        assert result[mode] == ["UnknownError", True], (mode, result[mode])
+        assert result[f"{mode}/surfaced"] == "peer 1 died", (mode, result)

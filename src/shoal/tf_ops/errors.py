@@ -29,10 +29,12 @@ _TF_CLASSES = {
     ErrorKind.NOT_INITIALIZED: "FailedPreconditionError",
     ErrorKind.INVALID_ARGUMENT: "InvalidArgumentError",
     ErrorKind.UNSUPPORTED_OPERATION: "AbortedError",
+    ErrorKind.JOB_BROKEN: "UnknownError",
 }
-"""Horovod's TensorFlow classes by kind (its ops report use before ``init()`` as a precondition error too). Other kinds
-keep their Python class: an unsupported dtype is a TypeError (Horovod's op refuses the dtype where it is built), a
-broken job Shoal's HorovodInternalError (elastic training catches it)."""
+"""Horovod's TensorFlow classes by kind (its ops report use before ``init()`` as a precondition error too, and a broken
+job as an ``UnknownError`` in every mode, which its ``elastic.run`` turns into ``HorovodInternalError``: so does
+Shoal's, through ``surfacing``). An unsupported dtype keeps its Python class, TypeError (Horovod's op refuses the
+dtype where it is built)."""
 
 
 def as_tf_error(error: BaseException) -> BaseException:
@@ -43,7 +45,9 @@ def as_tf_error(error: BaseException) -> BaseException:
     name = _TF_CLASSES.get(kind) if kind is not None else None
     if name is None:
         return error
-    return getattr(tf.errors, name)(None, None, str(error))
+    # A broken job's text names its Shoal class, so that elastic training finds it again (carried_error).
+    text = f"{type(error).__name__}: {error}" if kind == ErrorKind.JOB_BROKEN else str(error)
+    return getattr(tf.errors, name)(None, None, text)
 
 
 def carried_error(error: BaseException) -> BaseException | None:
