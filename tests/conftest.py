@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
@@ -161,3 +162,16 @@ def loopback_sshd(tmp_path: Path) -> Iterator[tuple[int, Path]]:
     finally:
         server.terminate()
         server.wait(timeout=10)
+
+
+def keras_collectives(hvd_keras: Any, rank: int, prefix: str) -> dict[str, Any]:
+    """The four Keras collectives of Horovod's Keras module on this rank's 2x2 value (rank added to 0..3), named
+    ``<prefix>.<op>``: what each returned. Every rank gets the average, the rows of all ranks, rank 1's value, and its
+    row of the sum."""
+    value = np.arange(4.0).reshape(2, 2) + rank
+    return {
+        "allreduce": hvd_keras.allreduce(value, name=f"{prefix}.allreduce"),
+        "allgather": hvd_keras.allgather(value, name=f"{prefix}.allgather"),
+        "broadcast": hvd_keras.broadcast(value, 1, name=f"{prefix}.broadcast"),
+        "reducescatter": hvd_keras.reducescatter(value, name=f"{prefix}.reducescatter", op=hvd_keras.Sum),
+    }

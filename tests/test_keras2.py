@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from conftest import keras_collectives
 from shoal.testing import run_ranks
 
 for _needed in ("tf_keras", "tensorflow"):
@@ -169,13 +170,7 @@ def _collectives_in_a_tf1_graph() -> dict[str, Any]:
 
     hvd.init()
     rank = hvd.rank()
-    value = np.arange(4.0).reshape(2, 2) + rank
-    results = {
-        "allreduce": hvd.allreduce(value, name="g.allreduce"),
-        "allgather": hvd.allgather(value, name="g.allgather"),
-        "broadcast": hvd.broadcast(value, 1, name="g.broadcast"),
-        "reducescatter": hvd.reducescatter(value, name="g.reducescatter", op=hvd.Sum),
-    }
+    results = keras_collectives(hvd, rank, "g")
     out: dict[str, Any] = {name: [type(r).__name__, np.asarray(r).tolist()] for name, r in results.items()}
     variable = tf.compat.v1.Variable([1.0 + rank, 10.0 * (rank + 1)])
     session = tf.compat.v1.keras.backend.get_session()

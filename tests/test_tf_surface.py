@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from conftest import keras_collectives
 from shoal.testing import run_ranks
 
 # Checked without importing: a rank unpickling a test function imports this module before it sets KERAS_BACKEND.
@@ -51,13 +52,7 @@ def _util_and_global_variables(tf: Any, hvd: Any, rank: int) -> dict[str, Any]:
 
 
 def _keras_collectives(tf: Any, hvd_keras: Any, rank: int) -> dict[str, Any]:
-    value = np.arange(4.0).reshape(2, 2) + rank
-    results = {
-        "allreduce": hvd_keras.allreduce(value, name="k.allreduce"),
-        "allgather": hvd_keras.allgather(value, name="k.allgather"),
-        "broadcast": hvd_keras.broadcast(value, 1, name="k.broadcast"),
-        "reducescatter": hvd_keras.reducescatter(value, name="k.reducescatter", op=hvd_keras.Sum),
-    }
+    results = keras_collectives(hvd_keras, rank, "k")
     return {
         name: [type(result).__module__ + "." + type(result).__name__, result.numpy().tolist()]
         for name, result in results.items()
@@ -229,14 +224,7 @@ def _keras_on_torch() -> dict[str, Any]:
 
     torch.set_num_threads(1)
     hvd_keras.init()
-    rank = hvd_keras.rank()
-    value = np.arange(4.0).reshape(2, 2) + rank
-    results = {
-        "allreduce": hvd_keras.allreduce(value, name="k.allreduce"),
-        "allgather": hvd_keras.allgather(value, name="k.allgather"),
-        "broadcast": hvd_keras.broadcast(value, 1, name="k.broadcast"),
-        "reducescatter": hvd_keras.reducescatter(value, name="k.reducescatter", op=hvd_keras.Sum),
-    }
+    results = keras_collectives(hvd_keras, hvd_keras.rank(), "k")
     out = {name: [type(r).__module__ + "." + type(r).__name__, r.numpy().tolist()] for name, r in results.items()}
     try:
         hvd_keras.broadcast_global_variables(0)
