@@ -105,6 +105,9 @@ def _train(case: str) -> dict[str, Any]:
         name for (_, name) in session.engine()._executor.executions if re.fullmatch(r"shoal\.shared_gradients\.g\d+\.\d+", name)
     ]
     weights = {k: v.numpy() for k, v in model.state_dict().items()}
+    # No rank leaves before every rank has looked at its arena: a peer that exits ends the others' engines, and an
+    # ended engine unmaps its arenas (a rank slowed by a loaded machine would find its own gone).
+    hvd.allreduce(torch.zeros(1), name="looked")
     return {"weights": weights, "in_arena": in_arena, "executed": sorted(executed)}
 
 
