@@ -94,6 +94,13 @@ def test_shoalrun_takes_the_slurm_allocation_as_its_hosts(monkeypatch: pytest.Mo
     monkeypatch.setenv("SLURM_TASKS_PER_NODE", "2(x2)")
     with pytest.raises(NodeListError, match="gives 2 counts for the 4 nodes"):
         allocation(os.environ)
+    # Inside an srun step, the step's nodes and tasks (the job's list and counts may cover more).
+    monkeypatch.setenv("SLURM_STEP_NODELIST", "n2")
+    monkeypatch.setenv("SLURM_STEP_TASKS_PER_NODE", "1")
+    step_allocation = allocation(os.environ)
+    assert step_allocation is not None and step_allocation.describe() == "n2:1"
+    monkeypatch.delenv("SLURM_STEP_NODELIST")
+    monkeypatch.delenv("SLURM_STEP_TASKS_PER_NODE")
     # Outside an allocation a node of it is reached over ssh; inside, as a one-task Slurm step when srun exists.
     monkeypatch.setenv("SLURM_TASKS_PER_NODE", "2(x3),4")
     config = parse_args(["python", "train.py"])

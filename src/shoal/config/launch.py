@@ -268,7 +268,9 @@ class LaunchConfig:
     def _hosts_known(self) -> bool:
         """Whether the hosts and their slots are known without -np: -H, --hostfile, or a Slurm allocation (salloc,
         sbatch), whose tasks are the slots."""
-        return bool(self.hosts or self.hostfile or (os.environ.get("SLURM_JOB_ID") and os.environ.get("SLURM_JOB_NODELIST")))
+        slurm_job = os.environ.get("SLURM_JOB_ID") or os.environ.get("SLURM_JOBID")
+        slurm_nodes = os.environ.get("SLURM_JOB_NODELIST") or os.environ.get("SLURM_NODELIST")
+        return bool(self.hosts or self.hostfile or (slurm_job and slurm_nodes))
 
     def _check_engine(self) -> None:
         """The engine settings as the workers will see them (over this process's environment) must be valid."""

@@ -291,7 +291,7 @@ def _check_balanced(reducer: Any, op: int, passes: int, process_set: ProcessSet,
     """
     if loader is None:
         return
-    if not isinstance(reducer.adapter, TorchListAdapter):
+    if not isinstance(getattr(reducer, "adapter", None), TorchListAdapter):
         raise NotImplementedError("loader= (BalancedData) needs Keras 3 on the torch backend (KERAS_BACKEND=torch)")
     if op != Average or passes != 1 or (optimizer.get_config().get("gradient_accumulation_steps") or 1) != 1:
         raise ValueError("loader= gives the global batch's mean gradient: op=Average and no gradient accumulation")
@@ -368,7 +368,8 @@ class _Keras2Accumulation:
     gradients to local sums; every ``_shoal_passes``-th call applies the sums (their mean with
     ``average_aggregated_gradients``), so the exchange (the aggregation hook) and the update happen once per
     ``_shoal_passes`` batches. The other calls only count ``iterations``, as Horovod's do. It works eagerly and inside
-    ``model.fit``'s compiled step (the decision is a ``tf.cond``; the sums are variables made on the first call)."""
+    ``model.fit``'s compiled step (the decision is a ``tf.cond``; the sums are variables made when a variable first has
+    a gradient). A variable without a gradient in the applying call is not updated, and its sum starts again."""
 
     _shoal_passes: int
     _shoal_average_aggregated: bool
@@ -389,8 +390,9 @@ class _Keras2Accumulation:
             applied = super(_Keras2Accumulation, self).apply_gradients(  # type: ignore[misc]
                 list(zip(summed, [variable for _, variable in pairs], strict=True)), *args, **kwargs
             )
+            every_sum = list(self.__dict__["_shoal_accumulated"][0].values())  # this call's and any left from others
             with tf.control_dependencies([applied] if applied is not None else []):
-                return tf.group(*[total.assign(tf.zeros_like(total)) for total in sums], counter.assign(0))
+                return tf.group(*[total.assign(tf.zeros_like(total)) for total in every_sum], counter.assign(0))
 
         def count_only() -> Any:
             return tf.group(self.iterations.assign_add(1))
@@ -404,11 +406,13 @@ class _Keras2Accumulation:
         state = self.__dict__.get("_shoal_accumulated")
         if state is None:
             with tf.init_scope():  # variables made where model.fit's compiled step may make them
-                sums = {v.ref(): tf.Variable(tf.zeros_like(v), trainable=False, name="shoal_sum") for v in variables}
-                counter = tf.Variable(0, dtype=tf.int64, trainable=False, name="shoal_passes")
-            state = (sums, counter)
+                state = ({}, tf.Variable(0, dtype=tf.int64, trainable=False, name="shoal_passes"))
             object.__setattr__(self, "_shoal_accumulated", state)
         sums, counter = state
+        missing = [v for v in variables if v.ref() not in sums]  # a variable whose gradient was None until now
+        if missing:
+            with tf.init_scope():
+                sums.update({v.ref(): tf.Variable(tf.zeros_like(v), trainable=False, name="shoal_sum") for v in missing})
         return [sums[v.ref()] for v in variables], counter
 
 

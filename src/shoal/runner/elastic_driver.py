@@ -108,6 +108,8 @@ class ElasticJob(Job):
         """The notice the whole job got (a signal's name), once it did: every worker leaves at its next commit."""
         self._job_notice_deadline: float | None = None
         """When the workers given the job's notice must have left (set when their empty round is published)."""
+        self._noticed_members: list[ElasticWorker] = []
+        """The members holding the training state when the whole job got notice."""
 
     # ----- the worker set -----
 
@@ -274,6 +276,9 @@ class ElasticJob(Job):
             grace_s = self.config.preemption_grace_seconds
             grace_s = float(worker_setting("preemption_grace_seconds") if grace_s is None else grace_s)
             self._job_notice_deadline = now + grace_s
+            # Only these hold the state: whether they leave cleanly decides the exit code (a worker still starting,
+            # or a member of a round that never formed, has nothing to hand over, whatever its exit).
+            self._noticed_members = [w for w in self._alive("member") if w.joined]
             print(
                 f"shoalrun: the job got {self._job_notice}; every worker leaves at its next commit, with nothing "
                 f"rolled back, and the job ends (grace {grace_s:.0f} s)",
@@ -285,7 +290,7 @@ class ElasticJob(Job):
             for worker in self._alive("starting"):  # newcomers hold nothing to hand over
                 worker.process.signal_tree(signal.SIGTERM)
         if all(w.process.returncode is not None for w in self.elastic):
-            failed = [w.worker_id for w in self.elastic if w.state == "failed"]
+            failed = [w.worker_id for w in self._noticed_members if w.process.returncode != 0]
             if failed:
                 print(f"shoalrun: after {self._job_notice}, worker(s) {', '.join(failed)} failed", file=sys.stderr)
                 return 1
@@ -434,12 +439,14 @@ class ElasticJob(Job):
                 if outcome != 0:
                     self.terminate_all()
                 return outcome
-            if self._job_notice is not None and not any(w.state == "finished" for w in self.elastic):
+            finished = any(w.state == "finished" for w in self.elastic)
+            if not finished and self._job_notice is None:
+                self._check_notices()
+            if not finished and self._job_notice is not None:  # nothing re-forms once the whole job has notice
                 outcome = self._end_after_notice()
                 if outcome is not None:
                     return outcome
-            elif not any(w.state == "finished" for w in self.elastic):
-                self._check_notices()
+            elif not finished:
                 self._check_liveness()
                 code = self._maybe_reform()
                 if code is not None:

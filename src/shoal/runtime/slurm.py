@@ -154,18 +154,21 @@ class Allocation:
 
 
 def allocation(env: Mapping[str, str]) -> Allocation | None:
-    """The Slurm allocation described by ``env`` (``SLURM_JOB_ID``, ``SLURM_JOB_NODELIST``, ``SLURM_TASKS_PER_NODE``),
-    or None outside one. Without a task count (an allocation made with ``--cpus-per-task`` alone), one task a node.
+    """The Slurm allocation described by ``env`` (``SLURM_JOB_ID``, ``SLURM_JOB_NODELIST``, ``SLURM_TASKS_PER_NODE``;
+    inside an ``srun`` step, the step's node list and tasks), or None outside one. Without a task count, one task a
+    node.
 
     Raises:
         NodeListError: a node list or count list that cannot be read, or counts that do not match the nodes.
     """
     job_id = env.get("SLURM_JOB_ID") or env.get("SLURM_JOBID")
     nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
+    counts_text = env.get("SLURM_TASKS_PER_NODE")
+    if env.get("SLURM_STEP_NODELIST") and env.get("SLURM_STEP_TASKS_PER_NODE"):  # inside an srun step: the step's
+        nodelist, counts_text = env["SLURM_STEP_NODELIST"], env["SLURM_STEP_TASKS_PER_NODE"]
     if not job_id or not nodelist:
         return None
     hosts = hostnames(nodelist)
-    counts_text = env.get("SLURM_TASKS_PER_NODE")
     counts = expand_counts(counts_text) if counts_text else [1] * len(hosts)
     if len(counts) != len(hosts):
         raise NodeListError(
