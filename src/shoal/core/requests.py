@@ -61,14 +61,38 @@ def _check_writable(tensor: torch.Tensor, kind: Kind) -> None:
         )
 
 
-def _check_call(call: Call, tensor: torch.Tensor) -> None:
-    """Horovod's argument rules that this rank can check alone, before anything is queued."""
+def _check_call(call: Call, shape: Sequence[int | None] | None, splits_known: bool = True) -> None:
+    """Horovod's argument rules that this rank can check alone, before anything is queued: the root rank, and what
+    the shape shows (a scalar, an alltoall's rows against its splits). ``shape``: None, or None dimensions, where a
+    graph does not know them yet; ``splits_known``: False for an alltoall whose splits only its run will show."""
     if call.kind == Kind.BROADCAST:
         check_root_rank(call.root_rank, session.session().engine.size)
-    if call.kind in (Kind.ALLTOALL, Kind.REDUCESCATTER) and tensor.dim() == 0:
+    if shape is not None and call.kind in (Kind.ALLTOALL, Kind.REDUCESCATTER) and len(shape) == 0:
         raise ValueError(f"{call.kind.value} needs a tensor with at least one dimension")
-    if call.kind == Kind.ALLTOALL:
-        check_alltoall_splits(call.splits, tensor.shape[0], call.process_set.size())
+    if call.kind == Kind.ALLTOALL and splits_known and shape and shape[0] is not None:
+        check_alltoall_splits(call.splits, shape[0], call.process_set.size())
+
+
+def _meta(
+    call: Call, name: str, dtype: str, shape: tuple[int, ...], device: str = "cpu", shared: tuple[str, int] | None = None
+) -> RequestMeta:
+    """The metadata of ``call`` on a tensor of ``dtype``, ``shape`` and ``device`` type (``shared``: see
+    ``RequestMeta.shared``)."""
+    spec = call.spec
+    return RequestMeta(
+        name=name,
+        kind=call.kind,
+        process_set=set_id_of(call.process_set),
+        dtype=dtype,
+        shape=shape,
+        device=device,
+        op=None if spec is None else int(spec.op),
+        prescale=1.0 if spec is None else float(spec.prescale),
+        postscale=1.0 if spec is None else float(spec.postscale),
+        root=call.root_rank,
+        splits=call.splits,
+        shared=shared,
+    )
 
 
 def check_where_built(
@@ -87,26 +111,9 @@ def check_where_built(
     Raises:
         TypeError, ValueError, UnsupportedOperationError: as the same call with a tensor would.
     """
-    if call.kind == Kind.BROADCAST:
-        check_root_rank(call.root_rank, session.session().engine.size)
-    if shape is not None and call.kind in (Kind.ALLTOALL, Kind.REDUCESCATTER) and len(shape) == 0:
-        raise ValueError(f"{call.kind.value} needs a tensor with at least one dimension")
-    if call.kind == Kind.ALLTOALL and splits_known and shape and shape[0] is not None:
-        check_alltoall_splits(call.splits, shape[0], call.process_set.size())
-    spec = call.spec
-    check_request(
-        RequestMeta(
-            name=name or f"{call.kind.value} being built",
-            kind=call.kind,
-            process_set=set_id_of(call.process_set),
-            dtype=dtype,
-            shape=tuple(0 if dim is None else dim for dim in shape or ()),
-            op=None if spec is None else int(spec.op),
-            prescale=1.0 if spec is None else float(spec.prescale),
-            postscale=1.0 if spec is None else float(spec.postscale),
-            root=call.root_rank,
-        )
-    )
+    _check_call(call, shape, splits_known)
+    static = tuple(0 if dim is None else dim for dim in shape or ())
+    check_request(_meta(call, name or f"{call.kind.value} being built", dtype, static))
 
 
 _DTYPE_NAMES: dict[torch.dtype, str] = {}
@@ -127,23 +134,10 @@ _META_CACHE_ENTRIES = 4096
 def build_meta(call: Call, tensor: torch.Tensor, name: str, shared: tuple[str, int] | None = None) -> RequestMeta:
     """What every rank must agree on for ``tensor``, after the checks this rank can make alone (``shared``: the
     arena range the tensor is, see ``RequestMeta.shared``)."""
-    _check_call(call, tensor)
-    spec = call.spec
-    return RequestMeta(
-        name=name,
-        kind=call.kind,
-        process_set=set_id_of(call.process_set),
-        dtype=_dtype_name(tensor.dtype),
-        shape=tuple(tensor.shape),
-        # The device type, not its index: with torch.cuda.set_device(hvd.local_rank()) every rank has its own.
-        device=tensor.device.type,
-        op=None if spec is None else int(spec.op),
-        prescale=1.0 if spec is None else float(spec.prescale),
-        postscale=1.0 if spec is None else float(spec.postscale),
-        root=call.root_rank,
-        splits=call.splits,
-        shared=shared,
-    )
+    shape = tuple(tensor.shape)
+    _check_call(call, shape)
+    # The device type, not its index: with torch.cuda.set_device(hvd.local_rank()) every rank has its own.
+    return _meta(call, name, _dtype_name(tensor.dtype), shape, tensor.device.type, shared=shared)
 
 
 def _meta_key(call: Call, tensor: torch.Tensor, name: str, shared: tuple[str, int] | None) -> tuple[Any, ...]:
