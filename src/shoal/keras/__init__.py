@@ -164,12 +164,7 @@ def broadcast_global_variables(root_rank: int) -> Any:
             "broadcast_global_variables() is a TF1 graph-mode helper: use callbacks.BroadcastGlobalVariablesCallback, "
             "or callbacks.broadcast_variables(model.variables, root_rank)"
         )
-    import tensorflow as tf
-
-    op = _tf_ops().broadcast_global_variables(root_rank)  # raises RuntimeError in eager mode
-    if tf.executing_eagerly():  # pragma: no cover: the line above raised
-        return op
-    return _keras_session().run(op)
+    return _keras_session().run(_tf_ops().broadcast_global_variables(root_rank))  # raises RuntimeError eagerly
 
 
 __all__ = [

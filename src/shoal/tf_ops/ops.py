@@ -353,9 +353,8 @@ def broadcast(
 ) -> Any:
     """``root_rank``'s ``tensor`` on every rank."""
     name = _graph_name("Broadcast", tensor, name)
-    _check_root(root_rank)
     call = Call(Kind.BROADCAST, process_set, root_rank=int(root_rank))
-    _check_built(call, [tensor], name)
+    _check_built(call, [tensor], name)  # the root rank too (eagerly, the request builder checks it)
 
     @tf.custom_gradient
     def forward(x: Any) -> Any:
