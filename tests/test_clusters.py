@@ -13,7 +13,7 @@ import pytest
 from conftest import REPO, clean_env, free_port
 from shoal.runner.cli import parse_args
 from shoal.runner.hosts import HostSpecError
-from shoal.runner.launcher import build_slots, remote_argv, requested_hosts
+from shoal.runner.launcher import allocation_nodes, build_slots, remote_argv, requested_hosts
 from shoal.runtime.launch_env import detect_launch
 from shoal.runtime.slurm import NodeListError, allocation, expand_counts, expand_nodelist, hostnames
 
@@ -104,14 +104,14 @@ def test_shoalrun_takes_the_slurm_allocation_as_its_hosts(monkeypatch: pytest.Mo
     # Outside an allocation a node of it is reached over ssh; inside, as a one-task Slurm step when srun exists.
     monkeypatch.setenv("SLURM_TASKS_PER_NODE", "2(x3),4")
     config = parse_args(["python", "train.py"])
-    assert remote_argv(config, "n2", "true")[0] == "ssh"
+    assert remote_argv(config, "n2", "true", allocation_nodes(os.environ))[0] == "ssh"
     bin_dir = tmp_path
     (bin_dir / "srun").write_text("#!/bin/sh\nexit 0\n")
     (bin_dir / "srun").chmod(0o755)
     monkeypatch.setenv("PATH", str(bin_dir))
-    step = remote_argv(config, "n2", "true")
+    step = remote_argv(config, "n2", "true", allocation_nodes(os.environ))
     assert step[0] == str(bin_dir / "srun") and "--nodelist=n2" in step and "--overlap" in step
-    assert remote_argv(config, "elsewhere", "true")[0] == "ssh"  # not a node of the allocation
+    assert remote_argv(config, "elsewhere", "true", allocation_nodes(os.environ))[0] == "ssh"  # not a node of the allocation
 
 
 def test_slurm_rendezvous_is_the_first_host_of_an_odd_node_list() -> None:

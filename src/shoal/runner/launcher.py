@@ -6,6 +6,7 @@ signalled at once. Remote slots go through the system OpenSSH client, wrapped by
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import secrets
@@ -212,6 +213,11 @@ class Job:
         self._store_thread = threading.Thread(target=self._host_store, name="shoalrun-store", daemon=True)
         self._stop_signal: int | None = None
 
+    @functools.cached_property
+    def _slurm_nodes(self) -> frozenset[str]:
+        """The Slurm allocation's nodes, read once (``scontrol`` may expand the node list) at the first remote spawn."""
+        return allocation_nodes(os.environ)
+
     def _is_local(self, hostname: str) -> bool:
         return hostname in self.local_prefixes or is_local_host(hostname)
 
@@ -290,7 +296,7 @@ class Job:
                 f"cd {shlex.quote(os.getcwd())} && exec {shlex.quote(sys.executable)} -m shoal.runner.remote "
                 f"--env-from-stdin -- {shlex.join(command)}"
             )
-            argv = remote_argv(self.config, slot.hostname, remote_cmd)
+            argv = remote_argv(self.config, slot.hostname, remote_cmd, self._slurm_nodes)
             env = dict(os.environ)
             stdin = subprocess.PIPE
         shown = argv if self._is_local(slot.hostname) else [*argv[:-1], "<remote command>"]
@@ -513,16 +519,22 @@ def requested_hosts(config: LaunchConfig) -> list[HostSlots]:
     return [HostSlots("localhost", config.num_proc)]
 
 
-def remote_argv(config: LaunchConfig, hostname: str, remote_cmd: str) -> list[str]:
-    """How a worker on another host starts: a one-task Slurm step there (``srun``) when the host is a node of the
-    Slurm allocation shoalrun runs in (its nodes need no ssh, and Slurm then signals, accounts and cleans up the
-    worker), else ssh."""
+def allocation_nodes(env: Mapping[str, str]) -> frozenset[str]:
+    """The nodes of the Slurm allocation ``env`` describes; none outside one, or when its node list cannot be read
+    (its workers then go over ssh like any other host's)."""
     try:
-        slurm = allocation(os.environ)
+        slurm = allocation(env)
     except NodeListError:
-        slurm = None
+        return frozenset()
+    return frozenset(host for host, _ in slurm.nodes) if slurm is not None else frozenset()
+
+
+def remote_argv(config: LaunchConfig, hostname: str, remote_cmd: str, slurm_nodes: frozenset[str]) -> list[str]:
+    """How a worker on another host starts: a one-task Slurm step there (``srun``) when the host is one of
+    ``slurm_nodes``, the nodes of the allocation shoalrun runs in (they need no ssh, and Slurm then signals, accounts
+    and cleans up the worker), else ssh."""
     srun = shutil.which("srun")
-    if slurm is None or srun is None or hostname not in {host for host, _ in slurm.nodes}:
+    if srun is None or hostname not in slurm_nodes:
         return ssh_argv(config, hostname, remote_cmd)
     # --overlap: the step shares the allocation's CPUs with the batch script (shoalrun) and the other workers' steps;
     # --kill-on-bad-exit and --quiet: the worker's exit is the step's, and srun adds no lines of its own.
