@@ -13,7 +13,8 @@ import pytest
 from conftest import REPO, clean_env, free_port
 from shoal.runner.cli import parse_args
 from shoal.runner.hosts import HostSpecError
-from shoal.runner.launcher import allocation_nodes, build_slots, remote_argv, requested_hosts
+from shoal.runner.launcher import build_slots, requested_hosts
+from shoal.runner.spawners import allocation_nodes, remote_argv
 from shoal.runtime.launch_env import detect_launch
 from shoal.runtime.slurm import NodeListError, allocation, expand_counts, expand_nodelist, hostnames
 

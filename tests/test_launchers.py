@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from conftest import SHOALRUN, clean_env, free_port, needs_netns
-from shoal.runner.launcher import forwarded_env
+from shoal.runner.spawners import forwarded_env
 
 # One write per line, so that launchers which forward raw output chunks (mpirun) cannot interleave lines.
 PRINT_TOPOLOGY = (

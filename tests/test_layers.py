@@ -149,18 +149,45 @@ def engine_parts() -> dict[str, set[str]]:
     return doc_table("## The engine's parts")
 
 
+def part_breaches(package_name: str, parts: dict[str, set[str]]) -> list[str]:
+    """Each import inside ``package_name`` of a part its table row does not allow (a leaf may import leaves only)."""
+    breaches = []
+    for module, targets in graph().items():
+        if not module.startswith(f"{package_name}."):
+            continue
+        name = module.removeprefix(f"{package_name}.")
+        inside = {t.removeprefix(f"{package_name}.").split(".")[0] for t in targets if t.startswith(f"{package_name}.")}
+        breaches += [f"{name} imports {part}" for part in sorted(inside & set(parts) - parts.get(name, set()))]
+    return breaches
+
+
 def test_the_engines_parts_import_only_the_parts_below_them() -> None:
     parts = engine_parts()
     assert {"engine", "cycle", "one_round", "executor", "transport", "inbox"} <= set(parts)
-    breaches = []
-    for module, targets in graph().items():
-        if not module.startswith("shoal.engine."):
-            continue
-        name = module.removeprefix("shoal.engine.")
-        imported = {t.removeprefix("shoal.engine.").split(".")[0] for t in targets if t.startswith("shoal.engine.")}
-        allowed = parts.get(name, set())  # a leaf may import leaves only
-        breaches += [f"{name} imports {part}" for part in sorted(imported & set(parts) - allowed)]
-    assert not breaches, breaches
+    assert not part_breaches("shoal.engine", parts)
+
+
+def test_the_launchers_parts_import_only_the_parts_below_them() -> None:
+    parts = doc_table("## The launcher's parts")
+    assert {"elastic_driver", "launcher", "spawners", "discovery", "function_job", "worker_env"} <= set(parts)
+    assert not part_breaches("shoal.runner", parts)
+
+
+def test_jobs_are_composed_not_subclassed() -> None:
+    """Ray, Spark and the rest start workers through a spawner handed to the job: no subclass of a job (the elastic
+    driver is the job's one extension), and no ``_spawn`` but the job's own."""
+    found = []
+    for name, path in modules().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.ClassDef):
+                continue
+            bases = {ast.unparse(base).rsplit(".", 1)[-1] for base in node.bases}
+            if bases & {"Job", "ElasticJob"} and f"{name}.{node.name}" != "shoal.runner.elastic_driver.ElasticJob":
+                found.append(f"{name}.{node.name} subclasses {sorted(bases)}")
+            methods = {item.name for item in node.body if isinstance(item, ast.FunctionDef)}
+            if "_spawn" in methods and f"{name}.{node.name}" != "shoal.runner.launcher.Job":
+                found.append(f"{name}.{node.name} defines _spawn")
+    assert not found, found
 
 
 def test_no_engine_module_is_over_400_lines_and_no_class_over_250() -> None:

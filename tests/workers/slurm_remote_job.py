@@ -8,13 +8,17 @@ import sys
 
 from shoal.runner.cli import parse_args
 from shoal.runner.launcher import Job, build_slots
+from shoal.runner.spawners import ProcessSpawner
 
 
-class EveryHostRemote(Job):
-    def _is_local(self, hostname: str) -> bool:
+class EveryHostRemote(ProcessSpawner):
+    def is_local(self, hostname: str) -> bool:
         return False
+
+    def remote(self, hostname: str) -> bool:
+        return True
 
 
 if __name__ == "__main__":
     config = parse_args(sys.argv[1:])
-    sys.exit(EveryHostRemote(config, build_slots(config)).run())
+    sys.exit(Job(config, build_slots(config), spawner=EveryHostRemote()).run())

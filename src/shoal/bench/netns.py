@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from shoal.config import LaunchConfig
 from shoal.runner.hosts import HostSlots, assign_slots
 from shoal.runner.launcher import Job
+from shoal.runner.spawners import ProcessSpawner
 
 _SUBNETS = range(77, 127)
 """The second octet of the 10.x.0.0/16 networks tried, first free first: runs at the same time each take their own."""
@@ -256,9 +257,9 @@ def main(argv: list[str] | None = None) -> int:
         if config.elastic:
             from shoal.runner.elastic_driver import ElasticJob
 
-            job = ElasticJob(config, host_slots, local_prefixes=prefixes, rendezvous_addr=hosts.gateway())
+            job = ElasticJob(config, host_slots, spawner=ProcessSpawner(prefixes), rendezvous_addr=hosts.gateway())
         else:
-            job = Job(config, slots, local_prefixes=prefixes, rendezvous_addr=hosts.gateway())
+            job = Job(config, slots, spawner=ProcessSpawner(prefixes), rendezvous_addr=hosts.gateway())
         if faults:
             go = threading.Event()
             if args.faults_on_sigusr1:

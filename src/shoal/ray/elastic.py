@@ -23,8 +23,8 @@ from shoal.config import LaunchConfig
 from shoal.runner.discovery import HostDiscovery
 from shoal.runner.elastic_driver import ElasticJob
 from shoal.runner.function_job import FunctionJob
-from shoal.runner.hosts import HostSlots, SlotInfo
-from shoal.runner.launcher import PolledProcess, Worker
+from shoal.runner.hosts import HostSlots
+from shoal.runner.spawners import PolledProcess, Spawner, Worker, WorkerSpec
 from shoal.runner.worker_env import child_env, start_worker
 from shoal.runtime.elastic_rendezvous import ELASTIC_ID_ENV
 
@@ -133,55 +133,45 @@ class RayWorker(Worker):
             self.actor.signal.remote(int(sig))
 
 
-class RayElasticJob(ElasticJob):
-    """Shoal's elastic driver with Ray's nodes as hosts and actors as the way to start workers."""
+class RayActorSpawner(Spawner):
+    """Starts each worker of an elastic job in an actor on its Ray node (``RayNodes`` names the nodes)."""
 
-    def __init__(
-        self,
-        config: LaunchConfig,
-        ray: Any,
-        nodes: RayNodes,
-        cpus_per_worker: float,
-        gpus_per_worker: float,
-        **job_options: Any,
-    ) -> None:
-        super().__init__(config, [], discovery=nodes, **job_options)
+    def __init__(self, ray: Any, nodes: RayNodes, cpus_per_worker: float, gpus_per_worker: float) -> None:
         self._ray = ray
         self._nodes = nodes
         self._cpus = cpus_per_worker
         self._gpus = gpus_per_worker
         self._actor_class = ray.remote(WorkerProcessActor)
+        self._actors: list[Any] = []
 
-    def _spawn(
-        self,
-        slot: SlotInfo,
-        worker_env: dict[str, str] | None = None,
-        server_index: int | None = None,
-        command: list[str] | None = None,
-    ) -> Worker:
+    def remote(self, hostname: str) -> bool:
+        return True  # an actor's worker may be on any node: it reaches the store over the network
+
+    def spawn(self, spec: WorkerSpec) -> Worker:
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-        env = self._worker_env(slot, worker_env, server_index)
+        env = dict(spec.env)
         env.setdefault("OMP_NUM_THREADS", str(max(1, int(self._cpus))))
-        label = f"worker {env.get(ELASTIC_ID_ENV, slot.rank)}"
+        label = f"worker {env.get(ELASTIC_ID_ENV, spec.slot.rank)}"
         actor = self._actor_class.options(
             num_cpus=self._cpus,
             num_gpus=self._gpus,
             max_concurrency=2,  # signal() while start() waits
-            scheduling_strategy=NodeAffinitySchedulingStrategy(self._nodes.node_ids[slot.hostname], soft=False),
+            scheduling_strategy=NodeAffinitySchedulingStrategy(self._nodes.node_ids[spec.slot.hostname], soft=False),
         ).remote(label)
+        self._actors.append(actor)
         done = actor.start.remote(["-m", "shoal.runner.task"], env)
-        self._verbose(f"{label} on node {slot.hostname}")
-        return RayWorker(slot=slot, process=cast(Any, RayProcess(self._ray, done)), actor=actor, ray=self._ray)
+        self.job.verbose(f"{label} on node {spec.slot.hostname}")
+        return RayWorker(slot=spec.slot, process=cast(Any, RayProcess(self._ray, done)), actor=actor, ray=self._ray)
 
-    def end_actors(self) -> None:
-        """Kill every actor the job started (their workers die with them)."""
-        for worker in self.workers:
-            if isinstance(worker, RayWorker):
-                try:
-                    self._ray.kill(worker.actor, no_restart=True)
-                except self._ray.exceptions.RayError:
-                    pass
+    def close(self) -> None:
+        """Kill every actor this spawner started (their workers die with them)."""
+        for actor in self._actors:
+            try:
+                self._ray.kill(actor, no_restart=True)
+            except self._ray.exceptions.RayError:
+                pass
+        self._actors.clear()
 
 
 class ElasticRayExecutor:
@@ -318,21 +308,17 @@ class ElasticRayExecutor:
         def collect(store: Any) -> None:
             function.take_workers(function.view(store, job.secret), [worker.worker_id for worker in job.elastic])
 
-        job = RayElasticJob(
+        job = ElasticJob(
             self._config(),
-            ray,
-            nodes,
-            self.cpus_per_slot,
-            self.gpus_per_slot,
+            [],
+            discovery=nodes,
+            spawner=RayActorSpawner(ray, nodes, self.cpus_per_slot, self.gpus_per_slot),
             rendezvous_addr=ray.util.get_node_ip_address(),
             extra_env=self.env_vars,
             on_store=publish,
             on_finish=collect,
         )
-        try:
-            code = job.run()
-        finally:
-            job.end_actors()
+        code = job.run()  # its spawner's actors end with it
         return function.of_finished(code, job.elastic)
 
     def shutdown(self) -> None:

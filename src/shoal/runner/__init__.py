@@ -9,7 +9,8 @@ import sys
 from shoal.config import LaunchConfig
 from shoal.runner.cli import parse_args
 from shoal.runner.hosts import HostSpecError, is_local_host
-from shoal.runner.launcher import Job, build_slots, requested_hosts, ssh_argv
+from shoal.runner.launcher import Job, build_slots, requested_hosts
+from shoal.runner.spawners import ssh_argv
 
 
 def check_build(config: LaunchConfig) -> str:

@@ -38,7 +38,8 @@ from shoal.config.worker import parse_signal_names
 from shoal.runner.cooldown import HostCooldown
 from shoal.runner.discovery import HostDiscovery, progress_period
 from shoal.runner.hosts import HostSlots, SlotInfo, place_ranks
-from shoal.runner.launcher import Job, Worker, _describe_status, requested_hosts
+from shoal.runner.launcher import Job, _describe_status, requested_hosts
+from shoal.runner.spawners import Worker
 from shoal.runtime.elastic_rendezvous import ELASTIC_ID_ENV, REMOVED, ElasticKeys
 
 _LIVENESS_CHECK_S = 1.0
@@ -116,11 +117,10 @@ class ElasticJob(Job):
     def _alive(self, *states: str) -> list[ElasticWorker]:
         return [w for w in self.elastic if w.state in states and w.process.returncode is None]
 
-    def _workers_on(self, hostname: str) -> int:
+    def workers_on(self, hostnames: set[str]) -> int:
         # The machine's slots, up to --max-np: the most workers it will run at once (the job's slot list names each
         # host once, so it would say one, and every worker would take all the cores).
-        same = self._same_machine(hostname)
-        return min(sum(h.slots for h in self.discovery.hosts() if h.hostname in same), self.max_np)
+        return min(sum(h.slots for h in self.discovery.hosts() if h.hostname in hostnames), self.max_np)
 
     def _start_worker(self, hostname: str) -> None:
         self._spawned += 1
@@ -133,7 +133,7 @@ class ElasticJob(Job):
         process = self._spawn(slot, env)
         self.workers.append(process)
         self.elastic.append(ElasticWorker(worker_id, hostname, process))
-        self._verbose(f"started worker {worker_id}")
+        self.verbose(f"started worker {worker_id}")
 
     def _fill_slots(self, limit: int) -> None:
         """Start workers on free slots of the known, non-excluded hosts, up to ``limit`` live workers."""
@@ -168,7 +168,7 @@ class ElasticJob(Job):
         self._round_members = list(members)
         self._round_published_at = time.monotonic()
         self._round_formed = False
-        self._verbose(f"round {self.round}: {len(members)} workers ({', '.join(m.worker_id for m in members)})")
+        self.verbose(f"round {self.round}: {len(members)} workers ({', '.join(m.worker_id for m in members)})")
 
     def _next_members(self) -> list[ElasticWorker]:
         """Members that stay (rank order kept, so rank 0 has trained), then newcomers ready to rendezvous."""
@@ -314,7 +314,7 @@ class ElasticJob(Job):
             return
         worker.leaving = self._store.get(key).decode()
         if worker.state != "member":
-            self._verbose(f"worker {worker.worker_id} got {worker.leaving} before it joined; it leaves now")
+            self.verbose(f"worker {worker.worker_id} got {worker.leaving} before it joined; it leaves now")
             return
         print(
             f"shoalrun: worker {worker.worker_id} (rank {worker.rank}) on host {worker.hostname} got {worker.leaving}; "
@@ -330,7 +330,7 @@ class ElasticJob(Job):
             try:
                 self._store.set(self._keys.ending, "1")
             except Exception as error:  # ending anyway; SIGKILL follows the grace period
-                self._verbose(f"could not mark the job as ending: {error}")
+                self.verbose(f"could not mark the job as ending: {error}")
 
     def terminate_all(self) -> None:
         """Say the job is ending, then end every worker as a static job does."""
@@ -348,7 +348,7 @@ class ElasticJob(Job):
             if code == 0:
                 self._check_notice(worker)  # it may have left before the driver saw its notice
                 if worker.leaving is not None and worker.state in ("member", "removed"):
-                    self._verbose(f"worker {worker.worker_id} left after its {worker.leaving} notice")
+                    self.verbose(f"worker {worker.worker_id} left after its {worker.leaving} notice")
                     worker.state = "left"
                     continue
                 worker.state = "finished" if worker.state == "member" else "left"

@@ -24,8 +24,8 @@ from shoal.config import LaunchConfig
 from shoal.runner.discovery import HostDiscovery
 from shoal.runner.elastic_driver import ElasticJob
 from shoal.runner.function_job import FunctionJob
-from shoal.runner.hosts import HostSlots, SlotInfo
-from shoal.runner.launcher import LaunchError, PolledProcess, Worker
+from shoal.runner.hosts import HostSlots
+from shoal.runner.spawners import LaunchError, PolledProcess, Spawner, Worker, WorkerSpec
 from shoal.runner.task import task_prefix
 from shoal.spark._slot import END_KEY, signal_number, slot_key
 from shoal.spark._task import TaskSettings
@@ -216,33 +216,30 @@ class SlotWorker(Worker):
         cast(SlotProcess, self.process).send(sig)
 
 
-class SparkElasticJob(ElasticJob):
-    """Shoal's elastic driver with Spark slots as hosts and the store as the way to start workers."""
+class SparkSlotSpawner(Spawner):
+    """Runs each worker of an elastic job in a free Spark slot (``SparkSlots``), by writing its command into the
+    store; ``output`` gives the job's output streams once the store is up (the ``_Output`` whose ranks to follow),
+    or None."""
 
-    def __init__(self, config: LaunchConfig, slots: SparkSlots, output: Callable[[], Any], **job_options: Any) -> None:
-        """``output``: the job's output streams once the store is up (the ``_Output`` whose ranks to follow), or None."""
-        super().__init__(config, [], discovery=slots, **job_options)
+    def __init__(self, slots: SparkSlots, output: Callable[[], Any]) -> None:
         self._slots = slots
         self._output = output
 
-    def _spawn(
-        self,
-        slot: SlotInfo,
-        worker_env: dict[str, str] | None = None,
-        server_index: int | None = None,
-        command: list[str] | None = None,
-    ) -> Worker:
-        assert self._store is not None
-        view = self._store.with_prefix(task_prefix(self.secret))
-        env = self._worker_env(slot, worker_env, server_index)
-        chosen = self._slots.take(slot.hostname)
+    def remote(self, hostname: str) -> bool:
+        return True  # an executor may be on any machine: it reaches the store over the network
+
+    def spawn(self, spec: WorkerSpec) -> Worker:
+        store = self.job.store
+        assert store is not None, "the elastic driver starts workers once its store is up"
+        view = store.with_prefix(task_prefix(self.job.secret))
+        chosen = self._slots.take(spec.slot.hostname)
         index = self._slots.commands.get(chosen, 0)
-        view.set(slot_key(chosen, "cmd", index), pickle.dumps((slot.rank, env)))
+        view.set(slot_key(chosen, "cmd", index), pickle.dumps((spec.slot.rank, spec.env)))
         output = self._output()
         if output is not None:
-            output.watch(slot.rank)
-        self._verbose(f"worker [{slot.rank}] in Spark slot {chosen} on {slot.hostname}")
-        return SlotWorker(slot=slot, process=cast(Any, SlotProcess(view, self._slots, chosen, index)))
+            output.watch(spec.slot.rank)
+        self.job.verbose(f"worker [{spec.slot.rank}] in Spark slot {chosen} on {spec.slot.hostname}")
+        return SlotWorker(slot=spec.slot, process=cast(Any, SlotProcess(view, self._slots, chosen, index)))
 
 
 def run_elastic(
@@ -322,8 +319,14 @@ def run_elastic(
         function.take_workers(function.view(store, job.secret), [worker.worker_id for worker in job.elastic])
         slots.finish()
 
-    job = SparkElasticJob(
-        config, slots, lambda: output, rendezvous_addr=_driver_address(context, nics), on_store=publish, on_finish=collect
+    job = ElasticJob(
+        config,
+        [],
+        discovery=slots,
+        spawner=SparkSlotSpawner(slots, lambda: output),
+        rendezvous_addr=_driver_address(context, nics),
+        on_store=publish,
+        on_finish=collect,
     )
     drainer = _Drainer(lambda: output)
     try:
