@@ -84,8 +84,17 @@ def _end_session() -> bool:
     return stopped
 
 
+def _abandon_session(message: str) -> None:
+    """The job can no longer complete a collective: fail the pending requests now (``Engine.abandon``)."""
+    ctx = context.peek()
+    session: Session | None = ctx.parts.get(_PART) if ctx is not None else None
+    if session is not None:
+        session.engine.abandon(message)
+
+
 context.register_init_hook(_start_session)
 context.register_shutdown_hook(_end_session)
+context.register_abandon_hook(_abandon_session)
 
 
 def session() -> Session:

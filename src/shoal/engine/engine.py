@@ -29,6 +29,9 @@ from shoal.engine.validation import check_request
 from shoal.log import get_logger
 from shoal.runtime.topology import Topology
 
+ABANDONED_STOP_S = 2.0
+"""How long ``stop`` waits for the engine thread once the engine was abandoned (its collective may never return)."""
+
 
 class Engine:
     """One per process: owns the request queue and the thread that issues every collective."""
@@ -42,7 +45,7 @@ class Engine:
             config.stall_check_time_s,
             config.stall_shutdown_time_s,
             config.transport_timeout_s,
-            self._stall_shutdown,
+            self.abandon,
             config.stall_check_disabled,
         )
         try:
@@ -58,6 +61,7 @@ class Engine:
         self._lock = self._inbox.lock
         self._cycler = Cycle(config, self.transport, self._executor, self._inbox, lambda: self.timeline)
         self._driver: str | None = None
+        self._abandoned = False
         """Who runs cycles now: "engine" (its thread), "caller" (a thread blocked on its own call), None; under _lock."""
         self._ended = False
         """A cycle failed or gave a stop verdict: no thread runs another; the engine thread releases the connections."""
@@ -132,16 +136,23 @@ class Engine:
 
         Args:
             timeout_s: how long to wait for the thread; by default a little longer than the transport timeout,
-                since every wait of the engine thread is bounded by it.
+                since every wait of the engine thread is bounded by it (``ABANDONED_STOP_S`` once abandoned).
 
         Returns:
-            False when the thread is still running (inside a collective): its groups must not be destroyed then.
+            False when the thread is still running (inside a collective): its groups must not be destroyed then. An
+            abandoned engine's collective can never complete, so its groups are to be destroyed all the same (that
+            is what ends the wait: gloo fails it, NCCL aborts it): True.
         """
         with self._lock:
             self._inbox.shutdown_requested = True
             self._lock.notify_all()
-        self._thread.join(self.config.transport_timeout_s + 30.0 if timeout_s is None else timeout_s)
+        if timeout_s is None:
+            timeout_s = ABANDONED_STOP_S if self._abandoned else self.config.transport_timeout_s + 30.0
+        self._thread.join(timeout_s)
         self._watch.stop()
+        if self._thread.is_alive() and self._abandoned:
+            get_logger().warning("Shoal's engine thread is still inside a collective of the abandoned job; its groups go")
+            return True
         if self._thread.is_alive():
             get_logger().error("Shoal's engine thread did not stop; its process group is left open")
             self._fail_everything(EngineStoppedError("Shoal's engine did not stop in time; pending requests failed"))
@@ -149,12 +160,14 @@ class Engine:
         self.stop_timeline()
         return True
 
-    def _stall_shutdown(self, message: str) -> None:
-        """The collective watch's verdict, as the in-cycle inspector's: fail every pending request and stop (the
-        blocked thread stops at its next cycle, or at the transport timeout)."""
+    def abandon(self, message: str) -> None:
+        """Fail every pending request and stop, from outside the engine thread: the collective watch's verdict (as
+        the in-cycle inspector's), or a peer lost for good (an elastic round broken). A thread blocked in a
+        collective stops at its next cycle or at the transport's timeout; ``stop`` then waits for it only briefly."""
         get_logger().error("%s", message)
         with self._lock:
             self._inbox.shutdown_requested = True
+            self._abandoned = True
         self._fail_everything(EngineStoppedError(message))
 
     def start_timeline(self, path: str, mark_cycles: bool = False) -> None:

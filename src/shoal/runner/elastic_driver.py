@@ -356,6 +356,7 @@ class ElasticJob(Job):
             was_member = worker.state == "member"
             given_notice = worker.leaving is not None and worker.state == "removed"
             worker.state = "failed"
+            worker.process.signal_tree(signal.SIGKILL)  # what it left in its process group goes with it
             cooldown_s = self.cooldown.fail(worker.hostname)  # also for a newcomer: no restart storm there
             self._drain_output_of(worker.process)
             if given_notice:  # the round without it is out already; the others restore, as after a crash
@@ -385,6 +386,10 @@ class ElasticJob(Job):
                 flush=True,
             )
             self._reset_reason = f"worker {worker.worker_id} failed"
+            # Its round's survivors may be blocked in a collective it will never join (a peer that holds the
+            # connections open, such as a hung child): tell them now, before the next round is published.
+            if self._store is not None and self._keys is not None:
+                self._store.set(self._keys.broken(self.round), worker.worker_id)
         if any(w.state == "finished" for w in self.elastic):
             # A short last round may have formed since the loop last looked: its members are training, not waiting.
             self._note_formed()

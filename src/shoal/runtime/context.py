@@ -56,6 +56,7 @@ _lock = threading.RLock()
 _context: Context | None = None
 _shutdown_hooks: list[Callable[[], bool | None]] = []
 _init_hooks: list[Callable[[Context], None]] = []
+_abandon_hooks: list[Callable[[str], None]] = []
 _exit_hook_registered = False
 _elastic_round = 0
 """The last elastic round this process joined (0: none yet)."""
@@ -64,6 +65,24 @@ _elastic_round = 0
 def register_init_hook(hook: Callable[[Context], None]) -> None:
     """Run ``hook(context)`` at the end of every ``init()`` (the engine starts itself this way)."""
     _init_hooks.append(hook)
+
+
+def register_abandon_hook(hook: Callable[[str], None]) -> None:
+    """Run ``hook(message)`` when this process's job can no longer complete a collective (an elastic round lost a
+    member): it fails what is outstanding, so the caller restores and re-forms instead of waiting."""
+    _abandon_hooks.append(hook)
+
+
+def _round_broken(round_number: int, failed: str) -> None:
+    """The heartbeat's report that the driver marked elastic round ``round_number`` broken."""
+    if _context is None or _context.generation != round_number:
+        return  # this worker has left that round already
+    message = (
+        f"elastic round {round_number} lost worker {failed}: its collectives cannot complete, so the pending "
+        "requests fail and the job re-forms"
+    )
+    for hook in list(_abandon_hooks):
+        hook(message)
 
 
 def register_shutdown_hook(hook: Callable[[], bool | None]) -> None:
@@ -94,7 +113,7 @@ def init() -> Context:
         job_store = store.connect_store(launch, timeout_s)
         if elastic_rendezvous.is_elastic_worker():
             preemption.install(launch, lambda: _elastic_round)
-            heartbeat.start(launch)
+            heartbeat.start(launch, lambda: _elastic_round, _round_broken)
             launch, scoped_store, generation = _join_elastic_round(launch, job_store)
         else:
             scoped_store, generation = store.generation_store(job_store, launch.secret, launch.rank)

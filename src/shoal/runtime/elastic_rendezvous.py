@@ -54,6 +54,11 @@ class ElasticKeys:
         """``formed`` or ``abandoned``, set once."""
         return f"{self.base}/r{round_number}/state"
 
+    def broken(self, round_number: int) -> str:
+        """Set by the driver (to the worker's id) when a member of a round failed: no collective of that round can
+        complete any more, so its survivors stop waiting in one."""
+        return f"{self.base}/r{round_number}/broken"
+
     def group_prefix(self, round_number: int) -> str:
         """Prefix for the process group's own keys in a round."""
         return f"{self.base}/r{round_number}/pg/"

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from shoal.config.worker import ELASTIC_ID_ENV
@@ -20,30 +21,46 @@ PERIOD_S = 1.0
 _started = False
 
 
-def start(launch: Any) -> bool:
-    """Start the heartbeat once per process; returns whether it runs."""
+def start(launch: Any, joined_round: Callable[[], int], on_broken: Callable[[int, str], None]) -> bool:
+    """Start the heartbeat once per process; returns whether it runs.
+
+    Args:
+        launch: the worker's ``LaunchInfo`` (where the job store is, and its secret).
+        joined_round: the last round this worker joined (0: none yet).
+        on_broken: called with a round this worker joined and the failed member's id, once, when the driver marks
+            that round broken.
+    """
     global _started
     if _started or not launch.secret or launch.store_addr is None:
         return _started
-    threading.Thread(target=_beat, args=(launch, os.environ[ELASTIC_ID_ENV]), name="shoal-heartbeat", daemon=True).start()
+    worker_id = os.environ[ELASTIC_ID_ENV]
+    args = (launch, worker_id, joined_round, on_broken)
+    threading.Thread(target=_beat, args=args, name="shoal-heartbeat", daemon=True).start()
     _started = True
     return True
 
 
-def _beat(launch: Any, worker_id: str) -> None:
+def _beat(launch: Any, worker_id: str, joined_round: Callable[[], int], on_broken: Callable[[int, str], None]) -> None:
     from shoal.comm.names import secret_namespace
     from shoal.comm.store import connect_job_store
     from shoal.runtime.elastic_rendezvous import ElasticKeys
 
-    key = ElasticKeys(secret_namespace(launch.secret)).heartbeat(worker_id)
+    keys = ElasticKeys(secret_namespace(launch.secret))
+    key = keys.heartbeat(worker_id)
     job_store = None
     count = 0
+    told = 0
+    """The last round reported broken."""
     while True:
         try:
             if job_store is None:
                 job_store = connect_job_store(launch.store_addr, launch.store_port, launch.secret, 10.0)
             count += 1
             job_store.set(key, str(count))
+            joined = joined_round()
+            if joined > told and job_store.check([keys.broken(joined)]):
+                told = joined
+                on_broken(joined, job_store.get(keys.broken(joined)).decode())
         except Exception as error:  # cut off or the driver gone: reconnect next time (the watchdog ends an orphan)
             get_logger().debug("heartbeat to shoalrun's store failed: %s", error)
             job_store = None
