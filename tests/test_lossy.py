@@ -110,6 +110,39 @@ def test_warm_up_steps_are_exact_and_compression_starts_after_them() -> None:
     assert later["residuals"] == ["conv.weight", "fc1.weight", "fc2.weight"]  # rank 1 shrinks each at least 2×
 
 
+def _warm_up_casts(comm: str) -> list[bool]:
+    """Per step: whether fc1's gradient (PowerSGD, warm-up 3 steps) went through the buckets as bfloat16."""
+    torch.set_num_threads(1)
+    hvd.init()
+    model = _model()
+    optimizer = hvd.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.05),
+        named_parameters=model.named_parameters(),
+        model=model,
+        compression=hvd.Compression.powersgd(rank=1, warmup_steps=3),
+        comm=comm,
+        comm_overrides={"fc1": "powersgd"},
+    )
+    x, y = _data(hvd.size(), 4, 6)
+    mine = slice(hvd.rank() * 4, (hvd.rank() + 1) * 4)
+    cast = []
+    for step in range(6):
+        optimizer.zero_grad()
+        nn.functional.mse_loss(model(x[step][mine]), y[step][mine]).backward()
+        cast.append(optimizer._shoal_exchange.compressor(model.fc1.weight) is hvd.Compression.bf16)  # type: ignore[attr-defined]
+        optimizer.step()
+    return cast
+
+
+def test_auto_lossy_warms_up_in_bfloat16_and_a_chosen_scheme_exactly() -> None:
+    # auto-lossy plans at the end of its first step; its compressed layers then warm up in bfloat16 (steps 1-2)
+    # and compress from step 3. A scheme the user chose outright warms up exactly, as torch's hook does.
+    for casts in run_ranks(_warm_up_casts, 2, args=("auto-lossy",)):
+        assert casts == [False, True, True, False, False, False], casts
+    for casts in run_ranks(_warm_up_casts, 2, args=("allreduce",)):
+        assert casts == [False] * 6, casts
+
+
 def _one_step_residual(scheme: str) -> dict[str, object]:
     torch.set_num_threads(1)
     hvd.init()

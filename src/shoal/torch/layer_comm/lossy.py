@@ -39,6 +39,7 @@ from shoal.core.rules import ReduceOp
 from shoal.plan.planner import spares_local_gradient
 from shoal.plan.schemes import DEFAULT_RANK, Compressed, Scheme, matrix_view, powersgd_rank_fits, topk_count, topk_fits
 from shoal.torch import functions
+from shoal.torch.compression import Compressor
 from shoal.torch.layer_comm.schemes import LayerComm, Wiring
 from shoal.torch.optimizer_class import computed_too_often
 
@@ -272,6 +273,7 @@ class _Compressing(LayerComm):
         self.process_set = wiring.process_set
         self.names = {id(p): wiring.names[id(p)] for p in params}
         self._compressible = {id(p) for p in params if self.fits(p)}
+        self._warmup_cast = wiring.warmup_cast
 
     @classmethod
     def build(
@@ -292,6 +294,11 @@ class _Compressing(LayerComm):
     def active(self) -> bool:
         """Past the warm-up (the same answer on every rank: the step count is)."""
         return self.state.steps >= self.setting.warmup
+
+    def bucket_compressor(self) -> type[Compressor] | None:
+        # Before the warm-up ends the gradients go through the buckets (``Wiring.warmup_cast``); after it, only
+        # those this scheme does not shrink, as they are.
+        return None if self.active else self._warmup_cast
 
     def takes(self, param: torch.Tensor) -> bool:
         grad = param.grad

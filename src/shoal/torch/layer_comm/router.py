@@ -39,7 +39,7 @@ from shoal.ps.config import PSConfig
 from shoal.ps.messages import SessionSpec
 from shoal.runtime import context
 from shoal.torch import functions
-from shoal.torch.compression import Compressor
+from shoal.torch.compression import Compression, Compressor
 from shoal.torch.layer_comm.calibrate import job_calibration, keep_calibration
 from shoal.torch.layer_comm.lossy import LossyState, LowRank, TopK
 from shoal.torch.layer_comm.schemes import CastAllreduce, LayerComm, ParameterServer, SufficientFactors, Wiring
@@ -204,7 +204,7 @@ class LayerRouter:
     def compressor(self, param: torch.Tensor) -> type[Compressor] | None:
         """The buckets' compressor for ``param`` when its scheme sets one."""
         comm = self._comm_of.get(id(param))
-        return None if comm is None else comm.compressor
+        return None if comm is None else comm.bucket_compressor()
 
     def layers(self) -> list[LayerComm]:
         """Every distinct ``LayerComm`` (each once)."""
@@ -251,7 +251,8 @@ class LayerRouter:
         factored: bool = False,
     ) -> Wiring:
         names, lossy = self.facts.names, self.lossy
-        return Wiring(self.facts.process_set, session, self._lr, names, lossy, setting, rank, factored)
+        cast = Compression.bf16 if self.lossy_allowed else None
+        return Wiring(self.facts.process_set, session, self._lr, names, lossy, setting, rank, factored, cast)
 
     def _settings_of(self, model: nn.Module) -> dict[str, Compressed]:
         """Per module name, the compressed scheme's settings an override gives it."""

@@ -47,6 +47,11 @@ class Wiring:
     """PowerSGD's rank the plan chose for this layer."""
     factored: bool = False
     """One backward pass per step and no tied weight: PowerSGD may work from a linear layer's factors."""
+    warmup_cast: type[Compressor] | None = None
+    """How the buckets send a compressed scheme's gradients during its warm-up: under ``comm="auto-lossy"`` as
+    bfloat16 (lossy schemes are allowed there, and a slow link is why its layers compress; bfloat16 keeps float32's
+    range, so no early gradient overflows); None, for ``comm="powersgd"``/``"topk"`` or a ``compression=`` on another
+    comm: as they are, exactly, as torch's hook warms up."""
 
 
 class LayerComm:
@@ -66,6 +71,10 @@ class LayerComm:
     ) -> LayerComm:
         """The scheme's object for one layer (``module`` None: the optimizer's parameters as a whole)."""
         return cls(name, params)
+
+    def bucket_compressor(self) -> type[Compressor] | None:
+        """The compressor of this step's gradients that go through the buckets; None: the optimizer's."""
+        return self.compressor
 
     def takes(self, param: torch.Tensor) -> bool:
         """Called by the gradient hook: True when this scheme sends ``param``'s final gradient itself."""
