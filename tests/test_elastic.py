@@ -167,6 +167,7 @@ def test_survivors_stop_waiting_for_a_failed_member_whose_connections_stay_open(
         results = [json.loads(line.split(":", 1)[1]) for line in job.lines if line.startswith("[") and '"restores"' in line]
         assert sorted(r["rank"] for r in results) == [0, 1], results
         assert all(r["size"] == 2 and r["step"] == 40 and r["restores"] == 1 for r in results), results
+        assert all(r["caller_cycles"] == 0 for r in results), results  # no call waits inside a collective itself
         assert took_s < 60, f"the survivors took {took_s:.0f} s"
         # What the failed worker left in its own process group goes with it (the driver ends the group).
         assert gone([int(grouped_pid_file.read_text())], 10), "a failed worker's child outlived it"

@@ -14,6 +14,7 @@ import time
 import torch
 
 import shoal.torch as hvd
+from shoal.core import session
 
 torch.set_num_threads(1)
 hvd.init()
@@ -57,4 +58,10 @@ def train(state: hvd.elastic.TorchState) -> None:
 
 
 train(state)
-print(json.dumps({"rank": hvd.rank(), "size": hvd.size(), "restores": restores, "step": state.step}), flush=True)
+caller_cycles = session.session().engine.caller_cycles  # an elastic worker's calls leave every cycle to the engine
+print(
+    json.dumps(
+        {"rank": hvd.rank(), "size": hvd.size(), "restores": restores, "step": state.step, "caller_cycles": caller_cycles}
+    ),
+    flush=True,
+)

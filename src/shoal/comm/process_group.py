@@ -32,6 +32,11 @@ def destroy_world() -> None:
         dist.destroy_process_group()
 
 
+def world_uses_nccl() -> bool:
+    """Whether this process's default group has an NCCL backend (a CUDA job)."""
+    return dist.is_initialized() and "nccl" in str(dist.get_backend()).lower()
+
+
 def allgather_json(value: Any) -> list[Any]:
     """Gather one JSON-serialisable value from every rank of the default group, in rank order (no pickle)."""
     messages = allgather_bytes(json.dumps(value).encode(), dist.get_world_size(), None)

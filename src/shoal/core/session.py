@@ -20,6 +20,7 @@ from shoal.engine.engine import Engine, EngineStoppedError
 from shoal.engine.request import Request, RequestMeta
 from shoal.exceptions import NotInitializedError
 from shoal.runtime import context
+from shoal.runtime.elastic_rendezvous import is_elastic_worker
 
 _session_ids = itertools.count(1)
 _handle_ids = itertools.count(1)
@@ -64,7 +65,11 @@ _PART = "torch.session"
 
 
 def _start_session(ctx: context.Context) -> None:
-    ctx.set_part(_PART, Session(Engine(ctx.topology, EngineConfig.from_env(), ctx.store, job_token(ctx.launch.secret))))
+    # An elastic worker's callers never wait inside a collective themselves: a round that loses a member for good
+    # then fails their requests at once (``Engine.abandon``), whichever thread the collective blocks.
+    callers_drive = not is_elastic_worker()
+    engine = Engine(ctx.topology, EngineConfig.from_env(), ctx.store, job_token(ctx.launch.secret), callers_drive)
+    ctx.set_part(_PART, Session(engine))
 
 
 def _end_session() -> bool:
@@ -84,12 +89,14 @@ def _end_session() -> bool:
     return stopped
 
 
-def _abandon_session(message: str) -> None:
-    """The job can no longer complete a collective: fail the pending requests now (``Engine.abandon``)."""
-    ctx = context.peek()
-    session: Session | None = ctx.parts.get(_PART) if ctx is not None else None
-    if session is not None:
-        session.engine.abandon(message)
+def _abandon_session(ctx: context.Context, message: str) -> bool:
+    """``ctx``'s job can no longer complete a collective: fail its pending requests now (``Engine.abandon``); False
+    while its session is not started yet."""
+    session: Session | None = ctx.parts.get(_PART)
+    if session is None:
+        return False
+    session.engine.abandon(message)
+    return True
 
 
 context.register_init_hook(_start_session)

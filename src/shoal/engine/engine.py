@@ -15,6 +15,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+from shoal.comm import process_group
 from shoal.comm.hierarchical import HierarchicalAllreduce
 from shoal.engine.config import EngineConfig
 from shoal.engine.cycle import Cycle, pause_ms
@@ -36,7 +37,12 @@ ABANDONED_STOP_S = 2.0
 class Engine:
     """One per process: owns the request queue and the thread that issues every collective."""
 
-    def __init__(self, topology: Topology, config: EngineConfig, store: Any = None, job: str = "nojob") -> None:
+    def __init__(
+        self, topology: Topology, config: EngineConfig, store: Any = None, job: str = "nojob", callers_drive: bool = True
+    ) -> None:
+        """``callers_drive``: a thread blocked on its own call may run cycles itself (``drive``); False: only the engine
+        thread ever waits inside a collective, so ``abandon`` always frees the callers (an elastic worker, whose peer
+        may vanish while holding its connections open)."""
         self.rank = topology.rank
         self.size = topology.size
         self.config = config
@@ -61,8 +67,10 @@ class Engine:
         self._lock = self._inbox.lock
         self._cycler = Cycle(config, self.transport, self._executor, self._inbox, lambda: self.timeline)
         self._driver: str | None = None
-        self._abandoned = False
         """Who runs cycles now: "engine" (its thread), "caller" (a thread blocked on its own call), None; under _lock."""
+        self._callers_drive = callers_drive
+        self._abandoned = False
+        """``abandon`` was called: the collectives in flight may never return."""
         self._ended = False
         """A cycle failed or gave a stop verdict: no thread runs another; the engine thread releases the connections."""
         self.caller_cycles = 0
@@ -86,7 +94,7 @@ class Engine:
         for request in requests:
             if not request.checked:
                 check_request(request.meta)
-        self._inbox.put(requests, wake)
+        self._inbox.put(requests, wake or not self._callers_drive)
         timeline = self.timeline
         if timeline is not None:
             for request in requests:
@@ -140,8 +148,10 @@ class Engine:
 
         Returns:
             False when the thread is still running (inside a collective): its groups must not be destroyed then. An
-            abandoned engine's collective can never complete, so its groups are to be destroyed all the same (that
-            is what ends the wait: gloo fails it, NCCL aborts it): True.
+            abandoned engine's collective can never complete, and gloo groups can be destroyed under a thread
+            waiting in one (it stays blocked until its peer's connections close or the transport timeout, and ends
+            then): True for an abandoned engine whose job has no NCCL group, so that the next ``init()`` can make a
+            new world.
         """
         with self._lock:
             self._inbox.shutdown_requested = True
@@ -150,8 +160,12 @@ class Engine:
             timeout_s = ABANDONED_STOP_S if self._abandoned else self.config.transport_timeout_s + 30.0
         self._thread.join(timeout_s)
         self._watch.stop()
-        if self._thread.is_alive() and self._abandoned:
-            get_logger().warning("Shoal's engine thread is still inside a collective of the abandoned job; its groups go")
+        if self._thread.is_alive() and self._abandoned and not process_group.world_uses_nccl():
+            get_logger().warning(
+                "Shoal's engine thread is still inside a collective of the abandoned job; its groups are released and "
+                "it ends when its peer's connections close or at the transport timeout"
+            )
+            self.stop_timeline()
             return True
         if self._thread.is_alive():
             get_logger().error("Shoal's engine thread did not stop; its process group is left open")
@@ -238,6 +252,8 @@ class Engine:
         is in a cycle or takes over (it carries these requests then) and when the engine ends; the caller waits on
         the requests either way. Cycles run exactly as on the engine thread, one driver at a time.
         """
+        if not self._callers_drive:
+            return
         stalled_cycles = 0
         try:
             while not all(request.done.is_set() for request in requests):

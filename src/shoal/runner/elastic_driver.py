@@ -356,7 +356,7 @@ class ElasticJob(Job):
             was_member = worker.state == "member"
             given_notice = worker.leaving is not None and worker.state == "removed"
             worker.state = "failed"
-            worker.process.signal_tree(signal.SIGKILL)  # what it left in its process group goes with it
+            self._end_leftovers(worker)
             cooldown_s = self.cooldown.fail(worker.hostname)  # also for a newcomer: no restart storm there
             self._drain_output_of(worker.process)
             if given_notice:  # the round without it is out already; the others restore, as after a crash
@@ -386,10 +386,7 @@ class ElasticJob(Job):
                 flush=True,
             )
             self._reset_reason = f"worker {worker.worker_id} failed"
-            # Its round's survivors may be blocked in a collective it will never join (a peer that holds the
-            # connections open, such as a hung child): tell them now, before the next round is published.
-            if self._store is not None and self._keys is not None:
-                self._store.set(self._keys.broken(self.round), worker.worker_id)
+            self._mark_broken(worker)
         if any(w.state == "finished" for w in self.elastic):
             # A short last round may have formed since the loop last looked: its members are training, not waiting.
             self._note_formed()
@@ -404,6 +401,26 @@ class ElasticJob(Job):
             print("shoalrun: every worker has exited and none finished", file=sys.stderr, flush=True)
             return 1
         return None
+
+    def _end_leftovers(self, worker: ElasticWorker) -> None:
+        """SIGKILL what a failed worker left in its process group (a local worker's; for others, what its spawner
+        can reach)."""
+        try:
+            worker.process.signal_tree(signal.SIGKILL)
+        except Exception as error:  # an actor already gone, a slot that cannot be reached: nothing left to end
+            self.verbose(f"could not end what worker {worker.worker_id} left behind: {error}")
+
+    def _mark_broken(self, worker: ElasticWorker) -> None:
+        """Mark the rounds a failed member may have shared with survivors broken (the newest, and the one before it,
+        whose members may not have joined the newest yet): a survivor blocked in a collective it will never join (its
+        peer holding the connections open, such as a hung child) then stops waiting, before the next round forms."""
+        if self._store is None or self._keys is None:
+            return
+        for round_number in range(max(1, self.round - 1), self.round + 1):
+            try:
+                self._store.set(self._keys.broken(round_number), worker.worker_id)
+            except Exception as error:  # the store is the driver's own; a failure here is reported, never fatal
+                print(f"shoalrun: cannot mark round {round_number} broken: {error}", file=sys.stderr, flush=True)
 
     def run(self) -> int:
         """Start the job, keep it going through failures and host changes, return shoalrun's exit code. In the main

@@ -209,13 +209,15 @@ class Job:
                 if self._on_finish is not None and self._store is not None:
                     self._on_finish(self._store)
             finally:
-                if self._store is not None:
-                    self._store.close()  # stops the server: every worker has ended
-                self._store = None
-            if self._listener.fileno() != -1:  # the store never took it over
-                self._listener.close()
-            self._remove_shared_memory()
-            self.spawner.close()
+                try:
+                    if self._store is not None:
+                        self._store.close()  # stops the server: every worker has ended
+                    self._store = None
+                    if self._listener.fileno() != -1:  # the store never took it over
+                        self._listener.close()
+                    self._remove_shared_memory()
+                finally:
+                    self.spawner.close()  # (Ray's actors end even when collecting a result raised)
 
     def _launch(self) -> int:
         """Start the workers (and servers) and supervise them to the end; returns shoalrun's exit code."""

@@ -1,8 +1,9 @@
 """How a job starts one worker: the job builds a ``WorkerSpec`` and hands it to its spawner.
 
 ``ProcessSpawner`` starts a process on this machine (under an argv prefix for an emulated host), over ssh, or as a
-one-task Slurm step on another node of the job's allocation. Ray's actor spawner (``shoal.ray.elastic``) and Spark's
-slot spawner (``shoal.spark.elastic``) are the others; every job (static or elastic) takes any of them.
+one-task Slurm step on another node of the job's allocation; static and elastic jobs take it. Ray's actor spawner
+(``shoal.ray.elastic``) and Spark's slot spawner (``shoal.spark.elastic``) serve the elastic driver: they start
+``shoal.runner.task`` workers (a function job) once the job's store is up.
 """
 
 from __future__ import annotations

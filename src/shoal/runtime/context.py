@@ -56,7 +56,7 @@ _lock = threading.RLock()
 _context: Context | None = None
 _shutdown_hooks: list[Callable[[], bool | None]] = []
 _init_hooks: list[Callable[[Context], None]] = []
-_abandon_hooks: list[Callable[[str], None]] = []
+_abandon_hooks: list[Callable[[Context, str], bool]] = []
 _exit_hook_registered = False
 _elastic_round = 0
 """The last elastic round this process joined (0: none yet)."""
@@ -67,22 +67,27 @@ def register_init_hook(hook: Callable[[Context], None]) -> None:
     _init_hooks.append(hook)
 
 
-def register_abandon_hook(hook: Callable[[str], None]) -> None:
-    """Run ``hook(message)`` when this process's job can no longer complete a collective (an elastic round lost a
-    member): it fails what is outstanding, so the caller restores and re-forms instead of waiting."""
+def register_abandon_hook(hook: Callable[[Context, str], bool]) -> None:
+    """Run ``hook(context, message)`` when that context's job can no longer complete a collective (an elastic round
+    lost a member): it fails what is outstanding, so the caller restores and re-forms instead of waiting. It returns
+    False when it has nothing to act on yet (its part of the context is not built): it is asked again later."""
     _abandon_hooks.append(hook)
 
 
-def _round_broken(round_number: int, failed: str) -> None:
-    """The heartbeat's report that the driver marked elastic round ``round_number`` broken."""
-    if _context is None or _context.generation != round_number:
-        return  # this worker has left that round already
+def _round_broken(round_number: int, failed: str) -> bool:
+    """The heartbeat's report that the driver marked elastic round ``round_number`` broken; False while this worker
+    is still joining that round (the report is then made again at the next beat)."""
+    ctx = _context
+    if ctx is None:
+        return False  # joining that round (or leaving it): asked again at the next beat
+    if ctx.generation != round_number:
+        return True  # this worker has left that round already
     message = (
         f"elastic round {round_number} lost worker {failed}: its collectives cannot complete, so the pending "
         "requests fail and the job re-forms"
     )
-    for hook in list(_abandon_hooks):
-        hook(message)
+    handled = [hook(ctx, message) for hook in list(_abandon_hooks)]
+    return all(handled)
 
 
 def register_shutdown_hook(hook: Callable[[], bool | None]) -> None:

@@ -21,14 +21,14 @@ PERIOD_S = 1.0
 _started = False
 
 
-def start(launch: Any, joined_round: Callable[[], int], on_broken: Callable[[int, str], None]) -> bool:
+def start(launch: Any, joined_round: Callable[[], int], on_broken: Callable[[int, str], bool]) -> bool:
     """Start the heartbeat once per process; returns whether it runs.
 
     Args:
         launch: the worker's ``LaunchInfo`` (where the job store is, and its secret).
         joined_round: the last round this worker joined (0: none yet).
-        on_broken: called with a round this worker joined and the failed member's id, once, when the driver marks
-            that round broken.
+        on_broken: called with a round this worker joined and the failed member's id when the driver has marked that
+            round broken, at every beat until it returns True.
     """
     global _started
     if _started or not launch.secret or launch.store_addr is None:
@@ -40,7 +40,7 @@ def start(launch: Any, joined_round: Callable[[], int], on_broken: Callable[[int
     return True
 
 
-def _beat(launch: Any, worker_id: str, joined_round: Callable[[], int], on_broken: Callable[[int, str], None]) -> None:
+def _beat(launch: Any, worker_id: str, joined_round: Callable[[], int], on_broken: Callable[[int, str], bool]) -> None:
     from shoal.comm.names import secret_namespace
     from shoal.comm.store import connect_job_store
     from shoal.runtime.elastic_rendezvous import ElasticKeys
@@ -50,7 +50,7 @@ def _beat(launch: Any, worker_id: str, joined_round: Callable[[], int], on_broke
     job_store = None
     count = 0
     told = 0
-    """The last round reported broken."""
+    """The last round whose broken mark was acted on."""
     while True:
         try:
             if job_store is None:
@@ -59,8 +59,8 @@ def _beat(launch: Any, worker_id: str, joined_round: Callable[[], int], on_broke
             job_store.set(key, str(count))
             joined = joined_round()
             if joined > told and job_store.check([keys.broken(joined)]):
-                told = joined
-                on_broken(joined, job_store.get(keys.broken(joined)).decode())
+                if on_broken(joined, job_store.get(keys.broken(joined)).decode()):
+                    told = joined
         except Exception as error:  # cut off or the driver gone: reconnect next time (the watchdog ends an orphan)
             get_logger().debug("heartbeat to shoalrun's store failed: %s", error)
             job_store = None
