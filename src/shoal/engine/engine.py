@@ -147,11 +147,9 @@ class Engine:
                 since every wait of the engine thread is bounded by it (``ABANDONED_STOP_S`` once abandoned).
 
         Returns:
-            False when the thread is still running (inside a collective): its groups must not be destroyed then. An
-            abandoned engine's collective can never complete, and gloo groups can be destroyed under a thread
-            waiting in one (it stays blocked until its peer's connections close or the transport timeout, and ends
-            then): True for an abandoned engine whose job has no NCCL group, so that the next ``init()`` can make a
-            new world.
+            False when the thread is still running (inside a collective): its groups must not be destroyed then;
+            True all the same for an abandoned gloo-only engine, so that the next ``init()`` can make a new world
+            (the thread waits on until its peer's connections close or the transport timeout, then ends).
         """
         with self._lock:
             self._inbox.shutdown_requested = True
@@ -161,10 +159,7 @@ class Engine:
         self._thread.join(timeout_s)
         self._watch.stop()
         if self._thread.is_alive() and self._abandoned and not process_group.world_uses_nccl():
-            get_logger().warning(
-                "Shoal's engine thread is still inside a collective of the abandoned job; its groups are released and "
-                "it ends when its peer's connections close or at the transport timeout"
-            )
+            get_logger().warning("Shoal's engine thread is still inside a collective of the abandoned job; its groups go")
             self.stop_timeline()
             return True
         if self._thread.is_alive():
