@@ -53,7 +53,11 @@ def _reference(size: int, rows: int, steps: int) -> dict[str, np.ndarray]:
     return {k: v.detach().numpy() for k, v in model.state_dict().items()}
 
 
-def _distributed(compression: object, rows: int, steps: int, comm: str = "allreduce") -> dict[str, object]:
+def _distributed(
+    compression: object, rows: int, steps: int, comm: str = "allreduce", overrides: dict[str, str] | None = None
+) -> dict[str, object]:
+    """Train ``steps`` steps; the weights, the schemes and residuals in use, and per step whether fc1's gradient went
+    through the buckets as bfloat16 (``casts``)."""
     torch.set_num_threads(1)
     hvd.init()
     model = _model()
@@ -63,16 +67,20 @@ def _distributed(compression: object, rows: int, steps: int, comm: str = "allred
         model=model,
         compression=compression,
         comm=comm,
+        comm_overrides=overrides,
     )
     x, y = _data(hvd.size(), rows, steps)
     mine = slice(hvd.rank() * rows, (hvd.rank() + 1) * rows)
+    casts = []
     for step in range(steps):
         optimizer.zero_grad()
         nn.functional.mse_loss(model(x[step][mine]), y[step][mine]).backward()
+        casts.append(optimizer._shoal_exchange.compressor(model.fc1.weight) is hvd.Compression.bf16)  # type: ignore[attr-defined]
         optimizer.step()
     kinds = sorted({type(c).__name__ for c in optimizer._shoal_router.layers()})  # type: ignore[attr-defined]
     residuals = sorted(optimizer._shoal_router.lossy.residuals)  # type: ignore[attr-defined]
-    return {"weights": {k: v.detach().numpy() for k, v in model.state_dict().items()}, "kinds": kinds, "residuals": residuals}
+    weights = {k: v.detach().numpy() for k, v in model.state_dict().items()}
+    return {"weights": weights, "kinds": kinds, "residuals": residuals, "casts": casts}
 
 
 @pytest.mark.parametrize("size", [2, 3])
@@ -110,37 +118,14 @@ def test_warm_up_steps_are_exact_and_compression_starts_after_them() -> None:
     assert later["residuals"] == ["conv.weight", "fc1.weight", "fc2.weight"]  # rank 1 shrinks each at least 2×
 
 
-def _warm_up_casts(comm: str) -> list[bool]:
-    """Per step: whether fc1's gradient (PowerSGD, warm-up 3 steps) went through the buckets as bfloat16."""
-    torch.set_num_threads(1)
-    hvd.init()
-    model = _model()
-    optimizer = hvd.DistributedOptimizer(
-        torch.optim.SGD(model.parameters(), lr=0.05),
-        named_parameters=model.named_parameters(),
-        model=model,
-        compression=hvd.Compression.powersgd(rank=1, warmup_steps=3),
-        comm=comm,
-        comm_overrides={"fc1": "powersgd"},
-    )
-    x, y = _data(hvd.size(), 4, 6)
-    mine = slice(hvd.rank() * 4, (hvd.rank() + 1) * 4)
-    cast = []
-    for step in range(6):
-        optimizer.zero_grad()
-        nn.functional.mse_loss(model(x[step][mine]), y[step][mine]).backward()
-        cast.append(optimizer._shoal_exchange.compressor(model.fc1.weight) is hvd.Compression.bf16)  # type: ignore[attr-defined]
-        optimizer.step()
-    return cast
-
-
 def test_auto_lossy_warms_up_in_bfloat16_and_a_chosen_scheme_exactly() -> None:
     # auto-lossy plans at the end of its first step; its compressed layers then warm up in bfloat16 (steps 1-2)
     # and compress from step 3. A scheme the user chose outright warms up exactly, as torch's hook does.
-    for casts in run_ranks(_warm_up_casts, 2, args=("auto-lossy",)):
-        assert casts == [False, True, True, False, False, False], casts
-    for casts in run_ranks(_warm_up_casts, 2, args=("allreduce",)):
-        assert casts == [False] * 6, casts
+    compression = hvd.Compression.powersgd(rank=1, warmup_steps=3)
+    for result in run_ranks(_distributed, 2, args=(compression, 4, 6, "auto-lossy", {"fc1": "powersgd"})):
+        assert result["casts"] == [False, True, True, False, False, False], result["casts"]
+    for result in run_ranks(_distributed, 2, args=(compression, 4, 6, "allreduce", {"fc1": "powersgd"})):
+        assert result["casts"] == [False] * 6, result["casts"]
 
 
 def _one_step_residual(scheme: str) -> dict[str, object]:
