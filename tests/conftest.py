@@ -17,6 +17,8 @@ from typing import Any
 import numpy as np
 import pytest
 
+from shoal.testing import free_port
+
 REPO = Path(__file__).resolve().parent.parent
 SHOALRUN = [sys.executable, "-m", "shoal.runner"]
 needs_netns = pytest.mark.skipif(
@@ -110,13 +112,6 @@ def clean_env() -> dict[str, str]:
 def worker_env() -> dict[str, str]:
     """A clean environment for launching child jobs."""
     return clean_env()
-
-
-def free_port() -> int:
-    """A TCP port that was free a moment ago on 127.0.0.1."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 SSHD = "/usr/sbin/sshd"

@@ -15,7 +15,6 @@ import argparse
 import json
 import os
 import secrets
-import socket
 import statistics
 import subprocess
 import sys
@@ -23,6 +22,7 @@ import time
 
 from shoal.bench import add_json_flag, emit
 from shoal.config import PREFIX, env_name
+from shoal.testing import free_port
 
 
 def _worker(start_at: float, reinits: int) -> None:
@@ -47,15 +47,9 @@ def _worker(start_at: float, reinits: int) -> None:
     print(json.dumps({"first_ms": first_ms, "reinit_ms": statistics.median(cycles) if cycles else None}), flush=True)
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
 def measure(world: int, authenticated: bool, reinits: int, import_grace_s: float = 10.0) -> tuple[float, float | None]:
     """(slowest rank's first init ms, slowest rank's median re-init ms) for one job."""
-    port = str(_free_port())
+    port = str(free_port())
     secret = secrets.token_hex(16)
     start_at = time.time() + import_grace_s
     processes = []

@@ -16,13 +16,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
 from typing import Any
 
 from shoal.bench import rank0_result
+from shoal.testing import free_port
 
 SHOALRUN = [sys.executable, "-m", "shoal.runner"]
 MODELS = ("digits", "mlp")
@@ -132,14 +132,8 @@ def _tf_worker(args: argparse.Namespace) -> None:
         print(json.dumps({"ips": workers * args.batch_size * args.steps / seconds}), flush=True)
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
 def _run_tf(args: argparse.Namespace, model: str, flags: list[str]) -> float:
-    ports = ",".join(str(_free_port()) for _ in range(args.workers))
+    ports = ",".join(str(free_port()) for _ in range(args.workers))
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "OMP_NUM_THREADS": "1"}
     command = [sys.executable, "-m", "shoal.bench.train_tf", "--worker", "tf", "--model", model, "--ports", ports, *flags]
     processes = [
