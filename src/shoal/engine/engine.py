@@ -216,7 +216,7 @@ class Engine:
                 if self._driver is None and (self._inbox.queue or self._inbox.shutdown_requested or timed_out):
                     self._driver = "engine"
                     return True
-                timed_out = not self._lock.wait(self._wait_ms(stalled_cycles) / 1000.0)
+                timed_out = not self._inbox.sleep(self._wait_ms(stalled_cycles) / 1000.0)
         return False
 
     def _drive_one_cycle(self) -> bool | None:
@@ -264,7 +264,7 @@ class Engine:
                 if not progress:
                     with self._lock:
                         if not self._inbox.queue and not self._inbox.shutdown_requested:
-                            self._lock.wait(self._wait_ms(stalled_cycles) / 1000.0)
+                            self._inbox.sleep(self._wait_ms(stalled_cycles) / 1000.0)
         finally:
             with self._lock:
                 if self._inbox.queue or self._pending or self._inbox.shutdown_requested:

@@ -7,6 +7,7 @@ import time
 from collections.abc import Callable
 
 import torch
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from shoal.comm import collectives
 from shoal.comm.shared_arena import SharedArena
@@ -155,12 +156,10 @@ class Executor:
         self.begin_phase(responses, "MEMCPY_IN_FUSION_BUFFER")
         if single_in_place:
             buffer = inputs[0].view(-1)
-        else:
-            flat = [tensor.reshape(-1) for tensor in inputs]
-            if wire == dtype:
-                buffer = torch.cat(flat) if len(flat) > 1 else flat[0].clone()
-            else:
-                buffer = torch.cat([piece.to(wire) for piece in flat])
+        elif wire != dtype:
+            buffer = torch.cat([tensor.reshape(-1).to(wire) for tensor in inputs])
+        else:  # one C++ call flattens and concatenates every input
+            buffer = _flatten_dense_tensors(inputs) if len(inputs) > 1 else inputs[0].reshape(-1).clone()
         scale_(buffer, meta.prescale)
         self.end_phase(responses, "MEMCPY_IN_FUSION_BUFFER")
         assert meta.op is not None  # allreduce and reducescatter requests always carry their op
@@ -188,10 +187,8 @@ class Executor:
         if not scaled:
             _postscale_(buffer, op, meta.postscale, len(state.members))
         if not single_in_place:
-            pieces = buffer.split([tensor.numel() for tensor in inputs])
-            kept = [
-                (q.output.view(-1), p) for q, p in zip(requests, pieces, strict=True) if q is not None and q.output is not None
-            ]
+            pieces = _unflatten_dense_tensors(buffer, inputs)  # views of the buffer, shaped as the inputs
+            kept = [(q.output, p) for q, p in zip(requests, pieces, strict=True) if q is not None and q.output is not None]
             if kept:
                 # One multi-tensor copy instead of a Python-level copy per tensor (a cast only off the wire dtype).
                 sources = [piece for _, piece in kept] if wire == dtype else [piece.to(out.dtype) for out, piece in kept]

@@ -26,6 +26,16 @@ class Inbox:
         self.in_flight: set[Key] = set()
         self.shutdown_requested = False
         self.stopped: BaseException | None = None
+        self._sleepers = 0
+        """Threads waiting in ``sleep``: a submission wakes them, and costs no notification when there are none."""
+
+    def sleep(self, timeout_s: float) -> bool:
+        """Wait on ``lock`` (held) for a submission or a notification; False when ``timeout_s`` passed first."""
+        self._sleepers += 1
+        try:
+            return self.lock.wait(timeout_s)
+        finally:
+            self._sleepers -= 1
 
     def put(self, requests: list[Request], wake: bool) -> None:
         """Queue requests together; nothing is queued when one fails a check.
@@ -46,7 +56,7 @@ class Inbox:
                     )
             self.in_flight.update(keys)
             self.queue.extend(requests)
-            if wake:
+            if wake and self._sleepers:
                 self.lock.notify_all()
 
     def take(self) -> tuple[list[Request], bool]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import _thread
 import enum
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from functools import cached_property
 from typing import Any
 
@@ -61,6 +61,22 @@ class RequestMeta:
     shared: tuple[str, int] | None = None
     """allreduce: the tensor is the range at this byte offset of the named shared-memory arena (the same range on
     every rank of the host: see ``shoal.comm.shared_arena``); None for an ordinary tensor."""
+
+    @cached_property
+    def _fields(self) -> tuple[Any, ...]:
+        return tuple(getattr(self, entry.name) for entry in fields(self))
+
+    # The response cache looks every cached request up by its meta each cycle: equality and hash over the fields
+    # gathered once, rather than over a tuple built per comparison (what dataclass generates).
+    def __eq__(self, other: object) -> bool:
+        if self is other:
+            return True
+        if type(other) is not RequestMeta:
+            return NotImplemented
+        return self._fields == other._fields
+
+    def __hash__(self) -> int:
+        return hash(self._fields)
 
     @cached_property
     def nbytes(self) -> int:

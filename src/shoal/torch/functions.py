@@ -51,10 +51,24 @@ def _checked(tensors: Sequence[Any], what: str) -> list[torch.Tensor]:
     return [_check_tensor(tensor, what) for tensor in tensors]
 
 
+_CALLS: dict[tuple[Any, ...], Call] = {}
+"""The ``Call`` of each argument combination seen (a frozen object shared by every call with those arguments: a small
+collective would otherwise spend a tenth of its submission building it)."""
+_CALLS_KEPT = 256
+
+
 def _reduce_call(
     kind: Kind, op: ReduceOp, prescale: float, postscale: float, process_set: ProcessSet, in_place: bool = False
 ) -> Call:
-    return Call(kind, process_set, ReduceSpec(op, prescale, postscale), in_place=in_place)
+    if type(prescale) is not float or type(postscale) is not float:  # a tensor or numpy factor: not kept
+        return Call(kind, process_set, ReduceSpec(op, prescale, postscale), in_place=in_place)
+    key = (kind, op, prescale, postscale, process_set, in_place)
+    call = _CALLS.get(key)
+    if call is None:
+        if len(_CALLS) >= _CALLS_KEPT:
+            _CALLS.clear()
+        call = _CALLS[key] = Call(kind, process_set, ReduceSpec(op, prescale, postscale), in_place=in_place)
+    return call
 
 
 # ----- allreduce -----
