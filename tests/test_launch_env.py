@@ -6,6 +6,7 @@ import socket
 
 import pytest
 
+from shoal.comm import ports
 from shoal.runtime.launch_env import detect_launch, first_slurm_host
 from shoal.runtime.topology import build_topology
 
@@ -137,3 +138,16 @@ def test_topology_uses_launcher_local_ranks_and_checks_them() -> None:
 
 def test_hostname_default() -> None:
     assert detect_launch({}).host_key == socket.gethostname()
+
+
+def test_a_port_announced_before_its_store_is_outside_the_ephemeral_range(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A released bind(0) port is the kernel's to hand out again at once (CI found another job's store on one):
+    free_port() chooses below the ephemeral range, or above it when the range starts low, and checks the bind."""
+    low, high = ports._ephemeral_range()
+    for _ in range(20):
+        port = ports.free_port()
+        assert not low <= port <= high
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", port))
+    monkeypatch.setattr(ports, "_ephemeral_range", lambda: (1024, 50000))
+    assert all(50000 < ports.free_port() <= 65535 for _ in range(20))

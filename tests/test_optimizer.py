@@ -305,6 +305,54 @@ def test_sparse_as_dense_gives_sparse_adam_a_sparse_gradient_again() -> None:
         np.testing.assert_allclose(weights, reference, atol=ATOL)
 
 
+class SometimesEmbedded(nn.Module):
+    """A sparse embedding that a forward pass may skip (its gradient is then None on that rank), and a dense head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embedding = nn.Embedding(10, 3, sparse=True)
+        self.head = nn.Linear(3, 1)
+
+    def forward(self, index: torch.Tensor, embed: bool) -> torch.Tensor:
+        features = self.embedding(index).mean(0) if embed else torch.ones(3)
+        return self.head(features).sum()
+
+
+def _skipped_embedding(distributed: bool, with_model: bool, skipped_step: int) -> list[float]:
+    """SGD on ``SometimesEmbedded`` for 3 steps, rank 1 skipping the embedding at ``skipped_step``; without
+    ``distributed``, one process with the mean of both ranks' losses."""
+    if distributed:
+        hvd.init()
+        torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = SometimesEmbedded()
+    optimizer: torch.optim.Optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    if distributed:
+        named = model.named_parameters()
+        optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=named, model=model if with_model else None)
+    rows = [torch.tensor([1, 2, 2]), torch.tensor([2, 7, 9])]
+    for step in range(3):
+        optimizer.zero_grad()
+        embeds = [True, step != skipped_step]
+        if distributed:
+            model(rows[hvd.rank()], embeds[hvd.rank()]).backward()
+        else:
+            (sum(model(r, e) for r, e in zip(rows, embeds, strict=True)) / 2).backward()
+        optimizer.step()
+    return [v for p in model.parameters() for v in p.detach().reshape(-1).tolist()]
+
+
+@pytest.mark.parametrize(("with_model", "skipped_step"), [(True, 0), (False, 1)], ids=["model-given", "seen-before"])
+def test_a_rank_without_a_sparse_gradient_stands_in_an_empty_sparse_one(with_model: bool, skipped_step: int) -> None:
+    """Where the others allgather a sparse embedding gradient, a rank that skipped the embedding stands in an empty
+    sparse gradient (known from the model's sparse embeddings, or from a sparse gradient in an earlier step); a
+    dense zero stood in there waited forever. Weights as one process with both ranks' losses."""
+    results = run_ranks(_skipped_embedding, 2, args=(True, with_model, skipped_step), timeout_s=60)
+    reference = _skipped_embedding(False, with_model, skipped_step)
+    for weights in results:
+        np.testing.assert_allclose(weights, reference, atol=ATOL)
+
+
 def _step_after_synchronize() -> list[str]:
     import warnings
 

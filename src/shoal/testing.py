@@ -24,41 +24,13 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from shoal.comm.ports import free_port as free_port  # for tests and benchmarks that announce a port first
 from shoal.config.worker import JobAddress, SlotInfo
 
 _FAILURE_GRACE_S = 10.0
 """Once one rank failed, how long the others get to finish (or fail) on their own before they are killed."""
 
 _context: Any = None
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port on ``host`` that is free now and outside the kernel's ephemeral range, for a job whose address
-    must be known before its store binds it (``MASTER_PORT``).
-
-    A port the kernel handed out for ``bind(0)`` is handed out again to the next ``bind(0)`` or outgoing connection
-    once released, so a job started seconds later may find another job's store there (a parallel test run did).
-    Ports below the ephemeral range are only ever taken by an explicit choice.
-    """
-    low, _high = _ephemeral_range()
-    for _ in range(200):
-        port = secrets.randbelow(low - 10000) + 10000
-        with socket.socket() as probe:
-            try:
-                probe.bind((host, port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError(f"shoal.testing: no free port found below the ephemeral range (from {low})")
-
-
-def _ephemeral_range() -> tuple[int, int]:
-    try:
-        with open("/proc/sys/net/ipv4/ip_local_port_range") as ranges:
-            low, high = (int(part) for part in ranges.read().split())
-    except (OSError, ValueError):
-        return 32768, 60999
-    return (low, high) if low > 12000 else (32768, 60999)
 
 
 @dataclass

@@ -188,7 +188,11 @@ class Executor:
             _postscale_(buffer, op, meta.postscale, len(state.members))
         if not single_in_place:
             pieces = _unflatten_dense_tensors(buffer, inputs)  # views of the buffer, shaped as the inputs
-            kept = [(q.output, p) for q, p in zip(requests, pieces, strict=True) if q is not None and q.output is not None]
+            kept = [
+                (q.output, p)
+                for q, p in zip(requests, pieces, strict=True)
+                if q is not None and q.output is not None and p.numel()
+            ]  # (an empty piece may come back flat from older torch: nothing to copy)
             if kept:
                 # One multi-tensor copy instead of a Python-level copy per tensor (a cast only off the wire dtype).
                 sources = [piece for _, piece in kept] if wire == dtype else [piece.to(out.dtype) for out, piece in kept]

@@ -14,6 +14,7 @@ import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from shoal.comm.ports import free_port
 from shoal.config.worker import JobAddress, SlotInfo, job_secret
 from shoal.runtime.slurm import hostnames
 
@@ -122,9 +123,7 @@ def _mpi_rendezvous(env: Mapping[str, str], size: int, local_size: int | None, t
         comm = MPI.COMM_WORLD
         address = None
         if comm.Get_rank() == 0:
-            with socket.socket() as probe:
-                probe.bind(("", 0))
-                address = (socket.gethostname(), probe.getsockname()[1])
+            address = (socket.gethostname(), free_port(""))
         addr, port = comm.bcast(address, root=0)
         return str(addr), int(port)
     if local_size is not None and local_size == size:

@@ -20,6 +20,7 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
+from torch import nn
 
 from shoal.core import session as handles
 from shoal.core.process_sets import ProcessSet, set_id_of
@@ -84,6 +85,23 @@ def overlaps_backward(device: torch.device) -> bool:
     except AttributeError:  # not Linux
         cores = os.cpu_count() or 1
     return hierarchical.local.local_size * torch.get_num_threads() < cores
+
+
+def empty_sparse_like(param: torch.Tensor, sparse_dim: int) -> torch.Tensor:
+    """A sparse COO gradient of ``param``'s shape with no entries (``sparse_dim`` indexed dimensions)."""
+    indices = torch.empty((sparse_dim, 0), dtype=torch.long, device=param.device)
+    values = torch.empty((0, *param.shape[sparse_dim:]), dtype=param.dtype, device=param.device)
+    return torch.sparse_coo_tensor(indices, values, param.shape, check_invariants=True)
+
+
+def sparse_embedding_dims(model: nn.Module) -> dict[int, int]:
+    """The weights of ``model``'s embeddings made with ``sparse=True`` (sparse gradients, one indexed dimension), by
+    id."""
+    return {
+        id(module.weight): 1
+        for module in model.modules()
+        if isinstance(module, (nn.Embedding, nn.EmbeddingBag)) and module.sparse
+    }
 
 
 def _where(grad: torch.Tensor | None) -> int:
@@ -217,6 +235,7 @@ class GradientExchange(_Exchange):
         "shared",
         "skip_synchronize",
         "sparse_as_dense",
+        "sparse_dims",
         "spec",
         "synchronized",
         "weights",
@@ -270,6 +289,10 @@ class GradientExchange(_Exchange):
         self._densified: dict[int, int] = {}
         """Parameters whose sparse gradient was reduced densely (sparse_as_dense), with its sparse dimensions: sparse
         again after the exchange."""
+        self.sparse_dims: dict[int, int] = {}
+        """Parameters known to get sparse gradients (the model's sparse embeddings, or seen in an earlier step), with
+        their sparse dimensions: a rank without such a gradient stands in an empty sparse one, as the others allgather
+        theirs (a dense zero would wait forever for a collective no other rank starts)."""
         self.shared: SharedGradients | None = None
         """The gradients in shared memory (``shared_grads``), adopted after a session's second step."""
         self._shared_tried: Any = None
@@ -291,6 +314,8 @@ class GradientExchange(_Exchange):
         return bool(self._submitted or self._bucket or (self.shared is not None and self.shared.pending))
 
     def attach(self) -> None:
+        if self.router is not None and self.router.model is not None:
+            self.sparse_dims.update(sparse_embedding_dims(self.router.model))
         if self.member:
             super().attach()
 
@@ -374,10 +399,13 @@ class GradientExchange(_Exchange):
 
     def _grad(self, param: torch.Tensor) -> torch.Tensor:
         if param.grad is None:
-            param.grad = torch.zeros_like(param)
-        elif param.grad.is_sparse and self.sparse_as_dense:
-            self._densified[id(param)] = param.grad.sparse_dim()
-            param.grad = param.grad.to_dense()
+            sparse_dim = None if self.sparse_as_dense else self.sparse_dims.get(id(param))
+            param.grad = torch.zeros_like(param) if sparse_dim is None else empty_sparse_like(param, sparse_dim)
+        elif param.grad.is_sparse:
+            self.sparse_dims[id(param)] = param.grad.sparse_dim()
+            if self.sparse_as_dense:
+                self._densified[id(param)] = param.grad.sparse_dim()
+                param.grad = param.grad.to_dense()
         return param.grad
 
     def _submit(self, params: list[torch.Tensor], driven: bool = False) -> None:
