@@ -260,6 +260,38 @@ def _fit_balanced(slow_rank: int) -> dict[str, Any]:
     return {"weights": weights, "shares": shares}
 
 
+def _balanced_misuse() -> list[str]:
+    """The errors of ``loader=`` with arguments a balanced global batch cannot honour (the rule torch's optimizer
+    shares, ``core.balance.check_balanced_reduction``)."""
+    keras = _keras()
+    import shoal.keras as hvd
+
+    hvd.init()
+    x = np.zeros((8, 2), dtype=np.float32)
+    data = hvd.BalancedData(x, x[:, :1], global_batch_size=4, micro_batch_size=2)
+    cases = [
+        ({"op": hvd.Sum}, {}),
+        ({"backward_passes_per_step": 2}, {}),
+        ({}, {"gradient_accumulation_steps": 2}),
+    ]
+    messages = []
+    for arguments, own in cases:
+        try:
+            hvd.DistributedOptimizer(keras.optimizers.SGD(learning_rate=0.1, **own), loader=data, **arguments)
+        except ValueError as error:
+            messages.append(str(error))
+        else:
+            messages.append("no error")
+    return messages
+
+
+def test_balanced_data_refuses_a_sum_and_any_gradient_accumulation() -> None:
+    env = {**ENV, "KERAS_BACKEND": "torch"}
+    messages = run_ranks(_balanced_misuse, 1, env=env, timeout_s=120, fresh=True)[0]
+    assert "needs op=Average, not Sum" in messages[0], messages
+    assert all("leave backward_passes_per_step and gradient_accumulation_steps at 1" in m for m in messages[1:]), messages
+
+
 def test_balanced_data_on_two_ranks_matches_one_process() -> None:
     """Keras 3 on torch: BalancedData with shares that follow a slow rank gives one process's weights (1e-5)."""
     env = {**ENV, "KERAS_BACKEND": "torch"}

@@ -19,6 +19,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from shoal.core.process_sets import ProcessSet, global_process_set
+from shoal.core.rules import ReduceOp
+
 
 @dataclass(frozen=True)
 class MicroBatchSchedule:
@@ -203,3 +206,19 @@ class StepPlan:
             else:
                 joined.append(micro)
         return joined
+
+
+def check_balanced_reduction(op: int, accumulation: int, process_set: ProcessSet, accumulation_name: str) -> None:
+    """What a balanced global batch (``loader=``) needs of the gradient reduction, in every front end: the mean
+    (the gradient rule above), no accumulation of its own (the loader decides each step's passes) and the global
+    process set (it shares the batch over every rank).
+
+    Raises:
+        ValueError: an argument the balanced global batch cannot honour (``accumulation_name`` names the front end's).
+    """
+    if ReduceOp(op) != ReduceOp.Average:
+        raise ValueError(f"loader= gives the global batch's mean gradient and needs op=Average, not {ReduceOp(op).name}")
+    if accumulation != 1:
+        raise ValueError(f"loader= decides each step's backward passes (its micro-batches): leave {accumulation_name} at 1")
+    if process_set is not global_process_set:
+        raise ValueError("loader= shares the global batch over every rank: use the global process set")

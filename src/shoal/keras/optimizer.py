@@ -20,6 +20,7 @@ from typing import Any
 
 import keras
 
+from shoal.core.balance import check_balanced_reduction
 from shoal.core.gradient_lists import GradientOptions, ListReducer, plain_exchanging
 from shoal.core.process_sets import ProcessSet, global_process_set
 from shoal.core.rules import ReduceOp, ReduceSpec
@@ -293,10 +294,9 @@ def _check_balanced(reducer: Any, op: int, passes: int, process_set: ProcessSet,
         return
     if not isinstance(getattr(reducer, "adapter", None), TorchListAdapter):
         raise NotImplementedError("loader= (BalancedData) needs Keras 3 on the torch backend (KERAS_BACKEND=torch)")
-    if op != Average or passes != 1 or (optimizer.get_config().get("gradient_accumulation_steps") or 1) != 1:
-        raise ValueError("loader= gives the global batch's mean gradient: op=Average and no gradient accumulation")
-    if process_set is not global_process_set:
-        raise ValueError("loader= shares the global batch over every rank: use the global process set")
+    own_steps = optimizer.get_config().get("gradient_accumulation_steps") or 1
+    accumulation = passes * own_steps
+    check_balanced_reduction(op, accumulation, process_set, "backward_passes_per_step and gradient_accumulation_steps")
     reducer.adapter.balanced = loader
 
 

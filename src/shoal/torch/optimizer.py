@@ -18,6 +18,7 @@ from torch import nn
 from shoal.config import worker_setting
 from shoal.core import basics
 from shoal.core import session as handles
+from shoal.core.balance import check_balanced_reduction
 from shoal.core.process_sets import ProcessSet, global_process_set
 from shoal.core.rules import ReduceOp, resolve_groups, split_groups
 from shoal.plan.schemes import Compressed
@@ -268,12 +269,7 @@ def _check_balanced(
     """
     if not isinstance(loader, BalancedLoader):
         raise ValueError(f"loader must be a shoal.torch.BalancedLoader, got {type(loader).__name__}")
-    if op != ReduceOp.Average:
-        raise ValueError(f"loader= gives the global batch's mean gradient and needs op=Average, not {op.name}")
-    if passes != 1:
-        raise ValueError("loader= decides each step's backward passes (its micro-batches): leave backward_passes_per_step at 1")
-    if process_set is not global_process_set:
-        raise ValueError("loader= shares the global batch over every rank: use the global process set")
+    check_balanced_reduction(op, passes, process_set, "backward_passes_per_step")
     if loader.deterministic and (comm != "allreduce" or overrides or compression is not Compression.none):
         raise ValueError("BalancedLoader(deterministic=True) sums exact rows: use comm='allreduce' and no compression")
     if loader.deterministic:
