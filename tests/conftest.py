@@ -126,7 +126,7 @@ def loopback_sshd(tmp_path: Path) -> Iterator[tuple[int, Path]]:
     for name in ("host_key", "user_key"):
         subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(tmp_path / name)], check=True)
     (tmp_path / "authorized_keys").write_text((tmp_path / "user_key.pub").read_text())
-    port = free_port()
+    port = free_port("127.0.0.2")
     options = {
         "Port": str(port),
         "ListenAddress": "127.0.0.2",
