@@ -134,7 +134,10 @@ def _one_step_residual(scheme: str) -> dict[str, object]:
     layer = nn.Linear(8, 6, bias=False)
     with torch.no_grad():
         layer.weight.zero_()
-    compression = hvd.Compression.powersgd(rank=1, warmup_steps=0) if scheme == "powersgd" else hvd.Compression.topk(0.25, 0)
+    if scheme == "topk":
+        compression = hvd.Compression.topk(0.25, 0)
+    else:  # powersgd, or powersgd-bfloat16: the factors on the wire in that dtype
+        compression = hvd.Compression.powersgd(rank=1, warmup_steps=0, factors=scheme.partition("-")[2] or "float32")
     optimizer = hvd.DistributedOptimizer(torch.optim.SGD(layer.parameters(), lr=1.0), compression=compression)
     generator = torch.Generator().manual_seed(11 + hvd.rank())
     grads = [torch.randn(6, 8, generator=generator) for _ in range(2)]
@@ -151,26 +154,30 @@ def _one_step_residual(scheme: str) -> dict[str, object]:
     return {"grads": grads, "averaged": averaged, "residual": residual.view(6, 8), "base": base}
 
 
-def _hand_powersgd(grads_by_rank: list[torch.Tensor], errors: list[torch.Tensor], q: torch.Tensor) -> tuple:
-    """One PowerSGD step by hand: (average, per-rank residuals, new Q)."""
+def _hand_powersgd(
+    grads_by_rank: list[torch.Tensor], errors: list[torch.Tensor], q: torch.Tensor, wire: torch.dtype = torch.float32
+) -> tuple:
+    """One PowerSGD step by hand: (average, per-rank residuals, new Q); P and Q travel and are summed in ``wire``."""
     matrices = [g + e for g, e in zip(grads_by_rank, errors, strict=True)]
-    p = sum(m @ q for m in matrices)
-    p = torch.linalg.qr(p).Q
-    locals_ = [m.T @ p for m in matrices]
-    q_sum = sum(locals_)
+    p = torch.linalg.qr(sum(((m @ q).to(wire) for m in matrices), torch.zeros((), dtype=wire)).float()).Q
+    locals_ = [(m.T @ p).to(wire) for m in matrices]  # what each rank sends: its residual keeps the rounding
+    q_sum = sum(locals_, torch.zeros((), dtype=wire)).float()
+    locals_ = [local.float() for local in locals_]
     average = p @ q_sum.T / len(matrices)
     residuals = [m - p @ loc.T for m, loc in zip(matrices, locals_, strict=True)]
     return average, residuals, q_sum
 
 
-def test_powersgd_error_feedback_carries_the_residual_as_computed_by_hand() -> None:
+@pytest.mark.parametrize("wire", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_powersgd_error_feedback_carries_the_residual_as_computed_by_hand(wire: torch.dtype) -> None:
     import zlib
 
-    ranks = run_ranks(_one_step_residual, 2, args=("powersgd",))
+    scheme = "powersgd" if wire == torch.float32 else "powersgd-bfloat16"
+    ranks = run_ranks(_one_step_residual, 2, args=(scheme,))
     q = torch.randn(8, 1, generator=torch.Generator().manual_seed(zlib.crc32(b"allreduce.noname.0.0")))
     errors = [torch.zeros(6, 8), torch.zeros(6, 8)]
     for step in range(2):
-        average, errors, q = _hand_powersgd([r["grads"][step] for r in ranks], errors, q)
+        average, errors, q = _hand_powersgd([r["grads"][step] for r in ranks], errors, q, wire)
         for result in ranks:
             torch.testing.assert_close(result["averaged"][step], average, rtol=1e-4, atol=1e-5)
     for result, error in zip(ranks, errors, strict=True):
@@ -226,6 +233,53 @@ def test_powersgd_rank_is_chosen_per_layer_from_the_costs() -> None:
     low = build_plan(big, bandwidth_bound, 2, {}, allowed=allowed, lossy=LossyOptions(max_rank=8, min_rank=1))
     floor = build_plan(big, bandwidth_bound, 2, {}, allowed=allowed, lossy=LossyOptions(max_rank=8))
     assert high[0].rank == 8 and low[0].rank == 1 and floor[0].rank >= 2, (high[0].rank, low[0].rank, floor[0].rank)
+
+
+def test_bfloat16_factors_halve_powersgds_wire_in_the_cost_model() -> None:
+    from shoal.plan.schemes import CostContext, LayerShape, powersgd_cost
+
+    bandwidth_only = Calibration.uniform(0.0, 8 / 1e8, 1e12)
+    layer = LayerShape(2048 * 1024 * 4, ((2048, 1024),))
+    wire = {
+        f: powersgd_cost(CostContext(bandwidth_only, 2, lossy=LossyOptions(factors=f)), layer, 4).wire_s
+        for f in ("float32", "bfloat16")
+    }
+    assert wire["bfloat16"] == pytest.approx(wire["float32"] / 2), wire
+    with pytest.raises(ValueError, match="factors must be one of"):
+        hvd.Compression.powersgd(factors="float16")
+
+
+def _p_dtypes(comm: str, factors: str) -> list[str]:
+    """The dtype each compressed gradient's P was sent in at the second step (``comm``: auto-lossy with every layer
+    forced to PowerSGD, or powersgd; no warm-up)."""
+    torch.set_num_threads(1)
+    hvd.init()
+    model = _model()
+    overrides = {"conv": "powersgd", "fc1": "powersgd", "fc2": "powersgd"} if comm == "auto-lossy" else None
+    optimizer = hvd.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.05),
+        named_parameters=model.named_parameters(),
+        model=model,
+        compression=hvd.Compression.powersgd(rank=2, warmup_steps=0, factors=factors),
+        comm=comm,
+        comm_overrides=overrides,
+    )
+    x, y = _data(hvd.size(), 4, 2)
+    dtypes = []
+    for step in range(2):  # the layers' schemes are set at the first step
+        optimizer.zero_grad()
+        nn.functional.mse_loss(model(x[step]), y[step]).backward()
+        lossy = optimizer._shoal_router.lossy  # type: ignore[attr-defined]
+        waiting = [i for items in lossy.outbox.values() for i in items] + [i for _, _, items in lossy.flights for i in items]
+        dtypes = sorted(str(item.payload.dtype) for item in waiting)
+        optimizer.step()
+    return dtypes
+
+
+@pytest.mark.parametrize("comm", ["powersgd", "auto-lossy"])
+def test_powersgds_factors_travel_in_the_dtype_asked_for(comm: str) -> None:
+    assert set(run_ranks(_p_dtypes, 1, args=(comm, "bfloat16"))[0]) == {"torch.bfloat16"}
+    assert set(run_ranks(_p_dtypes, 1, args=(comm, "float32"))[0]) == {"torch.float32"}
 
 
 def _misuse() -> list[str]:

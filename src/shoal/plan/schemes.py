@@ -80,6 +80,10 @@ class LayerShape:
     """SFB on it spares backward the local weight gradient (an ``nn.Linear`` with a trainable bias)."""
 
 
+FACTOR_BYTES = {"float32": 4, "bfloat16": 2}
+"""Bytes per entry of PowerSGD's factors on the wire, by ``LossyOptions.factors``."""
+
+
 @dataclass(frozen=True)
 class LossyOptions:
     """The bounds on the lossy schemes, per optimizer."""
@@ -95,8 +99,13 @@ class LossyOptions:
     """Top-k's share of each gradient's entries sent."""
     min_rate: float = 2.0
     """A gradient is compressed only where it shrinks at least this much (else it joins the plain allreduce)."""
+    factors: str = "float32"
+    """PowerSGD's P and Q on the wire: ``"float32"`` (as torch's hook) or ``"bfloat16"`` (half the bytes; each rank's
+    error feedback keeps the rounding of its own share)."""
 
     def __post_init__(self) -> None:
+        if self.factors not in FACTOR_BYTES:
+            raise ValueError(f"factors must be one of {sorted(FACTOR_BYTES)}, got {self.factors!r}")
         if self.rank is not None and self.rank < 1:
             raise ValueError(f"the PowerSGD rank must be >= 1, got {self.rank}")
         if self.max_rank < 1 or self.min_rank < 1:
@@ -272,7 +281,8 @@ def factored_local_seconds(calibration: Calibration, linear: tuple[int, int, int
 
 def powersgd_cost(ctx: CostContext, layer: LayerShape, rank: int) -> Estimate:
     """PowerSGD at ``rank`` for every gradient of the layer that it shrinks enough (the rest allreduced): per n×m
-    matrix, an allreduce of P (n·r) and of Q (m·r), and the local work (``powersgd_local_seconds``)."""
+    matrix, an allreduce of P (n·r) and of Q (m·r) in the options' factor dtype, and the local work
+    (``powersgd_local_seconds``)."""
     calibration, min_rate = ctx.calibration, ctx.lossy.min_rate
     wire = local = 0.0
     rest = 0
@@ -283,7 +293,8 @@ def powersgd_cost(ctx: CostContext, layer: LayerShape, rank: int) -> Estimate:
             continue
         rows, columns = view
         used = min(rank, rows, columns)
-        wire += calibration.seconds("allreduce", rows * used * 4) + calibration.seconds("allreduce", columns * used * 4)
+        entry = FACTOR_BYTES[ctx.lossy.factors]
+        wire += calibration.seconds("allreduce", rows * used * entry) + calibration.seconds("allreduce", columns * used * entry)
         if layer.linear is not None and layer.spares_local and view == layer.linear[1:]:
             local += factored_local_seconds(calibration, layer.linear, used)
         else:

@@ -82,6 +82,7 @@ def powersgd(
     min_compression_rate: float = 2.0,
     max_rank: int = 4,
     min_rank: int = 2,
+    factors: str = "float32",
 ) -> Compressed:
     """PowerSGD with error feedback and warm start for every gradient with a matrix view (docs/communication.md).
 
@@ -93,8 +94,12 @@ def powersgd(
         min_compression_rate: a gradient is compressed only where n·m ≥ this × r·(n+m); the rest are allreduced.
         max_rank: the highest rank a per-layer choice may take.
         min_rank: the lowest (rank 1 converges noticeably slower).
+        factors: P and Q on the wire: ``"float32"``, as torch's hook, or ``"bfloat16"`` (half the bytes; each
+            rank's error feedback keeps the rounding of its own share; the planner weighs the smaller messages).
     """
-    options = LossyOptions(rank=rank, max_rank=max(max_rank, rank or 1), min_rank=min_rank, min_rate=min_compression_rate)
+    options = LossyOptions(
+        rank=rank, max_rank=max(max_rank, rank or 1), min_rank=min_rank, min_rate=min_compression_rate, factors=factors
+    )
     return Compressed(Scheme.POWERSGD, options, warmup_steps, total_steps)
 
 

@@ -37,7 +37,15 @@ from shoal.core import session as handles
 from shoal.core.process_sets import ProcessSet
 from shoal.core.rules import ReduceOp
 from shoal.plan.planner import spares_local_gradient
-from shoal.plan.schemes import DEFAULT_RANK, Compressed, Scheme, matrix_view, powersgd_rank_fits, topk_count, topk_fits
+from shoal.plan.schemes import (
+    DEFAULT_RANK,
+    Compressed,
+    Scheme,
+    matrix_view,
+    powersgd_rank_fits,
+    topk_count,
+    topk_fits,
+)
 from shoal.torch import functions
 from shoal.torch.compression import Compressor
 from shoal.torch.layer_comm.schemes import LayerComm, Wiring
@@ -88,7 +96,7 @@ class LossyState:
         kind = type(item.layer)
         waiting = self.outbox.setdefault(kind, [])
         waiting.append(item)
-        if sum(i.payload.numel() * 4 for i in waiting) >= GROUP_BYTES:
+        if sum(i.payload.numel() * i.payload.element_size() for i in waiting) >= GROUP_BYTES:
             self._send(kind, process_set, driven=False)
 
     def _send(self, kind: type[_Compressing], process_set: ProcessSet, driven: bool) -> None:
@@ -365,7 +373,12 @@ class LowRank(_Compressing):
     def __init__(self, name: str, params: list[torch.Tensor], setting: Compressed, wiring: Wiring) -> None:
         self.rank = setting.options.rank or wiring.rank or DEFAULT_RANK
         self._views = {id(p): matrix_view(tuple(p.shape)) for p in params}
+        self.wire_dtype = torch.bfloat16 if setting.options.factors == "bfloat16" else torch.float32
         super().__init__(name, params, setting, wiring)
+
+    def on_wire(self, factor: torch.Tensor) -> torch.Tensor:
+        """A factor as it is sent: a new tensor (the allreduce sums it in place), in the layer's wire dtype."""
+        return factor.to(self.wire_dtype, copy=True)
 
     def fits(self, param: torch.Tensor) -> bool:
         view = self._views[id(param)]
@@ -385,7 +398,7 @@ class LowRank(_Compressing):
         view = next(v for key, v in self._views.items() if self.names[key] == name)
         assert view is not None
         matrix = value.view(view)
-        return matrix, low_rank_project(matrix, self._base(name, view))
+        return matrix, self.on_wire(low_rank_project(matrix, self._base(name, view)))
 
     @classmethod
     def send(cls, items: list[Item], process_set: ProcessSet, driven: bool) -> int:
@@ -402,11 +415,14 @@ class LowRank(_Compressing):
             for item in items:
                 source, projected = item.work
                 if isinstance(source, Factors):
-                    basis = torch.linalg.qr(projected).Q
+                    basis = torch.linalg.qr(projected.float()).Q
                     local = source.transposed_times(basis)
                 else:
-                    basis, local = low_rank_basis(source, projected)
-                done.append((item, source, basis, local, local.clone()))
+                    basis, local = low_rank_basis(source, projected.float())
+                assert isinstance(item.layer, LowRank)
+                sent = item.layer.on_wire(local)
+                # The residual keeps what this rank's share lost, its rounding on the wire included.
+                done.append((item, source, basis, local if sent.dtype == local.dtype else sent.float(), sent))
         # Every gradient's Q together, while this rank works out its residuals.
         names = [f"DistributedOptimizer.powersgd.Q.{item.name}" for item, *_ in done]
         handle = functions.allreduce_named_async_([q for *_, q in done], names, ReduceOp.Sum, 1.0, 1.0, process_set, True)
@@ -418,6 +434,7 @@ class LowRank(_Compressing):
                 low_rank_residual(source, basis, local, residual.view(source.shape))
         handles.synchronize(handle)
         for item, source, basis, _, summed in done:
+            summed = summed.float()
             item.layer.state.bases[item.name] = summed
             # The averaged approximation, into the gradient.
             torch.mm(basis, (summed * scale).T, out=item.value.view(source.shape))
@@ -521,7 +538,7 @@ class FactoredLowRank(LowRank):
             if self._result is None or self._result.shape != weight.shape:
                 self._result = torch.empty_like(weight, dtype=torch.float32)
             weight.grad = self._result
-        projected = factors.times(self._base(name, view))
+        projected = self.on_wire(factors.times(self._base(name, view)))
         self.state.queue(Item(self, weight, name, weight.grad.view(-1), True, (factors, projected)), self.process_set)
         self._taken = True
 

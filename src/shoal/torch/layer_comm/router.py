@@ -8,6 +8,7 @@ keeps Horovod's surface (hooks, buckets, synchronize, step) and asks the router 
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -264,9 +265,9 @@ class LayerRouter:
         return found
 
     def lossy_options(self) -> LossyOptions:
-        """The bounds the planner weighs the compressed schemes with (PowerSGD's rank, top-k's ratio)."""
+        """The bounds the planner weighs the compressed schemes with (PowerSGD's rank and factors, top-k's ratio)."""
         low_rank, sparse = self.settings[Scheme.POWERSGD].options, self.settings[Scheme.TOPK].options
-        return LossyOptions(low_rank.rank, low_rank.max_rank, low_rank.min_rank, sparse.ratio, low_rank.min_rate)
+        return dataclasses.replace(low_rank, ratio=sparse.ratio)
 
     def _assign_all(self, scheme: Scheme) -> None:
         """Without a model: one scheme for every parameter."""
