@@ -306,21 +306,24 @@ def test_sparse_as_dense_gives_sparse_adam_a_sparse_gradient_again() -> None:
 
 
 class SometimesEmbedded(nn.Module):
-    """A sparse embedding that a forward pass may skip (its gradient is then None on that rank), and a dense head."""
+    """Two sparse embeddings, the first of which a forward pass may skip (its gradient is then None on that rank),
+    and a dense head."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.embedding = nn.Embedding(10, 3, sparse=True)
+        self.first = nn.Embedding(10, 3, sparse=True)
+        self.second = nn.Embedding(10, 3, sparse=True)
         self.head = nn.Linear(3, 1)
 
     def forward(self, index: torch.Tensor, embed: bool) -> torch.Tensor:
-        features = self.embedding(index).mean(0) if embed else torch.ones(3)
+        features = self.second(index).mean(0) + (self.first(index).mean(0) if embed else 0.0)
         return self.head(features).sum()
 
 
-def _skipped_embedding(distributed: bool, with_model: bool, skipped_step: int) -> list[float]:
-    """SGD on ``SometimesEmbedded`` for 3 steps, rank 1 skipping the embedding at ``skipped_step``; without
-    ``distributed``, one process with the mean of both ranks' losses."""
+def _skipped_embedding(distributed: bool, case: str, skipped_step: int) -> list[float]:
+    """SGD on ``SometimesEmbedded`` for 3 steps, rank 1 skipping the first embedding at ``skipped_step``; without
+    ``distributed``, one process with the mean of both ranks' losses. ``case``: the optimizer gets ``model=``
+    ("model-given"), also PowerSGD at full rank for every gradient ("compressed"), or no model ("seen-before")."""
     if distributed:
         hvd.init()
         torch.set_num_threads(1)
@@ -328,8 +331,13 @@ def _skipped_embedding(distributed: bool, with_model: bool, skipped_step: int) -
     model = SometimesEmbedded()
     optimizer: torch.optim.Optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     if distributed:
-        named = model.named_parameters()
-        optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=named, model=model if with_model else None)
+        compression = hvd.Compression.powersgd(rank=3, warmup_steps=0, min_compression_rate=0.0)
+        optimizer = hvd.DistributedOptimizer(
+            optimizer,
+            named_parameters=model.named_parameters(),
+            model=None if case == "seen-before" else model,
+            compression=compression if case == "compressed" else hvd.Compression.none,
+        )
     rows = [torch.tensor([1, 2, 2]), torch.tensor([2, 7, 9])]
     for step in range(3):
         optimizer.zero_grad()
@@ -342,15 +350,39 @@ def _skipped_embedding(distributed: bool, with_model: bool, skipped_step: int) -
     return [v for p in model.parameters() for v in p.detach().reshape(-1).tolist()]
 
 
-@pytest.mark.parametrize(("with_model", "skipped_step"), [(True, 0), (False, 1)], ids=["model-given", "seen-before"])
-def test_a_rank_without_a_sparse_gradient_stands_in_an_empty_sparse_one(with_model: bool, skipped_step: int) -> None:
+@pytest.mark.parametrize(
+    ("case", "skipped_step"), [("model-given", 0), ("compressed", 0), ("seen-before", 1)], ids=lambda v: str(v)
+)
+def test_a_rank_without_a_sparse_gradient_stands_in_an_empty_sparse_one(case: str, skipped_step: int) -> None:
     """Where the others allgather a sparse embedding gradient, a rank that skipped the embedding stands in an empty
-    sparse gradient (known from the model's sparse embeddings, or from a sparse gradient in an earlier step); a
-    dense zero stood in there waited forever. Weights as one process with both ranks' losses."""
-    results = run_ranks(_skipped_embedding, 2, args=(True, with_model, skipped_step), timeout_s=60)
-    reference = _skipped_embedding(False, with_model, skipped_step)
+    sparse gradient (known from the model's sparse embeddings, or from a step that every rank reduced it as sparse),
+    also where PowerSGD would take a dense one; a dense zero stood in there waited forever. Its reduction starts
+    with the others' before any is waited for (the stand-in comes last on its rank). Weights as one process with
+    both ranks' losses (PowerSGD at full rank equals the allreduce)."""
+    results = run_ranks(_skipped_embedding, 2, args=(True, case, skipped_step), timeout_s=60)
+    reference = _skipped_embedding(False, case, skipped_step)
     for weights in results:
         np.testing.assert_allclose(weights, reference, atol=ATOL)
+
+
+def _learnt_sparse_across_a_reinit() -> list[bool]:
+    """Whether the first embedding's weight is known sparse: before any step, after one, after a re-init."""
+    hvd.init()
+    model = SometimesEmbedded()
+    optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters())
+    exchange = optimizer._shoal_exchange  # type: ignore[attr-defined]
+    known = [id(model.first.weight) in exchange._known_sparse()]
+    model(torch.tensor([1, 2]), True).backward()
+    optimizer.step()
+    known.append(id(model.first.weight) in exchange._known_sparse())
+    hvd.shutdown()
+    hvd.init()  # as after an elastic change: new members know nothing of the last session
+    known.append(id(model.first.weight) in exchange._known_sparse())
+    return known
+
+
+def test_what_every_rank_learnt_is_sparse_is_forgotten_at_a_reinit() -> None:
+    assert run_ranks(_learnt_sparse_across_a_reinit, 1, timeout_s=60)[0] == [False, True, False]
 
 
 def _step_after_synchronize() -> list[str]:

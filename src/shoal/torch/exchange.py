@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -220,6 +220,7 @@ class GradientExchange(_Exchange):
         "_moved",
         "_order",
         "_overlap",
+        "_seen_sparse",
         "_shared_tried",
         "_sparse",
         "_submitted",
@@ -290,9 +291,12 @@ class GradientExchange(_Exchange):
         """Parameters whose sparse gradient was reduced densely (sparse_as_dense), with its sparse dimensions: sparse
         again after the exchange."""
         self.sparse_dims: dict[int, int] = {}
-        """Parameters known to get sparse gradients (the model's sparse embeddings, or seen in an earlier step), with
-        their sparse dimensions: a rank without such a gradient stands in an empty sparse one, as the others allgather
-        theirs (a dense zero would wait forever for a collective no other rank starts)."""
+        """Parameters the model says get sparse gradients (its sparse embeddings), with their sparse dimensions: a
+        rank without such a gradient stands in an empty sparse one, as the others allgather theirs (a dense zero
+        would wait forever for a collective no other rank starts)."""
+        self._seen_sparse: tuple[Any, dict[int, int]] = (None, {})
+        """The session, and the parameters every rank reduced as sparse in it (learnt together, so every rank knows
+        the same; a re-init, as after an elastic change, starts afresh with its new members)."""
         self.shared: SharedGradients | None = None
         """The gradients in shared memory (``shared_grads``), adopted after a session's second step."""
         self._shared_tried: Any = None
@@ -397,15 +401,26 @@ class GradientExchange(_Exchange):
             self._submit(self._bucket, driven)
         self._bucket, self._bucket_size = [], 0
 
+    def _known_sparse(self) -> dict[int, int]:
+        """The parameters known to get sparse gradients, on every rank alike: the model's, and those reduced as
+        sparse in this session."""
+        session = handles.session()
+        if self._seen_sparse[0] is not session:
+            self._seen_sparse = (session, dict(self.sparse_dims))
+        return self._seen_sparse[1]
+
     def _grad(self, param: torch.Tensor) -> torch.Tensor:
         if param.grad is None:
-            sparse_dim = None if self.sparse_as_dense else self.sparse_dims.get(id(param))
-            param.grad = torch.zeros_like(param) if sparse_dim is None else empty_sparse_like(param, sparse_dim)
-        elif param.grad.is_sparse:
-            self.sparse_dims[id(param)] = param.grad.sparse_dim()
-            if self.sparse_as_dense:
-                self._densified[id(param)] = param.grad.sparse_dim()
-                param.grad = param.grad.to_dense()
+            sparse_dim = self._known_sparse().get(id(param))
+            if sparse_dim is not None and not self.sparse_as_dense:
+                param.grad = empty_sparse_like(param, sparse_dim)
+            else:
+                param.grad = torch.zeros_like(param)
+                if sparse_dim is not None:  # sparse again after the exchange, as the other ranks' gradients
+                    self._densified[id(param)] = sparse_dim
+        elif param.grad.is_sparse and self.sparse_as_dense:
+            self._densified[id(param)] = self._known_sparse()[id(param)] = param.grad.sparse_dim()
+            param.grad = param.grad.to_dense()
         return param.grad
 
     def _submit(self, params: list[torch.Tensor], driven: bool = False) -> None:
@@ -501,7 +516,8 @@ class GradientExchange(_Exchange):
             self._submitted.update(id(p) for p in self.params if shared.holds(p))
             shared.submit_rest()
         layers = self.router.layers()
-        missing = [p for p in self.params if id(p) not in self._submitted]
+        known_sparse = self._known_sparse()  # never a compressed layer's: the other ranks send theirs sparse
+        missing = [p for p in self.params if id(p) not in self._submitted and id(p) not in known_sparse]
         for layer in layers:
             self._submitted.update(id(p) for p in layer.claim_missing(missing))
         missing = [p for p in self.params if id(p) not in self._submitted]
@@ -518,19 +534,23 @@ class GradientExchange(_Exchange):
                     if compressed is not param.grad:
                         assert param.grad is not None
                         param.grad.copy_(compressor.decompress(compressed, ctx))
-        for param in self._sparse:
-            param.grad = self._sparse_allreduce(param.grad, self.names[id(param)])
+        # Every sparse reduction is started before any is waited for: ranks add their stand-ins last, in another
+        # order than the gradients that backward produced.
+        reductions = [(param, self._sparse_allreduce(param.grad, self.names[id(param)])) for param in self._sparse]
+        for param, result in reductions:
+            param.grad = result().coalesce()
+            known_sparse[id(param)] = param.grad.sparse_dim()  # every rank reduced it as sparse: all know it now
         for param in self.params:
             # As Horovod does: a gradient that was sparse is sparse again (SparseAdam refuses dense ones).
             if id(param) in self._densified and param.grad is not None:
                 param.grad = param.grad.to_sparse(self._densified[id(param)])
 
-    def _sparse_allreduce(self, grad: torch.Tensor | None, name: str) -> torch.Tensor:
-        """Sparse gradients: allgather indices and values, then sum duplicates (averaging if op is Average)."""
+    def _sparse_allreduce(self, grad: torch.Tensor | None, name: str) -> Callable[[], torch.Tensor]:
+        """Start reducing a sparse gradient (allgather indices and values; averaging if op is Average); the callable
+        waits and gives the result, duplicates not yet summed."""
         assert grad is not None
         op = ReduceOp.Average if self.op == ReduceOp.Average else ReduceOp.Sum  # Adasum on one rank: a sum
-        result = functions.sparse_allreduce_async(grad, gradient_request_name(name), op, self.process_set)
-        return result().coalesce()
+        return functions.sparse_allreduce_async(grad, gradient_request_name(name), op, self.process_set)
 
     def reset(self, discard: bool = False) -> None:
         """Forget this step. ``discard``: it never finished (elastic recovery after a failed collective), so also
