@@ -377,7 +377,7 @@ class LowRank(_Compressing):
         super().__init__(name, params, setting, wiring)
 
     def on_wire(self, factor: torch.Tensor) -> torch.Tensor:
-        """A factor as it is sent: a new tensor (the allreduce sums it in place), in the layer's wire dtype."""
+        """A factor this rank keeps, as it is sent: a copy (the allreduce sums in place), in the layer's wire dtype."""
         return factor.to(self.wire_dtype, copy=True)
 
     def fits(self, param: torch.Tensor) -> bool:
@@ -398,7 +398,7 @@ class LowRank(_Compressing):
         view = next(v for key, v in self._views.items() if self.names[key] == name)
         assert view is not None
         matrix = value.view(view)
-        return matrix, self.on_wire(low_rank_project(matrix, self._base(name, view)))
+        return matrix, low_rank_project(matrix, self._base(name, view)).to(self.wire_dtype)  # a new tensor: summed in place
 
     @classmethod
     def send(cls, items: list[Item], process_set: ProcessSet, driven: bool) -> int:
@@ -538,7 +538,7 @@ class FactoredLowRank(LowRank):
             if self._result is None or self._result.shape != weight.shape:
                 self._result = torch.empty_like(weight, dtype=torch.float32)
             weight.grad = self._result
-        projected = self.on_wire(factors.times(self._base(name, view)))
+        projected = factors.times(self._base(name, view)).to(self.wire_dtype)  # a new tensor: summed in place
         self.state.queue(Item(self, weight, name, weight.grad.view(-1), True, (factors, projected)), self.process_set)
         self._taken = True
 
