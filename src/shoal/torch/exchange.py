@@ -236,7 +236,6 @@ class GradientExchange(_Exchange):
         "shared",
         "skip_synchronize",
         "sparse_as_dense",
-        "sparse_dims",
         "spec",
         "synchronized",
         "weights",
@@ -290,13 +289,12 @@ class GradientExchange(_Exchange):
         self._densified: dict[int, int] = {}
         """Parameters whose sparse gradient was reduced densely (sparse_as_dense), with its sparse dimensions: sparse
         again after the exchange."""
-        self.sparse_dims: dict[int, int] = {}
-        """Parameters the model says get sparse gradients (its sparse embeddings), with their sparse dimensions: a
-        rank without such a gradient stands in an empty sparse one, as the others allgather theirs (a dense zero
-        would wait forever for a collective no other rank starts)."""
         self._seen_sparse: tuple[Any, dict[int, int]] = (None, {})
-        """The session, and the parameters every rank reduced as sparse in it (learnt together, so every rank knows
-        the same; a re-init, as after an elastic change, starts afresh with its new members)."""
+        """The session, and the parameters known in it to get sparse gradients, with their sparse dimensions: the
+        model's sparse embeddings, and those every rank reduced as sparse (learnt together, so every rank knows the
+        same; a re-init, as after an elastic change, starts afresh with its new members). A rank without such a
+        gradient stands in an empty sparse one, as the others allgather theirs (a dense zero would wait forever for
+        a collective no other rank starts)."""
         self.shared: SharedGradients | None = None
         """The gradients in shared memory (``shared_grads``), adopted after a session's second step."""
         self._shared_tried: Any = None
@@ -318,8 +316,6 @@ class GradientExchange(_Exchange):
         return bool(self._submitted or self._bucket or (self.shared is not None and self.shared.pending))
 
     def attach(self) -> None:
-        if self.router is not None and self.router.model is not None:
-            self.sparse_dims.update(sparse_embedding_dims(self.router.model))
         if self.member:
             super().attach()
 
@@ -406,7 +402,8 @@ class GradientExchange(_Exchange):
         sparse in this session."""
         session = handles.session()
         if self._seen_sparse[0] is not session:
-            self._seen_sparse = (session, dict(self.sparse_dims))
+            model = self.router.model
+            self._seen_sparse = (session, sparse_embedding_dims(model) if model is not None else {})
         return self._seen_sparse[1]
 
     def _grad(self, param: torch.Tensor) -> torch.Tensor:
