@@ -45,13 +45,18 @@ class RunningJob:
 
     def wait_for(self, pattern: str, timeout_s: float) -> re.Match[str]:
         """The first output line matching ``pattern``; fails the test after ``timeout_s``."""
+        return self.wait_for_line(pattern, timeout_s)[1]
+
+    def wait_for_line(self, pattern: str, timeout_s: float, after: int = -1) -> tuple[int, re.Match[str]]:
+        """The index and match of the first output line after line ``after`` that matches ``pattern`` (a later state
+        of the job, where an earlier line would also match); fails the test after ``timeout_s``."""
         deadline = time.monotonic() + timeout_s
         regex = re.compile(pattern)
         while time.monotonic() < deadline:
-            for line in list(self.lines):
-                match = regex.search(line)
+            for index, line in enumerate(list(self.lines)):
+                match = regex.search(line) if index > after else None
                 if match:
-                    return match
+                    return index, match
             if self.process.poll() is not None and not self._reader.is_alive():
                 break
             time.sleep(0.05)
@@ -400,11 +405,13 @@ def test_a_balanced_job_that_shrinks_and_grows_keeps_one_process_weights(tmp_pat
     from workers import balanced_elastic as worker
 
     hosts, script = discovery(tmp_path, "localhost:2")
+    hold = tmp_path / "hold"  # the survivor waits at world 1 until the returning worker has joined
+    hold.touch()
     epochs = 12
     flags = ["-np", "2", "--min-np", "1", "--max-np", "2", "--host-discovery-script", str(script)]
     job = RunningJob(
         [*flags, "--blacklist-cooldown-range", "1", "2"] if loss == "sigkill" else flags,
-        ["--epochs", str(epochs), "--step-delay", "0.1"],
+        ["--epochs", str(epochs), "--step-delay", "0.1", "--hold-file", str(hold)],
         [sys.executable, str(REPO / "tests" / "workers" / "balanced_elastic.py")],
     )
     pid = int(job.wait_for(r"^\[1\]<stdout>:worker pid (\d+)", 60).group(1))
@@ -413,9 +420,10 @@ def test_a_balanced_job_that_shrinks_and_grows_keeps_one_process_weights(tmp_pat
         subprocess.run(["kill", "-9", str(pid)], check=True)
     else:
         hosts.write_text("localhost:1\n")
-    job.wait_for(r"^\[0\]<stdout>:step \d+ world 1", 60)
+    shrunk, _ = job.wait_for_line(r"^\[0\]<stdout>:step \d+ world 1", 60)
     hosts.write_text("localhost:2\n")
-    job.wait_for(r"^\[0\]<stdout>:step \d+ world 2", 60)
+    job.wait_for_line(r"^\[0\]<stdout>:step \d+ world 2", 60, after=shrunk)
+    hold.unlink()
     assert job.finish(150) == 0, "\n".join(job.lines[-30:])
     result = None
     for line in reversed(job.lines):

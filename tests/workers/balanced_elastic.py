@@ -69,6 +69,13 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--epochs", type=int, default=12)
     parser.add_argument("--step-delay", type=float, default=0.1)
+    parser.add_argument(
+        "--hold-file",
+        default=None,
+        help="while this file exists and one worker is left, wait after each commit (checking for hosts joining) "
+        "instead of training on: a test removes it once it has seen the world grow again, so training cannot end "
+        "before a returning worker has started, however long that takes on a loaded machine",
+    )
     args = parser.parse_args()
     hvd.init()
     print(f"worker pid {os.getpid()} starts as rank {hvd.rank()}", flush=True)
@@ -104,6 +111,9 @@ def main() -> None:
                 if hvd.rank() == 0:
                     print(f"step {len(state.log)} world {hvd.size()}", flush=True)
                 time.sleep(args.step_delay)
+                while args.hold_file and hvd.size() == 1 and os.path.exists(args.hold_file):
+                    state.check_host_updates()
+                    time.sleep(0.05)
             state.epoch += 1
             state.commit()
 
