@@ -36,12 +36,15 @@ check: lint
 	$(BIN)/pytest -m check
 
 # Two pytest workers (pytest-xdist): many tests wait on processes, sockets and timeouts, so two at once use the
-# second core; work stealing evens out the long tail. The few tests marked "alone" (a timing checked against a
-# measurement) run afterwards, one at a time, instead of holding both workers while they wait for a quiet machine;
-# so do those marked "slurm", which share one real Slurm cluster (started once, in that run).
+# second core. Tests go one by one to whichever worker is free, longest modules first (tests/conftest.py), except
+# that each xdist_group (Ray's tests, Spark's) stays on one worker, so that one cluster or JVM serves it. The few
+# tests marked "alone" (a timing checked against a measurement) run afterwards, one at a time, instead of holding both
+# workers while they wait for a quiet machine; so do those marked "slurm", which share one real Slurm cluster (started
+# once, in that run). The last line gives the tests' wall time.
 test: lint
-	$(BIN)/pytest -n 2 --dist worksteal -m "not alone and not slurm"
-	$(BIN)/pytest -m "alone or slurm"
+	@start=$$(date +%s); \
+	$(BIN)/pytest -n 2 --dist loadgroup -m "not alone and not slurm" && $(BIN)/pytest -m "alone or slurm"; \
+	code=$$?; echo "make test: the tests took $$(( $$(date +%s) - start )) s (target: 600 s on 2 cores)"; exit $$code
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -30,14 +30,35 @@ needs_netns = pytest.mark.skipif(
 _TENSORFLOW_TESTS = {"test_tensorflow.py", "test_keras.py", "test_keras2.py", "test_tf_extras.py", "test_conformance.py"}
 
 
+LONGEST_FIRST = (
+    "test_network_faults.py",
+    "test_churn.py",
+    "test_spark.py",
+    "test_spark_estimator.py",
+    "test_spark_elastic.py",
+    "test_ray.py",
+    "test_ray_elastic.py",
+    "test_examples.py",
+    "test_elastic.py",
+    "test_tensorflow.py",
+    "test_keras.py",
+    "test_reliability.py",
+)
+"""Modules whose tests take longest, in the order ``make test``'s two workers should start them: the longest jobs
+first, so that the run does not end on one worker finishing a long test while the other has nothing left."""
+
+
 @pytest.hookimpl(trylast=True)  # after ``-m`` has deselected: ``make test``'s run of the "alone" tests needs none
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """When TensorFlow tests will run, import TensorFlow once in the forkserver the ranks are forked from, instead of
+    """Put the tests of ``LONGEST_FIRST`` ahead of the rest (a stable sort: the same order on every xdist worker).
+    When TensorFlow tests will run, import TensorFlow once in the forkserver the ranks are forked from, instead of
     in every rank (five seconds of CPU each)."""
     import importlib.util
 
     from shoal.testing import preload
 
+    rank = {name: index for index, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
     if importlib.util.find_spec("tensorflow") and any(item.path.name in _TENSORFLOW_TESTS for item in items):
         os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
         preload("tensorflow")

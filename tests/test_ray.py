@@ -18,6 +18,7 @@ import pytest
 from conftest import REPO, clean_env, process_alive
 
 ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'shoal[ray]')")
+pytestmark = pytest.mark.xdist_group("ray")  # one worker runs them: one Ray cluster at a time, started once per module
 
 from shoal.ray import RayExecutor  # noqa: E402
 

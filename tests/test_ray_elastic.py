@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'shoal[ray]')")
+pytestmark = pytest.mark.xdist_group("ray")  # one worker runs them: one Ray cluster at a time, started once per module
 
 from ray.cluster_utils import Cluster  # noqa: E402
 

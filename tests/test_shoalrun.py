@@ -317,6 +317,27 @@ def test_an_elastic_job_gives_each_local_worker_its_share_of_the_cores(worker_en
     assert f"OMP_NUM_THREADS={share} for each local worker ({os.cpu_count()} cores / 3 workers)" in result.stderr
 
 
+def test_an_elastic_job_of_workers_that_exit_before_the_last_is_started_finishes(tmp_path: Path) -> None:
+    """Workers that exit 0 while the others are still being spawned (a short script on a busy machine) belong to the
+    first round all the same, and the others run to their end: the job finishes with exit 0 (it once said "every
+    worker has exited and none finished" and exited 1, because the round was published with the workers still alive;
+    and a finished worker once ended the others of a script that never rendezvoused)."""
+    from shoal.runner.cli import parse_args
+    from shoal.runner.elastic_driver import ElasticJob, elastic_hosts
+    from shoal.runner.spawners import ProcessSpawner, Worker, WorkerSpec
+
+    class SlowSpawner(ProcessSpawner):
+        def spawn(self, spec: WorkerSpec) -> Worker:
+            worker = ProcessSpawner.spawn(self, spec)
+            worker.process.wait(timeout=30)  # this worker has exited before the next one starts
+            return worker
+
+    script = f"import os, time; time.sleep(0.5); open(os.path.join({str(tmp_path)!r}, str(os.getpid())), 'w').close()"
+    config = parse_args(["-np", "3", "--min-np", "2", sys.executable, "-c", script])
+    assert ElasticJob(config, elastic_hosts(config), spawner=SlowSpawner()).run() == 0
+    assert len(list(tmp_path.iterdir())) == 3  # every worker ran to its end
+
+
 def test_ranks_filter_and_zero_padded_logs(worker_env: dict[str, str], tmp_path: Path) -> None:
     code = "import os; print('hello from', os.environ['SHOAL_RANK'])"
     logs = tmp_path / "logs"

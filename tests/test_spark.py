@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 pyspark = pytest.importorskip("pyspark", reason="pyspark is not installed (pip install 'shoal[spark]')")
+pytestmark = pytest.mark.xdist_group("spark")  # one worker runs them: one Spark session (JVM) for all three modules
 
 
 import shoal.spark  # noqa: E402

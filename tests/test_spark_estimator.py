@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 pyspark = pytest.importorskip("pyspark", reason="pyspark is not installed (pip install 'shoal[spark]')")
+pytestmark = pytest.mark.xdist_group("spark")  # one worker runs them: one Spark session (JVM) for all three modules
 
 import torch  # noqa: E402
 

@@ -390,8 +390,11 @@ class ElasticJob(Job):
         if any(w.state == "finished" for w in self.elastic):
             # A short last round may have formed since the loop last looked: its members are training, not waiting.
             self._note_formed()
-            if any(w.joined for w in self._alive("member")):
+            members = self._alive("member")
+            if any(w.joined for w in members):
                 return None  # members holding the state are still finishing their last steps
+            if members and self.round == 1 and not self._round_formed:
+                return None  # a script that never rendezvoused (no elastic state): each worker runs to its end
             # Training is over; newcomers still waiting to join (or removed workers still leaving) are not needed.
             self._say_ending()
             for worker in self._alive("starting", "removed", "member"):
@@ -451,7 +454,10 @@ class ElasticJob(Job):
         if self._store_error is None:
             self._keys = ElasticKeys(secret_namespace(self.secret))
             self._fill_slots(min(self.num_proc, self.max_np))
-            self._publish_round(self._alive("starting"))
+            # Every worker started for the first round is in it, alive or not: one that already exited (a short
+            # script, the others still being spawned) is then reaped as a member, finished or failed, not as a
+            # newcomer that left without joining (which once ended a job of quick workers "none finished", exit 1).
+            self._publish_round([w for w in self.elastic if w.state == "starting"])
         while True:
             interrupted = self._interrupted()  # a signal, or the store could not be hosted
             if interrupted is not None:
