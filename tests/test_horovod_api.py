@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
 import shoal.torch as hvd
+from conftest import clean_env
 from shoal.testing import run_ranks
 
 
@@ -223,3 +228,22 @@ def test_sparse_gradients_train_with_sparse_adam_as_one_process_would() -> None:
         optimizer.step()
     for weights in run_ranks(_sparse_adam, 2):
         torch.testing.assert_close(torch.tensor(weights), embedding.weight.detach(), rtol=1e-6, atol=1e-6)
+
+
+def test_deprecations_point_at_the_users_line_and_show_under_default_filters(tmp_path: Path) -> None:
+    """Python shows a DeprecationWarning by default only when it points at ``__main__``: Shoal's point at the user's
+    call, however deep the rule sits (a fixed stacklevel once landed on a Shoal frame, so users never saw them)."""
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import torch\n"
+        "import shoal.torch as hvd\n"
+        "hvd.init()\n"
+        "params = [torch.nn.Parameter(torch.ones(2))]\n"
+        "hvd.DistributedOptimizer(torch.optim.SGD(params, lr=0.1), num_groups=1)\n"
+        "hvd.allreduce(torch.ones(1), average=True, name='x')\n"
+    )
+    env = {k: v for k, v in clean_env().items() if k != "PYTHONWARNINGS"}
+    result = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert f"{script}:5: DeprecationWarning: num_groups is deprecated" in result.stderr, result.stderr
+    assert f"{script}:6: DeprecationWarning: Parameter `average` has been replaced" in result.stderr, result.stderr

@@ -65,6 +65,32 @@ def test_timeline_summary_and_plot(tmp_path: Path) -> None:
     assert out.read_bytes()[:4] == b"\x89PNG" and out.stat().st_size > 10_000
 
 
+def test_summary_reads_a_timeline_cut_short_and_refuses_a_file_that_is_no_trace(tmp_path: Path) -> None:
+    """A crash leaves the array without its closing bracket and perhaps half a line: that is read (as Chrome's and
+    Perfetto's viewers read it); anything else is refused with a clear error and exit 2, never an empty summary."""
+    path = tmp_path / "timeline.json"
+    run_ranks(_train_a_few_steps, 1, env={"SHOAL_TIMELINE": str(path)})
+    text = path.read_text()
+    cut = tmp_path / "cut.json"
+    cut.write_text(text[: text.rindex("]")].rstrip()[:-20])  # no bracket, the last event cut in half
+    summary = _timeline("summary", str(cut))
+    assert summary.returncode == 0, summary.stderr
+    assert "DistributedOptimizer.0.weight" in summary.stdout
+    one_line = tmp_path / "one_line.json"  # another tool's export: one JSON array
+    one_line.write_text(json.dumps([json.loads(line.strip().rstrip(",")) for line in text.splitlines()[1:-1] if line]))
+    assert _timeline("summary", str(one_line)).stdout == _timeline("summary", str(path)).stdout
+    for name, broken in {
+        "broken": '{"broken',
+        "object": '{"traceEvents": 3}',
+        "middle": '[\n{"ph": "B"},\n{oops\n{"ph": "E"}\n]',
+    }.items():
+        bad = tmp_path / f"{name}.json"
+        bad.write_text(broken)
+        refused = _timeline("summary", str(bad))
+        assert refused.returncode == 2 and "is not a Shoal timeline" in refused.stderr, (name, refused)
+        assert refused.stdout == "", name
+
+
 def test_rank_zero_timeline_marks_readiness_and_compute_spans_in_order(tmp_path: Path) -> None:
     path = tmp_path / "timeline.json"
     run_ranks(_train_a_few_steps, 2, env={"SHOAL_TIMELINE": str(path)})

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import logging
+import os
+import sys
+import warnings
 
 from shoal.config import env_name, worker_setting
 
@@ -23,3 +26,16 @@ def get_logger() -> logging.Logger:
             raise ValueError(f"{env_name('LOG_LEVEL')} must be one of {sorted(_LEVELS)}, got {level_name!r}")
         logger.setLevel(_LEVELS[level_name])
     return logger
+
+
+_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def warn_user(message: str, category: type[Warning] = UserWarning) -> None:
+    """``warnings.warn`` pointed at the first frame outside Shoal: the user's call, however deep in Shoal the rule
+    sits. Python's default filters show a ``DeprecationWarning`` only when it points at ``__main__``, so a fixed
+    ``stacklevel`` that lands on a Shoal frame hides it from the very users it is for."""
+    level, frame = 2, sys._getframe(1)  # stacklevel 2 is the frame of the function that called this one
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_PACKAGE):
+        level, frame = level + 1, frame.f_back  # type: ignore[assignment]
+    warnings.warn(message, category, stacklevel=level)

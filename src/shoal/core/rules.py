@@ -14,7 +14,6 @@ the error classes.
 from __future__ import annotations
 
 import enum
-import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -22,6 +21,7 @@ from typing import Any, TypeVar
 from shoal.engine.request import Kind, ReduceOp
 from shoal.engine.validation import MOVABLE_DTYPES, REDUCESCATTER_OPS, REDUCING_DTYPES, dtypes_for
 from shoal.exceptions import CollectiveMismatchError, HorovodInternalError, NotInitializedError, UnsupportedOperationError
+from shoal.log import warn_user
 
 __all__ = [
     "GRADIENTS",
@@ -79,9 +79,7 @@ def resolve_op(op: int | None, average: bool | None) -> ReduceOp:
             raise ValueError("The op parameter supersedes average. Please provide only one of them.")
         return ReduceOp(op)
     if average is not None:
-        warnings.warn(
-            "Parameter `average` has been replaced with `op` and will be removed in v1.0", DeprecationWarning, stacklevel=3
-        )
+        warn_user("Parameter `average` has been replaced with `op` and will be removed in v1.0", DeprecationWarning)
         return ReduceOp.Average if average else ReduceOp.Sum
     return ReduceOp.Average
 
@@ -131,10 +129,8 @@ def resolve_groups(num_groups: int, groups: Any) -> Any:
     if isinstance(num_groups, bool) or not isinstance(num_groups, int) or num_groups < 0:
         raise ValueError(f"num_groups must be an int >= 0, got {num_groups!r}")
     if num_groups != 0:
-        warnings.warn(
-            "num_groups is deprecated (Horovod replaced it with groups); groups wins when both are given",
-            DeprecationWarning,
-            stacklevel=3,
+        warn_user(
+            "num_groups is deprecated (Horovod replaced it with groups); groups wins when both are given", DeprecationWarning
         )
         if groups is None:
             groups = num_groups

@@ -144,15 +144,38 @@ def open_timeline(path: str, rank: int, mark_cycles: bool) -> Timeline | None:
 
 
 def load_timeline(path: str) -> list[dict[str, Any]]:
-    """Load a timeline file, complete or truncated by a killed job; returns its events."""
-    events = []
+    """Load a timeline file, complete or cut short by a killed job (an array without its closing bracket, its last
+    line perhaps partial, as Chrome's and Perfetto's viewers accept); returns its events.
+
+    Raises:
+        ValueError: the file is not a trace: neither one event per line inside ``[`` nor one JSON array of events.
+    """
     with open(path) as source:
-        for line in source:
-            text = line.strip().rstrip(",")
-            if text in ("[", "]", ""):
-                continue
-            try:
-                events.append(json.loads(text))
-            except json.JSONDecodeError:
+        text = source.read()
+    lines = [line.strip().rstrip(",") for line in text.splitlines()]
+    lines = [line for line in lines if line not in ("", "]")]
+    if not lines or lines[0] != "[":
+        return _whole_array(path, text)
+    events = []
+    for number, line in enumerate(lines[1:], 2):
+        try:
+            event = json.loads(line)
+        except json.JSONDecodeError:
+            if number == len(lines):
                 break  # the partial last line of a killed writer
+            raise ValueError(f"{path} is not a Shoal timeline: line {number} is not a JSON trace event") from None
+        if not isinstance(event, dict):
+            raise ValueError(f"{path} is not a Shoal timeline: line {number} is not a trace event object")
+        events.append(event)
+    return events
+
+
+def _whole_array(path: str, text: str) -> list[dict[str, Any]]:
+    """A trace written as one JSON array (another tool's export), else the error that the file is no trace."""
+    try:
+        events = json.loads(text)
+    except json.JSONDecodeError:
+        events = None
+    if not isinstance(events, list) or not all(isinstance(event, dict) for event in events):
+        raise ValueError(f"{path} is not a Shoal timeline: expected a JSON array of trace events")
     return events
