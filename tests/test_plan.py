@@ -10,7 +10,7 @@ from torch import nn
 
 import shoal.torch as hvd
 from shoal.plan.calibration import Calibration, calibration_to_json
-from shoal.plan.planner import build_plan, median_error, predict
+from shoal.plan.planner import build_plan, format_plan, median_error, predict
 from shoal.plan.schemes import Scheme
 from shoal.testing import run_ranks
 
@@ -262,6 +262,10 @@ def test_forced_schemes_are_obeyed_by_name_and_type() -> None:
     assert (plans["2"].choice, plans["2"].forced) == ("bf16", True)
     with pytest.raises(ValueError, match="unknown scheme"):
         build_plan(model, CALIBRATION, 2, {}, {"0": "carrier-pigeon"})
+    forced_table = format_plan(list(plans.values()), 2)
+    assert "allreduce*" in forced_table and "* forced by comm_overrides." in forced_table
+    chosen_table = format_plan(build_plan(model, CALIBRATION, 2, {"0": 8, "2": 8}), 2)
+    assert "*" not in chosen_table, chosen_table  # nothing forced: no mark and no footnote for one
 
 
 def _forced_in_optimizer() -> list[str]:

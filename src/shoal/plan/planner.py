@@ -299,9 +299,10 @@ def format_plan(plans: list[LayerPlan], workers: int, calibration: Calibration |
     for link, (latency, per_byte) in (calibration.links if calibration is not None else {}).items():
         rate = f"{1e-9 / per_byte:.2f} GB/s" if per_byte > 0 else "unbounded"
         lines.append(f"{link} link (gloo allreduce): latency {latency * 1e3:.3f} ms, {rate}")
+    forced = "* forced by comm_overrides. " if any(plan.forced for plan in plans) else ""
     lines.append(
-        "* forced by comm_overrides. expected: the choice's prediction as executed (fused layers share one "
-        "latency); measured: the fastest rank's time in training (not ps); both running medians; auto "
-        "chooses ps only with dedicated servers (shoalrun --num-servers)"
+        f"{forced}expected: the choice's prediction as executed (fused layers share one latency); measured: the "
+        "fastest rank's time in training; both running medians, '-' for ps and compressed layers (mostly local work, "
+        "not measured); auto chooses ps only with dedicated servers (shoalrun --num-servers)"
     )
     return "\n".join(lines)
