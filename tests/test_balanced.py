@@ -213,3 +213,41 @@ def _misuse(case: str) -> str:
 )
 def test_misuse_gets_a_clear_error(case: str, expected: str) -> None:
     assert expected in run_ranks(_misuse, 1, args=(case,), timeout_s=60)[0]
+
+
+def _set_epoch_twice() -> dict[str, object]:
+    import warnings
+
+    hvd.init()
+    model = Net()
+    loader = hvd.BalancedLoader(dataset(), GLOBAL_BATCH, MICRO_BATCH)
+    optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), loader=loader)
+
+    def run_epoch(epoch: int) -> tuple[int, list[str]]:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            loader.set_epoch(epoch)
+        steps = 0
+        for step in loader:
+            optimizer.zero_grad()
+            for x, y in step:
+                nn.functional.mse_loss(model(x), y).backward()
+            optimizer.step()
+            steps += 1
+        return steps, [str(w.message) for w in caught]
+
+    first = run_epoch(0)
+    again = run_epoch(0)  # the loop run twice: it would train nothing, so it says so
+    committed = loader.state_dict()
+    loader.load_state_dict(committed)  # an elastic restore at the end of the epoch: nothing left, on purpose
+    restored = run_epoch(0)
+    return {"first": first, "again": again, "restored": restored, "next": run_epoch(1)}
+
+
+def test_asking_again_for_an_epoch_the_loader_finished_warns_that_it_trains_nothing() -> None:
+    result = run_ranks(_set_epoch_twice, 1, timeout_s=60)[0]
+    assert result["first"] == (4, [])
+    steps, messages = result["again"]  # type: ignore[misc]
+    assert steps == 0 and len(messages) == 1 and "epoch 0 is already finished" in messages[0], messages
+    assert result["restored"] == (0, [])
+    assert result["next"] == (4, [])

@@ -34,6 +34,7 @@ from torch.utils.data import TensorDataset, default_collate
 from shoal.core import basics
 from shoal.core import session as handles
 from shoal.core.balance import MicroBatchSchedule, ShareBalancer, StepPlan
+from shoal.log import warn_user
 from shoal.torch import functions
 
 SPEEDS_NAME = "BalancedLoader.{index}.speeds"
@@ -111,10 +112,10 @@ class BalancedLoader:
         """Every rank's smoothed cost and the shares (made at the first step, and again when the world changes)."""
         self._listener: StepListener | None = None
         self._order: tuple[int, np.ndarray] | None = None
-        self._last: tuple[float, int] = (0.0, 0)
-        """This rank's compute seconds and micro-batches in its last step (reported before the next)."""
         self._epoch_chosen = False
         """``set_epoch`` was called since the last iteration began (a finished epoch then stays finished)."""
+        self._restored = False
+        """The position came from ``load_state_dict`` (an elastic restore) and ``set_epoch`` has not been called since."""
         self._gathering: tuple[Any, int] | None = None
         """The session and handle of the allgather of every rank's last step cost, started when this rank's step was
         computed."""
@@ -131,10 +132,18 @@ class BalancedLoader:
 
     def set_epoch(self, epoch: int) -> None:
         """Start epoch ``epoch`` at its first step. If the loader is already in that epoch (restored from an elastic
-        commit) it keeps its position: the rest of the epoch, or nothing if the epoch was finished."""
+        commit) it keeps its position: the rest of the epoch, or nothing if the epoch was finished. Asking again for
+        an epoch this loader finished itself (a loop run twice) warns: it would train no step."""
         if epoch != self.epoch:
             self.epoch, self.step = int(epoch), 0
+        elif self.step >= len(self) and not self._restored:
+            warn_user(
+                f"BalancedLoader.set_epoch({epoch}): epoch {epoch} is already finished on this loader, so iterating it "
+                "trains no step; call set_epoch with the next epoch (after an elastic restore a finished epoch stays "
+                "finished on purpose, and says nothing)"
+            )
         self._epoch_chosen = True
+        self._restored = False
 
     def __len__(self) -> int:
         """Steps per epoch."""
@@ -158,8 +167,8 @@ class BalancedLoader:
         """Go back to a committed position; the shares are measured afresh (the world may have changed)."""
         self.epoch, self.step = int(state["epoch"]), int(state["step"])
         self._epoch_chosen = False
+        self._restored = True
         self.balancer = None
-        self._last = (0.0, 0)
         self._gathering = None  # it belonged to the world before the reset
 
     # ----- steps -----
@@ -209,8 +218,6 @@ class BalancedLoader:
             every = handles.synchronize(gathered[1])  # long done: it travelled with the last step's gradients
             if every.shape[0] == size:
                 balancer.observe(every[:, 0].tolist(), [int(c) for c in every[:, 1].tolist()])
-        elif size == 1:
-            balancer.observe([self._last[0]], [self._last[1]])
         micro_batches = self.schedule.micro_batches(self.epoch, self.step, self._epoch_order())
         shares = balancer.shares(len(micro_batches))
         self.plan = StepPlan(self.epoch, self.step, tuple(tuple(m) for m in micro_batches), tuple(shares), rank)
@@ -224,7 +231,6 @@ class BalancedLoader:
     def _step_done(self, seconds: float, count: int) -> None:
         """This rank's part of the step is computed: start gathering its cost now, so that it travels with the
         step's gradients and the next step's shares need no round of their own."""
-        self._last = (seconds, count)
         self.step += 1
         if basics.size() > 1:
             mine = torch.tensor([[seconds, float(count)]], dtype=torch.float64)
