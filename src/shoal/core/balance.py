@@ -8,7 +8,7 @@ MLSys'22, calls them virtual nodes). Each step, rank r runs a contiguous range o
 so every rank computes the same shares without a coordinator.
 
 The gradient rule: with a mean loss per micro-batch, micro-batch j of n_j samples contributes n_j / N of the global
-batch's mean gradient (N samples in the step). A rank scales what it accumulated by ``gradient_scale`` before the
+batch's mean gradient (N samples in the step). A rank scales what it accumulated by ``micro_batch_weight`` before the
 average over ranks, so that the average is exactly one process's gradient over all N samples.
 """
 
@@ -157,7 +157,7 @@ class ShareBalancer:
         return list(chosen)
 
 
-def gradient_scale(set_size: int, unit_samples: int, total_samples: int) -> float:
+def micro_batch_weight(set_size: int, unit_samples: int, total_samples: int) -> float:
     """What a rank multiplies its accumulated gradient by before the average over ``set_size`` ranks, when that
     gradient is the sum of mean-loss gradients of micro-batches of ``unit_samples`` samples each and the step holds
     ``total_samples`` in all: each micro-batch then weighs unit / total of the global mean, and the average's

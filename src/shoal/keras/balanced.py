@@ -3,7 +3,7 @@
 Each ``fit`` batch is this rank's share of one step of a world-size-invariant global batch, joined into one pass
 (``shoal.torch.BalancedLoader`` plans the steps: the same schedule, the same shares by measured speed). The
 distributed optimizer, given ``loader=``, scales the rank's gradient (the mean over its own samples) by
-``size·n/N`` before the average over the ranks (``core.balance.gradient_scale``), so the update is one process's
+``size·n/N`` before the average over the ranks (``core.balance.micro_batch_weight``), so the update is one process's
 over the whole global batch::
 
     data = hvd.BalancedData(x, y, global_batch_size=256, micro_batch_size=16)
@@ -25,7 +25,7 @@ import torch
 from torch.utils.data import TensorDataset
 
 from shoal.core import basics
-from shoal.core.balance import StepPlan, gradient_scale
+from shoal.core.balance import StepPlan, micro_batch_weight
 from shoal.torch.balanced_loader import BalancedLoader, Step
 
 
@@ -139,4 +139,4 @@ class BalancedData(keras.utils.PyDataset):
         step.finish()
         self._step = None
         samples = len(step.passes[0])
-        return gradient_scale(set_size, samples, step.plan.total_samples)
+        return micro_batch_weight(set_size, samples, step.plan.total_samples)

@@ -4,7 +4,7 @@ gradient so that the average over ranks is one process's gradient over the whole
 Each micro-batch's loss is a mean over its own samples. A rank accumulates the gradients of its micro-batches, so its
 ``.grad`` is ``G = Σ_j g_j``. When all of them hold ``u`` samples, ``u·G`` is the gradient of the *sum* of their
 losses, and scaling by ``size·u/N`` before the average over ``size`` ranks leaves exactly the mean gradient over the
-step's ``N`` samples (``core.balance.gradient_scale``). A micro-batch of another size (the epoch's short last one)
+step's ``N`` samples (``core.balance.micro_batch_weight``). A micro-batch of another size (the epoch's short last one)
 first rescales what was accumulated by ``u/m`` and makes ``m`` the unit, so the invariant ``u·G = Σ n_j g_j`` holds
 after every micro-batch. The scale is applied once per gradient, when it is final (before its bucket leaves, so
 wait-free overlap is kept on the last micro-batch), with every scheme that sends the optimizer's gradient.
@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from shoal.core.balance import StepPlan, gradient_scale
+from shoal.core.balance import StepPlan, micro_batch_weight
 from shoal.torch import functions
 
 ORDERED_SUM_NAME = "DistributedOptimizer.ordered_sum"
@@ -80,12 +80,12 @@ class MicroBatchWeights:
         self.began = index + 1
 
     def weigh(self, param: torch.Tensor) -> None:
-        """Scale a final gradient (once per step) by ``gradient_scale``."""
+        """Scale a final gradient (once per step) by ``micro_batch_weight``."""
         key = id(param)
         if key in self._weighted or param.grad is None:
             return
         self._weighted.add(key)
-        scale = gradient_scale(self.set_size, self.unit, self.current_plan().total_samples)
+        scale = micro_batch_weight(self.set_size, self.unit, self.current_plan().total_samples)
         if scale != 1.0:
             param.grad.mul_(scale)
 
