@@ -8,6 +8,8 @@ must be bitwise identical across world sizes.
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -36,7 +38,7 @@ class FixedShares(ShareBalancer):
         self.patterns = patterns
         self.calls = 0
 
-    def shares(self, count: int) -> list[int]:
+    def choose_shares(self, count: int) -> list[int]:
         fitting = [p for p in self.patterns if sum(p) == count]
         self.calls += 1
         return fitting[self.calls % len(fitting)] if fitting else equal_shares(count, self.size)
@@ -49,6 +51,7 @@ def _train(kind: str, epochs: int, options: dict[str, object]) -> dict[str, obje
     model = Net()
     optimizer = optimizer_for(model, kind)
     patterns = options.pop("patterns", None)
+    slow_rank = options.pop("slow_rank", None)  # this rank sleeps 20 ms per micro-batch: its share must fall
     scheme = {key: options.pop(key) for key in ("bucket_bytes", "comm", "compression") if key in options}
     if "compression" in scheme:
         scheme["compression"] = getattr(hvd.Compression, str(scheme["compression"]))
@@ -67,6 +70,8 @@ def _train(kind: str, epochs: int, options: dict[str, object]) -> dict[str, obje
             seen += step.indices
             for x, y in step:
                 nn.functional.mse_loss(model(x), y).backward()
+                if hvd.rank() == slow_rank:
+                    time.sleep(0.02)
             optimizer.step()
             assert loader.plan is not None
             shares.append(loader.plan.shares)
@@ -117,10 +122,16 @@ def test_every_scheme_keeps_the_rule(scheme: str) -> None:
 
 
 def test_measured_shares_give_the_same_weights_on_one_two_and_three_ranks() -> None:
-    # 20 steps: 5 epochs of 4 steps, with shares from the ranks' measured speed.
-    runs = {size: run_ranks(_train, size, args=("sgd", 5, {}), timeout_s=120)[0] for size in (1, 2, 3)}
+    # 20 steps: 5 epochs of 4 steps, with shares from the ranks' measured speed; rank 0 is slowed (20 ms per
+    # micro-batch, against well under 1 ms of compute), so the measured shares must move work off it: equal shares
+    # give it 2 of a step's 4 micro-batches (on 2 and on 3 ranks), measured ones the 1 that keeps it measured.
+    runs = {size: run_ranks(_train, size, args=("sgd", 5, {"slow_rank": 0}), timeout_s=120)[0] for size in (1, 2, 3)}
     for size in (2, 3):
-        assert len(runs[size]["shares"]) == 20
+        shares = runs[size]["shares"]
+        assert len(shares) == 20
+        assert list(shares[0]) == equal_shares(4, size) and shares[0][0] == 2  # nothing measured before the first step
+        full_steps = [s for s in shares[-8:] if sum(s) == 4]  # the epochs' last steps hold 2 micro-batches
+        assert full_steps and all(s[0] == 1 for s in full_steps), shares
         for name, value in runs[1]["weights"].items():
             np.testing.assert_allclose(runs[size]["weights"][name], value, atol=ATOL, err_msg=f"{size} ranks, {name}")
 
@@ -158,14 +169,14 @@ def test_shares_follow_cost_and_keep_every_rank_measured() -> None:
     assert split_by_cost(8, [1.0, 100.0], minimum=1) == [7, 1]
     assert split_by_cost(2, [1.0, 1.0, 1.0], minimum=1) == [1, 1, 0]
     balancer = ShareBalancer(2)
-    assert balancer.shares(8) == [4, 4]  # nothing measured yet
+    assert balancer.choose_shares(8) == [4, 4]  # nothing measured yet
     balancer.observe([0.4, 1.2], [4, 4])
-    assert balancer.shares(8) == [6, 2]
+    assert balancer.choose_shares(8) == [6, 2]
     balancer.observe([0.6, 0.62], [6, 2])  # noise around the balanced point: the shares stay
-    assert balancer.shares(8) == [6, 2]
+    assert balancer.choose_shares(8) == [6, 2]
     off = ShareBalancer(2, balance=False)
     off.observe([0.4, 1.2], [4, 4])
-    assert off.shares(8) == [4, 4]
+    assert off.choose_shares(8) == [4, 4]
 
 
 def test_step_plan_ranges_and_checks() -> None:

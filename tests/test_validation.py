@@ -112,6 +112,8 @@ def test_the_collective_timeout_must_exceed_the_stall_check_time() -> None:
     with pytest.raises(ValueError, match="must exceed the stall check time"):
         EngineConfig(collective_timeout_s=30.0, stall_check_time_s=60.0)
     assert EngineConfig(stall_shutdown_time_s=900.0).transport_timeout_s == 930.0
+    # No stall shutdown (0, the default): a collective timeout set short is the transport's (it was raised to 30 s).
+    assert EngineConfig(collective_timeout_s=12.0, stall_check_time_s=5.0).transport_timeout_s == 12.0
 
 
 def test_the_watch_warns_while_a_collective_blocks_and_shuts_down_once() -> None:

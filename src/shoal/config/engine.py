@@ -210,8 +210,12 @@ class EngineConfig:
 
     @property
     def transport_timeout_s(self) -> float:
-        """The timeout the engine gives its groups: the collective timeout, at least the stall shutdown time."""
-        return max(self.collective_timeout_s, self.stall_shutdown_time_s + 30.0)
+        """The timeout the engine gives its groups: the collective timeout, and with a stall shutdown set, at least
+        that shutdown + 30 s (so the stall ends the requests first, with its clear error). Without one (0) there is
+        no floor: a collective timeout set short for fast failure is taken as it is."""
+        if self.stall_shutdown_time_s > 0:
+            return max(self.collective_timeout_s, self.stall_shutdown_time_s + 30.0)
+        return self.collective_timeout_s
 
     def __post_init__(self) -> None:
         if self.fusion_threshold_bytes < 0:

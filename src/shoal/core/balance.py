@@ -140,10 +140,11 @@ class ShareBalancer:
             old = self.costs[rank]
             self.costs[rank] = measured if old is None else old + self.smoothing * (measured - old)
 
-    def shares(self, count: int) -> list[int]:
+    def choose_shares(self, count: int) -> list[int]:
         """The next step's shares of ``count`` micro-batches. While some rank has no estimate, or balancing is off:
         equal shares. Every rank keeps at least one micro-batch when there are enough, so that its speed stays
-        measured."""
+        measured. The choice is kept as the current shares: the next call keeps them unless a new split is
+        ``threshold`` faster."""
         costs = self.costs
         if not self.balance or any(c is None for c in costs):
             chosen = equal_shares(count, self.size)

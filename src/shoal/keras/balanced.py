@@ -130,7 +130,7 @@ class BalancedData(keras.utils.PyDataset):
             self._step.finish()
             self._step = None
 
-    def reduction_scale(self, set_size: int) -> float:
+    def end_step(self, set_size: int) -> float:
         """Called as the step's gradients are about to be reduced: ends this rank's compute time and returns the
         factor its gradient (a mean over its own samples) takes before the average over ``set_size`` ranks."""
         step = self._step

@@ -70,7 +70,7 @@ class TorchListAdapter:
     def weigh(self, grads: list[Any], process_set: ProcessSet) -> list[Any]:
         if self.balanced is None:
             return grads
-        scale = self.balanced.reduction_scale(process_set.size())
+        scale = self.balanced.end_step(process_set.size())
         return [grad * scale for grad in grads]
 
     def allreduce(self, grads: list[Any], spec: ReduceSpec, process_set: ProcessSet) -> list[Any]:

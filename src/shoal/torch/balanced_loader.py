@@ -219,7 +219,7 @@ class BalancedLoader:
             if every.shape[0] == size:
                 balancer.observe(every[:, 0].tolist(), [int(c) for c in every[:, 1].tolist()])
         micro_batches = self.schedule.micro_batches(self.epoch, self.step, self._epoch_order())
-        shares = balancer.shares(len(micro_batches))
+        shares = balancer.choose_shares(len(micro_batches))
         self.plan = StepPlan(self.epoch, self.step, tuple(tuple(m) for m in micro_batches), tuple(shares), rank)
         return self.plan
 

@@ -361,7 +361,7 @@ class GradientExchange(_Exchange):
             self._submitted.add(key)
             shared.ready(param)
             return
-        if self.router.takes(param):  # its scheme sends it (SFB's factors, the parameter server)
+        if self.router.offer(param):  # its scheme sends it (SFB's factors, the parameter server)
             self._submitted.add(key)
             return
         group = self.group_of.get(key)

@@ -62,8 +62,7 @@ class MicroBatchWeights:
         self.began = 0
         self._weighted.clear()
         if self.ordered is not None:
-            self.ordered.rows.clear()
-            self.ordered.summed = False
+            self.ordered.begin_step()
 
     def begin_pass(self, index: int, params: list[torch.Tensor]) -> None:
         """This rank's ``index``-th pass of the step is about to run (the ones before it are done)."""
@@ -122,6 +121,11 @@ class OrderedSum:
         self.rows: list[torch.Tensor] = []
         self.summed = False
         """This step's rows were summed already (a second ``synchronize()`` changes nothing)."""
+
+    def begin_step(self) -> None:
+        """A new step: no rows yet, and not summed."""
+        self.rows.clear()
+        self.summed = False
 
     def keep(self, params: list[torch.Tensor], weight: float) -> None:
         """Take the gradients of the micro-batch just run, times ``weight``, as a row; zero them for the next."""

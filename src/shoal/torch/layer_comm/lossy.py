@@ -300,7 +300,7 @@ class _Compressing(LayerComm):
         # those this scheme does not shrink, as they are.
         return None if self.active else self._warmup_cast
 
-    def takes(self, param: torch.Tensor) -> bool:
+    def offer(self, param: torch.Tensor) -> bool:
         grad = param.grad
         if not self.active or id(param) not in self._compressible or grad is None or grad.is_sparse:
             return False
@@ -323,7 +323,7 @@ class _Compressing(LayerComm):
             if self.active and id(param) in self._compressible:
                 if param.grad is None or param.grad.is_sparse:
                     param.grad = torch.zeros_like(param)
-                if self.takes(param):
+                if self.offer(param):
                     claimed.append(param)
         return claimed
 
@@ -515,7 +515,7 @@ class FactoredLowRank(LowRank):
             self._take_factors()
 
     def _take_factors(self) -> None:
-        """Every call's output gradient is in: project and queue P (as ``takes`` does for a dense gradient)."""
+        """Every call's output gradient is in: project and queue P (as ``offer`` does for a dense gradient)."""
         weight = self.module.weight
         name = self.names[id(weight)]
         calls = sorted(self._grads)

@@ -197,10 +197,11 @@ class LayerRouter:
 
     # ----- asked by the optimizer -----
 
-    def takes(self, param: torch.Tensor) -> bool:
-        """The gradient hook: True when the parameter's scheme sends it (not the optimizer's buckets)."""
+    def offer(self, param: torch.Tensor) -> bool:
+        """The gradient hook: hand a final gradient to its parameter's scheme, which sends it (True) or leaves it to the
+        optimizer's buckets (False)."""
         comm = self._comm_of.get(id(param))
-        return comm is not None and comm.takes(param)
+        return comm is not None and comm.offer(param)
 
     def compressor(self, param: torch.Tensor) -> type[Compressor] | None:
         """The buckets' compressor for ``param`` when its scheme sets one."""

@@ -76,8 +76,9 @@ class LayerComm:
         """The compressor of this step's gradients that go through the buckets; None: the optimizer's."""
         return self.compressor
 
-    def takes(self, param: torch.Tensor) -> bool:
-        """Called by the gradient hook: True when this scheme sends ``param``'s final gradient itself."""
+    def offer(self, param: torch.Tensor) -> bool:
+        """Called by the gradient hook with a final gradient: send it if this scheme sends ``param`` itself (True), else
+        leave it to the optimizer's buckets (False)."""
         return False
 
     def claim_missing(self, missing: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -131,7 +132,7 @@ class SufficientFactors(LayerComm):
             raise ValueError(f"sfb needs an nn.Linear, but '{name or 'the model'}' is {kind}")
         return cls(name, module, params, wiring.process_set)
 
-    def takes(self, param: torch.Tensor) -> bool:
+    def offer(self, param: torch.Tensor) -> bool:
         return True  # finish() rebuilds the gradients, or allreduces them when some rank ran the layer twice
 
     def claim_missing(self, missing: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -173,7 +174,7 @@ class ParameterServer(LayerComm):
         assert wiring.session is not None and wiring.lr_of is not None, "open the parameter-server session first"
         return cls(name, params, wiring.session, wiring.lr_of)
 
-    def takes(self, param: torch.Tensor) -> bool:
+    def offer(self, param: torch.Tensor) -> bool:
         if not self.session.manages(param):
             return False
         self.session.push(param, self._lr_of(param))
