@@ -234,10 +234,7 @@ def _set_epoch_twice() -> dict[str, object]:
     loader = hvd.BalancedLoader(dataset(), GLOBAL_BATCH, MICRO_BATCH)
     optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), loader=loader)
 
-    def run_epoch(epoch: int) -> tuple[int, list[str]]:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            loader.set_epoch(epoch)
+    def train_on() -> int:
         steps = 0
         for step in loader:
             optimizer.zero_grad()
@@ -245,14 +242,23 @@ def _set_epoch_twice() -> dict[str, object]:
                 nn.functional.mse_loss(model(x), y).backward()
             optimizer.step()
             steps += 1
-        return steps, [str(w.message) for w in caught]
+        return steps
+
+    def run_epoch(epoch: int) -> tuple[int, list[str]]:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            loader.set_epoch(epoch)
+        return train_on(), [str(w.message) for w in caught]
 
     first = run_epoch(0)
     again = run_epoch(0)  # the loop run twice: it would train nothing, so it says so
     committed = loader.state_dict()
     loader.load_state_dict(committed)  # an elastic restore at the end of the epoch: nothing left, on purpose
     restored = run_epoch(0)
-    return {"first": first, "again": again, "restored": restored, "next": run_epoch(1)}
+    following = run_epoch(1)
+    loader.load_state_dict({"epoch": 2, "step": 2})  # restored mid-epoch, then finished by iterating it here
+    rest = train_on()
+    return {"first": first, "again": again, "restored": restored, "next": following, "rest": rest, "over": run_epoch(2)}
 
 
 def test_asking_again_for_an_epoch_the_loader_finished_warns_that_it_trains_nothing() -> None:
@@ -262,3 +268,6 @@ def test_asking_again_for_an_epoch_the_loader_finished_warns_that_it_trains_noth
     assert steps == 0 and len(messages) == 1 and "epoch 0 is already finished" in messages[0], messages
     assert result["restored"] == (0, [])
     assert result["next"] == (4, [])
+    assert result["rest"] == 2  # the restored epoch's last two steps
+    steps, messages = result["over"]  # type: ignore[misc]
+    assert steps == 0 and len(messages) == 1 and "epoch 2 is already finished" in messages[0], messages

@@ -53,8 +53,8 @@ class RunningJob:
         deadline = time.monotonic() + timeout_s
         regex = re.compile(pattern)
         while time.monotonic() < deadline:
-            for index, line in enumerate(list(self.lines)):
-                match = regex.search(line) if index > after else None
+            for index, line in enumerate(self.lines[after + 1 :], after + 1):
+                match = regex.search(line)
                 if match:
                     return index, match
             if self.process.poll() is not None and not self._reader.is_alive():

@@ -115,7 +115,8 @@ class BalancedLoader:
         self._epoch_chosen = False
         """``set_epoch`` was called since the last iteration began (a finished epoch then stays finished)."""
         self._restored = False
-        """The position came from ``load_state_dict`` (an elastic restore) and ``set_epoch`` has not been called since."""
+        """The position came from ``load_state_dict`` (an elastic restore), and neither ``set_epoch`` nor an iteration
+        has come since."""
         self._gathering: tuple[Any, int] | None = None
         """The session and handle of the allgather of every rank's last step cost, started when this rank's step was
         computed."""
@@ -182,6 +183,7 @@ class BalancedLoader:
         if self.step >= len(self) and not self._epoch_chosen:  # iterated again without set_epoch: the next epoch
             self.epoch, self.step = self.epoch + 1, 0
         self._epoch_chosen = False
+        self._restored = False  # what this iteration finishes, this loader finished itself
         while self.step < len(self):
             step = self.next_step()
             yield step
