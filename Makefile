@@ -37,13 +37,12 @@ check: lint
 
 # Two pytest workers (pytest-xdist): many tests wait on processes, sockets and timeouts, so two at once use the
 # second core. Tests go one by one to whichever worker is free, longest modules first (tests/conftest.py), except
-# that each xdist_group (Ray's tests, Spark's) stays on one worker, so that one cluster or JVM serves it. The few
-# tests marked "alone" (a timing checked against a measurement) run afterwards, one at a time, instead of holding both
-# workers while they wait for a quiet machine; so do those marked "slurm", which share one real Slurm cluster (started
-# once, in that run). The last line gives the tests' wall time.
+# that each xdist_group (Ray's tests, Spark's, Slurm's) stays on one worker, so that one cluster or JVM serves it. The
+# few tests marked "alone" (a timing checked against a measurement) run afterwards, one at a time, instead of holding
+# both workers while they wait for a quiet machine. The last line gives the tests' wall time.
 test: lint
 	@start=$$(date +%s); \
-	$(BIN)/pytest -n 2 --dist loadgroup -m "not alone and not slurm" && $(BIN)/pytest -m "alone or slurm"; \
+	$(BIN)/pytest -n 2 --dist loadgroup -m "not alone" && $(BIN)/pytest -m alone; \
 	code=$$?; echo "make test: the tests took $$(( $$(date +%s) - start )) s (target: 600 s on 2 cores)"; exit $$code
 
 clean:

@@ -35,6 +35,14 @@ def main() -> None:
     parser.add_argument("--commit-every", type=int, default=4, help="commit the state every this many steps")
     parser.add_argument("--step-delay", type=float, default=0.0, help="sleep this long per step (a slower model)")
     parser.add_argument("--log-every", type=int, default=10, help="rank 0 prints progress every this many steps")
+    parser.add_argument(
+        "--wait-for-world",
+        type=int,
+        default=0,
+        metavar="N",
+        help="after each commit, while fewer than N workers are in the job, wait for workers to join (to show a job "
+        "that grows back; default 0: never wait)",
+    )
     args = parser.parse_args()
 
     hvd.init()
@@ -94,6 +102,9 @@ def main() -> None:
                     if report_commit:  # how long recovery took: compare with the time of the failure
                         print(f"first commit after reset {resets}: step {state.step} at {time.time():.3f}", flush=True)
                         report_commit = False
+                    while hvd.size() < args.wait_for_world:  # a host update ends this wait with a reset
+                        state.check_host_updates()
+                        time.sleep(0.05)
             state.epoch_log.append(
                 {
                     "epoch": state.epoch,

@@ -33,6 +33,7 @@ _TENSORFLOW_TESTS = {"test_tensorflow.py", "test_keras.py", "test_keras2.py", "t
 LONGEST_FIRST = (
     "test_network_faults.py",
     "test_churn.py",
+    "test_slurm.py",
     "test_spark.py",
     "test_spark_estimator.py",
     "test_spark_elastic.py",
@@ -126,6 +127,9 @@ def clean_env() -> dict[str, str]:
     names = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK"}
     env = {k: v for k, v in os.environ.items() if not k.startswith(prefixes) and k not in names}
     env["PYTHONUNBUFFERED"] = "1"
+    # One compute thread per process: two tests run at once on two cores, and a process whose intra-op threads wait
+    # for a busy core spins on it. The tests of shoalrun's own share of the cores remove this.
+    env.setdefault("OMP_NUM_THREADS", "1")
     return env
 
 

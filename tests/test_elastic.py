@@ -188,9 +188,9 @@ def test_a_failed_host_gets_a_worker_again_after_its_cooldown() -> None:
     then gets a new worker that joins at a commit, so the job ends with three workers; without the flag (the test
     above) it ends with two."""
     flags = ["-np", "3", "--min-np", "2", "--max-np", "3", "--blacklist-cooldown-range", "1", "2"]
-    # 0.05 s per step: the two survivors still train for over 10 s after the kill, time for the cooldown and for the
-    # new worker to start and join (without the delay the job could end before it joined)
-    job = RunningJob(flags, ["--epochs", "5", "--log-every", "5", "--step-delay", "0.05"])
+    # --wait-for-world 3: the survivors wait at their first commit without the killed worker until its host's new
+    # worker has joined, so training cannot end before it does, however fast the steps run
+    job = RunningJob(flags, ["--epochs", "5", "--log-every", "5", "--wait-for-world", "3"])
     pids = job.worker_pids(3)
     job.wait_for(r"^\[0\]<stdout>:step 35 ", 60)
     subprocess.run(["kill", "-9", str(pids[2])], check=True)

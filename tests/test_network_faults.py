@@ -55,8 +55,10 @@ class EmulatedJob(RunningJob):
 
     def __init__(self, flags: list[str], example_args: list[str], env: dict[str, str] | None = None) -> None:
         argv = [sys.executable, "-m", "shoal.bench.netns", "--faults-on-sigusr1", *flags, "--", *EXAMPLE, *example_args]
+        job_env = {**clean_env(), **(env or {})}
+        job_env.pop("OMP_NUM_THREADS", None)  # shoalrun divides the cores among all the emulated hosts' ranks
         self.process = subprocess.Popen(
-            argv, env={**clean_env(), **(env or {})}, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+            argv, env=job_env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
         )
         self.lines: list[str] = []
         self._reader = threading.Thread(target=self._read, daemon=True)
@@ -134,7 +136,8 @@ def case_a_link_cut_past_the_unreachable_limit_removes_the_host_and_its_cooldown
     flags = ["--hosts", "3", "--min-np", "2", "--blacklist-cooldown-range", "1", "2", "--fault", "cut:host2:0:5"]
     # A survivor only receiving from the ended worker when the link returns never learns of its death (its RST was
     # lost in the cut) and waits for the collective timeout: 12 s here, not the default 600 s.
-    job = EmulatedJob(flags, ["--epochs", "3"], env=CUT_PAST_LIMIT)
+    # --wait-for-world 3: the survivors wait at a commit without host2 until its new worker has joined
+    job = EmulatedJob(flags, ["--epochs", "3", "--wait-for-world", "3"], env=CUT_PAST_LIMIT)
     job.start_faults_at_step(20)
     job.wait_for(r"worker host2#3 \(rank 2\) on host host2 has not reached the job's store for \d+ s", 30)
     job.wait_for(r"re-forming the job with 3 workers \(new workers are ready to join\)", 60)

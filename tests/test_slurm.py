@@ -23,6 +23,7 @@ from slurm_cluster import SlurmCluster, missing_commands
 
 pytestmark = [
     pytest.mark.slurm,
+    pytest.mark.xdist_group("slurm"),  # one worker runs them all, against the one cluster its module fixture starts
     pytest.mark.skipif(
         os.geteuid() != 0 or bool(missing_commands()),
         reason=f"a real Slurm needs root and the slurm-wlm and munge packages (missing: {missing_commands()})",

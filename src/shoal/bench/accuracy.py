@@ -35,15 +35,11 @@ VARIANTS = ("shoal", "auto-lossy", "powersgd", "topk", "ddp", "ddp-powersgd")
 
 def load_digits_tensors() -> tuple[TensorDataset, TensorDataset]:
     """The digits as (N, 1, 8, 8) tensors in [0, 1], split 80/20 with a fixed seed."""
-    try:
-        from sklearn.datasets import load_digits  # type: ignore[import-untyped]
-        from sklearn.model_selection import train_test_split  # type: ignore[import-untyped]
-    except ImportError as error:
-        raise SystemExit("shoal.bench.accuracy needs scikit-learn: pip install scikit-learn") from error
-    digits = load_digits()
-    images = torch.tensor(digits.images, dtype=torch.float32).unsqueeze(1) / 16.0
-    labels = torch.tensor(digits.target)
-    x_train, x_test, y_train, y_test = train_test_split(images, labels, test_size=0.2, random_state=0)
+    from shoal.bench.digits import load_digits, train_test_split
+
+    pixels, target = load_digits()
+    images = torch.tensor(pixels, dtype=torch.float32).unsqueeze(1) / 16.0
+    x_train, x_test, y_train, y_test = train_test_split(images, torch.tensor(target), test_size=0.2, seed=0)
     return TensorDataset(x_train, y_train), TensorDataset(x_test, y_test)
 
 
