@@ -229,7 +229,7 @@ def test_a_steady_network_does_not_flip_a_plan_whose_predictions_are_far_apart()
     """
     from torch import nn
 
-    from shoal.plan.planner import build_plan
+    from shoal.torch.layer_comm.layers import build_plan
 
     model = nn.Sequential(nn.Flatten(), nn.Linear(3072, 2048), nn.ReLU(), nn.Linear(2048, 1536), nn.ReLU(), nn.Linear(1536, 10))
     half = (0.0016, 4.2e-9)

@@ -274,6 +274,19 @@ def test_only_the_config_package_spells_a_shoal_variable() -> None:
     assert not spelled, spelled
 
 
+def test_the_planner_imports_no_framework() -> None:
+    """``shoal.plan`` (the scheme table, the planner, the simulator, drift) is framework-neutral: importing all of
+    it loads neither torch nor TensorFlow, so any front end (or a tool with no framework) can plan."""
+    names = sorted(m for m in modules() if m == "shoal.plan" or m.startswith("shoal.plan."))
+    code = (
+        f"import importlib, sys\nfor m in {names!r}: importlib.import_module(m)\n"
+        "print(sorted(m for m in ('torch', 'tensorflow', 'keras', 'jax') if m in sys.modules))"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=clean_env())
+    assert result.returncode == 0, result.stderr
+    assert len(names) >= 5 and result.stdout.strip() == "[]", (names, result.stdout)
+
+
 def test_shoalrun_imports_no_torch() -> None:
     """The launcher, its store and its clean-up are plain Python: torch's import is seconds of CPU that the
     workers, starting at the same moment on the same cores, need."""

@@ -10,9 +10,9 @@ from torch import nn
 
 import shoal.torch as hvd
 from shoal.plan.calibration import Calibration
-from shoal.plan.planner import build_plan
 from shoal.plan.schemes import AUTO_SCHEMES, COMPRESSED, LossyOptions, Scheme
 from shoal.testing import run_ranks
+from shoal.torch.layer_comm.layers import build_plan
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -3,6 +3,8 @@ model, forced schemes are obeyed, and comm="auto" trains to the same weights."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -10,9 +12,10 @@ from torch import nn
 
 import shoal.torch as hvd
 from shoal.plan.calibration import Calibration, calibration_to_json
-from shoal.plan.planner import build_plan, format_plan, median_error, predict
+from shoal.plan.planner import format_plan, median_error, predict
 from shoal.plan.schemes import Scheme
 from shoal.testing import run_ranks
+from shoal.torch.layer_comm.layers import build_plan
 
 ATOL = 1e-5
 
@@ -253,6 +256,29 @@ def test_sfb_is_credited_with_the_local_gradient_it_spares_only_where_the_layer_
     saving_ms = spared / CALIBRATION.flops_per_s * 1e3
     assert plans["0"].predicted_ms["sfb"] == pytest.approx(plans["2"].predicted_ms["sfb"] - saving_ms)
     assert plans["0"].predicted_ms["allreduce"] > plans["2"].predicted_ms["allreduce"]  # the bias's bytes
+
+
+def test_plain_layer_descriptions_plan_as_the_torch_model_does() -> None:
+    """The planner takes plain descriptions (``ModelLayer``): the same layers written by hand, a type key of
+    ``comm_overrides`` matched against their handles, get the same plan as the torch model they describe."""
+    from shoal.plan.planner import ModelLayer, plan_layers
+    from shoal.plan.schemes import LayerShape
+
+    class Dense:  # any framework's layer type
+        pass
+
+    model = nn.Sequential(nn.Linear(4096, 4096), nn.ReLU(), nn.Linear(4096, 10))
+    big = LayerShape(4 * (4096 * 4096 + 4096), ((4096, 4096), (4096,)), 4, (8, 4096, 4096), True)
+    small = LayerShape(4 * (10 * 4096 + 10), ((10, 4096), (10,)), 4, (8, 10, 4096), True)
+    layers = [ModelLayer("0", "Linear", (4096, 4096), big, 8), ModelLayer("2", "Linear", (10, 4096), small, 8, handle=Dense())]
+    by_hand = plan_layers(layers, CALIBRATION, 2)
+    from_torch = build_plan(model, CALIBRATION, 2, {"0": 8, "2": 8})
+    assert [dataclasses.asdict(p) for p in by_hand] == [dataclasses.asdict(p) for p in from_torch]
+    forced = {p.name: p for p in plan_layers(layers, CALIBRATION, 2, {Dense: "bf16"})}
+    assert (forced["2"].choice, forced["2"].forced) == ("bf16", True) and not forced["0"].forced
+    unforwarded = dataclasses.replace(layers[0], shape=dataclasses.replace(big, linear=None))
+    with pytest.raises(ValueError, match=r"not an nn\.Linear that ran forward"):
+        plan_layers([unforwarded], CALIBRATION, 2, {"0": "sfb"})
 
 
 def test_forced_schemes_are_obeyed_by_name_and_type() -> None:

@@ -21,12 +21,13 @@ from torch import nn
 import shoal.torch as hvd
 from shoal.config import LaunchConfig
 from shoal.plan.calibration import Calibration
-from shoal.plan.planner import build_plan, format_plan, predict
+from shoal.plan.planner import format_plan, predict
 from shoal.ps.consistency import PieceClocks, PullRecorder
 from shoal.ps.launch import server_processes
 from shoal.ps.optimizers import describe_optimizer
 from shoal.ps.sharding import build_shard_plan, server_loads
 from shoal.testing import MultiRankError, run_ranks
+from shoal.torch.layer_comm.layers import build_plan
 
 BATCH = 4
 STEPS = 3

@@ -13,9 +13,10 @@ import torch
 from torch import nn
 
 import shoal.torch as hvd
-from shoal.plan.planner import build_plan, format_plan
+from shoal.plan.planner import format_plan
 from shoal.predict.models import build
 from shoal.torch.layer_comm.calibrate import measure
+from shoal.torch.layer_comm.layers import build_plan
 
 
 def main(argv: list[str] | None = None) -> None:

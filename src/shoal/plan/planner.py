@@ -5,14 +5,16 @@ for every layer of a model, picks among the schemes ``allowed`` (``auto``: the l
 clear margin; ``auto-lossy``: PowerSGD and top-k too; ``ps`` only when dedicated servers are configured), and keeps
 a plan's rows for the report and the drift monitor. Every rank plans from the same calibration (rank 0's) and the
 same row counts (the maximum over ranks), so every rank reaches the same plan.
+
+The package imports no framework: a layer reaches it as a ``ModelLayer``, plain numbers that a front end reads off
+its framework's model (``shoal.torch.layer_comm.layers`` for torch).
 """
 
 from __future__ import annotations
 
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-
-from torch import nn
 
 from shoal.plan.calibration import Calibration
 from shoal.plan.schemes import (
@@ -35,21 +37,39 @@ from shoal.plan.schemes import (
 __all__ = [
     "LOSSY_MARGIN",
     "LayerPlan",
-    "build_plan",
+    "ModelLayer",
     "forced_scheme",
     "format_plan",
     "keep_measured",
     "median_error",
     "pick",
+    "plan_layers",
     "predict",
     "predict_ps",
     "refuse_tied_sfb",
     "sfb_allgather_seconds",
     "sfb_rebuild_flops",
     "sfb_spared_flops",
-    "spares_local_gradient",
-    "tied_modules",
 ]
+
+
+@dataclass(frozen=True)
+class ModelLayer:
+    """One layer of a model (a module that owns trainable parameters directly), as the planner needs it."""
+
+    name: str
+    kind: str
+    """Its type's name (``Linear``, ``Conv2d``...), for the report."""
+    weight_shape: tuple[int, ...]
+    """Its weight's shape, for the report (empty without a weight)."""
+    shape: LayerShape
+    """What the scheme table's rows weigh: bytes, parameter shapes, (K, M, N) where SFB can serve it."""
+    rows: int | None = None
+    """K, rows per step, of a fully-connected layer that ran forward."""
+    tied: bool = False
+    """Another module holds the same weight: SFB is refused even where forced."""
+    handle: object = None
+    """The framework's module, matched against ``comm_overrides`` keys that are types."""
 
 
 @dataclass
@@ -128,27 +148,6 @@ def pick(predictions: dict[Scheme, float], allowed: tuple[Scheme, ...] = AUTO_SC
     return best
 
 
-def spares_local_gradient(module: nn.Module) -> bool:
-    """Whether SFB on ``module`` spares backward its local weight gradient: an ``nn.Linear`` with a trainable bias
-    (what ``shoal.torch.layer_comm.sfb`` needs to leave the weight out of autograd's graph)."""
-    bias = getattr(module, "bias", None)
-    return isinstance(module, nn.Linear) and bias is not None and bias.requires_grad
-
-
-def tied_modules(model: nn.Module) -> set[str]:
-    """The names of the modules that hold a parameter directly which another module also holds (tied weights, e.g.
-    an embedding and the output layer of a language model)."""
-    holders: dict[int, int] = {}
-    for module in model.modules():
-        for param in module.parameters(recurse=False):
-            holders[id(param)] = holders.get(id(param), 0) + 1
-    return {
-        name
-        for name, module in model.named_modules()
-        if any(holders[id(param)] > 1 for param in module.parameters(recurse=False))
-    }
-
-
 def refuse_tied_sfb(name: str) -> None:
     """Warn that a layer forced to ``sfb`` is allreduced instead because its weight is tied to another module's."""
     warnings.warn(
@@ -159,9 +158,9 @@ def refuse_tied_sfb(name: str) -> None:
     )
 
 
-def forced_setting(name: str, module: nn.Module, overrides: dict[object, object]) -> object | None:
-    """What ``overrides`` says for a module, by its name first, then by its type: a scheme's name, or a
-    ``Compressed`` with its settings."""
+def forced_setting(name: str, module: object, overrides: dict[object, object]) -> object | None:
+    """What ``overrides`` says for a module, by its name first, then by its type (any framework's module: a key
+    that is a type matches its instances): a scheme's name, or a ``Compressed`` with its settings."""
     if name in overrides:
         return overrides[name]
     for key, value in overrides.items():
@@ -170,30 +169,28 @@ def forced_setting(name: str, module: nn.Module, overrides: dict[object, object]
     return None
 
 
-def forced_scheme(name: str, module: nn.Module, overrides: dict[object, object]) -> Scheme | None:
+def forced_scheme(name: str, module: object, overrides: dict[object, object]) -> Scheme | None:
     """The scheme ``overrides`` forces on a module, by its name first, then by its type."""
     value = forced_setting(name, module, overrides)
     return None if value is None else scheme_of(value, "comm_overrides")
 
 
-def build_plan(
-    model: nn.Module,
+def plan_layers(
+    layers: Sequence[ModelLayer],
     calibration: Calibration,
     workers: int,
-    rows: dict[str, int],
     overrides: dict[object, object] | None = None,
     allowed: tuple[Scheme, ...] = AUTO_SCHEMES,
     servers: int | None = None,
     lossy: LossyOptions | None = None,
 ) -> list[LayerPlan]:
-    """Plan every module that owns trainable parameters directly.
+    """Plan every layer: a forced scheme where ``overrides`` names one, else ``auto``'s choice among ``allowed``.
 
     Args:
-        model: the model.
+        layers: the model's layers (``shoal.torch.layer_comm.layers.model_layers`` for a torch model).
         calibration: the fitted costs (the same on every rank).
         workers: P.
-        rows: K for each ``nn.Linear`` by module name (the maximum over ranks).
-        overrides: scheme forced per module name or module type, e.g. ``{"fc1": "sfb", nn.Embedding: "allreduce"}``.
+        overrides: scheme forced per layer name or module type, e.g. ``{"fc1": "sfb", nn.Embedding: "allreduce"}``.
         allowed: schemes ``auto`` may choose from.
         servers: S for the ``ps`` prediction (None: ``ps`` is neither predicted nor chosen unless forced).
         lossy: the compressed schemes' bounds (a layer's override may carry its own).
@@ -202,37 +199,21 @@ def build_plan(
     for value in overrides.values():
         scheme_of(value, "comm_overrides")
     plans = []
-    tied = tied_modules(model)
-    for name, module in model.named_modules():
-        params = [p for p in module.parameters(recurse=False) if p.requires_grad]
-        if not params:
-            continue
-        nbytes = sum(p.numel() * p.element_size() for p in params)
-        linear = None
-        is_tied = name in tied
-        if isinstance(module, nn.Linear) and name in rows and not is_tied:
-            linear = (rows[name], module.out_features, module.in_features)
-        spares = spares_local_gradient(module)
-        setting = forced_setting(name, module, overrides)
+    for layer in layers:
+        name, linear = layer.name, layer.shape.linear
+        setting = forced_setting(name, layer.handle, overrides)
         options = setting.options if isinstance(setting, Compressed) else lossy or LossyOptions()
         ctx = CostContext(calibration, workers, servers, options)
-        shapes = tuple(tuple(p.shape) for p in params)
-        layer = LayerShape(nbytes, shapes, params[0].element_size(), linear, spares)
-        estimated = estimates(ctx, layer)
+        estimated = estimates(ctx, layer.shape)
         predictions = {scheme: estimate.seconds for scheme, estimate in estimated.items()}
         plan = LayerPlan(
-            name,
-            type(module).__name__,
-            tuple(module.weight.shape) if hasattr(module, "weight") else (),
-            nbytes,
-            rows.get(name),
-            {k: v * 1e3 for k, v in predictions.items()},
+            name, layer.kind, layer.weight_shape, layer.shape.nbytes, layer.rows, {k: v * 1e3 for k, v in predictions.items()}
         )
         if linear is not None:
             plan.rebuild_flops = sfb_rebuild_flops(workers, linear)
-            plan.spared_flops = sfb_spared_flops(linear) if spares else 0.0
-        forced = forced_scheme(name, module, overrides)
-        if forced == Scheme.SFB and is_tied:
+            plan.spared_flops = sfb_spared_flops(linear) if layer.shape.spares_local else 0.0
+        forced = forced_scheme(name, layer.handle, overrides)
+        if forced == Scheme.SFB and layer.tied:
             refuse_tied_sfb(name)
             forced = None
         if forced is not None:

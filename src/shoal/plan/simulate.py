@@ -177,7 +177,8 @@ class Layer:
     linear: tuple[int, int, int] | None = None
     """(K, M, N) of a fully-connected layer: rows per step, outputs, inputs."""
     spares_local: bool = False
-    """SFB on it spares backward the local weight gradient (``planner.spares_local_gradient``)."""
+    """SFB on it spares backward the local weight gradient (for torch:
+    ``shoal.torch.layer_comm.layers.spares_local_gradient``)."""
     shapes: tuple[tuple[int, ...], ...] = ()
     """Its parameters' shapes (what the compressed schemes need; none: they are not predicted)."""
 

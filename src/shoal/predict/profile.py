@@ -28,8 +28,8 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from shoal.plan.planner import spares_local_gradient
 from shoal.plan.simulate import Gradient, Layer, StepProfile
+from shoal.torch.layer_comm.layers import spares_local_gradient
 
 MakeInput = Callable[[int, torch.Generator], torch.Tensor]
 """Makes one synthetic input batch of a given size."""

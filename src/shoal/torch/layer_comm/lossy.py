@@ -36,10 +36,10 @@ from torch import nn
 from shoal.core import session as handles
 from shoal.core.process_sets import ProcessSet
 from shoal.core.rules import ReduceOp
-from shoal.plan.planner import spares_local_gradient
 from shoal.plan.schemes import DEFAULT_RANK, Compressed, Scheme, matrix_view, powersgd_rank_fits, topk_count, topk_fits
 from shoal.torch import functions
 from shoal.torch.compression import Compressor
+from shoal.torch.layer_comm.layers import spares_local_gradient
 from shoal.torch.layer_comm.schemes import LayerComm, Wiring
 from shoal.torch.optimizer_class import computed_too_often
 

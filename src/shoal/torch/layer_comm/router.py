@@ -24,16 +24,7 @@ from shoal.core.process_sets import ProcessSet, global_process_set, set_id_of
 from shoal.log import get_logger
 from shoal.plan.calibration import Calibration
 from shoal.plan.drift import DriftMonitor, refit
-from shoal.plan.planner import (
-    LayerPlan,
-    build_plan,
-    forced_scheme,
-    forced_setting,
-    format_plan,
-    keep_measured,
-    refuse_tied_sfb,
-    tied_modules,
-)
+from shoal.plan.planner import LayerPlan, forced_scheme, forced_setting, format_plan, keep_measured, refuse_tied_sfb
 from shoal.plan.schemes import AUTO_SCHEMES, COMPRESSED, SCHEMES, Compressed, LossyOptions, Scheme, scheme_of
 from shoal.ps.client import PSSession
 from shoal.ps.config import PSConfig
@@ -42,6 +33,7 @@ from shoal.runtime import context
 from shoal.torch import functions
 from shoal.torch.compression import Compression, Compressor
 from shoal.torch.layer_comm.calibrate import job_calibration, keep_calibration
+from shoal.torch.layer_comm.layers import build_plan, tied_modules
 from shoal.torch.layer_comm.lossy import LossyState, LowRank, TopK
 from shoal.torch.layer_comm.schemes import CastAllreduce, LayerComm, ParameterServer, SufficientFactors, Wiring
 

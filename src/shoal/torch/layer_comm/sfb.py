@@ -17,7 +17,7 @@ gradients instead, together: the output gradients' allgather carries one more co
 forward count, so every rank sees whether any ran the layer more than once and all take the same path. Where a call's
 weight gradient was left out of autograd's graph, it is summed from that call's own factors first. A weight that
 another module also holds (tied weights) is never given SFB: the rebuild would overwrite the other module's share of
-its gradient (``shoal.plan.planner.tied_modules``).
+its gradient (``shoal.torch.layer_comm.layers.tied_modules``).
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ from torch import nn
 
 from shoal.core import session as handles
 from shoal.core.process_sets import ProcessSet
-from shoal.plan.planner import spares_local_gradient
 from shoal.torch import functions
+from shoal.torch.layer_comm.layers import spares_local_gradient
 
 
 class SufficientFactorLayer:
