@@ -13,7 +13,7 @@ from torch import nn
 import shoal.torch as hvd
 from shoal.plan.calibration import Calibration, calibration_to_json
 from shoal.plan.planner import format_plan, median_error, predict
-from shoal.plan.schemes import Scheme
+from shoal.plan.schemes import ROWS, Play, Scheme
 from shoal.testing import run_ranks
 from shoal.torch.layer_comm.layers import build_plan
 
@@ -406,3 +406,18 @@ def test_auto_rounds_gradients_only_for_a_real_saving() -> None:
     assert pick({Scheme.ALLREDUCE: 1.0, Scheme.SFB: 0.5, Scheme.FP16: 0.2}) == Scheme.FP16
     assert pick({Scheme.ALLREDUCE: 1.0, Scheme.SFB: 0.5, Scheme.FP16: 0.47}) == Scheme.SFB
     assert pick({Scheme.FP16: 0.5, Scheme.BF16: 0.6}, allowed=(Scheme.FP16, Scheme.BF16)) == Scheme.FP16
+
+
+def test_comm_values_parse_to_a_scheme_or_a_planner_mode_that_says_what_it_may_choose() -> None:
+    from shoal.plan.schemes import AUTO_SCHEMES, COMM_CHOICES, COMPRESSED, Planned, parse_comm
+
+    assert parse_comm("sfb") is Scheme.SFB and parse_comm("auto") is Planned.AUTO
+    assert parse_comm(Planned.AUTO_LOSSY) is Planned.AUTO_LOSSY and parse_comm(Scheme.TOPK) is Scheme.TOPK
+    assert set(COMM_CHOICES) == {*(s.value for s in Scheme), "auto", "auto-lossy"}
+    with pytest.raises(ValueError, match=r"comm must be one of allreduce, .*auto-lossy, got 'carrier-pigeon'"):
+        parse_comm("carrier-pigeon")
+    assert Planned.AUTO.allowed(servers=True) == AUTO_SCHEMES
+    assert Scheme.PS not in Planned.AUTO.allowed(servers=False)
+    lossy = Planned.AUTO_LOSSY.allowed(servers=False)
+    assert set(lossy) == set(Planned.AUTO.allowed(servers=False)) | set(COMPRESSED)
+    assert all(isinstance(row.play, Play) for row in ROWS.values())

@@ -42,11 +42,11 @@ from shoal.comm.baselines import wrap_ddp, wrap_ddp_powersgd
 from shoal.config import env_name
 from shoal.core import session as handles
 from shoal.plan.planner import median_error
-from shoal.plan.schemes import Compressed, Scheme
+from shoal.plan.schemes import COMM_CHOICES, Compressed, Planned, Scheme
 from shoal.predict.models import build, parameter_count
 from shoal.ps.config import resolve_config
 from shoal.torch.compression import Compressor
-from shoal.torch.layer_comm.router import AUTO, AUTO_LOSSY, COMM_CHOICES, last_plan
+from shoal.torch.layer_comm.router import last_plan
 from shoal.torch.layer_comm.schemes import SufficientFactors
 
 
@@ -111,8 +111,8 @@ def _compression(args: argparse.Namespace) -> type[Compressor] | Compressed:
     """The compressed schemes' settings for ``--comm`` (their warm-up and PowerSGD's rank), else none."""
     if args.comm == Scheme.TOPK:
         return hvd.Compression.topk(warmup_steps=args.lossy_warmup)
-    if args.comm in (Scheme.POWERSGD, AUTO_LOSSY):
-        rank = None if args.comm == AUTO_LOSSY else args.rank
+    if args.comm in (Scheme.POWERSGD, Planned.AUTO_LOSSY):
+        rank = None if args.comm == Planned.AUTO_LOSSY else args.rank
         return hvd.Compression.powersgd(rank=rank, max_rank=args.rank, warmup_steps=args.lossy_warmup)
     return hvd.Compression.none
 
@@ -135,7 +135,7 @@ def run_shoal(
         )
     finally:
         config.shared_gradients = setting
-    if args.comm in (AUTO, AUTO_LOSSY):
+    if args.comm in tuple(Planned):
         hvd.plan_report()  # rank 0 prints it
     return hvd.size() * args.batch_size * args.steps / elapsed
 
@@ -395,7 +395,7 @@ def _report(args: argparse.Namespace, phases: Phases) -> None:
         result["ps_servers"] = config.num_servers if config.dedicated else hvd.size()
         result["ps_dedicated"] = config.dedicated
     plan = phases.plan
-    if args.comm in (AUTO, AUTO_LOSSY) and plan is not None:
+    if args.comm in tuple(Planned) and plan is not None:
         error = median_error(plan.plans)
         result["plan_median_error"] = round(error, 3) if error is not None else None
         result["plan_choices"] = dict(Counter(p.choice.value + (f"@{p.rank}" if p.rank else "") for p in plan.plans))

@@ -64,6 +64,47 @@ class Scheme(str, enum.Enum):
             raise ValueError(f"unknown scheme {value!r} in {where}; choose from {[s.value for s in cls]}") from None
 
 
+class Play(str, enum.Enum):
+    """How a scheme's exchange runs, which the optimizer follows and the simulator plays."""
+
+    BUCKET = "bucket"
+    """Fused into the optimizer's allreduce buckets as gradients become ready."""
+    FACTORS = "factors"
+    """SFB: the inputs at forward, the output gradients when ready, the rebuild at synchronize."""
+    DIRECT = "direct"
+    """Its own exchange once the layer's gradients are final, its local work at synchronize."""
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class Planned(str, enum.Enum):
+    """A ``comm=`` that leaves each layer's scheme to the planner (a ``str`` too: ``"auto"`` compares equal)."""
+
+    AUTO = "auto"
+    """The lossless schemes; fp16 or bf16 only by a clear margin; ps only with dedicated servers."""
+    AUTO_LOSSY = "auto-lossy"
+    """``auto``'s schemes and the compressed ones (PowerSGD, top-k)."""
+
+    def __str__(self) -> str:
+        return self.value
+
+    def allowed(self, servers: bool) -> tuple[Scheme, ...]:
+        """The schemes this mode may choose from; ``servers``: dedicated parameter servers are there."""
+        lossless = AUTO_SCHEMES if servers else tuple(s for s in AUTO_SCHEMES if s is not Scheme.PS)
+        return (*lossless, *COMPRESSED) if self is Planned.AUTO_LOSSY else lossless
+
+
+def parse_comm(value: object, where: str = "comm") -> Scheme | Planned:
+    """A ``comm=`` value: a scheme forced on every layer, or a planner mode; a ValueError lists the choices."""
+    for kind in (Planned, Scheme):
+        try:
+            return kind(value)
+        except ValueError:
+            continue
+    raise ValueError(f"{where} must be one of {', '.join(COMM_CHOICES)}, got {value!r}")
+
+
 @dataclass(frozen=True)
 class LayerShape:
     """What the table needs to know of one layer (a module owning trainable parameters), framework-neutral."""
@@ -359,10 +400,8 @@ class SchemeRow:
     """Whether the scheme can carry this layer (in this job: the parameter server only with servers)."""
     cost: Callable[[CostContext, LayerShape], Estimate]
     """Its predicted time for the layer (only asked where it serves)."""
-    play: str
-    """How the exchange runs (and the simulator plays it): ``bucket`` (fused into the optimizer's allreduce buckets
-    as gradients become ready), ``factors`` (SFB: inputs at forward, output gradients when ready, rebuild at
-    synchronize) or ``direct`` (its own exchange once the layer's gradients are final, local work at synchronize)."""
+    play: Play
+    """How the exchange runs (and the simulator plays it)."""
     lossy: bool
     state: str
     """What it keeps from step to step."""
@@ -374,18 +413,24 @@ def _always(ctx: CostContext, layer: LayerShape) -> bool:
     return True
 
 
+def _linear_only(ctx: CostContext, layer: LayerShape) -> bool:
+    return layer.linear is not None
+
+
 ROWS: dict[Scheme, SchemeRow] = {
     row.scheme: row
     for row in (
-        SchemeRow(Scheme.ALLREDUCE, _always, _allreduce_cost, "bucket", False, "nothing", "allreduce"),
-        SchemeRow(Scheme.FP16, _always, _cast_cost("fp16"), "bucket", True, "nothing", "fp16"),
-        SchemeRow(Scheme.BF16, _always, _cast_cost("bf16"), "bucket", True, "nothing", "bf16"),
-        SchemeRow(Scheme.SFB, lambda ctx, layer: layer.linear is not None, _sfb_cost, "factors", False, "nothing", "allgather"),
+        SchemeRow(Scheme.ALLREDUCE, _always, _allreduce_cost, Play.BUCKET, False, "nothing", "allreduce"),
+        SchemeRow(Scheme.FP16, _always, _cast_cost("fp16"), Play.BUCKET, True, "nothing", "fp16"),
+        SchemeRow(Scheme.BF16, _always, _cast_cost("bf16"), Play.BUCKET, True, "nothing", "bf16"),
+        SchemeRow(
+            Scheme.SFB, lambda ctx, layer: layer.linear is not None, _sfb_cost, Play.FACTORS, False, "nothing", "allgather"
+        ),
         SchemeRow(
             Scheme.PS,
             lambda ctx, layer: bool(ctx.servers),
             _ps_cost,
-            "direct",
+            Play.DIRECT,
             False,
             "the servers hold the layer's values and optimizer state",
             None,
@@ -394,7 +439,7 @@ ROWS: dict[Scheme, SchemeRow] = {
             Scheme.POWERSGD,
             _powersgd_serves,
             _powersgd_best,
-            "direct",
+            Play.DIRECT,
             True,
             "per gradient: the error-feedback residual and Q (warm start); the step count (warm-up)",
             "allreduce",
@@ -403,7 +448,7 @@ ROWS: dict[Scheme, SchemeRow] = {
             Scheme.TOPK,
             _topk_serves,
             topk_cost,
-            "direct",
+            Play.DIRECT,
             True,
             "per gradient: the error-feedback residual; the step count (warm-up)",
             "allgather",
@@ -418,6 +463,8 @@ COMPRESSED = (Scheme.POWERSGD, Scheme.TOPK)
 """The schemes that compress with error feedback (lossy beyond rounding; ``auto`` never picks them)."""
 AUTO_SCHEMES = tuple(s for s in SCHEMES if s not in COMPRESSED)
 """What ``comm="auto"`` may choose from (fp16/bf16 only by a clear margin; ``ps`` only with dedicated servers)."""
+COMM_CHOICES = (*(s.value for s in SCHEMES), *(p.value for p in Planned))
+"""Every value ``comm=`` takes: a scheme's name, or a planner mode."""
 DEFAULT_RANK = 4
 """PowerSGD's rank where nothing chose one (a forced scheme without a plan)."""
 DEFAULT_WARMUP_STEPS = 100

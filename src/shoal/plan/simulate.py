@@ -29,15 +29,16 @@ from dataclasses import dataclass, field
 from shoal.plan.calibration import Calibration
 from shoal.plan.planner import pick
 from shoal.plan.schemes import (
-    AUTO_SCHEMES,
     CostContext,
     Estimate,
     LayerShape,
     LossyOptions,
+    Planned,
+    Play,
     Scheme,
     estimates,
     fill_bucket,
-    scheme_of,
+    parse_comm,
     sfb_allgather_seconds,
     sfb_rebuild_flops,
     sfb_spared_flops,
@@ -253,23 +254,14 @@ class StepPrediction:
         return sorted(per_layer, key=per_layer.__getitem__, reverse=True)[:count]
 
 
-WITHOUT_SERVERS = tuple(scheme for scheme in AUTO_SCHEMES if scheme != Scheme.PS)
-"""What ``auto`` chooses from in a prediction (no dedicated parameter servers)."""
-
-
-def choose(
-    predictions: dict[str, dict[Scheme, float]],
-    comm: str = "auto",
-    allowed: tuple[Scheme, ...] = WITHOUT_SERVERS,
-) -> dict[str, Scheme]:
+def choose(predictions: dict[str, dict[Scheme, float]], comm: str = "auto") -> dict[str, Scheme]:
     """Each layer's scheme from its predictions: ``comm`` forced where the layer can take it, else what the
-    planner's ``auto`` (or ``auto-lossy``: the compressed schemes too) picks."""
-    if comm in ("auto", "auto-lossy"):
-        if comm == "auto-lossy":
-            allowed = (*allowed, Scheme.POWERSGD, Scheme.TOPK)
+    planner's mode (``auto``, ``auto-lossy``) picks, without dedicated parameter servers."""
+    mode = parse_comm(comm)
+    if isinstance(mode, Planned):
+        allowed = mode.allowed(servers=False)
         return {name: pick(predicted, allowed) for name, predicted in predictions.items()}
-    forced = scheme_of(comm, "comm")
-    return {name: forced if forced in predicted else Scheme.ALLREDUCE for name, predicted in predictions.items()}
+    return {name: mode if mode in predicted else Scheme.ALLREDUCE for name, predicted in predictions.items()}
 
 
 def simulate(
@@ -318,14 +310,14 @@ def simulate(
         sent: set[str] = set()
         for gradient in sorted(profile.gradients, key=lambda g: g.ready_s):
             scheme = choices[gradient.layer]
-            if scheme.row.play != "bucket":
+            if scheme.row.play is not Play.BUCKET:
                 if gradient.layer in sent or gradient.ready_s < last_ready[gradient.layer]:
                     continue  # the layer's exchange leaves once all its gradients are final
                 sent.add(gradient.layer)
                 layer = layers[gradient.layer]
                 estimate = estimated[layer.name][scheme]
                 seconds = estimate.wire_s
-                if scheme.row.play == "direct":  # compressing and rebuilding: local work at synchronize
+                if scheme.row.play is Play.DIRECT:  # compressing and rebuilding: local work at synchronize
                     rebuild_s += estimate.local_s
                 else:  # factors (SFB)
                     assert layer.linear is not None

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shoal.plan.schemes import Scheme
+from shoal.plan.schemes import COMM_CHOICES, Scheme, parse_comm
 from shoal.plan.simulate import Links, StepPrediction, StepProfile, simulate
 
-ALTERNATIVES = ("allreduce", "fp16", "bf16", "sfb", "powersgd", "topk", "auto", "auto-lossy")
+ALTERNATIVES = tuple(choice for choice in COMM_CHOICES if choice != Scheme.PS)  # ps needs servers
 """The comm settings the advice compares (what ``DistributedOptimizer(comm=...)`` offers without servers)."""
 
 
@@ -68,8 +68,7 @@ def scaling(
 ) -> list[Row]:
     """Predict ``comm`` at each worker count, and the best of the other comm settings beside it (``cpu_bound``: see
     ``shoal.plan.simulate.simulate``)."""
-    if comm not in ("auto", "auto-lossy"):
-        Scheme.parse(comm, "comm")
+    parse_comm(comm)
     layer_bytes = {layer.name: layer.nbytes for layer in profile.layers}
     rows = []
     for count in workers:

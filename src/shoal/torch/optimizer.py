@@ -21,12 +21,12 @@ from shoal.core import session as handles
 from shoal.core.balance import check_balanced_reduction
 from shoal.core.process_sets import ProcessSet, global_process_set
 from shoal.core.rules import ReduceOp, resolve_groups, split_groups
-from shoal.plan.schemes import Compressed
+from shoal.plan.schemes import Compressed, parse_comm
 from shoal.ps.config import resolve_config
 from shoal.torch.balanced_loader import BalancedLoader
 from shoal.torch.compression import Compression, Compressor
 from shoal.torch.exchange import AdasumExchange, GradientExchange, parameter_names
-from shoal.torch.layer_comm.router import COMM_CHOICES, LayerRouter, OptimizerFacts, plan_report
+from shoal.torch.layer_comm.router import LayerRouter, OptimizerFacts, plan_report
 from shoal.torch.micro_batch_grads import MicroBatchWeights, check_ordered_params
 from shoal.torch.optimizer_class import is_mixed_with, mix_into
 
@@ -181,8 +181,7 @@ def DistributedOptimizer(
     average is one process's mean gradient over the whole global batch, with any share (``micro_batch_grads``).
     Needs ``op=Average``, ``backward_passes_per_step=1`` and the global set; ``sfb`` layers fall back to allreduce.
     """
-    if comm not in COMM_CHOICES:
-        raise ValueError(f"comm must be one of {', '.join(COMM_CHOICES)}, got {comm!r}")
+    parse_comm(comm)  # a ValueError lists the choices
     compressed, compression, comm = _split_compression(compression, comm)
     ps_config = resolve_config(ps_mode, ps_staleness)
     if bucket_bytes is None:

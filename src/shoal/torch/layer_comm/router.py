@@ -25,7 +25,7 @@ from shoal.log import get_logger
 from shoal.plan.calibration import Calibration
 from shoal.plan.drift import DriftMonitor, refit
 from shoal.plan.planner import LayerPlan, forced_scheme, forced_setting, format_plan, keep_measured, refuse_tied_sfb
-from shoal.plan.schemes import AUTO_SCHEMES, COMPRESSED, SCHEMES, Compressed, LossyOptions, Scheme, scheme_of
+from shoal.plan.schemes import COMPRESSED, Compressed, LossyOptions, Planned, Scheme, parse_comm, scheme_of
 from shoal.ps.client import PSSession
 from shoal.ps.config import PSConfig
 from shoal.ps.messages import SessionSpec
@@ -56,9 +56,6 @@ def make_layer_comm(
     return LAYER_COMM[scheme].build(scheme, name, module, params, wiring)
 
 
-AUTO = "auto"
-AUTO_LOSSY = "auto-lossy"
-COMM_CHOICES = (*(s.value for s in SCHEMES), AUTO, AUTO_LOSSY)
 """What ``DistributedOptimizer(comm=...)`` accepts: a scheme for every layer, or a plan (``auto``: lossless schemes,
 and fp16/bf16 only by a clear margin; ``auto-lossy``: the compressed schemes too)."""
 
@@ -146,8 +143,11 @@ class LayerRouter:
         self.facts = facts
         self.model = model
         self.comm = comm
-        self.auto = comm in (AUTO, AUTO_LOSSY)
-        self.lossy_allowed = comm == AUTO_LOSSY
+        mode = parse_comm(comm)
+        self.planned = mode if isinstance(mode, Planned) else None
+        """The planner's mode (``auto``, ``auto-lossy``), or None where ``comm`` forces a scheme."""
+        self.auto = self.planned is not None
+        self.lossy_allowed = self.planned is Planned.AUTO_LOSSY
         """``auto-lossy``: the plan may choose the compressed schemes."""
         self.overrides = dict(overrides or {})
         for value in self.overrides.values():
@@ -362,9 +362,7 @@ class LayerRouter:
         dedicated = self.ps_config.dedicated
         # ps only when servers exist, and only in the first plan: one session holds a fixed set of layers, so a
         # re-plan keeps the layers already served (their optimizer state lives there) and adds none.
-        allowed = (*AUTO_SCHEMES, *(COMPRESSED if self.lossy_allowed else ()))
-        if not dedicated or self.ps is not None:
-            allowed = tuple(s for s in allowed if s != Scheme.PS)
+        allowed = (self.planned or Planned.AUTO).allowed(servers=bool(dedicated) and self.ps is None)
         overrides = dict(self.overrides)
         modules = dict(self.model.named_modules())
         previous = self.plans or []
