@@ -16,7 +16,6 @@ from dataclasses import dataclass
 
 from shoal.plan.calibration import Calibration
 from shoal.plan.planner import LayerPlan, expected_ms
-from shoal.plan.schemes import Scheme
 
 
 @dataclass
@@ -116,7 +115,7 @@ class DriftMonitor:
     def _expected_seconds(self, plan: LayerPlan, parts: list[Execution]) -> tuple[float, float]:
         """The plan's prediction for the layer as the engine executed it this step, and its share of latencies."""
         exchange = plan.choice.exchange
-        if plan.choice == Scheme.SFB:  # its allgathers and rebuild, predicted as one (the spared backward work added
+        if plan.choice.row.rebuilds:  # its allgathers and rebuild, predicted as one (the spared backward work added
             # back: the measurement cannot see it)
             return plan.predicted_ms[plan.choice] / 1e3 + plan.spared_flops / self.calibration.flops_per_s, 1.0
         if exchange is None:
@@ -186,7 +185,7 @@ class DriftMonitor:
             typical, expected, share, extra = (statistics.median(column) for column in zip(*history, strict=True))
             plan.measured_ms = typical * 1e3
             plan.expected_ms = expected * 1e3
-            if plan.choice == Scheme.SFB:
+            if plan.choice.row.rebuilds:
                 self.rebuilds[plan.name] = extra
             elif plan.choice.exchange is not None:
                 self.terms[plan.name] = (share, float(plan.nbytes))
@@ -237,7 +236,7 @@ def refit(
     rates = [
         plan.rebuild_flops / rebuilds[plan.name]
         for plan in plans
-        if plan.choice == Scheme.SFB and plan.rebuild_flops and rebuilds.get(plan.name, 0.0) > 0
+        if plan.choice.row.rebuilds and plan.rebuild_flops and rebuilds.get(plan.name, 0.0) > 0
     ]
     flops_per_s = statistics.median(rates) if rates else calibration.flops_per_s
     for plan in plans:
@@ -245,17 +244,17 @@ def refit(
         if exchange is None or not plan.measured_ms or plan.choice not in plan.predicted_ms:
             continue
         measured, expected = plan.measured_ms / 1e3, expected_ms(plan) / 1e3
-        if plan.choice == Scheme.SFB and plan.rebuild_flops and plan.name in rebuilds:
+        if plan.choice.row.rebuilds and plan.rebuild_flops and plan.name in rebuilds:
             measured -= rebuilds[plan.name]  # what the allgathers took
             expected -= plan.rebuild_flops / calibration.flops_per_s  # what the plan gave them
-        elif plan.choice != Scheme.SFB and plan.name in terms:  # the line at the same medians as the measurement
+        elif not plan.choice.row.rebuilds and plan.name in terms:  # the line at the same medians as the measurement
             share, nbytes = terms[plan.name]
             latency, per_byte = calibration.lines[exchange]
             expected = latency * share + per_byte * nbytes
         if measured <= 0 or expected <= 0:
             continue
         ratios.setdefault(exchange, []).append(measured / expected)
-        if plan.choice != Scheme.SFB and plan.name in terms:
+        if not plan.choice.row.rebuilds and plan.name in terms:
             points.setdefault(exchange, []).append((*terms[plan.name], measured))
     if not ratios:
         return calibration.with_lines(calibration.lines, flops_per_s)

@@ -213,17 +213,17 @@ def plan_layers(
             plan.rebuild_flops = sfb_rebuild_flops(workers, linear)
             plan.spared_flops = sfb_spared_flops(linear) if layer.shape.spares_local else 0.0
         forced = forced_scheme(name, layer.handle, overrides)
-        if forced == Scheme.SFB and layer.tied:
+        if forced is not None and forced.row.needs_linear and layer.tied:
             refuse_tied_sfb(name)
             forced = None
         if forced is not None:
-            if forced == Scheme.SFB and linear is None:
-                raise ValueError(f"comm_overrides forces sfb on '{name}', but it is not an nn.Linear that ran forward")
+            if forced.row.needs_linear and linear is None:
+                raise ValueError(f"comm_overrides forces {forced} on '{name}', but it is not an nn.Linear that ran forward")
             plan.choice, plan.forced = forced, True
         else:
             plan.choice = pick(predictions, allowed)
-        if plan.choice == Scheme.POWERSGD:
-            chosen = estimated.get(Scheme.POWERSGD)
+        if plan.choice.row.ranked:
+            chosen = estimated.get(plan.choice)
             plan.rank = options.rank or (chosen.rank if chosen is not None else None) or DEFAULT_RANK
         plans.append(plan)
     return plans

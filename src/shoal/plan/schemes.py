@@ -407,6 +407,25 @@ class SchemeRow:
     """What it keeps from step to step."""
     line: str | None
     """The calibrated line its collective runs on (None: not an engine collective)."""
+    carrier: bool = True
+    """A front end wraps the layer in the scheme's own carrier; False: the optimizer's buckets carry its gradients
+    as they are (the plain allreduce)."""
+    needs_linear: bool = False
+    """It serves only fully-connected layers with their (K, M, N), and no tied weight (even where forced)."""
+    one_pass: bool = False
+    """It needs one backward pass per step: what it captures at forward does not accumulate."""
+    on_servers: bool = False
+    """The layer's values and optimizer state live on parameter servers, in one session for all such layers."""
+    error_feedback: bool = False
+    """It compresses with error feedback (lossy beyond rounding; ``auto`` never picks it, ``auto-lossy`` may)."""
+    ranked: bool = False
+    """It takes a rank per layer (``LayerPlan.rank``)."""
+
+    @property
+    def rebuilds(self) -> bool:
+        """Its gradient is rebuilt from gathered factors at synchronize: the measured exchange includes the rebuild,
+        and backward spares the local weight gradient where the layer allows."""
+        return self.play is Play.FACTORS
 
 
 def _always(ctx: CostContext, layer: LayerShape) -> bool:
@@ -420,11 +439,19 @@ def _linear_only(ctx: CostContext, layer: LayerShape) -> bool:
 ROWS: dict[Scheme, SchemeRow] = {
     row.scheme: row
     for row in (
-        SchemeRow(Scheme.ALLREDUCE, _always, _allreduce_cost, Play.BUCKET, False, "nothing", "allreduce"),
+        SchemeRow(Scheme.ALLREDUCE, _always, _allreduce_cost, Play.BUCKET, False, "nothing", "allreduce", carrier=False),
         SchemeRow(Scheme.FP16, _always, _cast_cost("fp16"), Play.BUCKET, True, "nothing", "fp16"),
         SchemeRow(Scheme.BF16, _always, _cast_cost("bf16"), Play.BUCKET, True, "nothing", "bf16"),
         SchemeRow(
-            Scheme.SFB, lambda ctx, layer: layer.linear is not None, _sfb_cost, Play.FACTORS, False, "nothing", "allgather"
+            Scheme.SFB,
+            _linear_only,
+            _sfb_cost,
+            Play.FACTORS,
+            False,
+            "nothing",
+            "allgather",
+            needs_linear=True,
+            one_pass=True,
         ),
         SchemeRow(
             Scheme.PS,
@@ -434,6 +461,7 @@ ROWS: dict[Scheme, SchemeRow] = {
             False,
             "the servers hold the layer's values and optimizer state",
             None,
+            on_servers=True,
         ),
         SchemeRow(
             Scheme.POWERSGD,
@@ -443,6 +471,8 @@ ROWS: dict[Scheme, SchemeRow] = {
             True,
             "per gradient: the error-feedback residual and Q (warm start); the step count (warm-up)",
             "allreduce",
+            error_feedback=True,
+            ranked=True,
         ),
         SchemeRow(
             Scheme.TOPK,
@@ -452,6 +482,7 @@ ROWS: dict[Scheme, SchemeRow] = {
             True,
             "per gradient: the error-feedback residual; the step count (warm-up)",
             "allgather",
+            error_feedback=True,
         ),
     )
 }
@@ -459,7 +490,7 @@ ROWS: dict[Scheme, SchemeRow] = {
 
 SCHEMES = tuple(Scheme)
 """Every scheme, in the planner's order of preference on a tie."""
-COMPRESSED = (Scheme.POWERSGD, Scheme.TOPK)
+COMPRESSED = tuple(s for s in SCHEMES if ROWS[s].error_feedback)
 """The schemes that compress with error feedback (lossy beyond rounding; ``auto`` never picks them)."""
 AUTO_SCHEMES = tuple(s for s in SCHEMES if s not in COMPRESSED)
 """What ``comm="auto"`` may choose from (fp16/bf16 only by a clear margin; ``ps`` only with dedicated servers)."""

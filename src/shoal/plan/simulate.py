@@ -300,7 +300,7 @@ def simulate(
         spared = {
             name: sfb_spared_flops(layer.linear) / calibration.flops_per_s
             for name, layer in layers.items()
-            if choices[name] == Scheme.SFB and layer.spares_local and layer.linear is not None and name in last_ready
+            if choices[name].row.rebuilds and layer.spares_local and layer.linear is not None and name in last_ready
         }
         backward_s -= sum(spared.values())
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from shoal.plan.schemes import COMM_CHOICES, Scheme, parse_comm
 from shoal.plan.simulate import Links, StepPrediction, StepProfile, simulate
 
-ALTERNATIVES = tuple(choice for choice in COMM_CHOICES if choice != Scheme.PS)  # ps needs servers
+ALTERNATIVES = tuple(c for c in COMM_CHOICES if not isinstance(mode := parse_comm(c), Scheme) or not mode.row.on_servers)
 """The comm settings the advice compares (what ``DistributedOptimizer(comm=...)`` offers without servers)."""
 
 

@@ -170,7 +170,7 @@ class LayerRouter:
         self._rows: dict[str, int] = {}
         self._row_hooks: list[Any] = []
         if model is None:
-            if self.auto or comm == Scheme.SFB or overrides:
+            if self.auto or Scheme(comm).row.needs_linear or overrides:
                 raise ValueError(f"comm={comm!r} and comm_overrides need model= (the nn.Module being trained)")
             self._assign_all(Scheme(comm))
         elif self.auto:
@@ -183,7 +183,7 @@ class LayerRouter:
             for name, module in model.named_modules():
                 if any(p.requires_grad for p in module.parameters(recurse=False)):
                     # sfb is for fully-connected layers; the others keep the plain allreduce
-                    default = Scheme.ALLREDUCE if chosen == Scheme.SFB and not isinstance(module, nn.Linear) else chosen
+                    default = Scheme.ALLREDUCE if chosen.row.needs_linear and not isinstance(module, nn.Linear) else chosen
                     schemes[name] = forced_scheme(name, module, self.overrides) or default
             self._assign(schemes, self._settings_of(model))
 
@@ -264,9 +264,9 @@ class LayerRouter:
 
     def _assign_all(self, scheme: Scheme) -> None:
         """Without a model: one scheme for every parameter."""
-        if scheme == Scheme.PS:
+        if scheme.row.on_servers:
             self._open_ps(self.facts.params)
-        elif scheme != Scheme.ALLREDUCE:
+        elif scheme.row.carrier:
             comm = make_layer_comm(scheme, "", None, self.facts.params, self._wiring(setting=self.settings.get(scheme)))
             self._comm_of.update({id(p): comm for p in self.facts.params})
 
@@ -281,17 +281,17 @@ class LayerRouter:
         served: list[torch.Tensor] = []
         for name, scheme in schemes.items():
             params = [p for p in modules[name].parameters(recurse=False) if p.requires_grad]
-            if scheme == Scheme.PS:
+            if scheme.row.on_servers:
                 served += params
                 continue
-            if scheme == Scheme.SFB and self.facts.passes != 1:
+            if scheme.row.one_pass and self.facts.passes != 1:
                 why = "backward_passes_per_step > 1" if self.facts.passes else "a BalancedLoader's micro-batches"
-                get_logger().info("sfb is off for '%s': %s accumulate gradients", name, why)
+                get_logger().info("%s is off for '%s': %s accumulate gradients", scheme, name, why)
                 continue
-            if scheme == Scheme.SFB and name in tied:
+            if scheme.row.needs_linear and name in tied:
                 refuse_tied_sfb(name)
                 continue
-            if scheme != Scheme.ALLREDUCE:
+            if scheme.row.carrier:
                 setting = (settings or {}).get(name) or self.settings.get(scheme)
                 factored = self.facts.passes == 1 and name not in tied  # PowerSGD from a linear layer's factors
                 wiring = self._wiring(setting=setting, rank=(ranks or {}).get(name), factored=factored)
@@ -367,14 +367,14 @@ class LayerRouter:
         modules = dict(self.model.named_modules())
         previous = self.plans or []
         if self.plans is not None:  # layers already on the servers stay there (their state lives there)
-            overrides.update({modules[p.name]: Scheme.PS for p in self.plans if p.choice == Scheme.PS})
+            overrides.update({modules[p.name]: p.choice for p in self.plans if p.choice.row.on_servers})
             self._clear()
         servers = self.ps_config.num_servers if dedicated else workers
         self.plans = build_plan(self.model, calibration, workers, self._rows, overrides, allowed, servers, self.lossy_options())
         keep_measured(self.plans, previous)  # the same on every rank: the agreed measurements, rank 0's refit
         # With a session open, every ps layer of this plan is one it already serves (a re-plan adds none).
         self._assign(
-            {p.name: p.choice for p in self.plans if not (p.choice == Scheme.PS and self.ps is not None)},
+            {p.name: p.choice for p in self.plans if not (p.choice.row.on_servers and self.ps is not None)},
             self._settings_of(self.model),
             {p.name: p.rank for p in self.plans if p.rank},
         )
