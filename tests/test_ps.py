@@ -287,6 +287,7 @@ def test_a_killed_server_is_named_on_every_worker() -> None:
         # The worker caught the error, so a shutdown-time exception is the only way it fails.
         assert outcomes[worker].error is None, outcomes[worker].error
         result = outcomes[worker].result
+        assert result is not None, outcomes  # no result and no error: killed after the grace, or died without a word
         assert "parameter server 0" in result["message"] and "vanished" in result["message"], result
         assert result["after_s"] < 10, result
 
