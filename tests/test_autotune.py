@@ -36,9 +36,11 @@ def _train(steps: int) -> dict[str, object]:
     from shoal.core import session as handles
 
     engine = handles.engine()
-    settings = [engine.config.fusion_threshold_bytes, engine.config.cycle_time_ms, engine.tuned_bucket_bytes]
+    settings = [engine.tuned.fusion_threshold_bytes, engine.tuned.cycle_time_ms, engine.tuned.bucket_bytes]
+    configured = [engine.config.fusion_threshold_bytes, engine.config.cycle_time_ms]
     hvd.barrier()
-    return {"weights": [p.detach().reshape(-1).tolist() for p in model.parameters()], "settings": settings}
+    weights = [p.detach().reshape(-1).tolist() for p in model.parameters()]
+    return {"weights": weights, "settings": settings, "configured": configured}
 
 
 def test_autotune_samples_logs_freezes_and_keeps_training_exact(tmp_path: Path) -> None:
@@ -59,6 +61,12 @@ def test_autotune_samples_logs_freezes_and_keeps_training_exact(tmp_path: Path) 
     assert float(best["bytes_per_second"]) == max(float(r["bytes_per_second"]) for r in rows if r["phase"] == "sample")
     assert results[0]["settings"] == results[1]["settings"]  # every rank applied the same (frozen) settings
     assert results[0]["settings"][0] == int(best["fusion_threshold_bytes"])  # type: ignore[index]
+    # The tuned values are the engine's own; the configuration keeps what was set (here the defaults), as Horovod's
+    # ParameterManager keeps its values apart from the user's settings.
+    from shoal.engine.config import EngineConfig
+
+    defaults = EngineConfig()
+    assert all(r["configured"] == [defaults.fusion_threshold_bytes, defaults.cycle_time_ms] for r in results), results
     # The knobs change how gradients travel, never what they add up to.
     model = _model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)

@@ -190,18 +190,48 @@ def test_jobs_are_composed_not_subclassed() -> None:
     assert not found, found
 
 
-def test_no_engine_module_is_over_400_lines_and_no_class_over_250() -> None:
-    large = []
+MODULE_LINES, CLASS_LINES = 400, 250
+"""The sizes no module and no class of ``src/shoal`` may pass, beyond ``OVERSIZE``."""
+OVERSIZE = {
+    "shoal.torch.exchange": 651,
+    "shoal.runner.elastic_driver": 596,
+    "shoal.torch.layer_comm.lossy": 586,
+    "shoal.bench.churn": 582,
+    "shoal.spark.estimator": 575,
+    "shoal.tf_ops.ops": 566,
+    "shoal.plan.schemes": 557,
+    "shoal.bench.train": 527,
+    "shoal.keras.optimizer": 507,
+    "shoal.comm.auth_store": 506,
+    "shoal.comm.shm": 448,
+    "shoal.torch.layer_comm.router": 427,
+    "shoal.bench.unequal": 412,
+    "shoal.runner.elastic_driver.ElasticJob": 519,
+    "shoal.torch.exchange.GradientExchange": 374,
+    "shoal.torch.layer_comm.router.LayerRouter": 297,
+    "shoal.ray.executor.RayExecutor": 282,
+    "shoal.config.launch.LaunchConfig": 278,
+    "shoal.comm.shm.SharedMemoryGroup": 275,
+    "shoal.runner.launcher.Job": 261,
+}
+"""What was over the sizes when the guard went from the engine to the whole package (issue #55), at its size then:
+each may shrink, never grow, and leaves this list once it is under the limit."""
+
+
+def test_no_module_is_over_400_lines_and_no_class_over_250_beyond_those_listed_to_split() -> None:
+    sizes = {}
     for name, path in modules().items():
-        if not name.startswith("shoal.engine"):
-            continue
         text = path.read_text()
-        if len(text.splitlines()) > 400:
-            large.append(f"{name}: {len(text.splitlines())} lines")
+        if len(text.splitlines()) > MODULE_LINES:
+            sizes[name] = len(text.splitlines())
         for node in ast.walk(ast.parse(text)):
-            if isinstance(node, ast.ClassDef) and node.end_lineno is not None and node.end_lineno - node.lineno + 1 > 250:
-                large.append(f"{name}.{node.name}: {node.end_lineno - node.lineno + 1} lines")
-    assert not large, large
+            if isinstance(node, ast.ClassDef) and node.end_lineno is not None:
+                if node.end_lineno - node.lineno + 1 > CLASS_LINES:
+                    sizes[f"{name}.{node.name}"] = node.end_lineno - node.lineno + 1
+    grown = {what: lines for what, lines in sizes.items() if lines > OVERSIZE.get(what, 0)}
+    assert not grown, f"over {MODULE_LINES} lines a module or {CLASS_LINES} a class, or grown past OVERSIZE: {grown}"
+    split = sorted(set(OVERSIZE) - set(sizes))
+    assert not split, f"now within the limits: take them off OVERSIZE: {split}"
 
 
 def test_no_import_cycles() -> None:

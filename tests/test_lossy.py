@@ -13,6 +13,7 @@ from shoal.plan.calibration import Calibration
 from shoal.plan.schemes import AUTO_SCHEMES, COMPRESSED, LossyOptions, Scheme
 from shoal.testing import run_ranks
 from shoal.torch.layer_comm.layers import build_plan
+from shoal.torch.optimizer import router_of
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -77,8 +78,8 @@ def _distributed(
         nn.functional.mse_loss(model(x[step][mine]), y[step][mine]).backward()
         casts.append(optimizer._shoal_exchange.compressor(model.fc1.weight) is hvd.Compression.bf16)  # type: ignore[attr-defined]
         optimizer.step()
-    kinds = sorted({type(c).__name__ for c in optimizer._shoal_router.layers()})  # type: ignore[attr-defined]
-    residuals = sorted(optimizer._shoal_router.lossy.residuals)  # type: ignore[attr-defined]
+    kinds = sorted({type(c).__name__ for c in router_of(optimizer).layers()})
+    residuals = sorted(router_of(optimizer).lossy.residuals)
     weights = {k: v.detach().numpy() for k, v in model.state_dict().items()}
     return {"weights": weights, "kinds": kinds, "residuals": residuals, "casts": casts}
 
@@ -149,8 +150,8 @@ def _one_step_residual(scheme: str) -> dict[str, object]:
         averaged.append(layer.weight.grad.clone())
         with optimizer.skip_synchronize():
             optimizer.step()
-    residual = optimizer._shoal_router.lossy.residuals["allreduce.noname.0.0"]  # type: ignore[attr-defined]
-    base = optimizer._shoal_router.lossy.bases.get("allreduce.noname.0.0")  # type: ignore[attr-defined]
+    residual = router_of(optimizer).lossy.residuals["allreduce.noname.0.0"]
+    base = router_of(optimizer).lossy.bases.get("allreduce.noname.0.0")
     return {"grads": grads, "averaged": averaged, "residual": residual.view(6, 8), "base": base}
 
 
@@ -269,7 +270,7 @@ def _p_dtypes(comm: str, factors: str) -> list[str]:
     for step in range(2):  # the layers' schemes are set at the first step
         optimizer.zero_grad()
         nn.functional.mse_loss(model(x[step]), y[step]).backward()
-        lossy = optimizer._shoal_router.lossy  # type: ignore[attr-defined]
+        lossy = router_of(optimizer).lossy
         waiting = [i for items in lossy.outbox.values() for i in items] + [i for _, _, items in lossy.flights for i in items]
         dtypes = sorted(str(item.payload.dtype) for item in waiting)
         optimizer.step()
@@ -336,7 +337,7 @@ def _elastic_round_trip() -> dict[str, object]:
         nn.functional.mse_loss(model(x[index][mine]), y[index][mine]).backward()
         optimizer.step()
 
-    lossy = optimizer._shoal_router.lossy  # type: ignore[attr-defined]
+    lossy = router_of(optimizer).lossy
     step(0)
     state.commit()
     committed = {k: v.clone() for k, v in lossy.residuals.items()}
@@ -411,7 +412,7 @@ def _twice_on_rank_zero(distributed: bool) -> dict[str, np.ndarray]:
         model=layer,
         compression=compression,
     )
-    assert [type(c).__name__ for c in optimizer._shoal_router.layers()] == ["FactoredLowRank"]  # type: ignore[attr-defined]
+    assert [type(c).__name__ for c in router_of(optimizer).layers()] == ["FactoredLowRank"]
     rows = slice(4 * hvd.rank(), 4 * hvd.rank() + 4)
     for step in range(3):
         optimizer.zero_grad()
@@ -437,7 +438,7 @@ def _overridden() -> dict[str, object]:
         model=model,
         comm_overrides={"fc1": hvd.Compression.powersgd(rank=3, warmup_steps=0), nn.Conv2d: "topk"},
     )
-    router = optimizer._shoal_router  # type: ignore[attr-defined]
+    router = router_of(optimizer)
     by_name = {name: router._comm_of.get(id(module.weight)) for name, module in model.named_children()}
     return {
         name: (type(comm).__name__, getattr(comm, "rank", None), comm.setting.warmup if hasattr(comm, "setting") else None)

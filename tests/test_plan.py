@@ -16,6 +16,7 @@ from shoal.plan.planner import format_plan, median_error, predict
 from shoal.plan.schemes import ROWS, Play, Scheme
 from shoal.testing import run_ranks
 from shoal.torch.layer_comm.layers import build_plan
+from shoal.torch.optimizer import router_of
 
 ATOL = 1e-5
 
@@ -69,7 +70,7 @@ def _distributed(comm: str, reuse: bool, rows: int) -> dict[str, object]:
     x, y = data(hvd.size(), rows)
     part = slice(hvd.rank() * rows, (hvd.rank() + 1) * rows)
     train(model, optimizer, x[:, part], y[:, part], reuse)
-    router = optimizer._shoal_router  # type: ignore[attr-defined]
+    router = router_of(optimizer)
     layers = sorted(layer.name for layer in router.layers() if layer.scheme == Scheme.SFB)
     choices = [plan.choice.value for plan in router.plans or []]
     return {
@@ -166,7 +167,7 @@ def _tied_distributed() -> dict[str, object]:
     tokens, targets = _tied_tokens(hvd.size())
     part = slice(hvd.rank() * 4, (hvd.rank() + 1) * 4)
     _train_tied(model, optimizer, tokens[:, part], targets[:, part])
-    sfb = sorted(layer.name for layer in optimizer._shoal_router.layers() if layer.scheme == Scheme.SFB)  # type: ignore[attr-defined]
+    sfb = sorted(layer.name for layer in router_of(optimizer).layers() if layer.scheme == Scheme.SFB)
     return {
         "weights": {k: v.numpy() for k, v in model.state_dict().items()},
         "sfb": sfb,
@@ -303,7 +304,7 @@ def _forced_in_optimizer() -> list[str]:
         named_parameters=model.named_parameters(),
         comm_overrides={"fc1": "sfb", nn.Linear: "fp16"},
     )
-    layers = sorted(layer.name for layer in optimizer._shoal_router.layers() if layer.scheme == Scheme.SFB)  # type: ignore[attr-defined]
+    layers = sorted(layer.name for layer in router_of(optimizer).layers() if layer.scheme == Scheme.SFB)
     compressed = sorted(n for n, p in model.named_parameters() if optimizer._shoal_compressor(p) is hvd.Compression.fp16)  # type: ignore[attr-defined]
     return [*layers, "|", *compressed]
 

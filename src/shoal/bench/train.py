@@ -48,6 +48,7 @@ from shoal.ps.config import resolve_config
 from shoal.torch.compression import Compressor
 from shoal.torch.layer_comm.router import last_plan
 from shoal.torch.layer_comm.schemes import SufficientFactors
+from shoal.torch.optimizer import router_of
 
 
 def _batches(model_name: str, batch_size: int, count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -176,8 +177,7 @@ def run_profiled(args: argparse.Namespace, batches: list[tuple[torch.Tensor, tor
             shares = hidden_share(trace)
             if 0 in shares:
                 lines.append(f"collectives hidden under backward on rank 0: {shares[0][1]:.0%}")
-            layers = optimizer._shoal_router.layers()  # type: ignore[attr-defined]
-            rebuilds = [c for c in layers if isinstance(c, SufficientFactors)]
+            rebuilds = [c for c in router_of(optimizer).layers() if isinstance(c, SufficientFactors)]
             if rebuilds:
                 total = sum(c.rebuild_seconds for c in rebuilds) * 1e3
                 lines.append(f"SFB gradient rebuilds, last step: {total:.2f} ms over {len(rebuilds)} layers")
@@ -498,7 +498,7 @@ def main(argv: list[str] | None = None) -> None:
         hvd.init()
         tuned = run_autotuned(args, batches)
         engine = handles.engine()
-        settings = [engine.config.fusion_threshold_bytes, round(engine.config.cycle_time_ms, 3), engine.tuned_bucket_bytes]
+        settings = [engine.tuned.fusion_threshold_bytes, round(engine.tuned.cycle_time_ms, 3), engine.tuned.bucket_bytes]
         shoal_runs.append(run_shoal(args, batches))  # the defaults once more, after tuning, as a drift check
     if hvd.rank() == 0:
         _report(

@@ -56,16 +56,16 @@ def make_autotuner(config: EngineConfig, rank: int, hierarchical: bool, cache_en
     return Autotuner(tuning, rank, hierarchical, settings)
 
 
-def pause_ms(config: EngineConfig, pending: bool, stalled_cycles: int) -> float:
+def pause_ms(cycle_time_ms: float, idle_cycle_time_ms: float, pending: bool, stalled_cycles: int) -> float:
     """How long to sleep before the next cycle, unless a local submission wakes the engine first.
 
     While this rank waits on others (say, for their backprop to reach the same layer), each empty cycle doubles the
     pause up to the idle period: on a 2-core machine every cycle's collective takes CPU from backprop.
     """
     if not pending:
-        return config.idle_cycle_time_ms
+        return idle_cycle_time_ms
     # The exponent is capped: after hours of waiting the count is huge, and 2**count would overflow a float.
-    return min(config.cycle_time_ms * (2 ** min(stalled_cycles, 32)), config.idle_cycle_time_ms)
+    return min(cycle_time_ms * (2 ** min(stalled_cycles, 32)), idle_cycle_time_ms)
 
 
 def ready_ids(words: list[int]) -> list[int]:
@@ -121,8 +121,8 @@ class Cycle:
         self._timeline = timeline
         self.cache_enabled = config.cache_capacity > 0
         """False with no cache, or while autotune has it off; implies a capacity > 0 when True."""
-        self.tuned_bucket_bytes: int | None = None
-        """The optimizer's gradient bucket chosen by autotune; None: the optimizer's own."""
+        self.tuned = TunedSettings(config.fusion_threshold_bytes, config.cycle_time_ms, None, self.cache_enabled)
+        """The settings in force: the configured ones until autotune applies its own (``config`` stays as given)."""
         self.autotune = make_autotuner(config, self.rank, transport.hierarchical is not None, self.cache_enabled)
         self.cache = ResponseCache(config.cache_capacity, self.rank)
         self._bit_words = (config.cache_capacity + 62) // 63
@@ -228,7 +228,7 @@ class Cycle:
             return
         settled = (self.autotune is None or self.autotune.frozen) and not self._table.joined
         cache_ids = [self.cache.id_for_name(r.process_set, r.name) for r in responses]
-        fusion = (self.config.fusion_threshold_bytes, self.config.fusion_solo_bytes)
+        fusion = (self.tuned.fusion_threshold_bytes, self.config.fusion_solo_bytes)
         self.one_round.after_ordinary(responses, cache_ids, clean, settled, fusion)
 
     def _speculative_cycle(self, armed: list[tuple[int, Response]], busy: bool) -> bool:
@@ -295,7 +295,7 @@ class Cycle:
         in_progress = list(done.values())
         self.executor.joined = frozenset(self._table.joined)
         try:
-            for batch in plan_batches(responses, self.config.fusion_threshold_bytes, self.config.fusion_solo_bytes):
+            for batch in plan_batches(responses, self.tuned.fusion_threshold_bytes, self.config.fusion_solo_bytes):
                 self.executor.run(batch, done)
         except BaseException as error:  # the requests taken out of pending must fail too, or their waiters hang
             for request in in_progress:
@@ -331,12 +331,9 @@ class Cycle:
         decided = self.autotune.next_settings() if self.rank == 0 else torch.zeros(SETTINGS_WIRE_LENGTH, dtype=torch.float64)
         with self.transport.watch.watching("the autotune broadcast"):
             collectives.broadcast_(decided, 0, self.transport.world)
-        settings = self.autotune.apply(decided)
-        self.config.fusion_threshold_bytes = settings.fusion_threshold_bytes
-        self.config.cycle_time_ms = settings.cycle_time_ms
-        self.cache_enabled = settings.cache_enabled and self.cache.capacity > 0
-        self.transport.use_hierarchical = settings.hierarchical
-        self.tuned_bucket_bytes = settings.bucket_bytes
+        self.tuned = self.autotune.apply(decided)
+        self.cache_enabled = self.tuned.cache_enabled and self.cache.capacity > 0
+        self.transport.use_hierarchical = self.tuned.hierarchical
 
     def _cacheable(self, response: Response) -> bool:
         """Cache only clean data collectives that every member submitted (no joined rank stood in)."""

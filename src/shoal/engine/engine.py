@@ -13,7 +13,7 @@ while no other thread does (``Engine.drive``). One thread at a time runs cycles.
 from __future__ import annotations
 
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from shoal.comm import process_group
 from shoal.comm.hierarchical import HierarchicalAllreduce
@@ -29,6 +29,9 @@ from shoal.engine.transport import ArenaSite, Transport  # ArenaSite: re-exporte
 from shoal.engine.validation import check_request
 from shoal.log import get_logger
 from shoal.runtime.topology import Topology
+
+if TYPE_CHECKING:
+    from shoal.engine.autotune import TunedSettings
 
 ABANDONED_STOP_S = 2.0
 """How long ``stop`` waits for the engine thread once the engine was abandoned (its collective may never return)."""
@@ -107,9 +110,10 @@ class Engine:
         return None if autotune is None else autotune.frozen
 
     @property
-    def tuned_bucket_bytes(self) -> int | None:
-        """The optimizer's gradient bucket chosen by autotune; None: the optimizer's own."""
-        return self._cycler.tuned_bucket_bytes
+    def tuned(self) -> TunedSettings:
+        """The settings in force: ``config``'s until autotune applies its own (its ``bucket_bytes``, for the
+        optimizer's gradient buckets, is None until then: the optimizer keeps its own)."""
+        return self._cycler.tuned
 
     @property
     def collective_calls(self) -> int:
@@ -271,7 +275,7 @@ class Engine:
                     self._lock.notify_all()  # the engine thread carries what is left
 
     def _wait_ms(self, stalled_cycles: int) -> float:
-        return pause_ms(self.config, bool(self._pending), stalled_cycles)
+        return pause_ms(self._cycler.tuned.cycle_time_ms, self.config.idle_cycle_time_ms, bool(self._pending), stalled_cycles)
 
     def _fail_everything(self, error: BaseException) -> None:
         with self._lock:

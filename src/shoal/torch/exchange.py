@@ -388,7 +388,7 @@ class GradientExchange(_Exchange):
 
     def _bucket_limit(self) -> int:
         """The bucket size: autotune's choice while it runs (or once frozen), else the optimizer's own."""
-        tuned = handles.engine().tuned_bucket_bytes
+        tuned = handles.engine().tuned.bucket_bytes
         return self.bucket_bytes if tuned is None else tuned
 
     def flush(self, driven: bool = False) -> None:

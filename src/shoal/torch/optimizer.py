@@ -41,17 +41,25 @@ _STEP_AFTER_SYNCHRONIZE = (
 """Horovod's warning, word for word."""
 
 
+def router_of(optimizer: torch.optim.Optimizer) -> LayerRouter:
+    """The per-layer communication (schemes, the ``auto`` planner, drift) of a Shoal ``DistributedOptimizer``: what
+    the benchmarks and the tests inspect.
+
+    Raises:
+        TypeError: ``optimizer`` is not a Shoal ``DistributedOptimizer``.
+    """
+    exchange = getattr(optimizer, "_shoal_exchange", None)
+    if exchange is None:
+        raise TypeError(f"router_of takes a Shoal DistributedOptimizer, not {type(optimizer).__name__}")
+    return cast(LayerRouter, exchange.router)
+
+
 class _DistributedOptimizer(torch.optim.Optimizer):
     """Horovod's optimizer surface, mixed into a subclass of the user's optimizer class (so ``isinstance`` still
     holds); every step's state and work is the ``GradientExchange``'s."""
 
     _shoal_base: type[torch.optim.Optimizer]
     _shoal_exchange: GradientExchange
-
-    @property
-    def _shoal_router(self) -> LayerRouter:
-        """Per-layer communication (schemes, the auto planner)."""
-        return cast(LayerRouter, self._shoal_exchange.router)
 
     def _shoal_compressor(self, param: torch.Tensor) -> type[Compressor]:
         return self._shoal_exchange.compressor(param)
