@@ -13,6 +13,7 @@ import torch
 from shoal.core.requests import Call, build_meta
 from shoal.core.rules import ReduceSpec
 from shoal.engine.config import EngineConfig
+from shoal.engine.cycle import pause_ms
 from shoal.engine.engine import Engine
 from shoal.engine.negotiation import find_mismatch
 from shoal.engine.request import Kind, ReduceOp, RequestMeta
@@ -103,9 +104,12 @@ def test_requests_on_different_cuda_devices_negotiate_alike() -> None:
 
 
 def test_the_engine_pause_never_overflows_however_long_a_peer_takes() -> None:
-    fake = SimpleNamespace(_pending={(0, "t"): None}, config=EngineConfig())
+    config = EngineConfig()
+    tuned = SimpleNamespace(cycle_time_ms=config.cycle_time_ms)
+    fake = SimpleNamespace(_pending={(0, "t"): None}, config=config, _cycler=SimpleNamespace(tuned=tuned))
     # 20 ms cycles for an hour is 180,000 empty cycles; 2**1024 overflowed a float after about 21 s.
-    assert Engine._wait_ms(fake, 180_000) == EngineConfig().idle_cycle_time_ms  # type: ignore[arg-type]
+    assert Engine._wait_ms(fake, 180_000) == config.idle_cycle_time_ms  # type: ignore[arg-type]
+    assert pause_ms(config.cycle_time_ms, config.idle_cycle_time_ms, True, 180_000) == config.idle_cycle_time_ms
 
 
 def test_the_collective_timeout_must_exceed_the_stall_check_time() -> None:
