@@ -20,7 +20,7 @@ from torch.utils.data.distributed import DistributedSampler
 from tqdm import tqdm
 
 import shoal.torch as hvd
-from shoal.bench.digits import load_digits, train_test_split  # scikit-learn's data and split, without its import
+from shoal.bench.digits import load_digits_tensors  # scikit-learn's data and split, without its import
 
 
 class DigitsNet(nn.Module):
@@ -40,10 +40,7 @@ class DigitsNet(nn.Module):
 
 def load_data() -> tuple[TensorDataset, TensorDataset]:
     """The digits as (N, 1, 8, 8) tensors scaled to [0, 1], split 80/20 with a fixed seed."""
-    pixels, target = load_digits()
-    images = torch.tensor(pixels, dtype=torch.float32).unsqueeze(1) / 16.0
-    x_train, x_test, y_train, y_test = train_test_split(images, torch.tensor(target), test_size=0.2, seed=0)
-    return TensorDataset(x_train, y_train), TensorDataset(x_test, y_test)
+    return load_digits_tensors()
 
 
 def evaluate(model: nn.Module, dataset: TensorDataset) -> float:

@@ -26,21 +26,12 @@ from torch.utils.data.distributed import DistributedSampler
 
 import shoal.torch as hvd
 from shoal.bench import add_json_flag, emit
+from shoal.bench.digits import load_digits_tensors
 from shoal.comm.baselines import wrap_ddp, wrap_ddp_powersgd
 
 VARIANTS = ("shoal", "auto-lossy", "powersgd", "topk", "ddp", "ddp-powersgd")
 """``shoal``: uncompressed allreduce (the reference accuracy); ``auto-lossy``: the planner may compress;
 ``powersgd``/``topk``: that scheme forced on every layer; ``ddp``/``ddp-powersgd``: torch's, for comparison."""
-
-
-def load_digits_tensors() -> tuple[TensorDataset, TensorDataset]:
-    """The digits as (N, 1, 8, 8) tensors in [0, 1], split 80/20 with a fixed seed."""
-    from shoal.bench.digits import load_digits, train_test_split
-
-    pixels, target = load_digits()
-    images = torch.tensor(pixels, dtype=torch.float32).unsqueeze(1) / 16.0
-    x_train, x_test, y_train, y_test = train_test_split(images, torch.tensor(target), test_size=0.2, seed=0)
-    return TensorDataset(x_train, y_train), TensorDataset(x_test, y_test)
 
 
 def build_model(name: str, width: int) -> nn.Module:

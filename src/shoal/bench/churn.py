@@ -69,7 +69,7 @@ _REASONS = {
 
 
 def _digits() -> tuple[Any, Any]:
-    from shoal.bench.accuracy import load_digits_tensors
+    from shoal.bench.digits import load_digits_tensors
 
     return load_digits_tensors()
 

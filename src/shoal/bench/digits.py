@@ -5,7 +5,8 @@ pays it N times: more than the whole training of a digits example. The data ship
 ``sklearn/datasets/data/digits.csv.gz``, so ``load_digits`` reads that file with NumPy, and ``train_test_split``
 draws the same split as scikit-learn's ``train_test_split(..., test_size=0.2, random_state=0)``: the same samples
 in the same order (tests/test_examples.py compares both with scikit-learn's own). Where the file is not found (a
-scikit-learn that moved it), ``load_digits`` falls back to scikit-learn's loader.
+scikit-learn that moved it), ``load_digits`` falls back to scikit-learn's loader. ``load_digits_tensors`` gives
+the training and test sets every digits example and benchmark trains on.
 """
 
 from __future__ import annotations
@@ -13,9 +14,12 @@ from __future__ import annotations
 import importlib.util
 import math
 from pathlib import Path
-from typing import Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from torch.utils.data import TensorDataset
 
 
 class _Indexable(Protocol):
@@ -61,3 +65,15 @@ def train_test_split(*arrays: ArrayT, test_size: float = 0.2, seed: int = 0) -> 
     order = np.random.RandomState(seed).permutation(n)
     test, train = order[:n_test], order[n_test:]
     return [part for array in arrays for part in (array[train], array[test])]
+
+
+def load_digits_tensors() -> tuple[TensorDataset, TensorDataset]:
+    """The digits as (N, 1, 8, 8) float32 tensors in [0, 1] with their labels, split 80/20 with seed 0: the training
+    set and the test set of the digits examples and benchmarks."""
+    import torch
+    from torch.utils.data import TensorDataset
+
+    pixels, target = load_digits()
+    images = torch.tensor(pixels, dtype=torch.float32).unsqueeze(1) / 16.0
+    x_train, x_test, y_train, y_test = train_test_split(images, torch.tensor(target), test_size=0.2, seed=0)
+    return TensorDataset(x_train, y_train), TensorDataset(x_test, y_test)

@@ -39,13 +39,12 @@ _WORD_MASK = (1 << 63) - 1
 """63 bits per int64 word, so that no word is negative and every bit means one cache id."""
 
 
-def make_autotuner(config: EngineConfig, rank: int, hierarchical: bool, cache_enabled: bool) -> Autotuner | None:
+def make_autotuner(config: EngineConfig, rank: int, hierarchical: bool, settings: TunedSettings) -> Autotuner | None:
     """The engine's autotuner when ``config.autotune`` asks for one (optuna is imported on every rank, so that a
     missing optuna fails init everywhere alike)."""
     if not config.autotune:
         return None
     import_optuna()
-    settings = TunedSettings(config.fusion_threshold_bytes, config.cycle_time_ms, None, cache_enabled)
     tuning = AutotuneConfig(
         config.autotune_log_file,
         config.autotune_warmup_samples,
@@ -123,7 +122,7 @@ class Cycle:
         """False with no cache, or while autotune has it off; implies a capacity > 0 when True."""
         self.tuned = TunedSettings(config.fusion_threshold_bytes, config.cycle_time_ms, None, self.cache_enabled)
         """The settings in force: the configured ones until autotune applies its own (``config`` stays as given)."""
-        self.autotune = make_autotuner(config, self.rank, transport.hierarchical is not None, self.cache_enabled)
+        self.autotune = make_autotuner(config, self.rank, transport.hierarchical is not None, self.tuned)
         self.cache = ResponseCache(config.cache_capacity, self.rank)
         self._bit_words = (config.cache_capacity + 62) // 63
         self._table = MessageTable(self.size)

@@ -91,7 +91,7 @@ class Planned(str, enum.Enum):
 
     def allowed(self, servers: bool) -> tuple[Scheme, ...]:
         """The schemes this mode may choose from; ``servers``: dedicated parameter servers are there."""
-        lossless = AUTO_SCHEMES if servers else tuple(s for s in AUTO_SCHEMES if s is not Scheme.PS)
+        lossless = AUTO_SCHEMES if servers else tuple(s for s in AUTO_SCHEMES if not ROWS[s].on_servers)
         return (*lossless, *COMPRESSED) if self is Planned.AUTO_LOSSY else lossless
 
 

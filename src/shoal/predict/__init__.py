@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shoal.plan.schemes import COMM_CHOICES, Scheme, parse_comm
+from shoal.plan.schemes import SCHEMES, Planned, parse_comm
 from shoal.plan.simulate import Links, StepPrediction, StepProfile, simulate
 
-ALTERNATIVES = tuple(c for c in COMM_CHOICES if not isinstance(mode := parse_comm(c), Scheme) or not mode.row.on_servers)
+ALTERNATIVES = (*(s.value for s in SCHEMES if not s.row.on_servers), *(p.value for p in Planned))
 """The comm settings the advice compares (what ``DistributedOptimizer(comm=...)`` offers without servers)."""
 
 

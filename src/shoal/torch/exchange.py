@@ -492,7 +492,7 @@ class GradientExchange(_Exchange):
             )
         if self.spec.prescale != 1.0:
             return "gradient_predivide_factor is set"
-        if self.router.auto or self.router.layers():
+        if self.router.planned is not None or self.router.layers():
             return "per-layer communication (comm) is in use"
         if any(self.compressor(p) is not Compression.none for p in candidates):
             return "gradients are compressed"

@@ -146,9 +146,6 @@ class LayerRouter:
         mode = parse_comm(comm)
         self.planned = mode if isinstance(mode, Planned) else None
         """The planner's mode (``auto``, ``auto-lossy``), or None where ``comm`` forces a scheme."""
-        self.auto = self.planned is not None
-        self.lossy_allowed = self.planned is Planned.AUTO_LOSSY
-        """``auto-lossy``: the plan may choose the compressed schemes."""
         self.overrides = dict(overrides or {})
         for value in self.overrides.values():
             scheme_of(value, "comm_overrides")
@@ -170,10 +167,10 @@ class LayerRouter:
         self._rows: dict[str, int] = {}
         self._row_hooks: list[Any] = []
         if model is None:
-            if self.auto or Scheme(comm).row.needs_linear or overrides:
+            if self.planned is not None or Scheme(comm).row.needs_linear or overrides:
                 raise ValueError(f"comm={comm!r} and comm_overrides need model= (the nn.Module being trained)")
             self._assign_all(Scheme(comm))
-        elif self.auto:
+        elif self.planned is not None:
             for name, module in model.named_modules():
                 if isinstance(module, nn.Linear):
                     self._row_hooks.append(module.register_forward_hook(self._row_counter(name)))
@@ -217,7 +214,7 @@ class LayerRouter:
         if ps is not None:
             ps.session.finish()
         self.lossy.steps += 1  # every rank, every step: the compressed schemes' warm-up count
-        if self.auto:
+        if self.planned is not None:
             if self.plans is None:
                 self.apply_plan()
             elif synchronized:
@@ -245,7 +242,7 @@ class LayerRouter:
         factored: bool = False,
     ) -> Wiring:
         names, lossy = self.facts.names, self.lossy
-        cast = Compression.bf16 if self.lossy_allowed else None
+        cast = Compression.bf16 if self.planned is Planned.AUTO_LOSSY else None
         return Wiring(self.facts.process_set, session, self._lr, names, lossy, setting, rank, factored, cast)
 
     def _settings_of(self, model: nn.Module) -> dict[str, Compressed]:
