@@ -199,7 +199,6 @@ OVERSIZE = {
     "shoal.bench.churn": 582,
     "shoal.spark.estimator": 575,
     "shoal.tf_ops.ops": 566,
-    "shoal.plan.schemes": 557,
     "shoal.bench.train": 527,
     "shoal.keras.optimizer": 507,
     "shoal.comm.auth_store": 506,

@@ -10,7 +10,8 @@ from torch import nn
 
 import shoal.torch as hvd
 from shoal.plan.calibration import Calibration
-from shoal.plan.schemes import AUTO_SCHEMES, COMPRESSED, LossyOptions, Scheme
+from shoal.plan.costs import LossyOptions
+from shoal.plan.schemes import AUTO_SCHEMES, COMPRESSED, Scheme
 from shoal.testing import run_ranks
 from shoal.torch.layer_comm.layers import build_plan
 from shoal.torch.optimizer import router_of
@@ -237,7 +238,7 @@ def test_powersgd_rank_is_chosen_per_layer_from_the_costs() -> None:
 
 
 def test_bfloat16_factors_halve_powersgds_wire_in_the_cost_model() -> None:
-    from shoal.plan.schemes import CostContext, LayerShape, powersgd_cost
+    from shoal.plan.costs import CostContext, LayerShape, powersgd_cost
 
     bandwidth_only = Calibration.uniform(0.0, 8 / 1e8, 1e12)
     layer = LayerShape(2048 * 1024 * 4, ((2048, 1024),))

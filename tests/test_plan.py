@@ -262,8 +262,8 @@ def test_sfb_is_credited_with_the_local_gradient_it_spares_only_where_the_layer_
 def test_plain_layer_descriptions_plan_as_the_torch_model_does() -> None:
     """The planner takes plain descriptions (``ModelLayer``): the same layers written by hand, a type key of
     ``comm_overrides`` matched against their handles, get the same plan as the torch model they describe."""
+    from shoal.plan.costs import LayerShape
     from shoal.plan.planner import ModelLayer, plan_layers
-    from shoal.plan.schemes import LayerShape
 
     class Dense:  # any framework's layer type
         pass
@@ -414,8 +414,8 @@ def test_comm_values_parse_to_a_scheme_or_a_planner_mode_that_says_what_it_may_c
 
     assert parse_comm("sfb") is Scheme.SFB and parse_comm("auto") is Planned.AUTO
     assert parse_comm(Planned.AUTO_LOSSY) is Planned.AUTO_LOSSY and parse_comm(Scheme.TOPK) is Scheme.TOPK
-    assert set(COMM_CHOICES) == {*(s.value for s in Scheme), "auto", "auto-lossy"}
-    with pytest.raises(ValueError, match=r"comm must be one of allreduce, .*auto-lossy, got 'carrier-pigeon'"):
+    assert set(COMM_CHOICES) == {*(s.value for s in Scheme), "auto", "auto-lossy", "auto-far"}
+    with pytest.raises(ValueError, match=r"comm must be one of allreduce, .*auto-far, got 'carrier-pigeon'"):
         parse_comm("carrier-pigeon")
     assert Planned.AUTO.allowed(servers=True) == AUTO_SCHEMES
     assert Scheme.PS not in Planned.AUTO.allowed(servers=False)

@@ -62,6 +62,7 @@ HVD_NAMES = COLLECTIVE_NAMES | {
     "BalancedLoader",  # Shoal's addition: the global batch as micro-batches shared out by speed (docs/unequal.md)
     "HorovodInternalError",
     "HostsUpdatedInterrupt",
+    "LocalSteps",  # Shoal's addition: local steps with outer updates for far-apart hosts (docs/far.md)
     "sparse_allreduce_async",
     "ccl_built",
     "cross_rank",

@@ -17,22 +17,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from shoal.plan.calibration import Calibration
-from shoal.plan.schemes import (
-    AUTO_SCHEMES,
-    DEFAULT_RANK,
-    SCHEMES,
-    Compressed,
+from shoal.plan.costs import (
     CostContext,
     LayerShape,
     LossyOptions,
-    Scheme,
-    estimates,
     predict_ps,
-    scheme_of,
     sfb_allgather_seconds,
     sfb_rebuild_flops,
     sfb_spared_flops,
 )
+from shoal.plan.schemes import AUTO_SCHEMES, DEFAULT_RANK, SCHEMES, Compressed, Scheme, estimates, scheme_of
 
 __all__ = [
     "LOSSY_MARGIN",

@@ -27,22 +27,17 @@ import math
 from dataclasses import dataclass, field
 
 from shoal.plan.calibration import Calibration
-from shoal.plan.planner import pick
-from shoal.plan.schemes import (
+from shoal.plan.costs import (
     CostContext,
     Estimate,
     LayerShape,
     LossyOptions,
-    Planned,
-    Play,
-    Scheme,
-    estimates,
-    fill_bucket,
-    parse_comm,
     sfb_allgather_seconds,
     sfb_rebuild_flops,
     sfb_spared_flops,
 )
+from shoal.plan.planner import pick
+from shoal.plan.schemes import Planned, Play, Scheme, estimates, fill_bucket, parse_comm
 
 LINK_RATES = {"1gbit": 1e9, "10gbit": 1e10, "25gbit": 2.5e10, "100gbit": 1e11}
 """The ``--link`` presets: line rate in bits per second."""

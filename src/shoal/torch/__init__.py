@@ -62,7 +62,7 @@ from shoal.torch.functions import (
     reducescatter_async,
     sparse_allreduce_async,
 )
-from shoal.torch.optimizer import DistributedOptimizer, plan_report
+from shoal.torch.optimizer import DistributedOptimizer, LocalSteps, plan_report
 from shoal.torch.state import broadcast_optimizer_state, broadcast_parameters
 from shoal.torch.sync_batch_norm import SyncBatchNorm
 
@@ -74,6 +74,7 @@ __all__ = [
     "DistributedOptimizer",
     "HorovodInternalError",
     "HostsUpdatedInterrupt",
+    "LocalSteps",
     "Max",
     "Min",
     "ProcessSet",

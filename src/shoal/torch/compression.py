@@ -6,7 +6,8 @@ from typing import Any
 
 import torch
 
-from shoal.plan.schemes import Compressed, LossyOptions, Scheme
+from shoal.plan.costs import LossyOptions
+from shoal.plan.schemes import Compressed, Scheme
 
 __all__ = [
     "BF16Compressor",

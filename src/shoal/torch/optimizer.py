@@ -8,8 +8,9 @@ backprop. ``step()`` (or ``synchronize()``) waits for the results and then appli
 from __future__ import annotations
 
 import contextlib
+import functools
 import warnings
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, cast
 
 import torch
@@ -20,17 +21,20 @@ from shoal.core import basics
 from shoal.core import session as handles
 from shoal.core.balance import check_balanced_reduction
 from shoal.core.process_sets import ProcessSet, global_process_set
+from shoal.core.requests import barrier
 from shoal.core.rules import ReduceOp, resolve_groups, split_groups
+from shoal.plan.far import LocalSteps
 from shoal.plan.schemes import Compressed, parse_comm
 from shoal.ps.config import resolve_config
 from shoal.torch.balanced_loader import BalancedLoader
 from shoal.torch.compression import Compression, Compressor
 from shoal.torch.exchange import AdasumExchange, GradientExchange, parameter_names
 from shoal.torch.layer_comm.router import LayerRouter, OptimizerFacts, plan_report
+from shoal.torch.local_steps import OuterFactory, OuterRounds, host_groups, local_options
 from shoal.torch.micro_batch_grads import MicroBatchWeights, check_ordered_params
 from shoal.torch.optimizer_class import is_mixed_with, mix_into
 
-__all__ = ["DistributedOptimizer", "drop_unfinished_step", "plan_report"]
+__all__ = ["DistributedOptimizer", "LocalSteps", "drop_unfinished_step", "plan_report", "rounds_of"]
 
 
 _STEP_AFTER_SYNCHRONIZE = (
@@ -54,12 +58,18 @@ def router_of(optimizer: torch.optim.Optimizer) -> LayerRouter:
     return cast(LayerRouter, exchange.router)
 
 
+def rounds_of(optimizer: torch.optim.Optimizer) -> OuterRounds | None:
+    """The outer rounds of a ``DistributedOptimizer`` with local steps (``comm="local"``), else None."""
+    return getattr(optimizer, "_shoal_outer", None)
+
+
 class _DistributedOptimizer(torch.optim.Optimizer):
     """Horovod's optimizer surface, mixed into a subclass of the user's optimizer class (so ``isinstance`` still
-    holds); every step's state and work is the ``GradientExchange``'s."""
+    holds); every step's state and work is the ``GradientExchange``'s, and with local steps the ``OuterRounds``'."""
 
     _shoal_base: type[torch.optim.Optimizer]
     _shoal_exchange: GradientExchange
+    _shoal_outer: OuterRounds | None = None
 
     def _shoal_compressor(self, param: torch.Tensor) -> type[Compressor]:
         return self._shoal_exchange.compressor(param)
@@ -95,11 +105,29 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             for param, _ in hidden:
                 param.grad = None
             try:
-                return self._shoal_base.step(self, closure)
+                loss = self._shoal_base.step(self, closure)
             finally:
                 for param, grad in hidden:
                     param.grad = grad
                 exchange.marks.step_ended()
+        if self._shoal_outer is not None and should_synchronize:
+            self._shoal_outer.after_step()
+        return loss
+
+    def outer_step(self) -> bool:
+        """With local steps (``comm="local"``): run the outer round now, whatever the round's length, so that the hosts
+        meet, and return once every rank has. Call it on every rank at the same step, at the end of training: the
+        inner steps since the last round are otherwise lost, and a host that shuts down first would end the others'
+        exchanges. Returns whether a round ran (False without local steps, or without inner steps since the last
+        round)."""
+        outer = self._shoal_outer
+        if outer is None:
+            return False
+        ran = outer.steps > 0
+        if ran:
+            outer.outer_step()
+        barrier()
+        return ran
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear gradients; refuses while reductions are still writing into them."""
@@ -159,6 +187,9 @@ def DistributedOptimizer(
     ps_mode: str | None = None,
     ps_staleness: int | None = None,
     loader: BalancedLoader | None = None,
+    every: int | None = None,
+    local_steps: LocalSteps | None = None,
+    outer_optimizer: OuterFactory | None = None,
 ) -> torch.optim.Optimizer:
     """Wrap ``optimizer`` so that gradients are averaged across ranks, overlapping backprop.
 
@@ -188,8 +219,12 @@ def DistributedOptimizer(
     ``loader``: a ``BalancedLoader`` whose steps this optimizer reduces, each rank's gradient weighted so that the
     average is one process's mean gradient over the whole global batch, with any share (``micro_batch_grads``).
     Needs ``op=Average``, ``backward_passes_per_step=1`` and the global set; ``sfb`` layers fall back to allreduce.
+
+    ``comm="local"``: local steps with outer updates (DiLoCo) for far-apart hosts, every ``every`` steps, with
+    ``local_steps=LocalSteps(...)`` and ``outer_optimizer`` (a callable over the parameters), as docs/far.md says.
     """
-    parse_comm(comm)  # a ValueError lists the choices
+    mode = parse_comm(comm)  # a ValueError lists the choices
+    local = local_options(mode, every, local_steps, outer_optimizer)
     compressed, compression, comm = _split_compression(compression, comm)
     ps_config = resolve_config(ps_mode, ps_staleness)
     if bucket_bytes is None:
@@ -200,6 +235,8 @@ def DistributedOptimizer(
     params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
     if loader is not None:
         _check_balanced(loader, ReduceOp(op), backward_passes_per_step, process_set, comm, comm_overrides, compression, params)
+    hosts = host_groups(local, ReduceOp(op), process_set, compressed is not None or bool(comm_overrides), loader is not None)
+    process_set = hosts.inner if hosts is not None else process_set
     if ReduceOp(op) == ReduceOp.Adasum and basics.size() > 1:  # as in Horovod: one rank needs no delta optimizer
         if process_set is not global_process_set or comm != "allreduce":
             raise NotImplementedError("op=Adasum supports the global process set and comm='allreduce' only")
@@ -220,24 +257,40 @@ def DistributedOptimizer(
             process_set,
             bucket_bytes,
         )
-        wrapped = mix_into(optimizer, _DistributedOptimizer)
-        facts = OptimizerFacts(
-            params,
-            names,
-            wrapped.param_groups,
-            wrapped._shoal_base,
-            exchange.op == ReduceOp.Average,
-            0 if loader is not None else exchange.passes,
-            process_set,
-        )
-        exchange.router = LayerRouter(facts, model, comm, comm_overrides, ps_config, compressed)
-        wrapped._shoal_exchange = exchange
-        if loader is not None:
-            exchange.weights = MicroBatchWeights(loader.deterministic)
-            loader.attach(exchange)
+        router = functools.partial(LayerRouter, model=model, comm=comm, overrides=comm_overrides, ps_config=ps_config)
+        wrapped = _wrap_gradients(optimizer, exchange, router, compressed, loader)
+        if local is not None and hosts is not None:
+            wrapped._shoal_outer = OuterRounds(params, local, hosts, outer_optimizer)
     # Horovod's attribute (code written for Horovod reads it): each parameter's name.
     wrapped._parameter_names = {p: names[id(p)] for group in wrapped.param_groups for p in group["params"] if id(p) in names}
     wrapped._shoal_exchange.attach()
+    return wrapped
+
+
+def _wrap_gradients(
+    optimizer: torch.optim.Optimizer,
+    exchange: GradientExchange,
+    router: Callable[..., LayerRouter],
+    compressed: Compressed | None,
+    loader: BalancedLoader | None,
+) -> _DistributedOptimizer:
+    """``optimizer`` mixed with Horovod's surface over ``exchange``, its router built (``router(facts,
+    compressed=...)``) and the balanced loader attached."""
+    wrapped = mix_into(optimizer, _DistributedOptimizer)
+    facts = OptimizerFacts(
+        exchange.params,
+        exchange.names,
+        wrapped.param_groups,
+        wrapped._shoal_base,
+        exchange.op == ReduceOp.Average,
+        0 if loader is not None else exchange.passes,
+        exchange.process_set,
+    )
+    exchange.router = router(facts, compressed=compressed)
+    wrapped._shoal_exchange = exchange
+    if loader is not None:
+        exchange.weights = MicroBatchWeights(loader.deterministic)
+        loader.attach(exchange)
     return wrapped
 
 

@@ -24,7 +24,7 @@ from shoal.plan.calibration import (
     median_seconds,
     timed_calls,
 )
-from shoal.plan.schemes import LOW_RANK_PROBED
+from shoal.plan.costs import LOW_RANK_PROBED
 from shoal.runtime import context
 from shoal.torch import functions
 from shoal.torch.layer_comm.lossy import factored_probe, low_rank_probe, top_k_probe

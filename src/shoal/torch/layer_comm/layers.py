@@ -10,8 +10,9 @@ from __future__ import annotations
 from torch import nn
 
 from shoal.plan.calibration import Calibration
+from shoal.plan.costs import LayerShape, LossyOptions
 from shoal.plan.planner import LayerPlan, ModelLayer, plan_layers
-from shoal.plan.schemes import AUTO_SCHEMES, LayerShape, LossyOptions, Scheme
+from shoal.plan.schemes import AUTO_SCHEMES, Scheme
 
 
 def spares_local_gradient(module: nn.Module) -> bool:

@@ -18,8 +18,7 @@ Error feedback: what a rank's compression dropped this step, ``M − P·Pᵀ·M`
 count (compression starts after a warm-up of uncompressed steps) live in one ``LossyState`` per optimizer, by
 parameter name, which the elastic ``TorchState`` commits and restores.
 
-Gradients a scheme would not shrink at least ``min_rate`` times (biases, small matrices) join the optimizer's plain
-allreduce buckets instead, as torch's hook does with vectors.
+Gradients a scheme would not shrink ``min_rate`` times (biases, small matrices) join the plain buckets, as in torch.
 """
 
 from __future__ import annotations
@@ -36,7 +35,8 @@ from torch import nn
 from shoal.core import session as handles
 from shoal.core.process_sets import ProcessSet
 from shoal.core.rules import ReduceOp
-from shoal.plan.schemes import DEFAULT_RANK, Compressed, Scheme, matrix_view, powersgd_rank_fits, topk_count, topk_fits
+from shoal.plan.costs import matrix_view, powersgd_rank_fits, topk_count, topk_fits
+from shoal.plan.schemes import DEFAULT_RANK, Compressed, Scheme
 from shoal.torch import functions
 from shoal.torch.compression import Compressor
 from shoal.torch.layer_comm.layers import spares_local_gradient

@@ -23,9 +23,10 @@ from shoal.core.objects import broadcast_object
 from shoal.core.process_sets import ProcessSet, global_process_set, set_id_of
 from shoal.log import get_logger
 from shoal.plan.calibration import Calibration
+from shoal.plan.costs import LossyOptions
 from shoal.plan.drift import DriftMonitor, refit
 from shoal.plan.planner import LayerPlan, forced_scheme, forced_setting, format_plan, keep_measured, refuse_tied_sfb
-from shoal.plan.schemes import COMPRESSED, Compressed, LossyOptions, Planned, Scheme, parse_comm, scheme_of
+from shoal.plan.schemes import COMPRESSED, Compressed, Planned, Scheme, parse_comm, scheme_of
 from shoal.ps.client import PSSession
 from shoal.ps.config import PSConfig
 from shoal.ps.messages import SessionSpec
@@ -45,6 +46,7 @@ LAYER_COMM: dict[Scheme, type[LayerComm]] = {
     Scheme.PS: ParameterServer,
     Scheme.POWERSGD: LowRank,
     Scheme.TOPK: TopK,
+    Scheme.LOCAL: LayerComm,  # the buckets carry it, inside the host (shoal.torch.local_steps)
 }
 """The class that carries each scheme; every ``Scheme`` has one."""
 

@@ -1,0 +1,184 @@
+"""Local steps with outer updates (DiLoCo), as the planner sees them: the settings, the codecs' costs, and the choice
+of the round's length H and codec from the measured link and step time.
+
+Each host is one DiLoCo worker: its ranks take synchronous inner steps with the user's optimizer (the gradients are
+averaged inside the host only). Every H inner steps the hosts average the pseudo-gradient (the weights at the round's
+start minus the weights now) in a codec, and an outer optimizer (Nesterov SGD by default) applies it to the round's
+start weights (Douillard et al., "DiLoCo", arXiv 2311.08105). With H = 1, outer SGD at learning rate 1 without
+momentum, and the fp32 codec, this is synchronous data-parallel SGD.
+
+The package imports no framework; the torch carrier is ``shoal.torch.local_steps``.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass
+
+from shoal.plan.calibration import Calibration
+
+INT8_CHUNK = 256
+"""Entries per int8 scale: each chunk of the pseudo-gradient is sent as int8 codes with one float32 scale."""
+
+
+class Codec(str, enum.Enum):
+    """How the pseudo-gradient crosses the hosts' link."""
+
+    FP32 = "fp32"
+    """As it is: one allreduce of float32 (exact up to the sum's rounding)."""
+    BF16 = "bf16"
+    """Rounded to bfloat16 with error feedback, allgathered, summed in float32."""
+    INT8 = "int8"
+    """int8 codes with a float32 scale per ``INT8_CHUNK`` entries and error feedback, allgathered, summed in float32
+    (OpenDiLoCo and INTELLECT-1 send int8 outer gradients)."""
+
+    def __str__(self) -> str:
+        return self.value
+
+    def wire_bytes(self, entries: int) -> int:
+        """Bytes one host sends for a pseudo-gradient of ``entries``."""
+        if self is Codec.FP32:
+            return 4 * entries
+        if self is Codec.BF16:
+            return 2 * entries
+        return entries + 4 * math.ceil(entries / INT8_CHUNK)
+
+    @property
+    def gathered(self) -> bool:
+        """It is allgathered and summed locally (codes do not add); fp32 is allreduced."""
+        return self is not Codec.FP32
+
+
+CODEC_PASSES = {Codec.FP32: 0.0, Codec.BF16: 3.0, Codec.INT8: 6.0}
+"""Passes over the float32 pseudo-gradient that a codec's local work makes (residual added, scale, round, new
+residual; then one decode-and-add per host), for the cost model's memory-bound estimate."""
+
+DEFAULT_EVERY_CAP = 500
+"""The longest round the planner chooses: DiLoCo trains with H = 500 and finds larger H slower to converge."""
+DEFAULT_BUDGET = 0.05
+"""The share of a round that the outer exchange may add: the planner's H is the smallest that keeps the exchange
+within it (a longer round only makes the optimization staler)."""
+LOCAL_MARGIN = 0.9
+"""``auto-far`` takes local steps only where their predicted step time is at most this share of the best synchronous
+plan's: changing the optimization must buy a real saving."""
+
+
+@dataclass(frozen=True)
+class LocalSteps:
+    """The settings of local steps (``DistributedOptimizer(comm="local" | "auto-far", local_steps=...)``)."""
+
+    every: int | None = None
+    """H, the inner steps per outer round; None: the planner chooses it from the measured link and step time."""
+    codec: Codec | str | None = None
+    """The pseudo-gradient's codec (``fp32``, ``bf16``, ``int8``); None: the planner chooses."""
+    outer_lr: float = 0.7
+    """The outer optimizer's learning rate (DiLoCo's 0.7)."""
+    outer_momentum: float = 0.9
+    """Its Nesterov momentum (DiLoCo's 0.9); 0: plain SGD."""
+    max_every: int = DEFAULT_EVERY_CAP
+    """The longest round the planner may choose."""
+    budget: float = DEFAULT_BUDGET
+    """The share of a round the outer exchange may add, for the planner's H."""
+
+    def __post_init__(self) -> None:
+        if self.every is not None and (not isinstance(self.every, int) or self.every < 1):
+            raise ValueError(f"every must be an int >= 1 (inner steps per outer round), got {self.every!r}")
+        if self.codec is not None:
+            try:
+                object.__setattr__(self, "codec", Codec(self.codec))
+            except ValueError:
+                raise ValueError(f"codec must be one of {[c.value for c in Codec]}, got {self.codec!r}") from None
+        if self.outer_lr <= 0:
+            raise ValueError(f"outer_lr must be > 0, got {self.outer_lr}")
+        if not 0 <= self.outer_momentum < 1:
+            raise ValueError(f"outer_momentum must be in [0, 1), got {self.outer_momentum}")
+        if self.max_every < 1:
+            raise ValueError(f"max_every must be >= 1, got {self.max_every}")
+        if not 0 < self.budget < 1:
+            raise ValueError(f"budget must be in (0, 1), got {self.budget}")
+
+
+@dataclass(frozen=True)
+class RoundPlan:
+    """The planner's local steps for a model: H, the codec, and what they are predicted to cost."""
+
+    every: int
+    codec: Codec
+    exchange_s: float
+    """One outer exchange: the wire and the codec's local work."""
+    step_s: float
+    """One inner step's measured time (compute, and the in-host exchange)."""
+    hosts: int
+
+    @property
+    def per_step_s(self) -> float:
+        """The predicted time of one inner step, the outer exchange spread over the round (not overlapped)."""
+        return self.step_s + self.exchange_s / self.every
+
+    def describe(self) -> str:
+        return (
+            f"local steps: every {self.every} steps, {self.codec} codec, outer exchange {self.exchange_s * 1e3:.1f} ms "
+            f"over {self.hosts} hosts against {self.step_s * 1e3:.2f} ms per inner step"
+        )
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "every": self.every,
+            "codec": self.codec.value,
+            "exchange_ms": round(self.exchange_s * 1e3, 3),
+            "step_ms": round(self.step_s * 1e3, 3),
+            "hosts": self.hosts,
+        }
+
+
+def link_line(calibration: Calibration, hosts: int) -> tuple[float, float]:
+    """(α, β) of one host's link for a ring of ``hosts``: the inter-host line when the calibration has one, else the
+    job's allreduce line. A ring allreduce of B bytes among N moves 2(N-1)/N·B per link, so β per link byte is the
+    line's per-byte over that share."""
+    latency, per_byte = calibration.links.get("inter-host", calibration.lines["allreduce"])
+    ring = max(hosts, 2)
+    return latency, per_byte * ring / (2 * (ring - 1))
+
+
+def exchange_seconds(calibration: Calibration, hosts: int, entries: int, codec: Codec) -> float:
+    """One outer exchange of ``entries`` in ``codec`` among ``hosts``: the wire (a ring allreduce of float32, or an
+    allgather of every host's codes, (N-1)·bytes per link) and the codec's local work."""
+    if hosts < 2:
+        return 0.0
+    latency, link_per_byte = link_line(calibration, hosts)
+    payload = codec.wire_bytes(entries)
+    if codec.gathered:
+        wire = latency + link_per_byte * (hosts - 1) * payload
+    else:
+        wire = latency + link_per_byte * 2 * (hosts - 1) / hosts * payload
+    local = calibration.local_seconds("codec-pass", entries) * (CODEC_PASSES[codec] + (hosts if codec.gathered else 0))
+    return wire + local
+
+
+def plan_rounds(
+    calibration: Calibration, hosts: int, entries: int, step_s: float, options: LocalSteps = LocalSteps()
+) -> RoundPlan:
+    """H and the codec for a model of ``entries`` float32 parameters whose inner step takes ``step_s``.
+
+    Per codec (the given one, else each), H is the smallest round whose outer exchange adds at most ``budget`` of
+    the round's compute, capped at ``max_every``; the codec with the smallest H wins (a tie goes to the more
+    precise). A given ``every`` is kept, and the codec is then the one with the cheapest exchange.
+    """
+    codecs = [Codec(options.codec)] if options.codec is not None else list(Codec)
+    costs = {codec: exchange_seconds(calibration, hosts, entries, codec) for codec in codecs}
+    if options.every is not None:
+        codec = min(codecs, key=lambda c: (costs[c], codecs.index(c)))
+        return RoundPlan(options.every, codec, costs[codec], step_s, hosts)
+
+    def every_for(codec: Codec) -> int:
+        needed = costs[codec] / (options.budget * max(step_s, 1e-9))
+        return max(1, min(options.max_every, math.ceil(needed)))
+
+    codec = min(codecs, key=lambda c: (every_for(c), costs[c] / every_for(c), codecs.index(c)))
+    return RoundPlan(every_for(codec), codec, costs[codec], step_s, hosts)
+
+
+def prefer_local(sync_step_s: float, rounds: RoundPlan) -> bool:
+    """``auto-far``'s choice: local steps only where they beat the best synchronous step by ``LOCAL_MARGIN``."""
+    return rounds.hosts > 1 and rounds.per_step_s <= LOCAL_MARGIN * sync_step_s

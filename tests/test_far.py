@@ -1,0 +1,300 @@
+"""Local steps with outer updates (``comm="local"``, DiLoCo): exact where it must be (H = 1 is synchronous SGD), one
+outer step as a numpy hand computation says, the codecs' error feedback, hosts of several ranks kept equal, the
+planner's choices from given calibrations, and the API's errors."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import shoal.torch as hvd
+from shoal.config.worker import SlotInfo
+from shoal.plan.calibration import Calibration
+from shoal.plan.costs import CostContext, LayerShape
+from shoal.plan.far import INT8_CHUNK, Codec, LocalSteps, RoundPlan, exchange_seconds, plan_rounds, prefer_local
+from shoal.plan.schemes import AUTO_SCHEMES, COMPRESSED, ROWS, Planned, Scheme, estimates
+from shoal.testing import run_ranks
+from shoal.torch.local_steps import Feedback, decode, int8_decode, int8_encode
+from shoal.torch.optimizer import rounds_of
+
+pytestmark = pytest.mark.timeout(120)
+
+ATOL = 1e-5
+"""N hosts × batch B against one process over N·B: float32 sums in another order, a few steps."""
+
+
+def hosts_env(layout: list[int]) -> dict[int, dict[str, str]]:
+    """run_ranks' per-rank environment for hosts of ``layout[h]`` ranks each (rank order: host by host)."""
+    size = sum(layout)
+    env: dict[int, dict[str, str]] = {}
+    rank = 0
+    for host, count in enumerate(layout):
+        for local in range(count):
+            env[rank] = SlotInfo(f"host{host}", rank, size, local, count, host, len(layout)).to_env()
+            rank += 1
+    return env
+
+
+def _data(rows: int, steps: int, seed: int = 5) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(steps, rows, 6, generator=generator), torch.randn(steps, rows, 2, generator=generator)
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(3)
+    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 2))
+
+
+def _reference(size: int, rows: int, steps: int) -> dict[str, np.ndarray]:
+    """One process over the global batch, plain SGD."""
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = _data(size * rows, steps)
+    for step in range(steps):
+        optimizer.zero_grad()
+        nn.functional.mse_loss(model(x[step]), y[step]).backward()
+        optimizer.step()
+    return {k: v.detach().numpy() for k, v in model.state_dict().items()}
+
+
+def _train_sync_equivalent(rows: int, steps: int, codec: str) -> dict[str, np.ndarray]:
+    """H = 1, outer SGD at learning rate 1 without momentum: each rank its own host."""
+    hvd.init()
+    model = _model()
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    options = hvd.LocalSteps(every=1, codec=codec, outer_lr=1.0, outer_momentum=0.0)
+    optimizer = hvd.DistributedOptimizer(inner, model=model, comm="local", local_steps=options)
+    x, y = _data(hvd.size() * rows, steps)
+    mine = slice(hvd.rank() * rows, (hvd.rank() + 1) * rows)
+    for step in range(steps):
+        optimizer.zero_grad()
+        nn.functional.mse_loss(model(x[step][mine]), y[step][mine]).backward()
+        optimizer.step()
+    assert rounds_of(optimizer).rounds == steps  # type: ignore[union-attr]
+    return {k: v.detach().numpy() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_one_step_rounds_equal_one_process_over_the_global_batch(size: int) -> None:
+    expected = _reference(size, 4, 5)
+    results = run_ranks(
+        _train_sync_equivalent, size, args=(4, 5, "fp32"), rank_env_overrides=hosts_env([1] * size), timeout_s=90
+    )
+    for rank, weights in enumerate(results):
+        for name, value in expected.items():
+            np.testing.assert_allclose(weights[name], value, atol=ATOL, err_msg=f"rank {rank}, {name}")
+
+
+# ----- one outer step against numpy -----
+
+ROUNDS, EVERY, INNER_LR, OUTER_LR, MOMENTUM = 2, 3, 0.05, 0.7, 0.9
+
+
+def _linear_data(rank: int) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(11 + rank)
+    return rng.standard_normal((ROUNDS * EVERY, 5, 4)), rng.standard_normal((ROUNDS * EVERY, 5, 3))
+
+
+def _train_linear() -> dict[str, np.ndarray]:
+    """A bias-free linear layer, loss ½·Σ(xWᵀ - y)² / B, DiLoCo's defaults but for the learning rates."""
+    hvd.init()
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3, bias=False)
+    inner = torch.optim.SGD(model.parameters(), lr=INNER_LR)
+    options = hvd.LocalSteps(every=EVERY, codec="fp32", outer_lr=OUTER_LR, outer_momentum=MOMENTUM)
+    optimizer = hvd.DistributedOptimizer(inner, comm="local", local_steps=options)
+    x, y = _linear_data(hvd.rank())
+    for step in range(ROUNDS * EVERY):
+        optimizer.zero_grad()
+        batch = torch.from_numpy(x[step]).float()
+        (0.5 * ((model(batch) - torch.from_numpy(y[step]).float()) ** 2).sum() / len(batch)).backward()
+        optimizer.step()
+    return {"weight": model.weight.detach().numpy().astype(np.float64)}
+
+
+def _numpy_diloco(start: np.ndarray, hosts: int) -> np.ndarray:
+    data = [_linear_data(rank) for rank in range(hosts)]
+    weights, momentum = start.copy(), np.zeros_like(start)
+    for round_ in range(ROUNDS):
+        ends = []
+        for x, y in data:
+            local = weights.copy()
+            for step in range(round_ * EVERY, (round_ + 1) * EVERY):
+                error = x[step] @ local.T - y[step]
+                local -= INNER_LR * error.T @ x[step] / len(x[step])
+            ends.append(local)
+        delta = weights - np.mean(ends, axis=0)  # the pseudo-gradient
+        momentum = MOMENTUM * momentum + delta  # torch's SGD: the buffer starts as the first gradient
+        weights = weights - OUTER_LR * (delta + MOMENTUM * momentum)  # Nesterov
+    return weights
+
+
+def test_outer_nesterov_steps_match_a_numpy_hand_computation() -> None:
+    torch.manual_seed(0)
+    start = nn.Linear(4, 3, bias=False).weight.detach().numpy().astype(np.float64)
+    expected = _numpy_diloco(start, 2)
+    results = run_ranks(_train_linear, 2, rank_env_overrides=hosts_env([1, 1]), timeout_s=90)
+    assert not np.allclose(expected, start, atol=1e-3)  # the rounds moved the weights
+    for rank, result in enumerate(results):
+        np.testing.assert_allclose(result["weight"], expected, atol=1e-5, err_msg=f"rank {rank}")
+
+
+# ----- the codecs -----
+
+
+def test_int8_codes_a_chunk_by_its_largest_magnitude() -> None:
+    values = torch.zeros(INT8_CHUNK + 3)
+    values[0], values[1], values[2] = 1.27, -0.635, 0.004  # scale 0.01: codes 127, -64 (-63.5 rounds to even), 0
+    values[INT8_CHUNK] = -2.54  # the second chunk: scale 0.02
+    codes, scales = int8_encode(values)
+    assert codes.dtype == torch.int8 and codes.numel() == values.numel() and scales.numel() == 2
+    np.testing.assert_allclose(scales.numpy(), [0.01, 0.02], rtol=1e-6)
+    assert codes[:3].tolist() == [127, -64, 0] and codes[INT8_CHUNK].item() == -127
+    decoded = int8_decode(codes, scales, values.numel())
+    np.testing.assert_allclose(decoded[:3].numpy(), [1.27, -0.64, 0.0], atol=1e-6)
+
+
+def test_int8_feedback_carries_the_residual_into_the_next_round() -> None:
+    feedback = Feedback(Codec.INT8)
+    first = torch.zeros(INT8_CHUNK)
+    first[0], first[1] = 1.27, 0.004  # 0.004 rounds to 0 at scale 0.01: left in the residual
+    sent = decode(Codec.INT8, feedback.encode(first), INT8_CHUNK)
+    assert sent[1].item() == 0.0
+    assert feedback.residual is not None and feedback.residual[1].item() == pytest.approx(0.004, abs=1e-7)
+    second = torch.zeros(INT8_CHUNK)
+    second[0], second[1] = 0.0127, 0.004  # scale 0.0001 · 127: 0.004 + 0.004 carried = 0.008, within the range
+    second_sent = decode(Codec.INT8, feedback.encode(second), INT8_CHUNK)
+    assert second_sent[1].item() == pytest.approx(0.008, abs=1e-4)
+
+
+@pytest.mark.parametrize("codec", [Codec.INT8, Codec.BF16])
+def test_codec_error_does_not_accumulate_over_rounds(codec: Codec) -> None:
+    generator = torch.Generator().manual_seed(1)
+    feedback = Feedback(codec)
+    truth = torch.zeros(4 * INT8_CHUNK)
+    sent = torch.zeros_like(truth)
+    worst = []
+    for _ in range(200):
+        delta = torch.randn(truth.numel(), generator=generator) * 1e-2
+        truth += delta
+        sent += decode(codec, feedback.encode(delta), truth.numel())
+        worst.append(float((truth - sent).abs().max()))
+    # What was sent in all trails the truth by exactly this round's residual: one rounding, never 200 of them.
+    assert feedback.residual is not None
+    np.testing.assert_allclose((truth - sent).numpy(), feedback.residual.numpy(), atol=1e-5)
+    assert max(worst[100:]) < 2 * max(worst[:10]) + 1e-6
+
+
+# ----- hosts of several ranks -----
+
+
+def _train_two_hosts(steps: int, every: int) -> dict[str, object]:
+    hvd.init()
+    model = _model()
+    inner = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.5)
+    optimizer = hvd.DistributedOptimizer(
+        inner, model=model, comm="local", every=every, local_steps=hvd.LocalSteps(codec="int8")
+    )
+    x, y = _data(4 * 3, steps, seed=hvd.rank())
+    snapshots = []
+    for step in range(steps):
+        optimizer.zero_grad()
+        nn.functional.mse_loss(model(x[step]), y[step]).backward()
+        optimizer.step()
+        snapshots.append(torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy().copy())
+    assert optimizer.outer_step()  # the last inner steps meet too (and no host shuts down while another exchanges)
+    snapshots.append(torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy().copy())
+    assert not optimizer.outer_step()  # nothing left to meet on
+    outer = rounds_of(optimizer)
+    assert outer is not None
+    return {"snapshots": snapshots, "rounds": outer.rounds, "sent": outer.sent_bytes, "leader": outer.groups.leader}
+
+
+def test_ranks_of_a_host_stay_equal_and_hosts_meet_at_every_outer_step() -> None:
+    steps, every = 7, 3
+    results = run_ranks(_train_two_hosts, 4, args=(steps, every), rank_env_overrides=hosts_env([2, 2]), timeout_s=90)
+    assert [r["leader"] for r in results] == [True, False, True, False]
+    assert all(r["rounds"] == steps // every + 1 for r in results)
+    np.testing.assert_array_equal(results[0]["snapshots"][-1], results[2]["snapshots"][-1])
+    for step in range(steps):
+        for a, b in ((0, 1), (2, 3)):  # inside a host: equal after every inner step
+            np.testing.assert_array_equal(results[a]["snapshots"][step], results[b]["snapshots"][step])
+        if (step + 1) % every == 0:  # across hosts: equal after every outer step
+            np.testing.assert_array_equal(results[0]["snapshots"][step], results[2]["snapshots"][step])
+        else:  # and apart in between (each host trains on its own data)
+            assert not np.array_equal(results[0]["snapshots"][step], results[2]["snapshots"][step])
+    entries = results[0]["snapshots"][0].size
+    assert results[0]["sent"] == (steps // every + 1) * Codec.INT8.wire_bytes(entries)
+    assert results[1]["sent"] == 0  # only a host's first rank crosses the link
+
+
+# ----- the planner -----
+
+SLOW = Calibration.uniform(30e-3, 1 / 12.5e6, 5e9)  # 100 Mbit/s, 30 ms
+SHARED_MEMORY = Calibration.uniform(20e-6, 1 / 5e9, 5e9)
+
+
+def test_planner_takes_local_steps_on_a_slow_link_and_stays_synchronous_on_shared_memory() -> None:
+    entries, step_s = 2_000_000, 0.03  # 8 MB of float32, 30 ms per step
+    sync_comm = SLOW.seconds("allreduce", 4 * entries)
+    rounds = plan_rounds(SLOW, 2, entries, step_s)
+    assert rounds.codec is Codec.INT8  # the cheapest exchange needs the shortest round
+    exchange = exchange_seconds(SLOW, 2, entries, Codec.INT8)
+    assert rounds.every == int(np.ceil(exchange / (0.05 * step_s)))
+    assert prefer_local(step_s + sync_comm, rounds)
+    fast = plan_rounds(SHARED_MEMORY, 2, entries, step_s)
+    assert not prefer_local(step_s + SHARED_MEMORY.seconds("allreduce", 4 * entries), fast)
+    assert not prefer_local(1.0, plan_rounds(SLOW, 1, entries, step_s))  # one host: nothing to gain
+
+
+def test_a_given_round_length_is_kept_and_the_cap_holds() -> None:
+    rounds = plan_rounds(SLOW, 2, 9_400_000, 0.03, LocalSteps(every=7))
+    assert rounds.every == 7 and rounds.codec is Codec.INT8
+    capped = plan_rounds(SLOW, 2, 9_400_000, 1e-6, LocalSteps(max_every=40, codec="fp32"))
+    assert capped.every == 40 and capped.codec is Codec.FP32
+
+
+def test_local_steps_are_a_row_of_the_table_that_no_per_layer_mode_picks() -> None:
+    row = ROWS[Scheme.LOCAL]
+    assert row.outer and row.lossy and not row.carrier
+    assert Scheme.LOCAL not in AUTO_SCHEMES and Scheme.LOCAL not in COMPRESSED
+    for mode in Planned:
+        assert Scheme.LOCAL not in mode.allowed(servers=False)
+    layer = LayerShape(4 * 1000, ((10, 100),))
+    assert Scheme.LOCAL not in estimates(CostContext(SLOW, 2), layer)
+    rounds = RoundPlan(10, Codec.INT8, 0.0, 0.01, 2)
+    priced = estimates(CostContext(SLOW, 2, rounds=rounds), layer)[Scheme.LOCAL]
+    assert priced.seconds == pytest.approx(exchange_seconds(SLOW, 2, 1000, Codec.INT8) / 10)
+
+
+# ----- errors -----
+
+
+def _bad_arguments() -> list[str]:
+    hvd.init()
+    model = nn.Linear(3, 2)
+    errors = []
+    for kwargs in (
+        {"every": 5},  # with comm="allreduce"
+        {"comm": "local", "op": hvd.Sum},
+        {"comm": "local", "every": 0},
+        {"comm": "local", "local_steps": hvd.LocalSteps(every=2), "compression": hvd.Compression.powersgd(rank=2)},
+    ):
+        try:
+            hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), **kwargs)
+        except ValueError as error:
+            errors.append(str(error))
+    return errors
+
+
+def test_local_steps_refuse_what_they_cannot_honour() -> None:
+    errors = run_ranks(_bad_arguments, 1, timeout_s=60)[0]
+    assert len(errors) == 4
+    assert "go with comm='local'" in errors[0]
+    assert "op=Average" in errors[1]
+    assert "every must be an int >= 1" in errors[2]
+    assert "cannot go with comm='local'" in errors[3]
+    with pytest.raises(ValueError, match="codec must be one of"):
+        LocalSteps(codec="int4")
