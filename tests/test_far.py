@@ -13,7 +13,17 @@ import shoal.torch as hvd
 from shoal.config.worker import SlotInfo
 from shoal.plan.calibration import Calibration
 from shoal.plan.costs import CostContext, LayerShape
-from shoal.plan.far import INT8_CHUNK, Codec, LocalSteps, RoundPlan, exchange_seconds, plan_rounds, prefer_local
+from shoal.plan.far import (
+    INT8_CHUNK,
+    OVERLAP_SLACK,
+    Codec,
+    LocalSteps,
+    RoundPlan,
+    exchange_parts,
+    exchange_seconds,
+    plan_rounds,
+    prefer_local,
+)
 from shoal.plan.schemes import AUTO_SCHEMES, COMPRESSED, ROWS, Planned, Scheme, estimates
 from shoal.testing import run_ranks
 from shoal.torch.local_steps import Feedback, decode, int8_decode, int8_encode
@@ -64,7 +74,7 @@ def _train_sync_equivalent(rows: int, steps: int, codec: str) -> dict[str, np.nd
     hvd.init()
     model = _model()
     inner = torch.optim.SGD(model.parameters(), lr=0.1)
-    options = hvd.LocalSteps(every=1, codec=codec, outer_lr=1.0, outer_momentum=0.0)
+    options = hvd.LocalSteps(every=1, codec=codec, outer_lr=1.0, outer_momentum=0.0, overlap=False)
     optimizer = hvd.DistributedOptimizer(inner, model=model, comm="local", local_steps=options)
     x, y = _data(hvd.size() * rows, steps)
     mine = slice(hvd.rank() * rows, (hvd.rank() + 1) * rows)
@@ -97,13 +107,14 @@ def _linear_data(rank: int) -> tuple[np.ndarray, np.ndarray]:
     return rng.standard_normal((ROUNDS * EVERY, 5, 4)), rng.standard_normal((ROUNDS * EVERY, 5, 3))
 
 
-def _train_linear() -> dict[str, np.ndarray]:
-    """A bias-free linear layer, loss ½·Σ(xWᵀ - y)² / B, DiLoCo's defaults but for the learning rates."""
+def _train_linear(overlap: bool) -> dict[str, np.ndarray]:
+    """A bias-free linear layer, loss ½·Σ(xWᵀ - y)² / B, DiLoCo's defaults but for the learning rates; the hosts
+    meet at the end (``outer_step``)."""
     hvd.init()
     torch.manual_seed(0)
     model = nn.Linear(4, 3, bias=False)
     inner = torch.optim.SGD(model.parameters(), lr=INNER_LR)
-    options = hvd.LocalSteps(every=EVERY, codec="fp32", outer_lr=OUTER_LR, outer_momentum=MOMENTUM)
+    options = hvd.LocalSteps(every=EVERY, codec="fp32", outer_lr=OUTER_LR, outer_momentum=MOMENTUM, overlap=overlap)
     optimizer = hvd.DistributedOptimizer(inner, comm="local", local_steps=options)
     x, y = _linear_data(hvd.rank())
     for step in range(ROUNDS * EVERY):
@@ -111,32 +122,53 @@ def _train_linear() -> dict[str, np.ndarray]:
         batch = torch.from_numpy(x[step]).float()
         (0.5 * ((model(batch) - torch.from_numpy(y[step]).float()) ** 2).sum() / len(batch)).backward()
         optimizer.step()
+    optimizer.outer_step()
     return {"weight": model.weight.detach().numpy().astype(np.float64)}
 
 
-def _numpy_diloco(start: np.ndarray, hosts: int) -> np.ndarray:
+def _numpy_diloco(start: np.ndarray, hosts: int, overlap: bool) -> np.ndarray:
+    """The same rounds by hand. With overlap, a round's mean lands at the next round's end: the outer step from the
+    round's start, plus the inner steps each host took since it sent."""
     data = [_linear_data(rank) for rank in range(hosts)]
-    weights, momentum = start.copy(), np.zeros_like(start)
-    for round_ in range(ROUNDS):
-        ends = []
-        for x, y in data:
-            local = weights.copy()
-            for step in range(round_ * EVERY, (round_ + 1) * EVERY):
-                error = x[step] @ local.T - y[step]
-                local -= INNER_LR * error.T @ x[step] / len(x[step])
-            ends.append(local)
-        delta = weights - np.mean(ends, axis=0)  # the pseudo-gradient
-        momentum = MOMENTUM * momentum + delta  # torch's SGD: the buffer starts as the first gradient
-        weights = weights - OUTER_LR * (delta + MOMENTUM * momentum)  # Nesterov
-    return weights
+    outer_start, momentum = start.copy(), np.zeros_like(start)
+    local = [start.copy() for _ in range(hosts)]
+
+    def outer(mean: np.ndarray) -> np.ndarray:
+        nonlocal momentum
+        momentum = MOMENTUM * momentum + mean  # torch's SGD: the buffer starts as the first gradient
+        return outer_start - OUTER_LR * (mean + MOMENTUM * momentum)  # Nesterov
+
+    in_flight = None
+    for round_ in range(ROUNDS + 1):  # the last: outer_step() at the end, where there is something to meet on
+        if round_ == ROUNDS and in_flight is None:
+            break
+        if round_ < ROUNDS:
+            for (x, y), weights in zip(data, local, strict=True):
+                for step in range(round_ * EVERY, (round_ + 1) * EVERY):
+                    error = x[step] @ weights.T - y[step]
+                    weights -= INNER_LR * error.T @ x[step] / len(x[step])
+        if in_flight is not None:
+            mean, sent = in_flight
+            outer_start = outer(mean)
+            local = [outer_start + (weights - was) for weights, was in zip(local, sent, strict=True)]
+            in_flight = None
+        mean = np.mean([outer_start - weights for weights in local], axis=0)  # the pseudo-gradient
+        if overlap and round_ < ROUNDS:
+            in_flight = (mean, [weights.copy() for weights in local])
+        else:
+            outer_start = outer(mean)
+            local = [outer_start.copy() for _ in local]
+    return local[0]
 
 
-def test_outer_nesterov_steps_match_a_numpy_hand_computation() -> None:
+@pytest.mark.parametrize("overlap", [False, True])
+def test_outer_nesterov_steps_match_a_numpy_hand_computation(overlap: bool) -> None:
     torch.manual_seed(0)
     start = nn.Linear(4, 3, bias=False).weight.detach().numpy().astype(np.float64)
-    expected = _numpy_diloco(start, 2)
-    results = run_ranks(_train_linear, 2, rank_env_overrides=hosts_env([1, 1]), timeout_s=90)
+    expected = _numpy_diloco(start, 2, overlap)
+    results = run_ranks(_train_linear, 2, args=(overlap,), rank_env_overrides=hosts_env([1, 1]), timeout_s=90)
     assert not np.allclose(expected, start, atol=1e-3)  # the rounds moved the weights
+    assert not np.allclose(expected, _numpy_diloco(start, 2, not overlap), atol=1e-4)  # overlap changes the rounds
     for rank, result in enumerate(results):
         np.testing.assert_allclose(result["weight"], expected, atol=1e-5, err_msg=f"rank {rank}")
 
@@ -190,13 +222,12 @@ def test_codec_error_does_not_accumulate_over_rounds(codec: Codec) -> None:
 # ----- hosts of several ranks -----
 
 
-def _train_two_hosts(steps: int, every: int) -> dict[str, object]:
+def _train_two_hosts(steps: int, every: int, overlap: bool) -> dict[str, object]:
     hvd.init()
     model = _model()
     inner = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.5)
-    optimizer = hvd.DistributedOptimizer(
-        inner, model=model, comm="local", every=every, local_steps=hvd.LocalSteps(codec="int8")
-    )
+    options = hvd.LocalSteps(codec="int8", overlap=overlap)
+    optimizer = hvd.DistributedOptimizer(inner, model=model, comm="local", every=every, local_steps=options)
     x, y = _data(4 * 3, steps, seed=hvd.rank())
     snapshots = []
     for step in range(steps):
@@ -212,16 +243,20 @@ def _train_two_hosts(steps: int, every: int) -> dict[str, object]:
     return {"snapshots": snapshots, "rounds": outer.rounds, "sent": outer.sent_bytes, "leader": outer.groups.leader}
 
 
-def test_ranks_of_a_host_stay_equal_and_hosts_meet_at_every_outer_step() -> None:
+@pytest.mark.parametrize("overlap", [False, True])
+def test_ranks_of_a_host_stay_equal_and_hosts_meet_at_every_outer_step(overlap: bool) -> None:
+    """Without overlap the hosts are equal after every outer step; with it, a round's mean lands a round later on
+    top of each host's own steps, so they meet only at ``outer_step()``."""
     steps, every = 7, 3
-    results = run_ranks(_train_two_hosts, 4, args=(steps, every), rank_env_overrides=hosts_env([2, 2]), timeout_s=90)
+    env = hosts_env([2, 2])
+    results = run_ranks(_train_two_hosts, 4, args=(steps, every, overlap), rank_env_overrides=env, timeout_s=90)
     assert [r["leader"] for r in results] == [True, False, True, False]
     assert all(r["rounds"] == steps // every + 1 for r in results)
     np.testing.assert_array_equal(results[0]["snapshots"][-1], results[2]["snapshots"][-1])
     for step in range(steps):
         for a, b in ((0, 1), (2, 3)):  # inside a host: equal after every inner step
             np.testing.assert_array_equal(results[a]["snapshots"][step], results[b]["snapshots"][step])
-        if (step + 1) % every == 0:  # across hosts: equal after every outer step
+        if (step + 1) % every == 0 and not overlap:  # across hosts: equal after every outer step
             np.testing.assert_array_equal(results[0]["snapshots"][step], results[2]["snapshots"][step])
         else:  # and apart in between (each host trains on its own data)
             assert not np.array_equal(results[0]["snapshots"][step], results[2]["snapshots"][step])
@@ -240,13 +275,23 @@ def test_planner_takes_local_steps_on_a_slow_link_and_stays_synchronous_on_share
     entries, step_s = 2_000_000, 0.03  # 8 MB of float32, 30 ms per step
     sync_comm = SLOW.seconds("allreduce", 4 * entries)
     rounds = plan_rounds(SLOW, 2, entries, step_s)
-    assert rounds.codec is Codec.INT8  # the cheapest exchange needs the shortest round
-    exchange = exchange_seconds(SLOW, 2, entries, Codec.INT8)
-    assert rounds.every == int(np.ceil(exchange / (0.05 * step_s)))
+    assert rounds.codec is Codec.INT8 and rounds.overlap  # the cheapest exchange needs the shortest round
+    wire, local = exchange_parts(SLOW, 2, entries, Codec.INT8)
+    assert rounds.every == int(np.ceil(max(OVERLAP_SLACK * wire, local / 0.05) / step_s))
+    assert rounds.fits and rounds.per_step_s == pytest.approx(step_s + local / rounds.every)
     assert prefer_local(step_s + sync_comm, rounds)
+    waiting = plan_rounds(SLOW, 2, entries, step_s, LocalSteps(overlap=False))
+    assert waiting.every == int(np.ceil((wire + local) / (0.05 * step_s))) > rounds.every  # hiding it takes fewer steps
     fast = plan_rounds(SHARED_MEMORY, 2, entries, step_s)
     assert not prefer_local(step_s + SHARED_MEMORY.seconds("allreduce", 4 * entries), fast)
     assert not prefer_local(1.0, plan_rounds(SLOW, 1, entries, step_s))  # one host: nothing to gain
+
+
+def test_the_plan_says_when_the_exchange_cannot_hide() -> None:
+    capped = plan_rounds(SLOW, 2, 9_400_000, 1e-3, LocalSteps(max_every=40))
+    assert capped.every == 40 and not capped.fits
+    assert "does not fit in the 40 ms of a round" in capped.describe()
+    assert capped.per_step_s > 1e-3 + (capped.wire_s - 40e-3) / 40
 
 
 def test_a_given_round_length_is_kept_and_the_cap_holds() -> None:
@@ -264,9 +309,12 @@ def test_local_steps_are_a_row_of_the_table_that_no_per_layer_mode_picks() -> No
         assert Scheme.LOCAL not in mode.allowed(servers=False)
     layer = LayerShape(4 * 1000, ((10, 100),))
     assert Scheme.LOCAL not in estimates(CostContext(SLOW, 2), layer)
-    rounds = RoundPlan(10, Codec.INT8, 0.0, 0.01, 2)
-    priced = estimates(CostContext(SLOW, 2, rounds=rounds), layer)[Scheme.LOCAL]
+    waiting = RoundPlan(10, Codec.INT8, 0.5, 0.01, 2, overlap=False)
+    priced = estimates(CostContext(SLOW, 2, rounds=waiting), layer)[Scheme.LOCAL]
     assert priced.seconds == pytest.approx(exchange_seconds(SLOW, 2, 1000, Codec.INT8) / 10)
+    hidden = RoundPlan(10, Codec.INT8, 0.05, 0.01, 2)  # 50 ms of wire behind 100 ms of steps: only the codec shows
+    priced = estimates(CostContext(SLOW, 2, rounds=hidden), layer)[Scheme.LOCAL]
+    assert priced.wire_s == 0.0 and priced.local_s == pytest.approx(exchange_parts(SLOW, 2, 1000, Codec.INT8)[1] / 10)
 
 
 # ----- errors -----

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from shoal.plan.calibration import Calibration
-from shoal.plan.far import RoundPlan, exchange_seconds
+from shoal.plan.far import RoundPlan, exchange_parts
 
 
 @dataclass(frozen=True)
@@ -309,8 +309,14 @@ def local_serves(ctx: CostContext, layer: LayerShape) -> bool:
 
 def local_cost(ctx: CostContext, layer: LayerShape) -> Estimate:
     """Local steps for one layer, per inner step: its share of the outer exchange (its entries in the codec, across
-    the hosts), spread over the round's H steps. The in-host exchange is the plain allreduce's, among fewer ranks."""
+    the hosts) spread over the round's H steps: the codec's local work, and the wire where the round does not hide
+    it (the whole model's exposed share of the wire, ``RoundPlan``). The in-host exchange is the plain allreduce's,
+    among fewer ranks."""
     rounds = ctx.rounds
     assert rounds is not None
     entries = layer.nbytes // max(layer.itemsize, 1)
-    return Estimate(exchange_seconds(ctx.calibration, rounds.hosts, entries, rounds.codec) / rounds.every)
+    wire, local = exchange_parts(ctx.calibration, rounds.hosts, entries, rounds.codec)
+    exposed = 1.0
+    if rounds.overlap:
+        exposed = max(0.0, rounds.wire_s - rounds.every * rounds.step_s) / rounds.wire_s if rounds.wire_s > 0 else 0.0
+    return Estimate(wire * exposed / rounds.every, local / rounds.every)

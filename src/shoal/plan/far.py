@@ -79,7 +79,10 @@ class LocalSteps:
     max_every: int = DEFAULT_EVERY_CAP
     """The longest round the planner may choose."""
     budget: float = DEFAULT_BUDGET
-    """The share of a round the outer exchange may add, for the planner's H."""
+    """The share of a round the outer exchange may add, for the planner's H (without overlap)."""
+    overlap: bool = True
+    """The outer exchange runs while the next round's inner steps compute, and lands at that round's end (one round
+    stale, as Streaming DiLoCo's overlapped outer steps); False: every host waits for it at the round's end."""
 
     def __post_init__(self) -> None:
         if self.every is not None and (not isinstance(self.every, int) or self.every < 1):
@@ -105,22 +108,39 @@ class RoundPlan:
 
     every: int
     codec: Codec
-    exchange_s: float
-    """One outer exchange: the wire and the codec's local work."""
+    wire_s: float
+    """One outer exchange on the wire."""
     step_s: float
     """One inner step's measured time (compute, and the in-host exchange)."""
     hosts: int
+    local_s: float = 0.0
+    """The codec's local work per exchange (never hidden: it runs between the steps)."""
+    overlap: bool = True
+
+    @property
+    def exchange_s(self) -> float:
+        return self.wire_s + self.local_s
+
+    @property
+    def fits(self) -> bool:
+        """The exchange hides behind the round's inner steps (always False without overlap)."""
+        return self.overlap and self.wire_s <= self.every * self.step_s
 
     @property
     def per_step_s(self) -> float:
-        """The predicted time of one inner step, the outer exchange spread over the round (not overlapped)."""
-        return self.step_s + self.exchange_s / self.every
+        """The predicted time of one inner step, with the outer exchange's exposed part spread over the round."""
+        exposed = max(0.0, self.wire_s - self.every * self.step_s) if self.overlap else self.wire_s
+        return self.step_s + (exposed + self.local_s) / self.every
 
     def describe(self) -> str:
-        return (
+        text = (
             f"local steps: every {self.every} steps, {self.codec} codec, outer exchange {self.exchange_s * 1e3:.1f} ms "
             f"over {self.hosts} hosts against {self.step_s * 1e3:.2f} ms per inner step"
         )
+        if self.overlap and not self.fits:
+            hidden = self.every * self.step_s
+            text += f"; the exchange does not fit in the {hidden * 1e3:.0f} ms of a round that hide it"
+        return text + ("" if self.overlap else ", not overlapped")
 
     def as_dict(self) -> dict[str, object]:
         return {
@@ -129,6 +149,8 @@ class RoundPlan:
             "exchange_ms": round(self.exchange_s * 1e3, 3),
             "step_ms": round(self.step_s * 1e3, 3),
             "hosts": self.hosts,
+            "overlap": self.overlap,
+            "fits": self.fits,
         }
 
 
@@ -141,19 +163,26 @@ def link_line(calibration: Calibration, hosts: int) -> tuple[float, float]:
     return latency, per_byte * ring / (2 * (ring - 1))
 
 
-def exchange_seconds(calibration: Calibration, hosts: int, entries: int, codec: Codec) -> float:
-    """One outer exchange of ``entries`` in ``codec`` among ``hosts``: the wire (a ring allreduce of float32, or an
-    allgather of every host's codes, (N-1)·bytes per link) and the codec's local work."""
+def exchange_parts(calibration: Calibration, hosts: int, entries: int, codec: Codec) -> tuple[float, float]:
+    """One outer exchange of ``entries`` in ``codec`` among ``hosts``: (the wire: a ring allreduce of float32, or an
+    allgather of every host's codes, (N-1)·bytes per link; the codec's local work)."""
     if hosts < 2:
-        return 0.0
+        return 0.0, 0.0
     latency, link_per_byte = link_line(calibration, hosts)
     payload = codec.wire_bytes(entries)
-    if codec.gathered:
-        wire = latency + link_per_byte * (hosts - 1) * payload
-    else:
-        wire = latency + link_per_byte * 2 * (hosts - 1) / hosts * payload
-    local = calibration.local_seconds("codec-pass", entries) * (CODEC_PASSES[codec] + (hosts if codec.gathered else 0))
-    return wire + local
+    share = (hosts - 1) if codec.gathered else 2 * (hosts - 1) / hosts
+    passes = CODEC_PASSES[codec] + (hosts if codec.gathered else 0)
+    return latency + link_per_byte * share * payload, calibration.local_seconds("codec-pass", entries) * passes
+
+
+def exchange_seconds(calibration: Calibration, hosts: int, entries: int, codec: Codec) -> float:
+    """One outer exchange's wire and local work (``exchange_parts``, summed)."""
+    return sum(exchange_parts(calibration, hosts, entries, codec))
+
+
+OVERLAP_SLACK = 1.5
+"""With overlap, H is this many times the steps the exchange lasts: the exchange shares the host's cores with the
+inner steps, and a link's time varies."""
 
 
 def plan_rounds(
@@ -161,22 +190,45 @@ def plan_rounds(
 ) -> RoundPlan:
     """H and the codec for a model of ``entries`` float32 parameters whose inner step takes ``step_s``.
 
-    Per codec (the given one, else each), H is the smallest round whose outer exchange adds at most ``budget`` of
-    the round's compute, capped at ``max_every``; the codec with the smallest H wins (a tie goes to the more
-    precise). A given ``every`` is kept, and the codec is then the one with the cheapest exchange.
+    Per codec (the given one, else each), H is the shortest round that hides the outer exchange (with overlap: the
+    exchange fits in ``OVERLAP_SLACK`` times fewer steps than H; without: it adds at most ``budget`` of the round),
+    capped at ``max_every``. The codec with the shortest H wins (a tie goes to the more precise): a shorter round
+    is a less stale optimization. A given ``every`` is kept, and the codec is then the one with the cheapest
+    exchange.
     """
     codecs = [Codec(options.codec)] if options.codec is not None else list(Codec)
-    costs = {codec: exchange_seconds(calibration, hosts, entries, codec) for codec in codecs}
+    parts = {codec: exchange_parts(calibration, hosts, entries, codec) for codec in codecs}
+
+    def plan(codec: Codec, every: int) -> RoundPlan:
+        wire, local = parts[codec]
+        return RoundPlan(every, codec, wire, step_s, hosts, local, options.overlap)
+
     if options.every is not None:
-        codec = min(codecs, key=lambda c: (costs[c], codecs.index(c)))
-        return RoundPlan(options.every, codec, costs[codec], step_s, hosts)
+        codec = min(codecs, key=lambda c: (sum(parts[c]), codecs.index(c)))
+        return plan(codec, options.every)
 
     def every_for(codec: Codec) -> int:
-        needed = costs[codec] / (options.budget * max(step_s, 1e-9))
-        return max(1, min(options.max_every, math.ceil(needed)))
+        return round_length(*parts[codec], step_s, options)
 
-    codec = min(codecs, key=lambda c: (every_for(c), costs[c] / every_for(c), codecs.index(c)))
-    return RoundPlan(every_for(codec), codec, costs[codec], step_s, hosts)
+    codec = min(codecs, key=lambda c: (every_for(c), plan(c, every_for(c)).per_step_s, codecs.index(c)))
+    return plan(codec, every_for(codec))
+
+
+def round_length(wire_s: float, local_s: float, step_s: float, options: LocalSteps) -> int:
+    """The shortest H that hides an exchange of ``wire_s`` on the wire and ``local_s`` of codec work behind inner
+    steps of ``step_s`` (``plan_rounds``' rule), capped at ``options.max_every``."""
+    if options.overlap:
+        needed = max(OVERLAP_SLACK * wire_s, local_s / options.budget) / max(step_s, 1e-9)
+    else:
+        needed = (wire_s + local_s) / (options.budget * max(step_s, 1e-9))
+    return max(1, min(options.max_every, math.ceil(needed)))
+
+
+def replan(plan: RoundPlan, wire_s: float, local_s: float, step_s: float, options: LocalSteps) -> RoundPlan:
+    """The plan with H chosen again from measured times (the slowest rank's): the link or the step changed, or the
+    calibration misjudged them. The codec stays; a given ``every`` is kept."""
+    every = plan.every if options.every is not None else round_length(wire_s, local_s, step_s, options)
+    return RoundPlan(every, plan.codec, wire_s, step_s, plan.hosts, local_s, plan.overlap)
 
 
 def prefer_local(sync_step_s: float, rounds: RoundPlan) -> bool:

@@ -10,6 +10,7 @@ weights go back to the round's start, and the outer optimizer steps with the ave
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import time
 from collections.abc import Callable, Sequence
@@ -19,16 +20,20 @@ import torch
 
 from shoal.core.process_sets import ProcessSet, add_process_set, global_process_set
 from shoal.core.rules import ReduceOp
+from shoal.core.session import poll, synchronize
 from shoal.log import get_logger
-from shoal.plan.far import INT8_CHUNK, Codec, LocalSteps, RoundPlan, plan_rounds
+from shoal.plan.far import INT8_CHUNK, Codec, LocalSteps, RoundPlan, plan_rounds, replan
 from shoal.plan.schemes import Planned, Scheme
 from shoal.runtime import context
+from shoal.runtime.topology import Topology
 from shoal.torch import functions
 
 OuterFactory = Callable[[list[torch.Tensor]], torch.optim.Optimizer]
 """Builds the outer optimizer over the model's parameters."""
 
 _log = get_logger()
+
+_GROUPS_PART = "torch.local_steps.groups"
 
 PROBE_STEPS = 5
 """Inner steps timed before the planner chooses H where it was not given (the first is left out: it warms up)."""
@@ -54,8 +59,17 @@ class HostGroups:
 
     @classmethod
     def register(cls) -> HostGroups:
-        """Register the sets. Collective: every rank registers every host's set, in the same order."""
-        topology = context.current().topology
+        """The sets, registered once per ``init()`` (then kept for every optimizer). Collective: every rank registers
+        every host's set, in the same order."""
+        ctx = context.current()
+        known: HostGroups | None = ctx.part(_GROUPS_PART)
+        if known is None:
+            known = cls._register(ctx.topology)
+            ctx.set_part(_GROUPS_PART, known)
+        return known
+
+    @classmethod
+    def _register(cls, topology: Topology) -> HostGroups:
         order: list[str] = []
         for host in topology.host_of_rank:
             if host not in order:
@@ -68,6 +82,15 @@ class HostGroups:
             for host in order
         }
         mine = members[topology.host_of_rank[topology.rank]]
+        if len(order) == 1:  # one host: its set is the job's
+            return cls(
+                global_process_set,
+                None,
+                global_process_set if topology.size > 1 else None,
+                mine[0] == topology.rank,
+                mine[0],
+                1,
+            )
         host_sets = {host: add_process_set(ranks) for host, ranks in members.items() if len(ranks) > 1}
         leaders: ProcessSet | None = None
         if len(order) > 1:
@@ -75,6 +98,24 @@ class HostGroups:
             leaders = global_process_set if len(firsts) == topology.size else add_process_set(firsts)
         own = host_sets.get(topology.host_of_rank[topology.rank])
         return cls(own or ProcessSet([]), leaders, own, mine[0] == topology.rank, mine[0], len(order))
+
+
+@dataclass
+class Pending:
+    """An outer exchange on its way."""
+
+    handles: list[int]
+    """The engine's handles (a host's first rank), none elsewhere."""
+    codec: Codec
+    count: int
+    weights: torch.Tensor
+    """This rank's weights when it was sent: the inner steps since are kept on top of the outer update."""
+    round: int
+    sent_at: float
+    done_at: float | None = None
+    """When the inner steps first saw it done (polled after each step)."""
+    stats: int | None = None
+    """The handle of the measured times sent with it (the slowest rank's, for ``replan``)."""
 
 
 class OuterRounds:
@@ -97,9 +138,14 @@ class OuterRounds:
         self.plan: RoundPlan | None = None
         """H and the codec in force (given, or planned)."""
         if options.every is not None and options.codec is not None:
-            self.plan = RoundPlan(options.every, Codec(options.codec), 0.0, 0.0, groups.hosts)
-        self._times: list[float] = []
+            self.plan = RoundPlan(options.every, Codec(options.codec), 0.0, 0.0, groups.hosts, overlap=options.overlap)
+        self._times: collections.deque[float] = collections.deque(maxlen=32)
+        """The last inner steps' wall seconds (a round's end left out)."""
         self._last: float | None = None
+        self._wire = 0.0
+        """The last landed exchange's wire seconds, as this rank saw it (0 where it sends nothing)."""
+        self.replans: list[tuple[int, int]] = []
+        """(round, H) each time measured times changed H."""
         self.steps = 0
         """Inner steps since the round's start."""
         self.rounds = 0
@@ -108,8 +154,13 @@ class OuterRounds:
         """The weights at the round's start, flat in float32."""
         self.feedback: Feedback | None = None
         """The lossy codec's error feedback (this host's)."""
+        self._work: torch.Tensor | None = None
+        self.planning_s = 0.0
+        """Wall seconds the plan took (the calibration's probes, where this job had not measured them yet)."""
+        self.in_flight: Pending | None = None
+        """The exchange sent at the last round's end, while it overlaps this round."""
         self.exchange_s = 0.0
-        """The last outer exchange's wall seconds on this rank."""
+        """Wall seconds this rank spent at rounds' ends (encoding, sending, and waiting where not hidden)."""
         self.sent_bytes = 0
         """Bytes this rank sent in outer exchanges (its codec's payload per round)."""
 
@@ -126,18 +177,26 @@ class OuterRounds:
         """The user's optimizer stepped: count the inner step, and run the outer round when it is due. Returns
         whether a round ran."""
         self.steps += 1
+        if self.groups.hosts == 1:  # one host: its ranks are synchronous, there is nothing to meet on
+            self.steps = 0
+            return False
+        now = time.perf_counter()
+        if self._last is not None:
+            self._times.append(now - self._last)
+        self._last = now
+        pending = self.in_flight
+        if pending is not None and pending.done_at is None and all(poll(h) for h in pending.handles):
+            pending.done_at = now
         if self.plan is None:
-            now = time.perf_counter()
-            if self._last is not None:
-                self._times.append(now - self._last)
-            self._last = now
             if self.steps < PROBE_STEPS:
                 return False
+            started = time.perf_counter()
             self.set_plan(self.choose())
+            self.planning_s = time.perf_counter() - started
         assert self.plan is not None
         if self.steps < self.plan.every:
             return False
-        self.outer_step()
+        self.round()
         return True
 
     def choose(self) -> RoundPlan:
@@ -156,23 +215,89 @@ class OuterRounds:
         return plan
 
     @torch.no_grad()
-    def outer_step(self) -> None:
-        """Average the pseudo-gradient across hosts and let the outer optimizer apply it to the round's start."""
+    def round(self) -> None:
+        """The round's end: land the previous round's exchange where it overlapped this one, then send this
+        round's pseudo-gradient (and, without overlap, wait for it and apply it)."""
         assert self.plan is not None
         started = time.perf_counter()
-        delta = self.start - self._flat()
-        groups = self.groups
+        waited = 0.0
+        if self.in_flight is not None:
+            waited = self._land(self.in_flight)
+            self.in_flight = None
+        now = self._flat()
+        pending = self._send(self.start - now, now)
+        times = sorted(self._times)
+        local = time.perf_counter() - started - waited
+        measured = torch.tensor([self._wire, local, times[len(times) // 2] if times else 0.0], dtype=torch.float64)
+        name = f"shoal.outer.times.{self.rounds}"
+        pending.stats = functions.allreduce_async(measured, name=name, op=ReduceOp.Max)
+        if self.plan.overlap:
+            self.in_flight = pending
+        else:
+            self._land(pending)
+        self.steps = 0
+        self.rounds += 1
+        self.exchange_s += time.perf_counter() - started
+        self._last = time.perf_counter()  # the round's end is not an inner step
+
+    @torch.no_grad()
+    def finish(self) -> bool:
+        """Make the hosts meet now: land what is in flight, then one blocking round over the steps since. Returns
+        whether anything was exchanged."""
+        if self.groups.hosts == 1 or (self.in_flight is None and self.steps == 0):
+            return False
+        if self.plan is None:
+            self.set_plan(self.choose())
+        assert self.plan is not None
+        if self.in_flight is not None:
+            self._land(self.in_flight)
+            self.in_flight = None
+        now = self._flat()
+        self._land(self._send(self.start - now, now))
+        self.steps = 0
+        self.rounds += 1
+        return True
+
+    def _send(self, delta: torch.Tensor, weights: torch.Tensor) -> Pending:
+        """Start averaging ``delta`` across hosts (one rank per host sends; the others only wait for the result)."""
+        assert self.plan is not None
+        codec, groups = self.plan.codec, self.groups
+        handles: list[int] = []
         if groups.leaders is not None and groups.leader:
-            delta = self._average(delta, self.plan.codec, groups.leaders)
-        if groups.host is not None:
-            delta = functions.broadcast(delta, groups.root, name=f"shoal.outer.host.{self.rounds}", process_set=groups.host)
-        kept = []
+            name = f"shoal.outer.{self.rounds}"
+            if codec is Codec.FP32:
+                payload = [delta]
+                handles = [functions.allreduce_async(delta, name=name, op=ReduceOp.Average, process_set=groups.leaders)]
+            else:
+                if self.feedback is None or self.feedback.codec is not codec:
+                    self.feedback = Feedback(codec)
+                payload = self.feedback.encode(delta)
+                handles = [
+                    functions.allgather_async(part.unsqueeze(0), name=f"{name}.{index}", process_set=groups.leaders)
+                    for index, part in enumerate(payload)
+                ]
+            self.sent_bytes += sum(part.numel() * part.element_size() for part in payload)
+        return Pending(handles, codec, delta.numel(), weights, self.rounds, time.perf_counter())
+
+    def _land(self, pending: Pending) -> float:
+        """Wait for an exchange, step the outer optimizer from the round's start with the hosts' mean pseudo-gradient,
+        and keep the inner steps taken since it was sent on top (none without overlap); then choose H again from the
+        times measured with it. Returns the seconds spent waiting."""
+        started = time.perf_counter()
+        mean = self._mean(pending)
+        waited = time.perf_counter() - started
+        if pending.handles:
+            self._wire = (pending.done_at or time.perf_counter()) - pending.sent_at
+        if pending.stats is not None:
+            self._replan(synchronize(pending.stats))
+        progress = self._flat() - pending.weights
         offset = 0
+        kept = []
         for param in self.params:
             count = param.numel()
             param.copy_(self.start[offset : offset + count].view_as(param))
             kept.append(param.grad)
-            param.grad = delta[offset : offset + count].view_as(param).to(param.dtype)
+            param.grad = mean[offset : offset + count].view_as(param).to(param.dtype)
             offset += count
         try:
             self.outer.step()
@@ -180,28 +305,45 @@ class OuterRounds:
             for param, grad in zip(self.params, kept, strict=True):
                 param.grad = grad
         self.start = self._flat()
-        self.steps = 0
-        self.rounds += 1
-        self.exchange_s = time.perf_counter() - started
+        if bool(progress.any()):
+            offset = 0
+            for param in self.params:
+                count = param.numel()
+                param.add_(progress[offset : offset + count].view_as(param).to(param.dtype))
+                offset += count
+        return waited
 
-    def _average(self, delta: torch.Tensor, codec: Codec, leaders: ProcessSet) -> torch.Tensor:
-        """The hosts' mean pseudo-gradient, the same on every host."""
-        name = f"shoal.outer.{self.rounds}"
-        if codec is Codec.FP32:
-            self.sent_bytes += delta.numel() * 4
-            return functions.allreduce(delta, name=name, op=ReduceOp.Average, process_set=leaders)
-        if self.feedback is None or self.feedback.codec is not codec:
-            self.feedback = Feedback(codec)
-        payload = self.feedback.encode(delta)
-        self.sent_bytes += sum(part.numel() * part.element_size() for part in payload)
-        gathered = [
-            functions.allgather(part.unsqueeze(0), name=f"{name}.{index}", process_set=leaders)
-            for index, part in enumerate(payload)
-        ]
-        total = torch.zeros_like(delta)
-        for host in range(gathered[0].shape[0]):  # in host order: the same sum on every host
-            total += decode(codec, [part[host] for part in gathered], delta.numel())
-        return total / gathered[0].shape[0]
+    def _replan(self, measured: torch.Tensor) -> None:
+        """H again from the slowest rank's measured wire, round-end work and inner step (the same on every rank)."""
+        assert self.plan is not None
+        wire, local, step = (float(v) for v in measured)
+        if wire <= 0 or step <= 0:
+            return
+        plan = replan(self.plan, wire, local, step, self.options)
+        if plan.every != self.plan.every:
+            self.replans.append((self.rounds, plan.every))
+            _log.info("local steps: every %d steps now (was %d): %s", plan.every, self.plan.every, plan.describe())
+        self.plan = plan
+
+    def _mean(self, pending: Pending) -> torch.Tensor:
+        """The hosts' mean pseudo-gradient, the same on every rank (summed in host order)."""
+        groups = self.groups
+        if pending.handles:
+            results = [synchronize(handle) for handle in pending.handles]
+            if pending.codec is Codec.FP32:
+                mean = results[0]
+            else:
+                mean = torch.zeros(pending.count)
+                self._work = work = padded_buffer(self._work, pending.count)
+                for host in range(results[0].shape[0]):
+                    mean += decode(pending.codec, [part[host] for part in results], pending.count, work)
+                mean /= results[0].shape[0]
+        else:
+            mean = torch.empty(pending.count)
+        if groups.host is not None:
+            name = f"shoal.outer.host.{pending.round}"
+            mean = functions.broadcast(mean, groups.root, name=name, process_set=groups.host)
+        return mean
 
     # ----- elastic state -----
 
@@ -278,44 +420,62 @@ def default_outer(options: LocalSteps) -> OuterFactory:
 
 class Feedback:
     """A lossy codec with error feedback: each round sends the pseudo-gradient plus what rounding left out of the
-    earlier rounds, and keeps what it leaves out now, so that the error does not accumulate."""
+    earlier rounds, and keeps what it leaves out now, so that the error does not accumulate. Its buffers are kept
+    from round to round (a fresh megabyte-sized tensor costs its page faults every time)."""
 
     def __init__(self, codec: Codec) -> None:
         if not codec.gathered:
             raise ValueError(f"{codec} is not a lossy codec")
         self.codec = codec
         self.residual: torch.Tensor | None = None
+        self._work: torch.Tensor | None = None
 
     def encode(self, delta: torch.Tensor) -> list[torch.Tensor]:
         """The payload for ``delta`` (float32, flat); the residual becomes what it leaves out."""
-        corrected = delta if self.residual is None else delta + self.residual
+        if self.residual is None or self.residual.numel() != delta.numel():
+            self.residual = torch.zeros_like(delta)
+        corrected = self.residual.add_(delta)
         if self.codec is Codec.BF16:
             payload = [corrected.to(torch.bfloat16)]
-        else:
-            payload = list(int8_encode(corrected))
-        self.residual = corrected - decode(self.codec, payload, corrected.numel())
-        return payload
+            corrected.sub_(payload[0].float())
+            return payload
+        self._work = work = padded_buffer(self._work, delta.numel())
+        codes, scales = int8_encode(corrected, work)
+        corrected.sub_(int8_decode(codes, scales, delta.numel(), work))
+        return [codes, scales]
 
 
-def decode(codec: Codec, payload: Sequence[torch.Tensor], count: int) -> torch.Tensor:
-    """The float32 values a payload of ``codec`` stands for."""
+def padded_buffer(buffer: torch.Tensor | None, count: int) -> torch.Tensor:
+    """A float32 buffer of ``count`` entries rounded up to whole ``INT8_CHUNK``s (``buffer`` where it fits)."""
+    size = -(-count // INT8_CHUNK) * INT8_CHUNK
+    return buffer if buffer is not None and buffer.numel() == size else torch.empty(size)
+
+
+def decode(codec: Codec, payload: Sequence[torch.Tensor], count: int, work: torch.Tensor | None = None) -> torch.Tensor:
+    """The float32 values a payload of ``codec`` stands for (in ``work``, a ``padded_buffer``, where given)."""
     if codec is Codec.BF16:
         return payload[0].float()
-    return int8_decode(payload[0], payload[1], count)
+    return int8_decode(payload[0], payload[1], count, work)
 
 
-def int8_encode(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def int8_encode(values: torch.Tensor, work: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """int8 codes (one per entry) and a float32 scale per ``INT8_CHUNK`` entries (the chunk's largest magnitude maps
-    to 127)."""
+    to 127, rounded to nearest). ``work``: a ``padded_buffer`` to compute in (overwritten)."""
     count = values.numel()
-    padded = torch.nn.functional.pad(values, (0, (-count) % INT8_CHUNK)).view(-1, INT8_CHUNK)
-    scales = padded.abs().amax(dim=1) / 127.0
-    safe = torch.where(scales > 0, scales, torch.ones_like(scales))
-    codes = torch.round(padded / safe.unsqueeze(1)).clamp_(-127, 127).to(torch.int8)
-    return codes.view(-1)[:count], scales
+    work = padded_buffer(work, count)
+    work[:count].copy_(values)
+    work[count:].zero_()
+    rows = work.view(-1, INT8_CHUNK)
+    scales = rows.abs().amax(dim=1).div_(127.0)
+    inverse = torch.where(scales > 0, scales.reciprocal(), torch.zeros_like(scales))
+    rows.mul_(inverse.unsqueeze(1)).round_()  # |x|·127/max ≤ 127: no clamp needed
+    return work[:count].to(torch.int8), scales
 
 
-def int8_decode(codes: torch.Tensor, scales: torch.Tensor, count: int) -> torch.Tensor:
-    """The float32 values ``int8_encode`` stands for."""
-    padded = torch.nn.functional.pad(codes.float(), (0, (-count) % INT8_CHUNK)).view(-1, INT8_CHUNK)
-    return (padded * scales.unsqueeze(1)).view(-1)[:count]
+def int8_decode(codes: torch.Tensor, scales: torch.Tensor, count: int, work: torch.Tensor | None = None) -> torch.Tensor:
+    """The float32 values ``int8_encode`` stands for (a view of ``work``, a ``padded_buffer``, where given)."""
+    work = padded_buffer(work, count)
+    work[:count].copy_(codes)
+    work[count:].zero_()
+    work.view(-1, INT8_CHUNK).mul_(scales.unsqueeze(1))
+    return work[:count]

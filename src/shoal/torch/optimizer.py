@@ -123,9 +123,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         outer = self._shoal_outer
         if outer is None:
             return False
-        ran = outer.steps > 0
-        if ran:
-            outer.outer_step()
+        ran = outer.finish()
         barrier()
         return ran
 
