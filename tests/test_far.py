@@ -26,8 +26,8 @@ from shoal.plan.far import (
 )
 from shoal.plan.schemes import AUTO_SCHEMES, COMPRESSED, ROWS, Planned, Scheme, estimates
 from shoal.testing import run_ranks
-from shoal.torch.local_steps import Feedback, decode, int8_decode, int8_encode
 from shoal.torch.optimizer import rounds_of
+from shoal.torch.outer_codec import Feedback, decode, int8_decode, int8_encode
 
 pytestmark = pytest.mark.timeout(120)
 

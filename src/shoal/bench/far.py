@@ -164,7 +164,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--budget", type=float, default=DEFAULT_BUDGET, help="the share of a round its exchange's local work may add"
     )
-    parser.add_argument("--rate", default=os.environ.get("SHOAL_BENCH_RATE", ""), help="the link's rate, for the record")
+    parser.add_argument("--rate", default="", help="the emulated link's rate, for the record (e.g. 100mbit)")
     add_json_flag(parser)
     args = parser.parse_args(argv)
     torch.set_num_threads(1)

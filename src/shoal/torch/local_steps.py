@@ -11,93 +11,27 @@ weights go back to the round's start, and the outer optimizer steps with the ave
 from __future__ import annotations
 
 import collections
-import dataclasses
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
-from shoal.core.process_sets import ProcessSet, add_process_set, global_process_set
 from shoal.core.rules import ReduceOp
 from shoal.core.session import poll, synchronize
 from shoal.log import get_logger
-from shoal.plan.far import INT8_CHUNK, Codec, LocalSteps, RoundPlan, plan_rounds, replan
-from shoal.plan.schemes import Planned, Scheme
-from shoal.runtime import context
-from shoal.runtime.topology import Topology
+from shoal.plan.far import Codec, LocalSteps, RoundPlan, plan_rounds, replan
 from shoal.torch import functions
+from shoal.torch.host_groups import HostGroups
+from shoal.torch.outer_codec import Feedback, decode, padded_buffer
 
 OuterFactory = Callable[[list[torch.Tensor]], torch.optim.Optimizer]
 """Builds the outer optimizer over the model's parameters."""
 
 _log = get_logger()
 
-_GROUPS_PART = "torch.local_steps.groups"
-
 PROBE_STEPS = 5
 """Inner steps timed before the planner chooses H where it was not given (the first is left out: it warms up)."""
-
-
-@dataclass(frozen=True)
-class HostGroups:
-    """The process sets local steps run on: each host's ranks (the inner exchange), and one rank per host (the outer
-    exchange)."""
-
-    inner: ProcessSet
-    """This host's ranks; a host of one rank gets a set it is not in, so that its exchange does nothing (as for a
-    Horovod rank outside its optimizer's process set)."""
-    leaders: ProcessSet | None
-    """The first rank of every host, among whom the pseudo-gradient is averaged; None on a single host."""
-    host: ProcessSet | None
-    """This host's ranks when it has several (the averaged pseudo-gradient is broadcast in it), else None."""
-    leader: bool
-    """This rank is its host's first, and takes part in the outer exchange."""
-    root: int
-    """The global rank of this host's leader."""
-    hosts: int
-
-    @classmethod
-    def register(cls) -> HostGroups:
-        """The sets, registered once per ``init()`` (then kept for every optimizer). Collective: every rank registers
-        every host's set, in the same order."""
-        ctx = context.current()
-        known: HostGroups | None = ctx.part(_GROUPS_PART)
-        if known is None:
-            known = cls._register(ctx.topology)
-            ctx.set_part(_GROUPS_PART, known)
-        return known
-
-    @classmethod
-    def _register(cls, topology: Topology) -> HostGroups:
-        order: list[str] = []
-        for host in topology.host_of_rank:
-            if host not in order:
-                order.append(host)
-        members = {
-            host: sorted(
-                (r for r in range(topology.size) if topology.host_of_rank[r] == host),
-                key=lambda r: topology.local_rank_of_rank[r],
-            )
-            for host in order
-        }
-        mine = members[topology.host_of_rank[topology.rank]]
-        if len(order) == 1:  # one host: its set is the job's
-            return cls(
-                global_process_set,
-                None,
-                global_process_set if topology.size > 1 else None,
-                mine[0] == topology.rank,
-                mine[0],
-                1,
-            )
-        host_sets = {host: add_process_set(ranks) for host, ranks in members.items() if len(ranks) > 1}
-        leaders: ProcessSet | None = None
-        if len(order) > 1:
-            firsts = [members[host][0] for host in order]
-            leaders = global_process_set if len(firsts) == topology.size else add_process_set(firsts)
-        own = host_sets.get(topology.host_of_rank[topology.rank])
-        return cls(own or ProcessSet([]), leaders, own, mine[0] == topology.rank, mine[0], len(order))
 
 
 @dataclass
@@ -360,54 +294,6 @@ class OuterRounds:
         self.rounds = int(state["rounds"])  # type: ignore[call-overload]
 
 
-def local_options(
-    mode: Scheme | Planned, every: int | None, options: LocalSteps | None, outer: OuterFactory | None
-) -> LocalSteps | None:
-    """The local steps' settings for ``comm="local"`` (``every`` overrides ``options.every``), or None.
-
-    Raises:
-        ValueError: local steps' arguments with another ``comm``, or a bad value.
-    """
-    if mode is not Scheme.LOCAL:
-        if every is not None or options is not None or outer is not None:
-            raise ValueError(f"every=, local_steps= and outer_optimizer= go with comm='local', not comm={mode.value!r}")
-        return None
-    if options is not None and not isinstance(options, LocalSteps):
-        raise ValueError(f"local_steps must be a shoal LocalSteps, got {type(options).__name__}")
-    options = options or LocalSteps()
-    if every is not None:
-        options = dataclasses.replace(options, every=every)
-    if outer is not None and not callable(outer):
-        raise ValueError("outer_optimizer must be a callable that builds an optimizer from a list of parameters")
-    return options
-
-
-def check_local(op: ReduceOp, process_set: ProcessSet, compressed: bool, balanced: bool) -> None:
-    """What local steps need of the optimizer's other arguments.
-
-    Raises:
-        ValueError: an argument local steps cannot honour.
-    """
-    if op != ReduceOp.Average:
-        raise ValueError(f"comm='local' averages the hosts' weights: it needs op=Average, not {op.name}")
-    if process_set is not global_process_set:
-        raise ValueError("comm='local' runs over the whole job (each host is one worker): leave process_set global")
-    if compressed:
-        raise ValueError("comm='local' sets every layer's exchange: it takes neither compression= nor comm_overrides=")
-    if balanced:
-        raise ValueError("comm='local' with a BalancedLoader is not supported yet")
-
-
-def host_groups(
-    local: LocalSteps | None, op: ReduceOp, process_set: ProcessSet, compressed: bool, balanced: bool
-) -> HostGroups | None:
-    """With local steps: the arguments checked, and the host groups registered (collective); else None."""
-    if local is None:
-        return None
-    check_local(op, process_set, compressed, balanced)
-    return HostGroups.register()
-
-
 def default_outer(options: LocalSteps) -> OuterFactory:
     """DiLoCo's outer optimizer: SGD with Nesterov momentum (plain SGD at momentum 0)."""
 
@@ -416,66 +302,3 @@ def default_outer(options: LocalSteps) -> OuterFactory:
         return torch.optim.SGD(params, lr=options.outer_lr, momentum=momentum, nesterov=momentum > 0)
 
     return build
-
-
-class Feedback:
-    """A lossy codec with error feedback: each round sends the pseudo-gradient plus what rounding left out of the
-    earlier rounds, and keeps what it leaves out now, so that the error does not accumulate. Its buffers are kept
-    from round to round (a fresh megabyte-sized tensor costs its page faults every time)."""
-
-    def __init__(self, codec: Codec) -> None:
-        if not codec.gathered:
-            raise ValueError(f"{codec} is not a lossy codec")
-        self.codec = codec
-        self.residual: torch.Tensor | None = None
-        self._work: torch.Tensor | None = None
-
-    def encode(self, delta: torch.Tensor) -> list[torch.Tensor]:
-        """The payload for ``delta`` (float32, flat); the residual becomes what it leaves out."""
-        if self.residual is None or self.residual.numel() != delta.numel():
-            self.residual = torch.zeros_like(delta)
-        corrected = self.residual.add_(delta)
-        if self.codec is Codec.BF16:
-            payload = [corrected.to(torch.bfloat16)]
-            corrected.sub_(payload[0].float())
-            return payload
-        self._work = work = padded_buffer(self._work, delta.numel())
-        codes, scales = int8_encode(corrected, work)
-        corrected.sub_(int8_decode(codes, scales, delta.numel(), work))
-        return [codes, scales]
-
-
-def padded_buffer(buffer: torch.Tensor | None, count: int) -> torch.Tensor:
-    """A float32 buffer of ``count`` entries rounded up to whole ``INT8_CHUNK``s (``buffer`` where it fits)."""
-    size = -(-count // INT8_CHUNK) * INT8_CHUNK
-    return buffer if buffer is not None and buffer.numel() == size else torch.empty(size)
-
-
-def decode(codec: Codec, payload: Sequence[torch.Tensor], count: int, work: torch.Tensor | None = None) -> torch.Tensor:
-    """The float32 values a payload of ``codec`` stands for (in ``work``, a ``padded_buffer``, where given)."""
-    if codec is Codec.BF16:
-        return payload[0].float()
-    return int8_decode(payload[0], payload[1], count, work)
-
-
-def int8_encode(values: torch.Tensor, work: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """int8 codes (one per entry) and a float32 scale per ``INT8_CHUNK`` entries (the chunk's largest magnitude maps
-    to 127, rounded to nearest). ``work``: a ``padded_buffer`` to compute in (overwritten)."""
-    count = values.numel()
-    work = padded_buffer(work, count)
-    work[:count].copy_(values)
-    work[count:].zero_()
-    rows = work.view(-1, INT8_CHUNK)
-    scales = rows.abs().amax(dim=1).div_(127.0)
-    inverse = torch.where(scales > 0, scales.reciprocal(), torch.zeros_like(scales))
-    rows.mul_(inverse.unsqueeze(1)).round_()  # |x|·127/max ≤ 127: no clamp needed
-    return work[:count].to(torch.int8), scales
-
-
-def int8_decode(codes: torch.Tensor, scales: torch.Tensor, count: int, work: torch.Tensor | None = None) -> torch.Tensor:
-    """The float32 values ``int8_encode`` stands for (a view of ``work``, a ``padded_buffer``, where given)."""
-    work = padded_buffer(work, count)
-    work[:count].copy_(codes)
-    work[count:].zero_()
-    work.view(-1, INT8_CHUNK).mul_(scales.unsqueeze(1))
-    return work[:count]

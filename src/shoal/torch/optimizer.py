@@ -29,8 +29,9 @@ from shoal.ps.config import resolve_config
 from shoal.torch.balanced_loader import BalancedLoader
 from shoal.torch.compression import Compression, Compressor
 from shoal.torch.exchange import AdasumExchange, GradientExchange, parameter_names
+from shoal.torch.host_groups import host_groups, local_options
 from shoal.torch.layer_comm.router import LayerRouter, OptimizerFacts, plan_report
-from shoal.torch.local_steps import OuterFactory, OuterRounds, host_groups, local_options
+from shoal.torch.local_steps import OuterFactory, OuterRounds
 from shoal.torch.micro_batch_grads import MicroBatchWeights, check_ordered_params
 from shoal.torch.optimizer_class import is_mixed_with, mix_into
 
