@@ -4,14 +4,20 @@ planner's choices from given calibrations, and the API's errors."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+from typing import Any
+
 import numpy as np
 import pytest
 import torch
 from torch import nn
 
 import shoal.torch as hvd
+from conftest import clean_env, needs_netns
 from shoal.config.worker import SlotInfo
-from shoal.plan.calibration import Calibration
+from shoal.plan.calibration import Calibration, calibration_to_json
 from shoal.plan.costs import CostContext, LayerShape
 from shoal.plan.far import (
     INT8_CHUNK,
@@ -155,8 +161,8 @@ def _numpy_diloco(start: np.ndarray, hosts: int, overlap: bool) -> np.ndarray:
         mean = np.mean([outer_start - weights for weights in local], axis=0)  # the pseudo-gradient
         if overlap and round_ < ROUNDS:
             in_flight = (mean, [weights.copy() for weights in local])
-        else:
-            outer_start = outer(mean)
+        else:  # outer_step() at the end: the hosts' mean weights, no outer step
+            outer_start = outer(mean) if round_ < ROUNDS else outer_start - mean
             local = [outer_start.copy() for _ in local]
     return local[0]
 
@@ -272,19 +278,22 @@ SHARED_MEMORY = Calibration.uniform(20e-6, 1 / 5e9, 5e9)
 
 
 def test_planner_takes_local_steps_on_a_slow_link_and_stays_synchronous_on_shared_memory() -> None:
-    entries, step_s = 2_000_000, 0.03  # 8 MB of float32, 30 ms per step
+    entries, step_s = 2_000_000, 0.01  # 8 MB of float32, 10 ms per step
     sync_comm = SLOW.seconds("allreduce", 4 * entries)
     rounds = plan_rounds(SLOW, 2, entries, step_s)
     assert rounds.codec is Codec.INT8 and rounds.overlap  # the cheapest exchange needs the shortest round
     wire, local = exchange_parts(SLOW, 2, entries, Codec.INT8)
-    assert rounds.every == int(np.ceil(max(OVERLAP_SLACK * wire, local / 0.05) / step_s))
+    assert rounds.every == int(np.ceil(max(OVERLAP_SLACK * wire, local / 0.05) / step_s)) > 20  # above the floor
     assert rounds.fits and rounds.per_step_s == pytest.approx(step_s + local / rounds.every)
     assert prefer_local(step_s + sync_comm, rounds)
     waiting = plan_rounds(SLOW, 2, entries, step_s, LocalSteps(overlap=False))
     assert waiting.every == int(np.ceil((wire + local) / (0.05 * step_s))) > rounds.every  # hiding it takes fewer steps
-    fast = plan_rounds(SHARED_MEMORY, 2, entries, step_s)
-    assert not prefer_local(step_s + SHARED_MEMORY.seconds("allreduce", 4 * entries), fast)
+    one_host = plan_rounds(SHARED_MEMORY, 1, entries, step_s)  # shared memory: the ranks of one host
+    assert not prefer_local(step_s + SHARED_MEMORY.seconds("allreduce", 4 * entries), one_host)
+    fast = plan_rounds(SHARED_MEMORY, 2, entries, 10 * step_s)  # a fast link whose exchange is a small share
+    assert not prefer_local(10 * step_s + SHARED_MEMORY.seconds("allreduce", 4 * entries), fast)
     assert not prefer_local(1.0, plan_rounds(SLOW, 1, entries, step_s))  # one host: nothing to gain
+    assert plan_rounds(SLOW, 2, 1000, step_s).every == 20  # a tiny model's exchange still gets the floor's round
 
 
 def test_the_plan_says_when_the_exchange_cannot_hide() -> None:
@@ -315,6 +324,77 @@ def test_local_steps_are_a_row_of_the_table_that_no_per_layer_mode_picks() -> No
     hidden = RoundPlan(10, Codec.INT8, 0.05, 0.01, 2)  # 50 ms of wire behind 100 ms of steps: only the codec shows
     priced = estimates(CostContext(SLOW, 2, rounds=hidden), layer)[Scheme.LOCAL]
     assert priced.wire_s == 0.0 and priced.local_s == pytest.approx(exchange_parts(SLOW, 2, 1000, Codec.INT8)[1] / 10)
+
+
+# ----- auto-far -----
+
+
+def _train_auto_far(steps: int) -> dict[str, object]:
+    hvd.init()
+    model = _model()
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    optimizer = hvd.DistributedOptimizer(inner, model=model, comm="auto-far")
+    x, y = _data(8, steps, seed=hvd.rank())
+    for step in range(steps):
+        optimizer.zero_grad()
+        nn.functional.mse_loss(model(x[step]), y[step]).backward()
+        optimizer.step()
+    optimizer.outer_step()
+    outer = rounds_of(optimizer)
+    assert outer is not None
+    weights = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy()
+    report = hvd.plan_report(print_table=False)
+    return {"local": outer.plan is not None, "rounds": outer.rounds, "weights": weights, "report": report}
+
+
+@pytest.mark.parametrize("link", ["slow", "shared memory"])
+def test_auto_far_takes_local_steps_only_where_the_calibration_says_they_pay(link: str, tmp_path: Any) -> None:
+    """The job's calibration is given (the CALIBRATION_FILE knob): a 100 Mbit/s link with 30 ms of latency, or shared
+    memory. The first steps run the synchronous plan; then the planner weighs local steps against it."""
+    path = tmp_path / "calibration.json"
+    path.write_text(calibration_to_json(SLOW if link == "slow" else SHARED_MEMORY))
+    env = {"SHOAL_CALIBRATION_FILE": str(path)}
+    results = run_ranks(_train_auto_far, 2, args=(30,), env=env, rank_env_overrides=hosts_env([1, 1]), timeout_s=90)
+    np.testing.assert_array_equal(results[0]["weights"], results[1]["weights"])  # equal at the end either way
+    if link == "slow":
+        assert all(r["local"] and r["rounds"] >= 1 for r in results)
+        assert "local steps: every" in results[0]["report"] and " local" in results[0]["report"]
+    else:
+        assert not any(r["local"] for r in results) and all(r["rounds"] == 0 for r in results)
+        assert "local steps" not in results[0]["report"]
+
+
+# ----- the benchmark -----
+
+FAR_KEYS = {
+    "bench", "hosts", "rate", "task", "far_ips", "sync_ips", "solo_ips", "bound_ips", "of_bound",
+    "far_bytes_per_sample", "sync_bytes_per_sample", "allreduce_bytes_per_sample", "far_time_to_target_s",
+    "sync_time_to_target_s", "solo_time_to_target_s", "far_eval_loss", "sync_eval_loss", "plan",
+}  # fmt: skip
+
+
+@needs_netns
+@pytest.mark.timeout(240)
+def test_far_benchmark_json_contract_on_two_emulated_hosts() -> None:
+    """``python -m shoal.bench.netns --hosts 2 --rate 100mbit -- python -m shoal.bench.far`` on a small MLP and few
+    samples: the JSON line's keys, bytes counted on the hosts' links, and the plan's H and codec."""
+    command = [sys.executable, "-m", "shoal.bench.netns", "--hosts", "2", "--rate", "100mbit", "--"]
+    command += [sys.executable, "-m", "shoal.bench.far", "--samples", "3000", "--eval-every", "1000", "--width", "64"]
+    command += ["--rate", "100mbit"]
+    result = subprocess.run(command, env=clean_env(), capture_output=True, text=True, timeout=220)
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = [line.split(":", 1)[1] for line in result.stdout.splitlines() if line.startswith("[0]<stdout>:{")]
+    data = json.loads(lines[-1])
+    assert FAR_KEYS <= set(data) and data["bench"] == "far" and data["hosts"] == 2 and data["rate"] == "100mbit"
+    assert data["bound_ips"] == pytest.approx(2 * data["solo_ips"], rel=1e-3)
+    assert data["of_bound"] == pytest.approx(data["far_ips"] / data["bound_ips"], rel=1e-2)
+    # counted on the links, not estimated: local steps send far fewer bytes than uncompressed allreduce would
+    assert 0 < data["far_bytes_per_sample"] < data["allreduce_bytes_per_sample"] / 10
+    assert data["sync_bytes_per_sample"] > data["far_bytes_per_sample"]
+    plan = data["plan"]
+    assert plan["hosts"] == 2 and plan["codec"] in ("fp32", "bf16", "int8") and plan["every"] >= 1
+    assert plan["fragments"] == 1 and plan["rounds"] >= 1
+    assert data["sync_eval_loss"] < 2.3 and data["far_eval_loss"] < 2.3  # both learnt (ln 10 at chance)
 
 
 # ----- errors -----

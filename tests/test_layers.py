@@ -203,7 +203,6 @@ OVERSIZE = {
     "shoal.keras.optimizer": 507,
     "shoal.comm.auth_store": 506,
     "shoal.comm.shm": 448,
-    "shoal.torch.layer_comm.router": 427,
     "shoal.bench.unequal": 412,
     "shoal.runner.elastic_driver.ElasticJob": 519,
     "shoal.torch.exchange.GradientExchange": 374,

@@ -354,7 +354,7 @@ def _measured_on_a_known_line() -> None:
 def _drifting(path: str) -> dict[str, object]:
     import json
 
-    from shoal.torch.layer_comm.router import last_plan
+    from shoal.torch.layer_comm.report import last_plan
 
     _measured_on_a_known_line()
     model, optimizer = _start("auto", lr=0.01)

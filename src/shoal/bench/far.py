@@ -19,30 +19,42 @@ bytes (``/sys/class/net/*/statistics/tx_bytes``, loopback aside), summed over th
 "sync_time_to_target_s", "solo_time_to_target_s", "far_eval_loss", "sync_eval_loss", "solo_eval_loss", "target",
 "far_accuracy", "sync_accuracy", "plan"}``.
 
-Task: ``digits``, the MLP of ``shoal.bench.accuracy`` on scikit-learn's digits (read without scikit-learn).
+Tasks (``--task``): ``digits``, the MLP of ``shoal.bench.accuracy`` on scikit-learn's digits (read without
+scikit-learn); ``chars``, a byte-level transformer language model on the standard library's own source files, split
+by file into training and held-out text (``shoal.bench.chars``; its accuracy is reported as null).
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
+import json
 import os
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 
 import shoal.torch as hvd
-from shoal.bench import add_json_flag, emit
+from shoal.bench import add_json_flag, chars, emit
 from shoal.bench.accuracy import build_model
 from shoal.bench.digits import load_digits_tensors
 from shoal.plan.far import DEFAULT_BUDGET
 from shoal.torch.optimizer import rounds_of
 
 MODES = ("solo", "sync", "far")
+
+TASKS: dict[str, type[Task]] = {}  # filled below the tasks
+DEFAULTS: dict[str, dict[str, Any]] = {
+    "digits": {"samples": 20 * 1437, "eval_every": 1437, "batch_size": 32, "lr": 0.02, "width": 1024},
+    "chars": {"samples": 400_000, "eval_every": 20_000, "batch_size": 32, "lr": 0.05, "width": 128},
+}
+"""Each task's settings where no flag gives one."""
 
 
 def sent_bytes() -> int:
@@ -66,31 +78,93 @@ class Run:
     seconds: float = 0.0
     samples: int = 0
     """Samples trained on every host together."""
-    curve: list[tuple[int, float, float, float]] = field(default_factory=list)
+    curve: list[tuple[int, float, float, float | None]] = field(default_factory=list)
     """(samples, training seconds, held-out loss, held-out accuracy) at each score."""
     sent: int = 0
     plan: dict[str, Any] | None = None
 
 
-def evaluate(model: nn.Module, dataset: TensorDataset) -> tuple[float, float]:
-    model.eval()
-    with torch.no_grad():
-        x, y = dataset.tensors
-        logits = model(x)
-        loss = float(nn.functional.cross_entropy(logits, y))
-        accuracy = float((logits.argmax(1) == y).float().mean())
-    model.train()
-    return loss, accuracy
+class Task:
+    """What a mode trains: the model, each rank's batches, the loss and the held-out score."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+
+    def model(self) -> nn.Module:
+        raise NotImplementedError
+
+    def batches(self, replicas: int, index: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """This rank's batches, one worker's batch each, without end (every mode the same for a rank)."""
+        raise NotImplementedError
+
+    def loss(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def evaluate(self, model: nn.Module) -> tuple[float, float | None]:
+        """(held-out loss, held-out accuracy where the task has one)."""
+        raise NotImplementedError
 
 
-def train(mode: str, args: argparse.Namespace) -> Run:
+class Digits(Task):
+    """The MLP of ``shoal.bench.accuracy`` on scikit-learn's digits (read without scikit-learn)."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        super().__init__(args)
+        self.train_set, self.test_set = load_digits_tensors()
+
+    def model(self) -> nn.Module:
+        return build_model("mlp", self.args.width)
+
+    def batches(self, replicas: int, index: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        sampler: DistributedSampler[Any] = DistributedSampler(self.train_set, num_replicas=replicas, rank=index, seed=0)
+        loader = DataLoader(self.train_set, batch_size=self.args.batch_size, sampler=sampler, drop_last=True)
+        for epoch in itertools.count():
+            sampler.set_epoch(epoch)
+            yield from loader
+
+    def loss(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return nn.functional.cross_entropy(model(x), y)
+
+    def evaluate(self, model: nn.Module) -> tuple[float, float | None]:
+        model.eval()
+        with torch.no_grad():
+            x, y = self.test_set.tensors
+            logits = model(x)
+            result = float(nn.functional.cross_entropy(logits, y)), float((logits.argmax(1) == y).float().mean())
+        model.train()
+        return result
+
+
+class Chars(Task):
+    """A byte-level transformer language model on the standard library's own source (``shoal.bench.chars``)."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        super().__init__(args)
+        self.train_stream, held_out = chars.load_corpus()
+        self.held_out = chars.eval_windows(held_out, args.context, args.eval_windows)
+
+    def model(self) -> nn.Module:
+        return chars.CharModel(d_model=self.args.width, layers=2, heads=4, context=self.args.context)
+
+    def batches(self, replicas: int, index: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        generator = torch.Generator().manual_seed(1000 + index)
+        while True:
+            yield chars.batch(self.train_stream, self.args.batch_size, self.args.context, generator)
+
+    def loss(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return chars.loss(model, x, y)
+
+    def evaluate(self, model: nn.Module) -> tuple[float, float | None]:
+        x, y = self.held_out
+        return chars.evaluate(model, x, y), None
+
+
+def train(mode: str, task: Task, args: argparse.Namespace) -> Run:
     """Train one mode on every rank; the same model, data order and budget of samples."""
-    train_set, test_set = load_digits_tensors()
     alone = mode == "solo"
     replicas, index = (1, 0) if alone else (hvd.size(), hvd.rank())
-    sampler: DistributedSampler[Any] = DistributedSampler(train_set, num_replicas=replicas, rank=index, seed=0)
-    loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler, drop_last=True)
-    model = build_model("mlp", args.width)
+    torch.manual_seed(0)
+    model = task.model()
     workers = 1 if alone else hvd.size()
     lr = args.lr * (workers if mode == "sync" else 1)
     optimizer: Any = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
@@ -99,33 +173,26 @@ def train(mode: str, args: argparse.Namespace) -> Run:
     elif mode == "far":
         options = hvd.LocalSteps(every=args.every, codec=args.codec, budget=args.budget)
         optimizer = hvd.DistributedOptimizer(optimizer, model=model, comm="local", local_steps=options)
-    loss_fn = nn.CrossEntropyLoss()
     run = Run()
     per_step = args.batch_size * workers
     steps = args.samples // per_step
     eval_every = max(1, args.eval_every // per_step)
+    batches = task.batches(replicas, index)
     hvd.barrier()
     before = sent_bytes()
-    step, epoch = 0, 0
-    while step < steps:
-        sampler.set_epoch(epoch)
-        epoch += 1
-        start = time.perf_counter()
-        for x, y in loader:
-            optimizer.zero_grad()
-            loss_fn(model(x), y).backward()
-            optimizer.step()
-            step += 1
-            if step % eval_every == 0 or step == steps:
-                if step == steps and mode == "far":
-                    optimizer.outer_step()  # the hosts meet on the last samples
-                run.seconds += time.perf_counter() - start
-                run.curve.append((step * per_step, round(run.seconds, 3), *evaluate(model, test_set)))
-                start = time.perf_counter()
-            if step == steps:
-                break
-        if step < steps:
+    start = time.perf_counter()
+    for step in range(1, steps + 1):
+        x, y = next(batches)
+        optimizer.zero_grad()
+        task.loss(model, x, y).backward()
+        optimizer.step()
+        if step % eval_every == 0 or step == steps:
+            if step == steps and mode == "far":
+                optimizer.outer_step()  # the hosts meet on the last samples
             run.seconds += time.perf_counter() - start
+            loss, accuracy = task.evaluate(model)
+            run.curve.append((step * per_step, round(run.seconds, 3), round(loss, 5), accuracy))
+            start = time.perf_counter()
     run.samples = steps * per_step
     if not alone:
         hvd.barrier()
@@ -143,6 +210,9 @@ def train(mode: str, args: argparse.Namespace) -> Run:
     return run
 
 
+TASKS.update(digits=Digits, chars=Chars)
+
+
 def time_to(run: Run, target: float) -> float | None:
     return next((seconds for _, seconds, loss, _ in run.curve if loss <= target), None)
 
@@ -153,34 +223,48 @@ def summed(value: float, name: str) -> float:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m shoal.bench.far", description=__doc__.split("\n")[0])
-    parser.add_argument("--task", choices=["digits"], default="digits")
-    parser.add_argument("--samples", type=int, default=20 * 1437, help="samples per mode, over every host (default 20 epochs)")
-    parser.add_argument("--eval-every", type=int, default=1437, help="score the held-out set every this many samples")
-    parser.add_argument("--batch-size", type=int, default=32, help="one worker's batch (default 32)")
-    parser.add_argument("--lr", type=float, default=0.02, help="one worker's learning rate (sync: times the hosts)")
-    parser.add_argument("--width", type=int, default=1024, help="the MLP's hidden width (default 1024: 1.1M parameters)")
+    parser.add_argument("--task", choices=sorted(TASKS), default="digits")
+    parser.add_argument("--samples", type=int, default=None, help="samples per mode, over every host (task's default)")
+    parser.add_argument("--eval-every", type=int, default=None, help="score the held-out set every this many samples")
+    parser.add_argument("--batch-size", type=int, default=None, help="one worker's batch (task's default)")
+    parser.add_argument("--lr", type=float, default=None, help="one worker's learning rate (sync: times the hosts)")
+    parser.add_argument("--width", type=int, default=None, help="the MLP's hidden width, the transformer's d_model")
+    parser.add_argument("--context", type=int, default=64, help="chars: bytes per window")
+    parser.add_argument("--eval-windows", type=int, default=256, help="chars: held-out windows scored")
     parser.add_argument("--every", type=int, default=None, help="force H (default: the planner's)")
     parser.add_argument("--codec", choices=["fp32", "bf16", "int8"], default=None, help="force the codec")
     parser.add_argument(
         "--budget", type=float, default=DEFAULT_BUDGET, help="the share of a round its exchange's local work may add"
     )
     parser.add_argument("--rate", default="", help="the emulated link's rate, for the record (e.g. 100mbit)")
+    parser.add_argument("--modes", default=",".join(MODES), help="for a quicker look: a comma-separated subset")
     add_json_flag(parser)
     args = parser.parse_args(argv)
+    for name, value in DEFAULTS[args.task].items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
     torch.set_num_threads(1)
     hvd.init()
-    runs = {mode: train(mode, args) for mode in MODES}
+    task = TASKS[args.task](args)
+    runs = {mode: train(mode, task, args) for mode in args.modes.split(",")}
     hosts = hvd.size()
     sent = {mode: summed(run.sent, mode) for mode, run in runs.items()}
     if hvd.rank() != 0:
         hvd.shutdown()
         return
+    for mode, run in runs.items():
+        print(
+            f"{mode:>5}: {run.samples / run.seconds:8.0f} samples/s, "
+            + ", ".join(f"{s}:{loss:.3f}" for s, _, loss, _ in run.curve)
+        )
+    if set(runs) != set(MODES):  # a look at some modes: no comparison
+        print(json.dumps({mode: {"seconds": run.seconds, "curve": run.curve, "plan": run.plan} for mode, run in runs.items()}))
+        hvd.shutdown()
+        return
     solo, sync, far = runs["solo"], runs["sync"], runs["far"]
     target = round(sync.curve[-1][2] * 1.01, 5)
     ips = {mode: run.samples / run.seconds for mode, run in runs.items()}
-    entries = sum(p.numel() for p in build_model("mlp", args.width).parameters())
-    for mode, run in runs.items():
-        print(f"{mode:>5}: {ips[mode]:8.0f} samples/s, " + ", ".join(f"{s}:{loss:.3f}" for s, _, loss, _ in run.curve))
+    entries = sum(p.numel() for p in task.model().parameters())
     result: dict[str, Any] = {
         "bench": "far",
         "hosts": hosts,
@@ -202,8 +286,8 @@ def main(argv: list[str] | None = None) -> None:
         "sync_eval_loss": round(sync.curve[-1][2], 5),
         "solo_eval_loss": round(solo.curve[-1][2], 5),
         "target": target,
-        "far_accuracy": round(far.curve[-1][3], 4),
-        "sync_accuracy": round(sync.curve[-1][3], 4),
+        "far_accuracy": far.curve[-1][3],
+        "sync_accuracy": sync.curve[-1][3],
         "plan": far.plan,
     }
     emit(result, args.json)

@@ -46,7 +46,7 @@ from shoal.plan.schemes import COMM_CHOICES, Compressed, Planned, Scheme
 from shoal.predict.models import build, parameter_count
 from shoal.ps.config import resolve_config
 from shoal.torch.compression import Compressor
-from shoal.torch.layer_comm.router import last_plan
+from shoal.torch.layer_comm.report import last_plan
 from shoal.torch.layer_comm.schemes import SufficientFactors
 from shoal.torch.optimizer import router_of
 

@@ -56,12 +56,17 @@ residual; then one decode-and-add per host), for the cost model's memory-bound e
 
 DEFAULT_EVERY_CAP = 500
 """The longest round the planner chooses: DiLoCo trains with H = 500 and finds larger H slower to converge."""
+DEFAULT_EVERY_FLOOR = 20
+"""The shortest round the planner chooses. DiLoCo's Nesterov outer step (0.7, 0.9) multiplies a round's progress by
+about 0.7 / (1 - 0.9) = 7 once its momentum builds up; over rounds of a few steps that is a seven times larger
+learning rate. On ``shoal.bench.far --task chars`` rounds of 2 to 15 steps diverged, 25 and 100 trained."""
 DEFAULT_BUDGET = 0.05
 """The share of a round that the outer exchange may add: the planner's H is the smallest that keeps the exchange
 within it (a longer round only makes the optimization staler)."""
-LOCAL_MARGIN = 0.9
+LOCAL_MARGIN = 0.8
 """``auto-far`` takes local steps only where their predicted step time is at most this share of the best synchronous
-plan's: changing the optimization must buy a real saving."""
+plan's (a quarter faster): changing the optimization must buy a real saving, and the synchronous plan's prediction
+counts its whole exchange, of which backward hides some."""
 
 
 @dataclass(frozen=True)
@@ -78,6 +83,8 @@ class LocalSteps:
     """Its Nesterov momentum (DiLoCo's 0.9); 0: plain SGD."""
     max_every: int = DEFAULT_EVERY_CAP
     """The longest round the planner may choose."""
+    min_every: int = DEFAULT_EVERY_FLOOR
+    """The shortest round the planner may choose (a given ``every`` may be shorter)."""
     budget: float = DEFAULT_BUDGET
     """The share of a round the outer exchange may add, for the planner's H (without overlap)."""
     overlap: bool = True
@@ -96,8 +103,8 @@ class LocalSteps:
             raise ValueError(f"outer_lr must be > 0, got {self.outer_lr}")
         if not 0 <= self.outer_momentum < 1:
             raise ValueError(f"outer_momentum must be in [0, 1), got {self.outer_momentum}")
-        if self.max_every < 1:
-            raise ValueError(f"max_every must be >= 1, got {self.max_every}")
+        if not 1 <= self.min_every <= self.max_every:
+            raise ValueError(f"need 1 <= min_every <= max_every, got {self.min_every} and {self.max_every}")
         if not 0 < self.budget < 1:
             raise ValueError(f"budget must be in (0, 1), got {self.budget}")
 
@@ -221,7 +228,7 @@ def round_length(wire_s: float, local_s: float, step_s: float, options: LocalSte
         needed = max(OVERLAP_SLACK * wire_s, local_s / options.budget) / max(step_s, 1e-9)
     else:
         needed = (wire_s + local_s) / (options.budget * max(step_s, 1e-9))
-    return max(1, min(options.max_every, math.ceil(needed)))
+    return max(options.min_every, min(options.max_every, math.ceil(needed)))
 
 
 def replan(plan: RoundPlan, wire_s: float, local_s: float, step_s: float, options: LocalSteps) -> RoundPlan:

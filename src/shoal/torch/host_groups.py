@@ -79,14 +79,17 @@ class HostGroups:
 
 
 def local_options(mode: Scheme | Planned, every: int | None, options: LocalSteps | None, outer: object) -> LocalSteps | None:
-    """The local steps' settings for ``comm="local"`` (``every`` overrides ``options.every``), or None.
+    """The local steps' settings for ``comm="local"`` or ``"auto-far"`` (``every`` overrides ``options.every``), or
+    None.
 
     Raises:
         ValueError: local steps' arguments with another ``comm``, or a bad value.
     """
-    if mode is not Scheme.LOCAL:
+    if mode not in (Scheme.LOCAL, Planned.AUTO_FAR):
         if every is not None or options is not None or outer is not None:
-            raise ValueError(f"every=, local_steps= and outer_optimizer= go with comm='local', not comm={mode.value!r}")
+            raise ValueError(
+                f"every=, local_steps= and outer_optimizer= go with comm='local' or 'auto-far', not comm={mode.value!r}"
+            )
         return None
     if options is not None and not isinstance(options, LocalSteps):
         raise ValueError(f"local_steps must be a shoal LocalSteps, got {type(options).__name__}")
@@ -99,26 +102,28 @@ def local_options(mode: Scheme | Planned, every: int | None, options: LocalSteps
 
 
 def check_local(op: ReduceOp, process_set: ProcessSet, compressed: bool, balanced: bool) -> None:
-    """What local steps need of the optimizer's other arguments.
+    """What local steps need of the optimizer's other arguments (``compressed``: compression or overrides, which
+    ``comm="local"`` refuses).
 
     Raises:
         ValueError: an argument local steps cannot honour.
     """
     if op != ReduceOp.Average:
-        raise ValueError(f"comm='local' averages the hosts' weights: it needs op=Average, not {op.name}")
+        raise ValueError(f"local steps average the hosts' weights: it needs op=Average, not {op.name}")
     if process_set is not global_process_set:
-        raise ValueError("comm='local' runs over the whole job (each host is one worker): leave process_set global")
+        raise ValueError("local steps run over the whole job (each host is one worker): leave process_set global")
     if compressed:
         raise ValueError("comm='local' sets every layer's exchange: it takes neither compression= nor comm_overrides=")
     if balanced:
-        raise ValueError("comm='local' with a BalancedLoader is not supported yet")
+        raise ValueError("local steps with a BalancedLoader are not supported yet")
 
 
 def host_groups(
-    local: LocalSteps | None, op: ReduceOp, process_set: ProcessSet, compressed: bool, balanced: bool
+    mode: Scheme | Planned, local: LocalSteps | None, op: ReduceOp, process_set: ProcessSet, compressed: bool, balanced: bool
 ) -> HostGroups | None:
-    """With local steps: the arguments checked, and the host groups registered (collective); else None."""
+    """With local steps (forced or weighed): the arguments checked, and the host groups registered (collective);
+    else None."""
     if local is None:
         return None
-    check_local(op, process_set, compressed, balanced)
+    check_local(op, process_set, compressed and mode is Scheme.LOCAL, balanced)
     return HostGroups.register()

@@ -11,16 +11,20 @@ weights go back to the round's start, and the outer optimizer steps with the ave
 from __future__ import annotations
 
 import collections
+import statistics
+import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from shoal.core.rules import ReduceOp
 from shoal.core.session import poll, synchronize
 from shoal.log import get_logger
-from shoal.plan.far import Codec, LocalSteps, RoundPlan, plan_rounds, replan
+from shoal.plan.far import Codec, LocalSteps, RoundPlan, plan_rounds, prefer_local, replan
+from shoal.runtime import context
 from shoal.torch import functions
 from shoal.torch.host_groups import HostGroups
 from shoal.torch.outer_codec import Feedback, decode, padded_buffer
@@ -31,6 +35,8 @@ OuterFactory = Callable[[list[torch.Tensor]], torch.optim.Optimizer]
 _log = get_logger()
 
 PROBE_STEPS = 5
+WEIGH_STEPS = 8
+"""``auto-far`` weighs local steps after this many synchronous steps (its plan is made after the first)."""
 """Inner steps timed before the planner chooses H where it was not given (the first is left out: it warms up)."""
 
 
@@ -52,6 +58,59 @@ class Pending:
     """The handle of the measured times sent with it (the slowest rank's, for ``replan``)."""
 
 
+def slowest_plan(hosts: int, entries: int, times: list[float], options: LocalSteps, name: str) -> RoundPlan:
+    """H and the codec from the job's calibration and the slowest rank's median of ``times`` (its inner steps).
+    Collective: every rank plans alike."""
+    from shoal.torch.layer_comm.calibrate import job_calibration
+
+    ordered = sorted(times or [0.0])
+    mine = torch.tensor([ordered[len(ordered) // 2]], dtype=torch.float64)
+    slowest = float(functions.allreduce(mine, name=name, op=ReduceOp.Max)[0])
+    return plan_rounds(job_calibration(), hosts, entries, slowest, options)
+
+
+class FarChoice:
+    """``auto-far``: whether local steps beat the synchronous plan, decided once the plan has run a few steps, and
+    the switch to them."""
+
+    def __init__(self, exchange: Any, groups: HostGroups) -> None:
+        self.exchange = exchange
+        self.groups = groups
+
+    def sync_comm_s(self) -> float:
+        """The synchronous plan's predicted exchange per step: every layer's chosen scheme (0 before a plan)."""
+        plans = self.exchange.router.plans or []
+        return sum(plan.predicted_ms.get(plan.choice, 0.0) for plan in plans) / 1e3
+
+    def decide(self, entries: int, options: LocalSteps, computed: list[float]) -> RoundPlan | None:
+        """Local steps planned from the measured compute (``computed``: this rank's steps, less their waits) against
+        the synchronous plan's step (that compute plus its predicted exchange); switch to them where they win.
+        Collective: every rank decides alike, from the slowest rank's compute. Returns the rounds, or None."""
+        rounds = slowest_plan(self.groups.hosts, entries, computed, options, "shoal.outer.compute")
+        sync = rounds.step_s + self.sync_comm_s()
+        chosen = prefer_local(sync, rounds)
+        if context.current().topology.rank == 0:
+            print(
+                f"[shoal] comm='auto-far' chose {'local steps' if chosen else 'the synchronous plan'}: synchronous "
+                f"{1e3 * sync:.2f} ms per step (compute {1e3 * rounds.step_s:.2f} ms, exchange predicted) against "
+                f"{1e3 * rounds.per_step_s:.2f} ms; {rounds.describe()}",
+                file=sys.stderr,
+                flush=True,
+            )
+        if not chosen:
+            return None
+        self.go_local(rounds)
+        return rounds
+
+    def go_local(self, rounds: RoundPlan) -> None:
+        """From the next step on, the gradients are reduced inside each host only, and the plan says local steps."""
+        exchange, inner = self.exchange, self.groups.inner
+        exchange.process_set, exchange.member = inner, inner.included()
+        if not exchange.member:
+            exchange.detach()
+        exchange.router.go_local(rounds)
+
+
 class OuterRounds:
     """The outer rounds of one optimizer: the round's start weights, the outer optimizer, the codec's residual."""
 
@@ -61,8 +120,13 @@ class OuterRounds:
         options: LocalSteps,
         groups: HostGroups,
         outer_optimizer: OuterFactory | None = None,
+        weigh: FarChoice | None = None,
     ) -> None:
         self.params = list(params)
+        self.weigh = weigh
+        """``auto-far``'s choice still to make (then None); the rounds do nothing until it chooses local steps."""
+        self._computed: collections.deque[float] = collections.deque(maxlen=32)
+        """While weighing: each step's wall seconds less its wait for the synchronous exchange."""
         self.options = options
         self.groups = groups
         factory = outer_optimizer or default_outer(options)
@@ -76,6 +140,8 @@ class OuterRounds:
         self._times: collections.deque[float] = collections.deque(maxlen=32)
         """The last inner steps' wall seconds (a round's end left out)."""
         self._last: float | None = None
+        self._ends: collections.deque[tuple[float, float]] = collections.deque(maxlen=5)
+        """The last rounds' (wire, round-end work) seconds: their medians choose H (one slow round does not)."""
         self._wire = 0.0
         """The last landed exchange's wire seconds, as this rank saw it (0 where it sends nothing)."""
         self.replans: list[tuple[int, int]] = []
@@ -89,6 +155,8 @@ class OuterRounds:
         self.feedback: Feedback | None = None
         """The lossy codec's error feedback (this host's)."""
         self._work: torch.Tensor | None = None
+        self.disabled = False
+        """``auto-far`` kept the synchronous plan: the rounds never run."""
         self.planning_s = 0.0
         """Wall seconds the plan took (the calibration's probes, where this job had not measured them yet)."""
         self.in_flight: Pending | None = None
@@ -107,17 +175,22 @@ class OuterRounds:
     def set_plan(self, plan: RoundPlan) -> None:
         self.plan = plan
 
-    def after_step(self) -> bool:
-        """The user's optimizer stepped: count the inner step, and run the outer round when it is due. Returns
-        whether a round ran."""
+    def after_step(self, waited: float = 0.0) -> bool:
+        """The user's optimizer stepped (having waited ``waited`` seconds for the exchange): count the inner step,
+        and run the outer round when it is due. Returns whether a round ran."""
         self.steps += 1
-        if self.groups.hosts == 1:  # one host: its ranks are synchronous, there is nothing to meet on
+        if self.groups.hosts == 1 or self.disabled:  # one host: its ranks are synchronous, nothing to meet on
             self.steps = 0
             return False
         now = time.perf_counter()
         if self._last is not None:
             self._times.append(now - self._last)
+            self._computed.append(now - self._last - waited)
         self._last = now
+        if self.weigh is not None:
+            if self.steps >= WEIGH_STEPS:
+                self._weigh(self.weigh)
+            return False
         pending = self.in_flight
         if pending is not None and pending.done_at is None and all(poll(h) for h in pending.handles):
             pending.done_at = now
@@ -133,18 +206,22 @@ class OuterRounds:
         self.round()
         return True
 
-    def choose(self) -> RoundPlan:
-        """Plan H and the codec from the job's calibration and the slowest rank's inner step (rank 0's plan, on every
-        rank). Collective."""
-        from shoal.core.objects import broadcast_object
-        from shoal.torch.layer_comm.calibrate import job_calibration
+    @torch.no_grad()
+    def _weigh(self, weigh: FarChoice) -> None:
+        """``auto-far``'s choice, once (collective): switch to local steps, or stay synchronous for good."""
+        self.weigh = None
+        rounds = weigh.decide(self.entries(), self.options, list(self._computed)[1:])  # step 1 warmed up the plan
+        if rounds is None:
+            self.disabled = True
+            return
+        self.plan = rounds
+        self.start = self._flat()
+        self.steps = 0
+        self._times.clear()
 
-        times = sorted(self._times)
-        mine = torch.tensor([times[len(times) // 2] if times else 0.0], dtype=torch.float64)
-        slowest = float(functions.allreduce(mine, name="shoal.outer.step_time", op=ReduceOp.Max)[0])
-        calibration = job_calibration()
-        plan = plan_rounds(calibration, self.groups.hosts, self.entries(), slowest, self.options)
-        plan = broadcast_object(plan, root_rank=0, name="shoal.outer.plan")
+    def choose(self) -> RoundPlan:
+        """Plan H and the codec from the slowest rank's inner step. Collective."""
+        plan = slowest_plan(self.groups.hosts, self.entries(), list(self._times), self.options, "shoal.outer.step_time")
         _log.info("%s", plan.describe())
         return plan
 
@@ -160,9 +237,9 @@ class OuterRounds:
             self.in_flight = None
         now = self._flat()
         pending = self._send(self.start - now, now)
-        times = sorted(self._times)
-        local = time.perf_counter() - started - waited
-        measured = torch.tensor([self._wire, local, times[len(times) // 2] if times else 0.0], dtype=torch.float64)
+        self._ends.append((self._wire, time.perf_counter() - started - waited))
+        wire, local = (statistics.median(values) for values in zip(*self._ends, strict=True))
+        measured = torch.tensor([wire, local, statistics.median(self._times or [0.0])], dtype=torch.float64)
         name = f"shoal.outer.times.{self.rounds}"
         pending.stats = functions.allreduce_async(measured, name=name, op=ReduceOp.Max)
         if self.plan.overlap:
@@ -176,8 +253,9 @@ class OuterRounds:
 
     @torch.no_grad()
     def finish(self) -> bool:
-        """Make the hosts meet now: land what is in flight, then one blocking round over the steps since. Returns
-        whether anything was exchanged."""
+        """Make the hosts meet now: land what is in flight, then average the hosts' weights (a blocking exchange of
+        the steps since, without an outer step: an outer step's momentum, taken once more at an arbitrary point,
+        overshoots). Returns whether anything was exchanged."""
         if self.groups.hosts == 1 or (self.in_flight is None and self.steps == 0):
             return False
         if self.plan is None:
@@ -187,7 +265,7 @@ class OuterRounds:
             self._land(self.in_flight)
             self.in_flight = None
         now = self._flat()
-        self._land(self._send(self.start - now, now))
+        self._land(self._send(self.start - now, now), average=True)
         self.steps = 0
         self.rounds += 1
         return True
@@ -213,10 +291,11 @@ class OuterRounds:
             self.sent_bytes += sum(part.numel() * part.element_size() for part in payload)
         return Pending(handles, codec, delta.numel(), weights, self.rounds, time.perf_counter())
 
-    def _land(self, pending: Pending) -> float:
-        """Wait for an exchange, step the outer optimizer from the round's start with the hosts' mean pseudo-gradient,
-        and keep the inner steps taken since it was sent on top (none without overlap); then choose H again from the
-        times measured with it. Returns the seconds spent waiting."""
+    def _land(self, pending: Pending, average: bool = False) -> float:
+        """Wait for an exchange, step the outer optimizer from the round's start with the hosts' mean pseudo-gradient
+        (``average``: no outer step, the hosts' mean weights), and keep the inner steps taken since it was sent on
+        top (none without overlap); then choose H again from the times measured with it. Returns the seconds spent
+        waiting."""
         started = time.perf_counter()
         mean = self._mean(pending)
         waited = time.perf_counter() - started
@@ -234,7 +313,10 @@ class OuterRounds:
             param.grad = mean[offset : offset + count].view_as(param).to(param.dtype)
             offset += count
         try:
-            self.outer.step()
+            if average:
+                torch._foreach_sub_([p for p in self.params], [p.grad for p in self.params])  # type: ignore[misc]
+            else:
+                self.outer.step()
         finally:
             for param, grad in zip(self.params, kept, strict=True):
                 param.grad = grad
@@ -278,20 +360,6 @@ class OuterRounds:
             name = f"shoal.outer.host.{pending.round}"
             mean = functions.broadcast(mean, groups.root, name=name, process_set=groups.host)
         return mean
-
-    # ----- elastic state -----
-
-    def state(self) -> dict[str, object]:
-        """What a host that joins needs: the round's start, the outer optimizer's state, the inner steps taken."""
-        return {"start": self.start.clone(), "outer": self.outer.state_dict(), "steps": self.steps, "rounds": self.rounds}
-
-    def load_state(self, state: dict[str, object]) -> None:
-        start = state["start"]
-        assert isinstance(start, torch.Tensor)
-        self.start = start.clone()
-        self.outer.load_state_dict(state["outer"])  # type: ignore[arg-type]
-        self.steps = int(state["steps"])  # type: ignore[call-overload]
-        self.rounds = int(state["rounds"])  # type: ignore[call-overload]
 
 
 def default_outer(options: LocalSteps) -> OuterFactory:

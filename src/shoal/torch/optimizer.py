@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import time
 import warnings
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, cast
@@ -24,16 +25,18 @@ from shoal.core.process_sets import ProcessSet, global_process_set
 from shoal.core.requests import barrier
 from shoal.core.rules import ReduceOp, resolve_groups, split_groups
 from shoal.plan.far import LocalSteps
-from shoal.plan.schemes import Compressed, parse_comm
+from shoal.plan.schemes import Compressed, Planned, Scheme, parse_comm
 from shoal.ps.config import resolve_config
 from shoal.torch.balanced_loader import BalancedLoader
 from shoal.torch.compression import Compression, Compressor
-from shoal.torch.exchange import AdasumExchange, GradientExchange, parameter_names
+from shoal.torch.exchange import AdasumExchange, GradientExchange
 from shoal.torch.host_groups import host_groups, local_options
-from shoal.torch.layer_comm.router import LayerRouter, OptimizerFacts, plan_report
-from shoal.torch.local_steps import OuterFactory, OuterRounds
+from shoal.torch.layer_comm.report import plan_report
+from shoal.torch.layer_comm.router import LayerRouter, OptimizerFacts
+from shoal.torch.local_steps import FarChoice, OuterFactory, OuterRounds
 from shoal.torch.micro_batch_grads import MicroBatchWeights, check_ordered_params
 from shoal.torch.optimizer_class import is_mixed_with, mix_into
+from shoal.torch.param_names import parameter_names
 
 __all__ = ["DistributedOptimizer", "LocalSteps", "drop_unfinished_step", "plan_report", "rounds_of"]
 
@@ -96,8 +99,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if should_synchronize and already_synchronized:
             # Horovod's warning; Horovod then reduces again, Shoal keeps the reduced gradients as they are.
             warnings.warn(_STEP_AFTER_SYNCHRONIZE, stacklevel=2)
+        waited = time.perf_counter()
         if should_synchronize and not already_synchronized:
             exchange.wait()
+        waited = time.perf_counter() - waited
         exchange.synchronized = False
         # The servers already applied their layers' update (and their values are in p.data now): hide those
         # parameters from the local optimizer.
@@ -112,7 +117,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                     param.grad = grad
                 exchange.marks.step_ended()
         if self._shoal_outer is not None and should_synchronize:
-            self._shoal_outer.after_step()
+            self._shoal_outer.after_step(waited)
         return loss
 
     def outer_step(self) -> bool:
@@ -234,8 +239,8 @@ def DistributedOptimizer(
     params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
     if loader is not None:
         _check_balanced(loader, ReduceOp(op), backward_passes_per_step, process_set, comm, comm_overrides, compression, params)
-    hosts = host_groups(local, ReduceOp(op), process_set, compressed is not None or bool(comm_overrides), loader is not None)
-    process_set = hosts.inner if hosts is not None else process_set
+    hosts = host_groups(mode, local, ReduceOp(op), process_set, compressed is not None or bool(comm_overrides), bool(loader))
+    process_set = hosts.inner if hosts is not None and mode is Scheme.LOCAL else process_set
     if ReduceOp(op) == ReduceOp.Adasum and basics.size() > 1:  # as in Horovod: one rank needs no delta optimizer
         if process_set is not global_process_set or comm != "allreduce":
             raise NotImplementedError("op=Adasum supports the global process set and comm='allreduce' only")
@@ -259,7 +264,8 @@ def DistributedOptimizer(
         router = functools.partial(LayerRouter, model=model, comm=comm, overrides=comm_overrides, ps_config=ps_config)
         wrapped = _wrap_gradients(optimizer, exchange, router, compressed, loader)
         if local is not None and hosts is not None:
-            wrapped._shoal_outer = OuterRounds(params, local, hosts, outer_optimizer)
+            weigh = FarChoice(exchange, hosts) if mode is Planned.AUTO_FAR else None
+            wrapped._shoal_outer = OuterRounds(params, local, hosts, outer_optimizer, weigh)
     # Horovod's attribute (code written for Horovod reads it): each parameter's name.
     wrapped._parameter_names = {p: names[id(p)] for group in wrapped.param_groups for p in group["params"] if id(p) in names}
     wrapped._shoal_exchange.attach()

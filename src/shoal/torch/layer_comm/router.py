@@ -23,9 +23,10 @@ from shoal.core.objects import broadcast_object
 from shoal.core.process_sets import ProcessSet, global_process_set, set_id_of
 from shoal.log import get_logger
 from shoal.plan.calibration import Calibration
-from shoal.plan.costs import LossyOptions
+from shoal.plan.costs import CostContext, LayerShape, LossyOptions, local_cost
 from shoal.plan.drift import DriftMonitor, refit
-from shoal.plan.planner import LayerPlan, forced_scheme, forced_setting, format_plan, keep_measured, refuse_tied_sfb
+from shoal.plan.far import RoundPlan
+from shoal.plan.planner import LayerPlan, forced_scheme, forced_setting, keep_measured, refuse_tied_sfb
 from shoal.plan.schemes import COMPRESSED, Compressed, Planned, Scheme, parse_comm, scheme_of
 from shoal.ps.client import PSSession
 from shoal.ps.config import PSConfig
@@ -36,6 +37,7 @@ from shoal.torch.compression import Compression, Compressor
 from shoal.torch.layer_comm.calibrate import job_calibration, keep_calibration
 from shoal.torch.layer_comm.layers import build_plan, tied_modules
 from shoal.torch.layer_comm.lossy import LossyState, LowRank, TopK
+from shoal.torch.layer_comm.report import LastPlan, describe_calibration, describe_choices
 from shoal.torch.layer_comm.schemes import CastAllreduce, LayerComm, ParameterServer, SufficientFactors, Wiring
 
 LAYER_COMM: dict[Scheme, type[LayerComm]] = {
@@ -58,59 +60,24 @@ def make_layer_comm(
     return LAYER_COMM[scheme].build(scheme, name, module, params, wiring)
 
 
-"""What ``DistributedOptimizer(comm=...)`` accepts: a scheme for every layer, or a plan (``auto``: lossless schemes,
-and fp16/bf16 only by a clear margin; ``auto-lossy``: the compressed schemes too)."""
+def row_counter(rows: dict[str, int], name: str) -> Callable[..., None]:
+    """A forward hook that keeps in ``rows[name]`` the most rows (K) a fully-connected layer saw in one step."""
+
+    def record(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        count = args[0].numel() // args[0].shape[-1] if args[0].dim() else 1
+        rows[name] = max(rows.get(name, 0), count)
+
+    return record
 
 
-@dataclass
-class LastPlan:
-    """The most recent plan made by any DistributedOptimizer in this job (kept in the process context)."""
-
-    plans: list[LayerPlan]
-    workers: int
-    refits: int
-    """How many times drift made it recalibrate."""
-    calibration: Calibration
-
-
-def last_plan() -> LastPlan | None:
-    """The most recent ``comm="auto"`` plan of this job (its ``plans`` fill in measured times as training runs)."""
-    plan: LastPlan | None = context.current().part("torch.last_plan")
-    return plan
-
-
-def describe_choices(plans: list[LayerPlan]) -> str:
-    """``allreduce: 3, sfb: 2`` for a plan."""
-    counts: dict[str, int] = {}
-    for plan in plans:
-        counts[plan.choice.value] = counts.get(plan.choice.value, 0) + 1
-    return ", ".join(f"{scheme}: {count}" for scheme, count in sorted(counts.items()))
-
-
-def describe_calibration(calibration: Calibration) -> str:
-    """What the plan rests on: the measured allreduce line and the matmul rate."""
-    latency, per_byte = calibration.lines["allreduce"]
-    bandwidth = 1 / per_byte / 1e9 if per_byte else float("inf")
-    return f"allreduce {latency * 1e3:.3f} ms + {bandwidth:.2f} GB/s, matmul {calibration.flops_per_s / 1e9:.1f} GFLOP/s"
-
-
-def plan_report(print_table: bool | None = None) -> str:
-    """The last plan of ``comm="auto"``: per layer, shape, bytes, K, predicted ms per scheme, choice, measured ms.
-
-    Args:
-        print_table: print the table too; by default only rank 0 prints (every rank holds the same plan).
-
-    Returns:
-        The table, on every rank.
-    """
-    plan = last_plan() if basics.is_initialized() else None
-    if plan is None:
-        text = "no plan yet: use DistributedOptimizer(..., model=model, comm='auto') and take one step"
-    else:
-        text = format_plan(plan.plans, plan.workers, plan.calibration)
-    if print_table or (print_table is None and (not basics.is_initialized() or basics.rank() == 0)):
-        print(text)
-    return text
+def settings_of(model: nn.Module, overrides: dict[Any, Any]) -> dict[str, Compressed]:
+    """Per module name, the compressed scheme's settings an override gives it."""
+    found = {}
+    for name, module in model.named_modules():
+        value = forced_setting(name, module, overrides)
+        if isinstance(value, Compressed):
+            found[name] = value
+    return found
 
 
 @dataclass
@@ -175,7 +142,7 @@ class LayerRouter:
         elif self.planned is not None:
             for name, module in model.named_modules():
                 if isinstance(module, nn.Linear):
-                    self._row_hooks.append(module.register_forward_hook(self._row_counter(name)))
+                    self._row_hooks.append(module.register_forward_hook(row_counter(self._rows, name)))
         else:
             chosen = Scheme(comm)
             schemes = {}
@@ -184,7 +151,7 @@ class LayerRouter:
                     # sfb is for fully-connected layers; the others keep the plain allreduce
                     default = Scheme.ALLREDUCE if chosen.row.needs_linear and not isinstance(module, nn.Linear) else chosen
                     schemes[name] = forced_scheme(name, module, self.overrides) or default
-            self._assign(schemes, self._settings_of(model))
+            self._assign(schemes, settings_of(model, self.overrides))
 
     # ----- asked by the optimizer -----
 
@@ -225,13 +192,6 @@ class LayerRouter:
 
     # ----- schemes -----
 
-    def _row_counter(self, name: str) -> Callable[..., None]:
-        def record(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
-            rows = args[0].numel() // args[0].shape[-1] if args[0].dim() else 1
-            self._rows[name] = max(self._rows.get(name, 0), rows)
-
-        return record
-
     def _lr(self, param: torch.Tensor) -> float:
         """A parameter's current learning rate (the servers apply the update)."""
         return float(self._lr_of[id(param)]["lr"])
@@ -244,17 +204,8 @@ class LayerRouter:
         factored: bool = False,
     ) -> Wiring:
         names, lossy = self.facts.names, self.lossy
-        cast = Compression.bf16 if self.planned is Planned.AUTO_LOSSY else None
+        cast = Compression.bf16 if self.planned in (Planned.AUTO_LOSSY, Planned.AUTO_FAR) else None
         return Wiring(self.facts.process_set, session, self._lr, names, lossy, setting, rank, factored, cast)
-
-    def _settings_of(self, model: nn.Module) -> dict[str, Compressed]:
-        """Per module name, the compressed scheme's settings an override gives it."""
-        found = {}
-        for name, module in model.named_modules():
-            value = forced_setting(name, module, self.overrides)
-            if isinstance(value, Compressed):
-                found[name] = value
-        return found
 
     def lossy_options(self) -> LossyOptions:
         """The bounds the planner weighs the compressed schemes with (PowerSGD's rank and factors, top-k's ratio)."""
@@ -374,7 +325,7 @@ class LayerRouter:
         # With a session open, every ps layer of this plan is one it already serves (a re-plan adds none).
         self._assign(
             {p.name: p.choice for p in self.plans if not (p.choice.row.on_servers and self.ps is not None)},
-            self._settings_of(self.model),
+            settings_of(self.model, self.overrides),
             {p.name: p.rank for p in self.plans if p.rank},
         )
         exchanges = {plan.name: self._exchange_names(modules[plan.name]) for plan in self.plans}
@@ -390,6 +341,20 @@ class LayerRouter:
                 file=sys.stderr,
                 flush=True,
             )
+
+    def go_local(self, rounds: RoundPlan) -> None:
+        """``auto-far`` chose local steps: every gradient now goes through the buckets, among the host's ranks (the
+        plan's own carriers are removed), drift stops watching, and the plan reports local steps."""
+        self._clear()
+        self.drift = None
+        if self.plans is None or self.calibration is None:
+            return
+        ctx = CostContext(self.calibration, self.facts.process_set.size(), rounds=rounds)
+        for plan in self.plans:
+            plan.predicted_ms[Scheme.LOCAL] = local_cost(ctx, LayerShape(plan.nbytes)).seconds * 1e3
+            plan.choice, plan.rank, plan.expected_ms, plan.measured_ms = Scheme.LOCAL, None, None, None
+        last = LastPlan(self.plans, ctx.workers, 0, self.calibration, rounds)
+        context.current().set_part("torch.last_plan", last)
 
     def _watch_drift(self) -> None:
         """After a synchronized step: compare measured exchange times with the plan; re-plan together on drift."""
