@@ -76,6 +76,14 @@ COVERED: dict[str, tuple[str, list[str]]] = {
         "test_examples.py::test_planner_benchmark_compares_auto_with_every_forced_scheme",
         ["shoal.bench.planner", "1gbit", "mlp"],
     ),
+    "python -m shoal.bench.netns --hosts 2 --rate 100mbit -- python -m shoal.bench.far --rate 100mbit": (
+        "test_far.py::test_far_benchmark_json_contract_on_two_emulated_hosts",
+        ["shoal.bench.netns", "shoal.bench.far", "100mbit"],
+    ),
+    "python -m shoal.bench.netns --hosts 2 --rate 100mbit -- python -m shoal.bench.far --task chars --rate 100mbit": (
+        "test_far.py::test_far_benchmark_json_contract_on_two_emulated_hosts",
+        ["shoal.bench.far", "chars", "100mbit"],
+    ),
     "python -m shoal.bench.rendezvous": (
         "test_examples.py::test_rendezvous_benchmark_times_both_stores",
         ["shoal.bench.rendezvous"],

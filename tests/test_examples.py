@@ -290,11 +290,11 @@ def test_train_benchmark_lossy_against_ddp_and_its_powersgd_hook_on_a_slow_link(
 def test_accuracy_benchmark_curves_targets_and_plot(tmp_path: Path) -> None:
     plot = tmp_path / "acc.png"
     script = [sys.executable, "-m", "shoal.bench.accuracy", "--model", "mlp", "--epochs", "3", "--width", "64"]
-    script += ["--variants", "shoal,auto-lossy,ddp,ddp-powersgd", "--plot", str(plot)]
+    script += ["--variants", "shoal,auto-lossy,ddp,ddp-powersgd,solo", "--plot", str(plot)]
     summary = last_json([*SHOALRUN, "-np", "2", *script], timeout=280)
     assert summary["bench"] == "accuracy" and summary["world"] == 2
     variants = summary["variants"]
-    assert set(variants) == {"shoal", "auto-lossy", "ddp", "ddp-powersgd"}  # type: ignore[arg-type]
+    assert set(variants) == {"shoal", "auto-lossy", "ddp", "ddp-powersgd", "solo"}  # type: ignore[arg-type]
     reference = variants["shoal"]  # type: ignore[index]
     assert len(reference["curve"]) == 3 and summary["target"] == round(reference["final_accuracy"] - 0.005, 4)
     for name, result in variants.items():  # type: ignore[union-attr]

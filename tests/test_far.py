@@ -5,6 +5,7 @@ planner's choices from given calibrations, and the API's errors."""
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from typing import Any
@@ -373,14 +374,22 @@ FAR_KEYS = {
 }  # fmt: skip
 
 
+SMALL = {
+    "digits": ["--samples", "3000", "--eval-every", "1000", "--width", "64"],
+    "chars": ["--task", "chars", "--samples", "3000", "--eval-every", "1000", "--width", "32", "--context", "16"],
+}
+"""Each task of ``shoal.bench.far``, small: a few seconds per mode."""
+
+
 @needs_netns
 @pytest.mark.timeout(240)
-def test_far_benchmark_json_contract_on_two_emulated_hosts() -> None:
-    """``python -m shoal.bench.netns --hosts 2 --rate 100mbit -- python -m shoal.bench.far`` on a small MLP and few
-    samples: the JSON line's keys, bytes counted on the hosts' links, and the plan's H and codec."""
+@pytest.mark.parametrize("task", sorted(SMALL))
+def test_far_benchmark_json_contract_on_two_emulated_hosts(task: str) -> None:
+    """``python -m shoal.bench.netns --hosts 2 --rate 100mbit -- python -m shoal.bench.far`` (and ``--task chars``)
+    on a small model and few samples: the JSON line's keys, bytes counted on the hosts' links, the plan's H and
+    codec."""
     command = [sys.executable, "-m", "shoal.bench.netns", "--hosts", "2", "--rate", "100mbit", "--"]
-    command += [sys.executable, "-m", "shoal.bench.far", "--samples", "3000", "--eval-every", "1000", "--width", "64"]
-    command += ["--rate", "100mbit"]
+    command += [sys.executable, "-m", "shoal.bench.far", *SMALL[task], "--rate", "100mbit"]
     result = subprocess.run(command, env=clean_env(), capture_output=True, text=True, timeout=220)
     assert result.returncode == 0, result.stderr[-3000:]
     lines = [line.split(":", 1)[1] for line in result.stdout.splitlines() if line.startswith("[0]<stdout>:{")]
@@ -394,7 +403,8 @@ def test_far_benchmark_json_contract_on_two_emulated_hosts() -> None:
     plan = data["plan"]
     assert plan["hosts"] == 2 and plan["codec"] in ("fp32", "bf16", "int8") and plan["every"] >= 1
     assert plan["fragments"] == 1 and plan["rounds"] >= 1
-    assert data["sync_eval_loss"] < 2.3 and data["far_eval_loss"] < 2.3  # both learnt (ln 10 at chance)
+    chance = math.log(10 if task == "digits" else 256)
+    assert data["sync_eval_loss"] < chance and data["far_eval_loss"] < chance  # both learnt something
 
 
 # ----- errors -----

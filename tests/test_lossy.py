@@ -3,13 +3,15 @@ computation says, the planner's choices, the API's errors and the elastic state'
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 import torch
 from torch import nn
 
 import shoal.torch as hvd
-from shoal.plan.calibration import Calibration
+from shoal.plan.calibration import Calibration, calibration_to_json
 from shoal.plan.costs import LossyOptions
 from shoal.plan.schemes import AUTO_SCHEMES, COMPRESSED, Scheme
 from shoal.testing import run_ranks
@@ -472,3 +474,50 @@ def _two_backward_passes() -> str:
 def test_factored_powersgd_refuses_a_second_backward_pass_before_step() -> None:
     (message,) = run_ranks(_two_backward_passes, 2)[:1]
     assert "computed more than backward_passes_per_step=1 times" in message, message
+
+
+def _warmup_reports(path: str) -> list[str]:
+    hvd.init()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 256))
+    compression = hvd.Compression.powersgd(rank=None, max_rank=4, warmup_steps=4)
+    optimizer = hvd.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.05), model=model, comm="auto-lossy", compression=compression
+    )
+    reports = []
+    for _ in range(6):
+        x = torch.randn(8, 256)
+        optimizer.zero_grad()
+        nn.functional.mse_loss(model(x), x).backward()
+        optimizer.step()
+        reports.append(hvd.plan_report(print_table=False))
+    return reports
+
+
+def test_the_plan_report_says_while_the_compressed_layers_warm_up(tmp_path: Any) -> None:
+    """A slow link's calibration (given) makes the planner compress; until ``warmup_steps`` the report says that the
+    compressed layers still send their gradients whole, and how long for; after it, nothing."""
+    path = tmp_path / "slow.json"
+    path.write_text(calibration_to_json(Calibration.uniform(1e-4, 1 / 12.5e6, 5e9)))  # 100 Mbit/s
+    reports = run_ranks(_warmup_reports, 2, args=(str(path),), env={"SHOAL_CALIBRATION_FILE": str(path)}, timeout_s=90)[0]
+    assert "powersgd@" in reports[0] or " topk" in reports[0], reports[0]  # planned after the first step
+    for step, report in enumerate(reports, start=1):
+        if step < 4:
+            assert "warm-up: " in report and "in bfloat16" in report and "until step 4" in report, report
+        else:
+            assert "warm-up" not in report, report
+
+
+def test_the_rank_choice_survives_a_layer_whose_estimate_is_below_zero() -> None:
+    """A linear layer compressed from its factors spares backward its weight gradient; on a slow matmul that can
+    outweigh the rest, and the estimate goes below zero. The rank is then chosen within the slack of |cheapest|
+    (it was ``max()`` of nothing)."""
+    from shoal.plan.costs import CostContext, LayerShape, powersgd_best, powersgd_cost
+
+    calibration = Calibration.uniform(1e-4, 1 / 12.5e6, 5e9)
+    layer = LayerShape(4 * (512 * 256 + 512), ((512, 256), (512,)), 4, (8, 512, 256), spares_local=True)
+    ctx = CostContext(calibration, 2)
+    costs = {rank: powersgd_cost(ctx, layer, rank).seconds for rank in (2, 4)}
+    assert min(costs.values()) < 0  # the case itself
+    chosen = powersgd_best(ctx, layer)
+    assert chosen.rank in (2, 4) and chosen.seconds <= min(costs.values()) + 0.25 * abs(min(costs.values()))

@@ -29,9 +29,11 @@ from shoal.bench import add_json_flag, emit
 from shoal.bench.digits import load_digits_tensors
 from shoal.comm.baselines import wrap_ddp, wrap_ddp_powersgd
 
-VARIANTS = ("shoal", "auto-lossy", "powersgd", "topk", "ddp", "ddp-powersgd")
+VARIANTS = ("shoal", "auto-lossy", "powersgd", "topk", "ddp", "ddp-powersgd", "solo")
 """``shoal``: uncompressed allreduce (the reference accuracy); ``auto-lossy``: the planner may compress;
-``powersgd``/``topk``: that scheme forced on every layer; ``ddp``/``ddp-powersgd``: torch's, for comparison."""
+``powersgd``/``topk``: that scheme forced on every layer; ``ddp``/``ddp-powersgd``: torch's, for comparison;
+``solo``: one worker alone, no communication (every rank trains the same run at once, on its own core), with one
+worker's batch and learning rate over the whole training set: the first baseline a second worker must beat."""
 
 
 def build_model(name: str, width: int) -> nn.Module:
@@ -59,6 +61,8 @@ def build_model(name: str, width: int) -> nn.Module:
 def _optimizer(variant: str, model: nn.Module, lr: float, total_steps: int, rank: int, ratio: float) -> tuple[nn.Module, Any]:
     """The model as trained (wrapped for DDP) and its optimizer, for one variant."""
     warmup = max(2, total_steps // 10)  # torch's advice for PowerSGD: about 10% of the run
+    if variant == "solo":
+        return model, torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
     sgd = torch.optim.SGD(model.parameters(), lr=lr * hvd.size(), momentum=0.9)
     if variant == "ddp":
         return wrap_ddp(model), sgd
@@ -107,12 +111,12 @@ def train_variant(
     if variant not in VARIANTS:
         raise ValueError(f"unknown variant {variant!r}; choose from {', '.join(VARIANTS)}")
     train_set, test_set = load_digits_tensors()
-    sampler: DistributedSampler[Any] = DistributedSampler(
-        train_set, num_replicas=hvd.size(), rank=hvd.rank(), shuffle=True, seed=0
-    )
+    replicas, index = (1, 0) if variant == "solo" else (hvd.size(), hvd.rank())
+    sampler: DistributedSampler[Any] = DistributedSampler(train_set, num_replicas=replicas, rank=index, shuffle=True, seed=0)
     loader = DataLoader(train_set, batch_size=batch_size, sampler=sampler, drop_last=True)
     model = build_model(model_name, width)
-    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    if variant != "solo":
+        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     last = max(epochs, max_epochs or epochs) if target is not None else epochs
     trained, optimizer = _optimizer(variant, model, lr, epochs * len(loader), rank, ratio)
     loss_fn = nn.CrossEntropyLoss()

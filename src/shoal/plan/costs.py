@@ -279,7 +279,9 @@ def powersgd_serves(ctx: CostContext, layer: LayerShape) -> bool:
 def powersgd_best(ctx: CostContext, layer: LayerShape) -> Estimate:
     estimates = [powersgd_cost(ctx, layer, rank) for rank in _powersgd_ranks(ctx, layer)]
     cheapest = min(e.seconds for e in estimates)
-    return max((e for e in estimates if e.seconds <= RANK_SLACK * cheapest), key=lambda e: e.rank or 0)
+    # A factored layer's estimate can be below zero (backward's spared work outweighs the rest): slack on |cheapest|.
+    within = cheapest + (RANK_SLACK - 1) * abs(cheapest)
+    return max((e for e in estimates if e.seconds <= within), key=lambda e: e.rank or 0)
 
 
 def topk_cost(ctx: CostContext, layer: LayerShape) -> Estimate:

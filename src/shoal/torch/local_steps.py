@@ -3,9 +3,11 @@
 
 Each host is one DiLoCo worker. Its ranks reduce their gradients among themselves every step (the optimizer's
 exchange runs on the host's process set; a host of one rank exchanges nothing), and step the user's optimizer. Every
-H steps ``OuterRounds.after_step`` runs an outer round: the pseudo-gradient (the round's start weights minus the
-weights now) is averaged across hosts by one rank per host in the chosen codec and broadcast inside each host; the
-weights go back to the round's start, and the outer optimizer steps with the average as their gradient.
+H steps ``OuterRounds.after_step`` ends a round: the pseudo-gradient (the round's start weights minus the weights now)
+is sent to be averaged across hosts by one rank per host in the chosen codec, and lands (broadcast inside each host)
+at the next round's end, or at once without overlap; then the weights go back to the round's start, the outer
+optimizer steps with the average as their gradient, and the steps taken since it was sent are added back.
+``FarChoice`` is ``comm="auto-far"``'s switch to all this from the synchronous plan.
 """
 
 from __future__ import annotations
@@ -35,9 +37,9 @@ OuterFactory = Callable[[list[torch.Tensor]], torch.optim.Optimizer]
 _log = get_logger()
 
 PROBE_STEPS = 5
+"""Inner steps timed before the planner chooses H where it was not given."""
 WEIGH_STEPS = 8
 """``auto-far`` weighs local steps after this many synchronous steps (its plan is made after the first)."""
-"""Inner steps timed before the planner chooses H where it was not given (the first is left out: it warms up)."""
 
 
 @dataclass
@@ -363,7 +365,8 @@ class OuterRounds:
 
 
 def default_outer(options: LocalSteps) -> OuterFactory:
-    """DiLoCo's outer optimizer: SGD with Nesterov momentum (plain SGD at momentum 0)."""
+    """DiLoCo's outer optimizer, SGD with Nesterov momentum, at ``options``' learning rate and momentum (plain SGD at
+    momentum 0)."""
 
     def build(params: list[torch.Tensor]) -> torch.optim.Optimizer:
         momentum = options.outer_momentum

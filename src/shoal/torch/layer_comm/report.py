@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from shoal.core import basics
@@ -9,6 +10,8 @@ from shoal.plan.calibration import Calibration
 from shoal.plan.far import RoundPlan
 from shoal.plan.planner import LayerPlan, format_plan
 from shoal.runtime import context
+from shoal.torch.layer_comm.lossy import LossyState, LowRank, TopK
+from shoal.torch.layer_comm.schemes import LayerComm
 
 
 @dataclass
@@ -22,6 +25,8 @@ class LastPlan:
     calibration: Calibration
     rounds: RoundPlan | None = None
     """Local steps' H and codec, where ``auto-far`` chose them."""
+    note: Callable[[], str | None] | None = None
+    """What the plan is not doing yet, asked at each report (the compressed layers' warm-up)."""
 
 
 def last_plan() -> LastPlan | None:
@@ -45,6 +50,19 @@ def describe_calibration(calibration: Calibration) -> str:
     return f"allreduce {latency * 1e3:.3f} ms + {bandwidth:.2f} GB/s, matmul {calibration.flops_per_s / 1e9:.1f} GFLOP/s"
 
 
+def warmup_note(layers: Callable[[], list[LayerComm]], lossy: LossyState, cast: bool) -> str | None:
+    """While compressed layers are in their warm-up: how many, what they send meanwhile, and until which step.
+    ``layers``: the router's carriers now; ``cast``: the warm-up sends bfloat16 (``auto-lossy``)."""
+    waiting = [c for c in layers() if isinstance(c, (LowRank, TopK)) and not c.active]
+    if not waiting:
+        return None
+    sent = "in bfloat16" if cast else "uncompressed"
+    return (
+        f"warm-up: {len(waiting)} compressed layers still send their gradients {sent} through the buckets, until "
+        f"step {max(c.setting.warmup for c in waiting)} (now {lossy.steps}; warmup_steps= or total_steps= set it)"
+    )
+
+
 def plan_report(print_table: bool | None = None) -> str:
     """The last plan of ``comm="auto"``: per layer, shape, bytes, K, predicted ms per scheme, choice, measured ms.
 
@@ -61,6 +79,9 @@ def plan_report(print_table: bool | None = None) -> str:
         text = format_plan(plan.plans, plan.workers, plan.calibration)
         if plan.rounds is not None:
             text += "\n" + plan.rounds.describe()
+        note = plan.note() if plan.note is not None else None
+        if note:
+            text += "\n" + note
     if print_table or (print_table is None and (not basics.is_initialized() or basics.rank() == 0)):
         print(text)
     return text

@@ -9,6 +9,7 @@ keeps Horovod's surface (hooks, buckets, synchronize, step) and asks the router 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -37,7 +38,7 @@ from shoal.torch.compression import Compression, Compressor
 from shoal.torch.layer_comm.calibrate import job_calibration, keep_calibration
 from shoal.torch.layer_comm.layers import build_plan, tied_modules
 from shoal.torch.layer_comm.lossy import LossyState, LowRank, TopK
-from shoal.torch.layer_comm.report import LastPlan, describe_calibration, describe_choices
+from shoal.torch.layer_comm.report import LastPlan, describe_calibration, describe_choices, warmup_note
 from shoal.torch.layer_comm.schemes import CastAllreduce, LayerComm, ParameterServer, SufficientFactors, Wiring
 
 LAYER_COMM: dict[Scheme, type[LayerComm]] = {
@@ -333,7 +334,9 @@ class LayerRouter:
             self.drift = DriftMonitor(self.plans, exchanges, calibration)
         else:
             self.drift.replan(self.plans, exchanges, calibration)
-        context.current().set_part("torch.last_plan", LastPlan(self.plans, workers, self.drift.recalibrations, calibration))
+        note = functools.partial(warmup_note, self.layers, self.lossy, self._wiring().warmup_cast is not None)
+        last = LastPlan(self.plans, workers, self.drift.recalibrations, calibration, note=note)
+        context.current().set_part("torch.last_plan", last)
         if basics.rank() == 0:  # one line per (re-)plan, so that the planner never works silently
             print(
                 f"[shoal] comm='{self.comm}' {'re-planned' if refresh else 'planned'} {len(self.plans)} layers "
