@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import signal
 import subprocess
 import sys
 from typing import Any
@@ -405,6 +406,39 @@ def test_far_benchmark_json_contract_on_two_emulated_hosts(task: str) -> None:
     assert plan["fragments"] == 1 and plan["rounds"] >= 1
     chance = math.log(10 if task == "digits" else 256)
     assert data["sync_eval_loss"] < chance and data["far_eval_loss"] < chance  # both learnt something
+
+
+@needs_netns
+@pytest.mark.timeout(240)
+def test_the_round_lengthens_within_two_round_ends_when_the_link_slows_down() -> None:
+    """``--fault rate:AT:100mbit`` reshapes both hosts' 1 Gbit/s links mid-run (``tc qdisc change``). H then follows
+    the measured wire: longer, within two round ends after the first exchange on the slow link."""
+    command = [sys.executable, "-m", "shoal.bench.netns", "--hosts", "2", "--rate", "1gbit", "--faults-on-sigusr1"]
+    command += ["--fault", "rate:4:100mbit", "--", sys.executable, "-m", "shoal.bench.far", "--modes", "far"]
+    command += ["--samples", "300000", "--eval-every", "100000", "--budget", "0.5"]  # the wire sets H, not the round end
+    with subprocess.Popen(command, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as job:
+        assert job.stdout is not None
+        lines = []
+        for line in job.stdout:  # the fault's clock starts when training does
+            lines.append(line)
+            if line.startswith("[0]<stdout>:far: training"):
+                job.send_signal(signal.SIGUSR1)
+                break
+        lines += job.stdout.readlines()
+        assert job.wait(timeout=200) == 0, "".join(lines[-40:])
+    changed = [line for line in lines if "every link's rate: 100mbit begins" in line]
+    assert len(changed) == 1, "".join(lines[-40:])
+    at = float(changed[0].rsplit("(", 1)[1].strip().rstrip(")"))  # the wall-clock time of the change
+    results = [line.split(":", 1)[1] for line in lines if line.startswith("[0]<stdout>:{")]
+    plan = json.loads(results[-1])["far"]["plan"]
+    ends, replans = plan["round_ends"], plan["replans"]
+    before = [every for _, every, when in replans if when < at]
+    assert ends[0] < at < ends[-1] and sum(1 for end in ends if end > at) >= 4, (at, ends)  # rounds on both links
+    fast_every = before[-1] if before else 20
+    first_slow = next(i for i, end in enumerate(ends) if end > at)  # the round end that sends on the slow link
+    longer = [(round_, every) for round_, every, when in replans if when > at and every > fast_every]
+    assert longer, (at, replans, ends)
+    assert longer[0][0] <= first_slow + 1 + 2, (first_slow, longer, replans)  # that exchange's landing, then two
 
 
 # ----- errors -----

@@ -83,6 +83,8 @@ class Run:
     """(samples, training seconds, held-out loss, held-out accuracy) at each score."""
     sent: int = 0
     plan: dict[str, Any] | None = None
+    round_ends: list[float] = field(default_factory=list)
+    """``time.time()`` at each outer round's end (local steps), as the inner steps saw it."""
     final_s: float = 0.0
     """The hosts' last meeting (``outer_step()``), a blocking exchange: part of ``seconds``."""
 
@@ -189,6 +191,8 @@ def train(mode: str, task: Task, args: argparse.Namespace) -> Run:
     eval_every = max(1, args.eval_every // per_step)
     batches = task.batches(replicas, index)
     hvd.barrier()
+    if hvd.rank() == 0:
+        print(f"{mode}: training", flush=True)  # for a test that times a fault from here
     before = sent_bytes()
     start = time.perf_counter()
     for step in range(1, steps + 1):
@@ -196,6 +200,9 @@ def train(mode: str, task: Task, args: argparse.Namespace) -> Run:
         optimizer.zero_grad()
         task.loss(model, x, y).backward()
         optimizer.step()
+        outer = rounds_of(optimizer)
+        if outer is not None and outer.rounds > len(run.round_ends):
+            run.round_ends.append(round(time.time(), 3))
         if step % eval_every == 0 or step == steps:
             if step == steps and mode == "far":
                 met = time.perf_counter()
@@ -219,6 +226,7 @@ def train(mode: str, task: Task, args: argparse.Namespace) -> Run:
             "round_ends_s": round(outer.exchange_s, 3),
             "replans": [list(change) for change in outer.replans],
             "final_meeting_s": round(run.final_s, 3),
+            "round_ends": run.round_ends,
         }
     return run
 

@@ -7,7 +7,8 @@ and ``--fault`` injects network faults at set times after the start:
 - ``cut:HOST:AT:SECONDS``: host HOST's link (``host1``, or its index) goes down AT seconds after the job starts, for
   SECONDS seconds (``forever``: it never comes back), as a pulled cable: packets are dropped, connections stay open;
 - ``store:AT:SECONDS``: every emulated host loses its route to the job's store (shoalrun's, on the bridge) for
-  SECONDS seconds; the hosts still reach one another.
+  SECONDS seconds; the hosts still reach one another;
+- ``rate:AT:RATE``: every host's link is shaped to RATE from AT seconds on (a link that slows down or speeds up).
 
 With ``--faults-on-sigusr1`` the times count from when this process gets SIGUSR1 (a test sends it once training
 runs). Each fault's start and end are printed with the wall-clock time.
@@ -82,10 +83,14 @@ class EmulatedHosts:
     def gateway(self) -> str:
         return f"{self.subnet}.0.254"
 
-    def _shape(self, prefix: list[str], device: str) -> None:
-        _run(
-            *prefix, "tc", "qdisc", "add", "dev", device, "root", "tbf", "rate", self.rate, "burst", "256kb", "latency", "100ms"
-        )
+    def _shape(self, prefix: list[str], device: str, verb: str = "add", rate: str | None = None) -> None:
+        tbf = ["tbf", "rate", rate or self.rate, "burst", "256kb", "latency", "100ms"]
+        _run(*prefix, "tc", "qdisc", verb, "dev", device, "root", *tbf)
+
+    def reshape(self, index: int, rate: str) -> None:
+        """Shape host ``index``'s link, both ways, to ``rate`` from now on."""
+        self._shape([], f"{self.tag}v{index}", "change", rate)
+        self._shape(["ip", "netns", "exec", self.namespace(index)], self.device(index), "change", rate)
 
     def create(self) -> None:
         """Build the bridge, the namespaces and their shaped links."""
@@ -133,12 +138,16 @@ class Fault:
     """A network fault at ``at_s`` seconds after the start, lasting ``for_s`` (inf: for good)."""
 
     kind: str
-    """``cut`` (one host's link) or ``store`` (every host's route to the store)."""
+    """``cut`` (one host's link), ``store`` (every host's route to the store) or ``rate`` (every link's rate)."""
     host: int | None
     at_s: float
     for_s: float
+    rate: str | None = None
+    """``rate``: the links' new rate (tc's form, ``100mbit``)."""
 
     def describe(self, names: list[str]) -> str:
+        if self.kind == "rate":
+            return f"every link's rate: {self.rate}"
         what = f"{names[self.host]}'s link" if self.kind == "cut" and self.host is not None else "the route to the store"
         return f"{what} down for {'good' if math.isinf(self.for_s) else f'{self.for_s:g} s'}"
 
@@ -155,9 +164,11 @@ def parse_fault(text: str, hosts: int) -> Fault:
             return Fault("cut", host, float(parts[2]), math.inf if parts[3] == "forever" else float(parts[3]))
         if parts[0] == "store" and len(parts) == 3:
             return Fault("store", None, float(parts[1]), math.inf if parts[2] == "forever" else float(parts[2]))
+        if parts[0] == "rate" and len(parts) == 3 and parts[2]:
+            return Fault("rate", None, float(parts[1]), math.inf, parts[2])
     except ValueError:
         pass
-    raise argparse.ArgumentTypeError(f"--fault {text}: expected cut:HOST:AT:SECONDS or store:AT:SECONDS")
+    raise argparse.ArgumentTypeError(f"--fault {text}: expected cut:HOST:AT:SECONDS, store:AT:SECONDS or rate:AT:RATE")
 
 
 def _inject(hosts: EmulatedHosts, faults: list[Fault], names: list[str], stop: threading.Event, go: threading.Event) -> None:
@@ -176,7 +187,10 @@ def _inject(hosts: EmulatedHosts, faults: list[Fault], names: list[str], stop: t
             return
         targets = [fault.host] if fault.host is not None else list(range(hosts.count))
         for index in targets:
-            if fault.kind == "cut":
+            if fault.kind == "rate":
+                assert fault.rate is not None
+                hosts.reshape(index, fault.rate)
+            elif fault.kind == "cut":
                 _run("ip", "link", "set", f"{hosts.tag}v{index}", "down" if down else "up")
             else:
                 verb = "add" if down else "del"
@@ -206,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
         action="append",
         default=[],
         metavar="SPEC",
-        help="cut:HOST:AT:SECONDS or store:AT:SECONDS (SECONDS may be 'forever'); repeatable",
+        help="cut:HOST:AT:SECONDS or store:AT:SECONDS (SECONDS may be 'forever'), or rate:AT:RATE; repeatable",
     )
     parser.add_argument(
         "--faults-on-sigusr1",

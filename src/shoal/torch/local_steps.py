@@ -142,12 +142,12 @@ class OuterRounds:
         self._times: collections.deque[float] = collections.deque(maxlen=32)
         """The last inner steps' wall seconds (a round's end left out)."""
         self._last: float | None = None
-        self._ends: collections.deque[tuple[float, float]] = collections.deque(maxlen=5)
-        """The last rounds' (wire, round-end work) seconds: their medians choose H (one slow round does not)."""
+        self._ends: collections.deque[tuple[float, float]] = collections.deque(maxlen=3)
+        """The last rounds' (wire, round-end work) seconds: H follows their medians, or the last wire if slower."""
         self._wire = 0.0
         """The last landed exchange's wire seconds, as this rank saw it (0 where it sends nothing)."""
-        self.replans: list[tuple[int, int]] = []
-        """(round, H) each time measured times changed H."""
+        self.replans: list[tuple[int, int, float]] = []
+        """(round, H, ``time.time()``) each time measured times changed H."""
         self.steps = 0
         """Inner steps since the round's start."""
         self.rounds = 0
@@ -240,7 +240,8 @@ class OuterRounds:
         now = self._flat()
         pending = self._send(self.start - now, now)
         self._ends.append((self._wire, time.perf_counter() - started - waited))
-        wire, local = (statistics.median(values) for values in zip(*self._ends, strict=True))
+        wires, works = zip(*self._ends, strict=True)
+        wire, local = max(statistics.median(wires), wires[-1]), statistics.median(works)
         measured = torch.tensor([wire, local, statistics.median(self._times or [0.0])], dtype=torch.float64)
         name = f"shoal.outer.times.{self.rounds}"
         pending.stats = functions.allreduce_async(measured, name=name, op=ReduceOp.Max)
@@ -339,7 +340,7 @@ class OuterRounds:
             return
         plan = replan(self.plan, wire, local, step, self.options)
         if plan.every != self.plan.every:
-            self.replans.append((self.rounds, plan.every))
+            self.replans.append((self.rounds, plan.every, time.time()))
             _log.info("local steps: every %d steps now (was %d): %s", plan.every, self.plan.every, plan.describe())
         self.plan = plan
 
