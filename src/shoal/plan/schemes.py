@@ -112,10 +112,15 @@ class Planned(str, enum.Enum):
     def __str__(self) -> str:
         return self.value
 
+    @property
+    def compresses(self) -> bool:
+        """It may choose the compressed schemes (``auto-lossy``, ``auto-far``)."""
+        return self is not Planned.AUTO
+
     def allowed(self, servers: bool) -> tuple[Scheme, ...]:
         """The schemes this mode may choose from; ``servers``: dedicated parameter servers are there."""
         lossless = AUTO_SCHEMES if servers else tuple(s for s in AUTO_SCHEMES if not ROWS[s].on_servers)
-        return lossless if self is Planned.AUTO else (*lossless, *COMPRESSED)
+        return (*lossless, *COMPRESSED) if self.compresses else lossless
 
 
 def parse_comm(value: object, where: str = "comm") -> Scheme | Planned:

@@ -171,11 +171,13 @@ class OuterRounds:
     def _flat(self) -> torch.Tensor:
         return torch.cat([p.detach().reshape(-1).float() for p in self.params])
 
+    def _views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """``flat`` (as ``_flat`` lays it out) as one view per parameter, in its shape."""
+        parts = torch.split(flat, [p.numel() for p in self.params])
+        return [part.view_as(param) for part, param in zip(parts, self.params, strict=True)]
+
     def entries(self) -> int:
         return int(self.start.numel())
-
-    def set_plan(self, plan: RoundPlan) -> None:
-        self.plan = plan
 
     def after_step(self, waited: float = 0.0) -> bool:
         """The user's optimizer stepped (having waited ``waited`` seconds for the exchange): count the inner step,
@@ -187,7 +189,8 @@ class OuterRounds:
         now = time.perf_counter()
         if self._last is not None:
             self._times.append(now - self._last)
-            self._computed.append(now - self._last - waited)
+            if self.weigh is not None:
+                self._computed.append(now - self._last - waited)
         self._last = now
         if self.weigh is not None:
             if self.steps >= WEIGH_STEPS:
@@ -200,7 +203,7 @@ class OuterRounds:
             if self.steps < PROBE_STEPS:
                 return False
             started = time.perf_counter()
-            self.set_plan(self.choose())
+            self.plan = self.choose()
             self.planning_s = time.perf_counter() - started
         assert self.plan is not None
         if self.steps < self.plan.every:
@@ -262,8 +265,7 @@ class OuterRounds:
         if self.groups.hosts == 1 or (self.in_flight is None and self.steps == 0):
             return False
         if self.plan is None:
-            self.set_plan(self.choose())
-        assert self.plan is not None
+            self.plan = self.choose()
         if self.in_flight is not None:
             self._land(self.in_flight)
             self.in_flight = None
@@ -307,17 +309,13 @@ class OuterRounds:
         if pending.stats is not None:
             self._replan(synchronize(pending.stats))
         progress = self._flat() - pending.weights
-        offset = 0
-        kept = []
-        for param in self.params:
-            count = param.numel()
-            param.copy_(self.start[offset : offset + count].view_as(param))
-            kept.append(param.grad)
-            param.grad = mean[offset : offset + count].view_as(param).to(param.dtype)
-            offset += count
+        kept = [param.grad for param in self.params]
+        for param, start, step in zip(self.params, self._views(self.start), self._views(mean), strict=True):
+            param.copy_(start)
+            param.grad = step.to(param.dtype)
         try:
             if average:
-                torch._foreach_sub_([p for p in self.params], [p.grad for p in self.params])  # type: ignore[misc]
+                torch._foreach_sub_(self.params, [param.grad for param in self.params])  # type: ignore[misc]
             else:
                 self.outer.step()
         finally:
@@ -325,11 +323,8 @@ class OuterRounds:
                 param.grad = grad
         self.start = self._flat()
         if bool(progress.any()):
-            offset = 0
-            for param in self.params:
-                count = param.numel()
-                param.add_(progress[offset : offset + count].view_as(param).to(param.dtype))
-                offset += count
+            for param, carried in zip(self.params, self._views(progress), strict=True):
+                param.add_(carried.to(param.dtype))
         return waited
 
     def _replan(self, measured: torch.Tensor) -> None:

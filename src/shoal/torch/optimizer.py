@@ -121,11 +121,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         return loss
 
     def outer_step(self) -> bool:
-        """With local steps (``comm="local"``): run the outer round now, whatever the round's length, so that the hosts
-        meet, and return once every rank has. Call it on every rank at the same step, at the end of training: the
-        inner steps since the last round are otherwise lost, and a host that shuts down first would end the others'
-        exchanges. Returns whether a round ran (False without local steps, or without inner steps since the last
-        round)."""
+        """With local steps (``comm="local"``, or ``"auto-far"`` once it chose them): make the hosts meet now, whatever
+        the round's length: land the exchange in flight, then average the hosts' weights; return once every rank has.
+        Call it on every rank at the same step, at the end of training: the inner steps since the last round are
+        otherwise lost, and a host that shuts down first would end the others' exchanges. Returns whether anything
+        was exchanged (False without local steps, or without inner steps since the last round)."""
         outer = self._shoal_outer
         if outer is None:
             return False

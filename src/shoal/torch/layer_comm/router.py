@@ -205,7 +205,7 @@ class LayerRouter:
         factored: bool = False,
     ) -> Wiring:
         names, lossy = self.facts.names, self.lossy
-        cast = Compression.bf16 if self.planned in (Planned.AUTO_LOSSY, Planned.AUTO_FAR) else None
+        cast = Compression.bf16 if self.planned is not None and self.planned.compresses else None
         return Wiring(self.facts.process_set, session, self._lr, names, lossy, setting, rank, factored, cast)
 
     def lossy_options(self) -> LossyOptions:
@@ -334,7 +334,7 @@ class LayerRouter:
             self.drift = DriftMonitor(self.plans, exchanges, calibration)
         else:
             self.drift.replan(self.plans, exchanges, calibration)
-        note = functools.partial(warmup_note, self.layers, self.lossy, self._wiring().warmup_cast is not None)
+        note = functools.partial(warmup_note, self.layers, self.lossy, self.planned is not None and self.planned.compresses)
         last = LastPlan(self.plans, workers, self.drift.recalibrations, calibration, note=note)
         context.current().set_part("torch.last_plan", last)
         if basics.rank() == 0:  # one line per (re-)plan, so that the planner never works silently
@@ -349,6 +349,7 @@ class LayerRouter:
         """``auto-far`` chose local steps: every gradient now goes through the buckets, among the host's ranks (the
         plan's own carriers are removed), drift stops watching, and the plan reports local steps."""
         self._clear()
+        refits = self.drift.recalibrations if self.drift is not None else 0
         self.drift = None
         if self.plans is None or self.calibration is None:
             return
@@ -356,7 +357,7 @@ class LayerRouter:
         for plan in self.plans:
             plan.predicted_ms[Scheme.LOCAL] = local_cost(ctx, LayerShape(plan.nbytes)).seconds * 1e3
             plan.choice, plan.rank, plan.expected_ms, plan.measured_ms = Scheme.LOCAL, None, None, None
-        last = LastPlan(self.plans, ctx.workers, 0, self.calibration, rounds)
+        last = LastPlan(self.plans, ctx.workers, refits, self.calibration, rounds)
         context.current().set_part("torch.last_plan", last)
 
     def _watch_drift(self) -> None:
