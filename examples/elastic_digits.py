@@ -3,13 +3,14 @@
 Run: ``shoalrun -np 3 --min-np 2 python examples/elastic_digits.py``, then ``kill -9`` one worker: the others
 restore their last commit, re-form at size 2 and finish; ``kill -TERM`` one instead (a preemption notice) and it
 leaves at the next commit, with nothing rolled back. With ``--host-discovery-script`` new slots join at the next
-commit and receive rank 0's state. Ends with one JSON line:
+commit and receive rank 0's state. ``--local-every H`` trains with local steps (one host is one worker, the hosts
+meet every H steps; ``lost_inner_steps`` counts the steps of hosts that left before meeting). Ends with one JSON line:
 {"example": "elastic_digits", "world": .., "test_accuracy": .., "committed_steps": .., "resets": .., "restores": ..,
-"executed_steps": .., "epochs": [..]}. ``restores`` and ``executed_steps`` are rank 0's own (executed minus committed
-is the steps it redid); ``epochs`` lists, per epoch, the distinct samples processed and how many were recorded (equal
-when no committed step was lost or applied twice). A worker that leaves the job instead (a preemption notice, its
-host gone) prints {"example": "elastic_digits", "left": true, "committed_steps": .., "restores": ..,
-"executed_steps": ..} and exits 0.
+"executed_steps": .., "lost_inner_steps": .., "epochs": [..]}. ``restores`` and
+``executed_steps`` are rank 0's own (executed minus committed is the steps it redid); ``epochs`` lists, per epoch,
+the distinct samples processed and how many were recorded (equal when no committed step was lost or applied twice).
+A worker that leaves the job instead (a preemption notice, its host gone) prints {"example": "elastic_digits",
+"left": true, "committed_steps": .., "restores": .., "executed_steps": ..} and exits 0.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from digits import DigitsNet, evaluate, load_data  # the model, data and evaluat
 from torch.utils.data import DataLoader
 
 import shoal.torch as hvd
+from shoal.torch.optimizer import rounds_of  # local steps' outer rounds, for the report
 
 
 def main() -> None:
@@ -43,14 +45,30 @@ def main() -> None:
         help="after each commit, while fewer than N workers are in the job, wait for workers to join (to show a job "
         "that grows back; default 0: never wait)",
     )
+    parser.add_argument(
+        "--local-every",
+        type=int,
+        default=0,
+        metavar="H",
+        help="local steps (far-apart hosts, docs/far.md): each host trains on its own and the hosts meet every H "
+        "steps; the outer state is part of the elastic state (default 0: synchronous data parallel)",
+    )
     args = parser.parse_args()
 
     hvd.init()
     torch.manual_seed(0)
     train_set, test_set = load_data()
     model = DigitsNet()
-    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr * hvd.size(), momentum=0.9)
-    optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
+
+    def workers() -> int:  # the ranks whose gradients each step averages: the job's, or with local steps a host's
+        return hvd.local_size() if args.local_every else hvd.size()
+
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr * workers(), momentum=0.9)
+    if args.local_every:
+        local = {"comm": "local", "local_steps": hvd.LocalSteps(every=args.local_every, codec="fp32")}
+        optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(), **local)
+    else:
+        optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
     sampler = hvd.elastic.ElasticSampler(train_set, shuffle=True, seed=0)
     state = hvd.elastic.TorchState(model=model, optimizer=optimizer, sampler=sampler, epoch=0, step=0, epoch_log=[])
     resets = 0
@@ -70,8 +88,8 @@ def main() -> None:
         nonlocal resets, report_commit
         resets += 1
         report_commit = True
-        for group in optimizer.param_groups:  # keep lr proportional to the global batch
-            group["lr"] = args.lr * hvd.size()
+        for group in optimizer.param_groups:  # keep lr proportional to the batch each step averages
+            group["lr"] = args.lr * workers()
         print(f"reset {resets}: now rank {hvd.rank()} of {hvd.size()}", flush=True)
 
     state.register_reset_callbacks([on_reset])
@@ -83,6 +101,11 @@ def main() -> None:
         # Runs after every sync: all workers, newcomers included, now hold rank 0's weights.
         checksum = sum(float(p.detach().double().sum()) for p in model.parameters())
         print(f"synced at step {state.step} as rank {hvd.rank()} of {hvd.size()}: weights checksum {checksum!r}", flush=True)
+        rounds = rounds_of(optimizer)
+        if rounds is not None:  # the outer state a newcomer received: the round's start and the outer momentum
+            outer = [float(t.double().sum()) for s in rounds.outer.state.values() for t in s.values() if torch.is_tensor(t)]
+            start = float(rounds.start.double().sum())
+            print(f"outer state as rank {hvd.rank()} of {hvd.size()}: start {start!r} momentum {outer!r}", flush=True)
         while state.epoch < args.epochs:
             loader = DataLoader(train_set, batch_size=args.batch_size, sampler=state.sampler)
             model.train()
@@ -134,6 +157,7 @@ def main() -> None:
             "resets": resets,
             "restores": restores,
             "executed_steps": executed_steps,
+            "lost_inner_steps": rounds.lost_steps if (rounds := rounds_of(optimizer)) is not None else 0,
             "train_samples": len(train_set),
             "epochs": state.epoch_log,
         }

@@ -443,3 +443,46 @@ def test_a_balanced_job_that_shrinks_and_grows_keeps_one_process_weights(tmp_pat
     expected = worker.reference_weights(epochs)
     for name, value in expected.items():
         np.testing.assert_allclose(np.array(result["weights"][name]), np.array(value), atol=1e-5, err_msg=name)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("loss", ["discovery", "sigkill"])
+def test_local_steps_keep_their_outer_state_through_a_host_leaving_and_one_joining(tmp_path: Path, loss: str) -> None:
+    """Local steps (the hosts meet every 4 steps) on two hosts of one worker each, in a job that goes 2 -> 1 -> 2
+    hosts: discovery stops offering one host and offers it again, or its worker is SIGKILLed (the survivor rolls back
+    to its last commit, the exchange in flight forgotten) and its host comes back after the cooldown. The host that
+    leaves takes its inner steps since the last outer update with it: they are counted and reported. The joiner
+    receives the survivor's weights and outer state (the round's start, the outer momentum), and every sample of every
+    epoch counts once."""
+    hosts, script = discovery(tmp_path, "localhost:1\n127.0.0.1:1")
+    flags = ["-np", "2", "--min-np", "1", "--max-np", "2", "--host-discovery-script", str(script)]
+    if loss == "sigkill":
+        flags += ["--blacklist-cooldown-range", "1", "2"]
+    example = ["--epochs", "3", "--local-every", "4", "--step-delay", "0.02", "--log-every", "5", "--wait-for-world", "2"]
+    job = RunningJob(flags, example)
+    pid = job.worker_pids(2)[1]
+    job.wait_for(r"^\[0\]<stdout>:step 15 .*world 2", 90)  # three outer rounds in
+    if loss == "sigkill":
+        subprocess.run(["kill", "-9", str(pid)], check=True)
+    else:
+        hosts.write_text("localhost:1\n")  # the host 127.0.0.1, rank 1, leaves at the next commit
+    shrunk, _ = job.wait_for_line(r"^\[0\]<stdout>:reset 1: now rank 0 of 1", 60)
+    hosts.write_text("localhost:1\n127.0.0.1:1\n")  # and comes back
+    assert job.finish(150) == 0, "\n".join(job.lines[-30:])
+    summary = job.summary()
+    assert summary["world"] == 2 and summary["resets"] == 2, summary
+    assert (summary["restores"] > 0) == (loss == "sigkill"), summary  # type: ignore[operator]
+    check_every_sample_once(summary, 3)
+    warned = job.wait_for(r"local steps: 1 host\(s\) left the job with (\d+) inner steps each", 1)
+    each = int(warned.group(1))
+    assert 1 <= each <= 2 * 4 and summary["lost_inner_steps"] == each, (each, summary)  # a round, and one in flight
+    print(f"{loss}: {each} inner steps lost; test accuracy {summary['test_accuracy']}; restores {summary['restores']}")
+    synced: dict[str, dict[str, str]] = {}
+    for line in job.lines[shrunk:]:
+        weights = re.search(r"synced at step \d+ as rank (\d) of 2: weights checksum (\S+)", line)
+        outer = re.search(r"outer state as rank (\d) of 2: (.*)", line)
+        for match, key in ((weights, "weights"), (outer, "outer")):
+            if match:
+                synced.setdefault(match.group(1), {}).setdefault(key, match.group(2))
+    assert set(synced) == {"0", "1"} and synced["0"] == synced["1"], synced  # the joiner equals the survivor
+    assert "momentum []" not in synced["0"]["outer"], synced  # the outer optimizer had stepped: momentum went over

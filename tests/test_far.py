@@ -470,15 +470,3 @@ def test_local_steps_refuse_what_they_cannot_honour() -> None:
     assert "cannot go with comm='local'" in errors[3]
     with pytest.raises(ValueError, match="codec must be one of"):
         LocalSteps(codec="int4")
-
-
-def test_local_steps_refuse_an_elastic_job_with_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
-    from shoal.config.worker import ELASTIC_ID_ENV
-    from shoal.core.process_sets import global_process_set
-    from shoal.core.rules import ReduceOp
-    from shoal.torch.host_groups import check_local
-
-    check_local(ReduceOp.Average, global_process_set, compressed=False, balanced=False)  # a static job: fine
-    monkeypatch.setenv(ELASTIC_ID_ENV, "worker-1")
-    with pytest.raises(ValueError, match="not available in elastic jobs yet"):
-        check_local(ReduceOp.Average, global_process_set, compressed=False, balanced=False)

@@ -12,7 +12,6 @@ from shoal.core.rules import ReduceOp
 from shoal.plan.far import LocalSteps
 from shoal.plan.schemes import Planned, Scheme
 from shoal.runtime import context
-from shoal.runtime.elastic_rendezvous import is_elastic_worker
 from shoal.runtime.topology import Topology
 
 _GROUPS_PART = "torch.local_steps.groups"
@@ -117,11 +116,6 @@ def check_local(op: ReduceOp, process_set: ProcessSet, compressed: bool, balance
         raise ValueError("comm='local' sets every layer's exchange: it takes neither compression= nor comm_overrides=")
     if balanced:
         raise ValueError("local steps with a BalancedLoader are not supported yet")
-    if is_elastic_worker():
-        raise ValueError(
-            "local steps are not available in elastic jobs yet: the outer state (the round's start weights, the outer "
-            "momentum) is not part of the elastic state, and a new host could not receive it"
-        )
 
 
 def host_groups(

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from shoal.core.process_sets import ProcessSet
 from shoal.core.rules import ReduceOp
 from shoal.core.session import poll, synchronize
 from shoal.log import get_logger
@@ -54,6 +55,8 @@ class Pending:
     """This rank's weights when it was sent: the inner steps since are kept on top of the outer update."""
     round: int
     sent_at: float
+    steps: int = 0
+    """The inner steps of the round it carries."""
     done_at: float | None = None
     """When the inner steps first saw it done (polled after each step)."""
     stats: int | None = None
@@ -106,11 +109,15 @@ class FarChoice:
 
     def go_local(self, rounds: RoundPlan) -> None:
         """From the next step on, the gradients are reduced inside each host only, and the plan says local steps."""
-        exchange, inner = self.exchange, self.groups.inner
-        exchange.process_set, exchange.member = inner, inner.included()
-        if not exchange.member:
-            exchange.detach()
-        exchange.router.go_local(rounds)
+        point_at(self.exchange, self.groups.inner)
+        self.exchange.router.go_local(rounds)
+
+
+def point_at(exchange: Any, process_set: ProcessSet) -> None:
+    """Reduce ``exchange``'s gradients in ``process_set`` from the next step on (a rank outside it reduces none)."""
+    exchange.detach()
+    exchange.process_set, exchange.member = process_set, process_set.included()
+    exchange.attach()
 
 
 class OuterRounds:
@@ -167,6 +174,8 @@ class OuterRounds:
         """Wall seconds this rank spent at rounds' ends (encoding, sending, and waiting where not hidden)."""
         self.sent_bytes = 0
         """Bytes this rank sent in outer exchanges (its codec's payload per round)."""
+        self.lost_steps = 0
+        """Inner steps of hosts that left an elastic job before their work reached an outer update."""
 
     def _flat(self) -> torch.Tensor:
         return torch.cat([p.detach().reshape(-1).float() for p in self.params])
@@ -294,7 +303,7 @@ class OuterRounds:
                     for index, part in enumerate(payload)
                 ]
             self.sent_bytes += sum(part.numel() * part.element_size() for part in payload)
-        return Pending(handles, codec, delta.numel(), weights, self.rounds, time.perf_counter())
+        return Pending(handles, codec, delta.numel(), weights, self.rounds, time.perf_counter(), self.steps)
 
     def _land(self, pending: Pending, average: bool = False) -> float:
         """Wait for an exchange, step the outer optimizer from the round's start with the hosts' mean pseudo-gradient

@@ -2,7 +2,9 @@
 
 As in Horovod, ``commit()`` copies the state in memory (no disk) and then asks whether the set of workers changed;
 ``restore()`` rolls back to the last commit after a failed collective; ``sync()`` makes every worker equal to rank
-0 (the driver keeps rank 0 on a worker that was already training, so newcomers receive real progress).
+0 (the driver keeps rank 0 on a worker that was already training, so newcomers receive real progress). With local
+steps the outer state goes with the model, and the hosts' progress since the round's start is merged
+(``shoal.torch.elastic.outer``).
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ import torch
 from shoal.core.basics import rank, size
 from shoal.core.elastic import ObjectState
 from shoal.core.process_sets import global_process_set
-from shoal.torch.optimizer import drop_unfinished_step
+from shoal.torch.elastic.outer import ElasticOuter
+from shoal.torch.optimizer import drop_unfinished_step, rounds_of
 
 
 def _has_state_dict(value: Any) -> bool:
@@ -49,6 +52,9 @@ class TorchState(ObjectState):
         self._saved_optimizer: dict[str, Any] = {}
         self._saved_handled: dict[str, Any] = {}
         self._saved_lossy: tuple[int, dict[str, Any]] | None = None
+        rounds = rounds_of(optimizer) if optimizer is not None else None
+        self._outer = ElasticOuter(rounds, optimizer._shoal_exchange) if rounds is not None else None  # type: ignore[union-attr]
+        """With local steps: their outer state, committed and synced with the model."""
         self.save()
 
     def save(self) -> None:
@@ -62,6 +68,8 @@ class TorchState(ObjectState):
         lossy = self._lossy()
         if lossy is not None:
             self._saved_lossy = (size(), lossy.state_dict())
+        if self._outer is not None:
+            self._outer.save()
 
     def _lossy(self) -> Any:
         """The optimizer's compressed schemes' state (residuals, bases, step count), if it is a DistributedOptimizer."""
@@ -82,6 +90,13 @@ class TorchState(ObjectState):
         lossy = self._lossy()
         if lossy is not None and self._saved_lossy is not None:
             lossy.load_state_dict(self._saved_lossy[1])
+        if self._outer is not None:
+            self._outer.restore()
+
+    def reset(self) -> None:
+        """After the job re-formed: local steps register the new job's host groups (collective, before the sync)."""
+        if self._outer is not None:
+            self._outer.regroup()
 
     def sync(self) -> None:
         """Broadcast rank 0's model, optimizer state and values; re-shard samplers over the new world; save."""
@@ -89,6 +104,8 @@ class TorchState(ObjectState):
         from shoal.torch.elastic.sampler import ElasticSampler
         from shoal.torch.state import broadcast_optimizer_state, broadcast_parameters
 
+        if self._outer is not None:  # before the model's broadcast: it reads each host's own progress
+            self._outer.prepare()
         if self.model is not None:
             broadcast_parameters(self.model.state_dict(), root_rank=0)
         if self.optimizer is not None:
@@ -106,4 +123,6 @@ class TorchState(ObjectState):
                 value.load_state_dict(merged)
             else:
                 value.load_state_dict(broadcast_object(value.state_dict(), 0, name=f"elastic.sync.{name}"))
+        if self._outer is not None:
+            self._outer.apply()
         super().sync()  # the plain values, then save() of everything
