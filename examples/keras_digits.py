@@ -18,17 +18,16 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import keras
 import numpy as np
-from sklearn.datasets import load_digits
-from sklearn.model_selection import train_test_split
 
 import shoal.keras as hvd
+from shoal.bench.digits import load_digits, train_test_split  # scikit-learn's data and split, without its import
 
 
 def load_data() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """The 8x8 digits as (x_train, x_test, y_train, y_test), pixels in [0, 1], the same split on every rank."""
-    digits = load_digits()
-    images = (digits.images / 16.0).astype(np.float32)[..., None]
-    x_train, x_test, y_train, y_test = train_test_split(images, digits.target, test_size=0.2, random_state=0)
+    pixels, target = load_digits()
+    images = (pixels / 16.0).astype(np.float32)[..., None]
+    x_train, x_test, y_train, y_test = train_test_split(images, target, test_size=0.2, seed=0)
     return x_train, x_test, y_train, y_test
 
 

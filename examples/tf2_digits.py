@@ -17,17 +17,17 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import numpy as np
 import tensorflow as tf
-from sklearn.datasets import load_digits
-from sklearn.model_selection import train_test_split
 
 import shoal.tensorflow as hvd
+from shoal.bench.digits import load_digits, train_test_split  # scikit-learn's data and split, without its import
 
 
 def load_data() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """The digits as (N, 8, 8, 1) float32 in [0, 1], split 80/20 with a fixed seed (as examples/digits.py)."""
-    digits = load_digits()
-    images = (digits.images / 16.0).astype(np.float32)[..., None]
-    return train_test_split(images, digits.target.astype(np.int64), test_size=0.2, random_state=0)
+    pixels, target = load_digits()
+    images = (pixels / 16.0).astype(np.float32)[..., None]
+    x_train, x_test, y_train, y_test = train_test_split(images, target, test_size=0.2, seed=0)
+    return x_train, x_test, y_train, y_test
 
 
 def build_model() -> tf.keras.Model:
