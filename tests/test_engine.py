@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import logging
 import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -405,3 +407,33 @@ def test_a_request_latch_wakes_every_waiter_once_set_and_times_out_before() -> N
     assert woken == [True] * 4 and latch.is_set()
     latch.set()
     assert latch.wait() is True and latch.wait(0) is True
+
+
+# ----- a process that ends with an abandoned engine thread -----
+
+_GUARDED = """
+import atexit, sys, threading, time
+from shoal.engine import exit_guard
+atexit.register(print, "finalized")  # runs only if the interpreter finalizes
+thread = threading.Thread(target=time.sleep, args=({sleep},), daemon=True)
+thread.start()
+exit_guard.arm(thread)
+print("work done", flush=False)
+if {sleep} == 0:
+    thread.join()  # the thread has ended by the time the process does
+{end}
+"""
+
+
+@pytest.mark.parametrize(
+    ("end", "sleep", "status"),
+    [("sys.exit(3)", 30, 3), ("raise ValueError('late')", 30, 1), ("pass", 30, 0), ("sys.exit(3)", 0, 3)],
+)
+def test_a_process_left_with_an_abandoned_thread_exits_with_its_own_status(end: str, sleep: int, status: int) -> None:
+    """Armed, the guard ends the process at exit without finalization while the thread lives, with the status it
+    was exiting with and its output flushed; once the thread has ended, the process finalizes as usual."""
+    script = _GUARDED.format(sleep=sleep, end=end)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert done.returncode == status, done.stderr
+    assert done.stdout == ("work done\n" if sleep else "work done\nfinalized\n")  # flushed, not finalized
+    assert ("ValueError: late" in done.stderr) == (status == 1)

@@ -35,9 +35,22 @@ class WorkerSettings:
     )
     elastic_unreachable_seconds: float = knob(
         30.0,
-        "elastic jobs: a worker whose heartbeat has not reached shoalrun's store for this long, while others' have, is "
-        "ended as failed and left out of the next round (a network cut shorter than this is a stall, not a failure)",
+        "elastic jobs: the longest a worker's heartbeat may stay silent, while others' reach shoalrun's store, before "
+        "the worker is ended as failed and left out of the next round; it is ended sooner where its own heartbeat "
+        "history makes the silence unlikely (SHOAL_ELASTIC_SUSPECT_PAUSE_SECONDS, SHOAL_ELASTIC_SUSPECT_PHI)",
         env="ELASTIC_UNREACHABLE_SECONDS",
+    )
+    elastic_suspect_pause_seconds: float = knob(
+        3.0,
+        "elastic jobs: a heartbeat pause this much longer than the worker's usual interval is never taken for a "
+        "failure (a 2 s link blip, whose TCP retransmission lands about 3 s in; a short stop)",
+        env="ELASTIC_SUSPECT_PAUSE_SECONDS",
+    )
+    elastic_suspect_phi: float = knob(
+        8.0,
+        "elastic jobs: a worker is ended once its heartbeat's silence, beyond the allowed pause, is a 1 in 10^phi "
+        "event under its own history of intervals (a phi accrual failure detector)",
+        env="ELASTIC_SUSPECT_PHI",
     )
     spark_start_timeout: float = knob(
         600.0, "shoal.spark.run: seconds for every rank's Spark task to start (its start_timeout)", env="SPARK_START_TIMEOUT"

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from shoal.comm import process_group
 from shoal.comm.hierarchical import HierarchicalAllreduce
+from shoal.engine import exit_guard
 from shoal.engine.config import EngineConfig
 from shoal.engine.cycle import Cycle, pause_ms
 from shoal.engine.executor import Executor
@@ -164,6 +165,7 @@ class Engine:
         self._watch.stop()
         if self._thread.is_alive() and self._abandoned and not process_group.world_uses_nccl():
             get_logger().warning("Shoal's engine thread is still inside a collective of the abandoned job; its groups go")
+            exit_guard.arm(self._thread)  # the process must not finalize under it (shoal.engine.exit_guard)
             self.stop_timeline()
             return True
         if self._thread.is_alive():

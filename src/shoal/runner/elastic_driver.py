@@ -41,8 +41,9 @@ from shoal.runner.hosts import HostSlots, SlotInfo, place_ranks
 from shoal.runner.launcher import Job, _describe_status, requested_hosts
 from shoal.runner.spawners import Worker
 from shoal.runtime.elastic_rendezvous import ELASTIC_ID_ENV, REMOVED, ElasticKeys
+from shoal.runtime.liveness import Liveness, liveness_settings
 
-_LIVENESS_CHECK_S = 1.0
+_LIVENESS_CHECK_S = 0.25
 """How often the driver reads the members' heartbeats."""
 _READY_SETTLE_S = 0.2
 """A worker asking for a new round usually saw a peer die; give the driver a moment to see the exit too."""
@@ -101,10 +102,9 @@ class ElasticJob(Job):
         self._round_published_at = 0.0
         self._round_formed = False
         self._progress_said = 0.0
-        self._heard: dict[str, tuple[bytes, float]] = {}
-        """Worker id -> its last heartbeat value and when the driver first saw it."""
+        self._liveness = Liveness(liveness_settings())
+        """Each member's heartbeat history, and whether its silence is a failure."""
         self._liveness_checked = 0.0
-        self._unreachable_s = float(worker_setting("elastic_unreachable_seconds"))
         self._job_notice: str | None = None
         """The notice the whole job got (a signal's name), once it did: every worker leaves at its next commit."""
         self._job_notice_deadline: float | None = None
@@ -217,9 +217,9 @@ class ElasticJob(Job):
     # ----- heartbeats -----
 
     def _check_liveness(self) -> None:
-        """End members cut off from the store (no heartbeat for the ``elastic_unreachable_seconds`` setting) while others
-        still reach it: they cannot take part in a round. When none reaches it, the store's side is at fault and
-        nobody is ended."""
+        """End members cut off from the store or stopped (their heartbeat silent for longer than their own history
+        makes likely, ``shoal.runtime.liveness``) while others still reach it: they cannot take part in a round. When
+        none reaches it, the store's side is at fault and nobody is ended."""
         now = time.monotonic()
         if self._store is None or self._keys is None or now - self._liveness_checked < _LIVENESS_CHECK_S:
             return
@@ -228,23 +228,23 @@ class ElasticJob(Job):
         for worker in members:
             key = self._keys.heartbeat(worker.worker_id)
             if self._store.check([key]):
-                value = self._store.get(key)
-                if self._heard.get(worker.worker_id, (b"", 0.0))[0] != value:
-                    self._heard[worker.worker_id] = (value, now)
-        heard = [w for w in members if w.worker_id in self._heard]  # a worker still starting has not beaten yet
-        silent = [w for w in heard if now - self._heard[w.worker_id][1] > self._unreachable_s]
+                self._liveness.observe(worker.worker_id, self._store.get(key), now)
+        heard = [w for w in members if self._liveness.heard(w.worker_id)]  # a worker still starting has not beaten
+        silent = self._liveness.suspected([w.worker_id for w in heard], now)
         if not silent or len(silent) == len(heard):
             return
-        for worker in silent:
+        for worker in heard:
+            if worker.worker_id not in silent:
+                continue
             print(
                 f"shoalrun: worker {worker.worker_id} (rank {worker.rank}) on host {worker.hostname} has not reached the "
-                f"job's store for {now - self._heard[worker.worker_id][1]:.0f} s while the others have (cut off from the "
-                "network?); ending it",
+                f"job's store while the others have (stopped, or cut off from the network?): {silent[worker.worker_id]}; "
+                "ending it",
                 file=sys.stderr,
                 flush=True,
             )
             worker.process.signal_tree(signal.SIGKILL)  # its exit is a failure like any other, handled by _reap
-            self._heard.pop(worker.worker_id)
+            self._liveness.forget(worker.worker_id)
 
     # ----- preemption notices -----
 

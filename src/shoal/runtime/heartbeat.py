@@ -1,8 +1,9 @@
-"""An elastic worker's heartbeat: a counter in the job store, bumped every second by a thread of its own.
+"""An elastic worker's heartbeat: a counter in the job store, bumped every ``PERIOD_S`` by a thread of its own.
 
-shoalrun's elastic driver reads it to find a worker cut off from the network while its process (a local one, or the
-ssh client of a remote one) lives on: one whose counter has not moved for the ``elastic_unreachable_seconds`` setting
-while the others' have is ended as failed and left out of the next round. The thread has its own store connection,
+shoalrun's elastic driver reads it to find a worker stopped, or cut off from the network while its process (a local
+one, or the ssh client of a remote one) lives on: one whose counter has stayed still for longer than its own history
+makes likely (``shoal.runtime.liveness``) while the others' have moved is ended as failed and left out of the next
+round. The thread has its own store connection,
 so a main thread blocked in a collective or a store call never delays it; a failed write reconnects.
 """
 
@@ -17,7 +18,7 @@ from typing import Any
 from shoal.config.worker import ELASTIC_ID_ENV
 from shoal.log import get_logger
 
-PERIOD_S = 1.0
+PERIOD_S = 0.5
 _started = False
 
 
