@@ -366,6 +366,78 @@ def test_auto_far_takes_local_steps_only_where_the_calibration_says_they_pay(lin
         assert "local steps" not in results[0]["report"]
 
 
+# ----- the elastic sync (TorchState) -----
+
+
+def _flat(model: nn.Module) -> np.ndarray:
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy().copy()
+
+
+def _synced_after_a_host_changes(steps: int, newcomer: bool) -> dict[str, object]:
+    """Two hosts train with ``auto-far`` (a slow calibration: it takes local steps), then sync as an elastic reset
+    does (``TorchState.sync``), with rank 1 either still training (both hosts merge) or replaced by a newcomer (a
+    fresh model and optimizer, still weighing), then train on and meet."""
+    hvd.init()
+    model = _model()
+    optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model=model, comm="auto-far")
+    x, y = _data(8, 2 * steps, seed=hvd.rank())
+
+    def train(begin: int, end: int) -> None:
+        for step in range(begin, end):
+            optimizer.zero_grad()
+            nn.functional.mse_loss(model(x[step]), y[step]).backward()
+            optimizer.step()
+
+    train(0, steps)
+    rounds = rounds_of(optimizer)
+    assert rounds is not None and rounds.weigh is None and not rounds.disabled  # local steps were chosen
+    before = {"start": rounds.start.numpy().copy(), "weights": _flat(model), "every": rounds.plan.every}  # type: ignore[union-attr]
+    if newcomer and hvd.rank() == 1:
+        torch.manual_seed(99)
+        model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 2))
+        optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model=model, comm="auto-far")
+    hvd.elastic.TorchState(model=model, optimizer=optimizer).sync()
+    rounds = rounds_of(optimizer)
+    assert rounds is not None
+    momentum = [t.numpy().copy() for s in rounds.outer.state.values() for t in s.values() if torch.is_tensor(t)]
+    after = {
+        "weights": _flat(model),
+        "start": rounds.start.numpy().copy(),
+        "momentum": momentum,
+        "local": rounds.weigh is None and not rounds.disabled,
+        "every": rounds.plan.every if rounds.plan is not None else None,
+        "steps": rounds.steps,
+    }
+    train(steps, 2 * steps)
+    optimizer.outer_step()
+    return {"before": before, "after": after, "final": _flat(model)}
+
+
+@pytest.mark.parametrize("newcomer", [False, True])
+def test_the_elastic_sync_merges_the_hosts_progress_and_hands_a_newcomer_the_outer_state(newcomer: bool, tmp_path: Any) -> None:
+    """What ``TorchState.sync`` does after a re-form, here without one (the same two ranks): the weights become the
+    round's start plus the mean progress of the hosts that were training (numpy reference, within 1e-6), a newcomer
+    takes rank 0's outer state (start, momentum, H) and ``auto-far``'s choice, and every host trains on in step with
+    the others (equal after the last meeting)."""
+    path = tmp_path / "calibration.json"
+    path.write_text(calibration_to_json(SLOW))
+    env = {"SHOAL_CALIBRATION_FILE": str(path)}
+    args = (160, newcomer)
+    results = run_ranks(_synced_after_a_host_changes, 2, args=args, env=env, rank_env_overrides=hosts_env([1, 1]), timeout_s=90)
+    survivor, other = results[0], results[1]
+    start = survivor["before"]["start"]
+    trained = [survivor] if newcomer else [survivor, other]
+    expected = start + np.mean([r["before"]["weights"] - start for r in trained], axis=0)
+    for result in results:
+        np.testing.assert_allclose(result["after"]["weights"], expected, atol=1e-6)
+        np.testing.assert_array_equal(result["after"]["start"], start)
+        assert result["after"]["local"] and result["after"]["every"] == survivor["before"]["every"], result["after"]
+    assert len(survivor["after"]["momentum"]) == 4  # the outer optimizer had stepped: momentum for each parameter
+    for mine, theirs in zip(survivor["after"]["momentum"], other["after"]["momentum"], strict=True):
+        np.testing.assert_array_equal(mine, theirs)
+    np.testing.assert_array_equal(survivor["final"], other["final"])
+
+
 # ----- the benchmark -----
 
 FAR_KEYS = {

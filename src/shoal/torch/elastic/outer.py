@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from shoal.core.basics import rank
+from shoal.core.rules import ReduceOp
 from shoal.log import get_logger
 from shoal.plan.far import RoundPlan
 from shoal.torch.host_groups import HostGroups
@@ -125,7 +126,8 @@ class ElasticOuter:
         state: OuterState = broadcast_object(mine, 0, name="elastic.sync.outer")
         speaks = rounds.groups.leader and mine.trained and state.start.shape == rounds.start.shape
         progress = rounds._flat() - state.start if speaks else torch.zeros_like(state.start)
-        total = functions.allreduce(torch.cat([progress, torch.ones(1) * speaks]), name="elastic.sync.outer.progress")
+        summed = torch.cat([progress, torch.ones(1) * speaks])
+        total = functions.allreduce(summed, name="elastic.sync.outer.progress", op=ReduceOp.Sum)
         hosts = round(float(total[-1]))
         self._mean = total[:-1] / hosts if hosts else None
         gone = max(0, state.hosts - hosts) if state.hosts > 1 else 0

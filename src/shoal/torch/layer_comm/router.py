@@ -351,7 +351,8 @@ class LayerRouter:
         self._clear()
         refits = self.drift.recalibrations if self.drift is not None else 0
         self.drift = None
-        if self.plans is None or self.calibration is None:
+        if self.plans is None or self.calibration is None:  # never planned (an elastic newcomer taking the job's
+            self.plans = self.plans or []  # choice): there is nothing to plan any more
             return
         ctx = CostContext(self.calibration, self.facts.process_set.size(), rounds=rounds)
         for plan in self.plans:
