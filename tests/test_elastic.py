@@ -25,10 +25,12 @@ EXAMPLE = [sys.executable, str(REPO / "examples" / "elastic_digits.py")]
 class RunningJob:
     """A shoalrun job whose merged output is collected line by line in the background."""
 
-    def __init__(self, flags: list[str], example_args: list[str], command: list[str] = EXAMPLE) -> None:
+    def __init__(
+        self, flags: list[str], example_args: list[str], command: list[str] = EXAMPLE, env: dict[str, str] | None = None
+    ) -> None:
         self.process = subprocess.Popen(
             [*SHOALRUN, *flags, *command, *example_args],
-            env=clean_env(),
+            env={**clean_env(), **(env or {})},
             cwd=REPO,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,

@@ -130,3 +130,24 @@ def test_a_two_second_stop_is_a_pause_not_a_failure(tmp_path: Path) -> None:
     assert summary["world"] == 3 and summary["resets"] == 0 and summary["restores"] == 0, summary
     check_every_sample_once(summary, 2)
     assert not any("has not reached the job's store" in line for line in job.lines), job.lines[-30:]
+
+
+@pytest.mark.timeout(120)
+def test_a_static_job_names_a_stopped_worker_in_seconds_and_fails_at_the_ceiling() -> None:
+    """A static job keeps Horovod's semantics (a lost worker fails it), but a stopped one is no longer found by a
+    collective's timeout (600 s by default): shoalrun names its rank and host once the failure detector suspects it,
+    and fails the job when it has been silent for the ceiling (8 s here, 30 s by default)."""
+    env = {"SHOAL_ELASTIC_UNREACHABLE_SECONDS": "8"}
+    job = RunningJob(["-np", "3"], ["--epochs", "20", "--step-delay", "0.05", "--log-every", "5"], env=env)
+    pids = job.worker_pids(3)
+    job.wait_for(r"^\[0\]<stdout>:step 15 ", 60)
+    stopped = time.monotonic()
+    subprocess.run(["kill", "-STOP", str(pids[2])], check=True)
+    named = job.wait_for(r"shoalrun: rank 2 on host \S+ has not reached the job's store .*: silent for ([\d.]+) s", 20)
+    named_after = time.monotonic() - stopped
+    assert job.finish(60) != 0
+    failed_after = time.monotonic() - stopped
+    job.wait_for(r"shoalrun: rank 2 on host \S+ stayed silent; ending the job", 1)
+    print(f"static: rank 2 named {named_after:.1f} s after SIGSTOP ({named.group(1)} s silent), failed at {failed_after:.1f} s")
+    assert named_after < 8 and failed_after < 20, (named_after, failed_after)
+    assert gone(list(pids.values()), 10), "a worker outlived the job"

@@ -37,7 +37,8 @@ class WorkerSettings:
         30.0,
         "elastic jobs: the longest a worker's heartbeat may stay silent, while others' reach shoalrun's store, before "
         "the worker is ended as failed and left out of the next round; it is ended sooner where its own heartbeat "
-        "history makes the silence unlikely (SHOAL_ELASTIC_SUSPECT_PAUSE_SECONDS, SHOAL_ELASTIC_SUSPECT_PHI)",
+        "history makes the silence unlikely (SHOAL_ELASTIC_SUSPECT_PAUSE_SECONDS, SHOAL_ELASTIC_SUSPECT_PHI). Static "
+        "shoalrun jobs: shoalrun names such a worker once suspected, and fails the job after this long",
         env="ELASTIC_UNREACHABLE_SECONDS",
     )
     elastic_suspect_pause_seconds: float = knob(

@@ -32,6 +32,7 @@ from shoal.runner.hosts import (
 )
 from shoal.runner.rendezvous_address import pick_rendezvous_address
 from shoal.runner.spawners import LaunchError, ProcessSpawner, Spawner, Worker, WorkerSpec, process_label
+from shoal.runner.static_watch import StaticWatch
 from shoal.runner.worker_env import worker_env
 from shoal.runtime.slurm import NodeListError, allocation
 
@@ -99,6 +100,9 @@ class Job:
         self._store_error: BaseException | None = None
         self._store_thread = threading.Thread(target=self._host_store, name="shoalrun-store", daemon=True)
         self._stop_signal: int | None = None
+        self._watch = StaticWatch(self.secret)
+        """The workers' heartbeats: a stopped or cut-off worker is named in seconds and fails the job at the
+        ceiling (``static_watch``)."""
 
     @property
     def store(self) -> Any:
@@ -283,34 +287,39 @@ class Job:
                 self.terminate_all()
                 return 128 - code if code < 0 else code
             if all(w.returncode == 0 for w in self.workers if w.server_index is None):
-                return self._end_servers()
+                return end_servers([w for w in self.workers if w.server_index is not None], self.verbose)
+            running = [w for w in self.workers if w.server_index is None and w.returncode is None]
+            silent = self._watch.check(self._store, running, time.monotonic())
+            if silent is not None:
+                return self._fail(f"rank {silent.slot.rank} on host {silent.slot.hostname} stayed silent; ending the job")
             time.sleep(0.05)
-
-    def _end_servers(self) -> int:
-        """Every worker finished: servers leave on their own once all said goodbye; SIGTERM any that linger."""
-        servers = [w for w in self.workers if w.server_index is not None]
-        deadline = time.monotonic() + SERVER_EXIT_GRACE_S
-        while time.monotonic() < deadline and any(s.returncode is None for s in servers):
-            time.sleep(0.05)
-        lingering = [s for s in servers if s.returncode is None]
-        for server in lingering:
-            self.verbose(f"{server.label} is still waiting after every worker finished; ending it")
-            server.signal_tree(signal.SIGTERM)
-        for server in lingering:
-            try:
-                server.process.wait(timeout=TERMINATE_GRACE_S)
-            except subprocess.TimeoutExpired:
-                server.signal_tree(signal.SIGKILL)
-        failed = next((s for s in servers if s not in lingering and s.returncode not in (None, 0)), None)
-        if failed is not None and failed.returncode is not None:
-            print(f"shoalrun: {failed.label} {_describe_status(failed.returncode)}", file=sys.stderr, flush=True)
-            return 1
-        return 0
 
     @staticmethod
     def _drain_output_of(worker: Worker) -> None:
         for pump in worker.pumps:
             pump.join(timeout_s=1.0)
+
+
+def end_servers(servers: list[Worker], verbose: Callable[[str], None]) -> int:
+    """Every worker finished: servers leave on their own once all said goodbye; SIGTERM any that linger. Returns
+    shoalrun's exit code."""
+    deadline = time.monotonic() + SERVER_EXIT_GRACE_S
+    while time.monotonic() < deadline and any(s.returncode is None for s in servers):
+        time.sleep(0.05)
+    lingering = [s for s in servers if s.returncode is None]
+    for server in lingering:
+        verbose(f"{server.label} is still waiting after every worker finished; ending it")
+        server.signal_tree(signal.SIGTERM)
+    for server in lingering:
+        try:
+            server.process.wait(timeout=TERMINATE_GRACE_S)
+        except subprocess.TimeoutExpired:
+            server.signal_tree(signal.SIGKILL)
+    failed = next((s for s in servers if s not in lingering and s.returncode not in (None, 0)), None)
+    if failed is not None and failed.returncode is not None:
+        print(f"shoalrun: {failed.label} {_describe_status(failed.returncode)}", file=sys.stderr, flush=True)
+        return 1
+    return 0
 
 
 def build_slots(config: LaunchConfig) -> list[SlotInfo]:

@@ -21,6 +21,7 @@ from typing import Any
 
 from shoal.comm import process_group, store
 from shoal.config import worker_setting
+from shoal.config.worker import LAUNCHER_PID_ENV
 from shoal.exceptions import HorovodInternalError, NotInitializedError
 from shoal.log import get_logger
 from shoal.runtime import elastic_rendezvous, heartbeat, preemption
@@ -121,6 +122,8 @@ def init() -> Context:
             heartbeat.start(launch, lambda: _elastic_round, _round_broken)
             launch, scoped_store, generation = _join_elastic_round(launch, job_store)
         else:
+            if os.environ.get(LAUNCHER_PID_ENV):  # a static shoalrun job: shoalrun watches the heartbeat too
+                heartbeat.start(launch, lambda: 0, lambda *_: True, heartbeat.static_worker_id(launch.rank))
             scoped_store, generation = store.generation_store(job_store, launch.secret, launch.rank)
         try:
             backend = process_group.init_world(scoped_store, launch.rank, launch.size, timeout_s=max(timeout_s, 300.0))

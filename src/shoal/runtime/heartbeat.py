@@ -22,19 +22,27 @@ PERIOD_S = 0.5
 _started = False
 
 
-def start(launch: Any, joined_round: Callable[[], int], on_broken: Callable[[int, str], bool]) -> bool:
+def static_worker_id(rank: int) -> str:
+    """The heartbeat's name for rank ``rank`` of a static shoalrun job (an elastic worker has its own id)."""
+    return f"static-rank-{rank}"
+
+
+def start(
+    launch: Any, joined_round: Callable[[], int], on_broken: Callable[[int, str], bool], worker_id: str | None = None
+) -> bool:
     """Start the heartbeat once per process; returns whether it runs.
 
     Args:
         launch: the worker's ``LaunchInfo`` (where the job store is, and its secret).
-        joined_round: the last round this worker joined (0: none yet).
+        joined_round: the last round this worker joined (0: none yet, and always in a static job).
         on_broken: called with a round this worker joined and the failed member's id when the driver has marked that
             round broken, at every beat until it returns True.
+        worker_id: the counter's name; an elastic worker's id by default.
     """
     global _started
     if _started or not launch.secret or launch.store_addr is None:
         return _started
-    worker_id = os.environ[ELASTIC_ID_ENV]
+    worker_id = worker_id or os.environ[ELASTIC_ID_ENV]
     args = (launch, worker_id, joined_round, on_broken)
     threading.Thread(target=_beat, args=args, name="shoal-heartbeat", daemon=True).start()
     _started = True

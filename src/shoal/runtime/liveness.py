@@ -157,5 +157,9 @@ class Liveness:
             return {}
         return {w: d.describe(now) for w, d in detectors.items() if d.suspected(now)}
 
+    def silence(self, worker_id: str, now: float) -> float:
+        """Seconds ``worker_id`` (heard from) has been silent (counted from the last outage's end at most)."""
+        return self._seen[worker_id][1].silence(now)
+
     def forget(self, worker_id: str) -> None:
         self._seen.pop(worker_id, None)
