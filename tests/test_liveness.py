@@ -89,6 +89,20 @@ def test_a_store_outage_suspects_nobody_and_a_late_reconnection_is_judged_from_i
     assert "b" in liveness.suspected(["a", "b"], now + 2.0)  # but a silence after it is judged as any other
 
 
+def test_an_outage_past_a_ceiling_below_the_pause_still_suspects_nobody() -> None:
+    """With the ceiling set below the allowed pause (a short ``SHOAL_ELASTIC_UNREACHABLE_SECONDS``), every worker
+    reaches it before any is past its pause: all suspected at once is an outage too, never a reason to end them."""
+    short = Settings(period_s=0.5, pause_s=3.0, threshold=8.0, ceiling_s=2.0)
+    liveness = Liveness(short)
+    for tick in range(20):
+        liveness.observe("a", str(tick).encode(), tick * 0.5)
+        liveness.observe("b", str(tick).encode(), tick * 0.5)
+    assert liveness.suspected(["a", "b"], 9.5 + 2.5) == {}  # both silent 2.5 s: past the ceiling, not the pause
+    liveness.observe("a", b"back", 12.25)
+    assert liveness.suspected(["a", "b"], 12.5) == {}  # b's silence counts from the outage's end
+    assert "b" in liveness.suspected(["a", "b"], 12.0 + 2.1)
+
+
 # ----- an elastic job -----
 
 

@@ -230,12 +230,8 @@ class ElasticJob(Job):
             if self._store.check([key]):
                 self._liveness.observe(worker.worker_id, self._store.get(key), now)
         heard = [w for w in members if self._liveness.heard(w.worker_id)]  # a worker still starting has not beaten
-        silent = self._liveness.suspected([w.worker_id for w in heard], now)
-        if not silent or len(silent) == len(heard):
-            return
-        for worker in heard:
-            if worker.worker_id not in silent:
-                continue
+        silent = self._liveness.suspected([w.worker_id for w in heard], now)  # empty when all are (an outage)
+        for worker in (w for w in heard if w.worker_id in silent):
             print(
                 f"shoalrun: worker {worker.worker_id} (rank {worker.rank}) on host {worker.hostname} has not reached the "
                 f"job's store while the others have (stopped, or cut off from the network?): {silent[worker.worker_id]}; "

@@ -288,8 +288,7 @@ class Job:
                 return 128 - code if code < 0 else code
             if all(w.returncode == 0 for w in self.workers if w.server_index is None):
                 return end_servers([w for w in self.workers if w.server_index is not None], self.verbose)
-            running = [w for w in self.workers if w.server_index is None and w.returncode is None]
-            silent = self._watch.check(self._store, running, time.monotonic())
+            silent = self._watch.check(self._store, self.workers, time.monotonic())
             if silent is not None:
                 return self._fail(f"rank {silent.slot.rank} on host {silent.slot.hostname} stayed silent; ending the job")
             time.sleep(0.05)

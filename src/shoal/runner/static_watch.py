@@ -30,12 +30,12 @@ class StaticWatch:
         self.reported: set[str] = set()
 
     def check(self, store: Any, workers: list[Any], now: float) -> Any | None:
-        """The worker (one of ``workers``, running ranks) whose silence fails the job now, or None; reports each
-        suspected worker once."""
+        """The worker (one of ``workers``' running ranks; servers are not watched) whose silence fails the job now,
+        or None; reports each suspected worker once."""
         if store is None or now - self.checked < CHECK_S:
             return None
         self.checked = now
-        ids = {static_worker_id(w.slot.rank): w for w in workers}
+        ids = {static_worker_id(w.slot.rank): w for w in workers if w.server_index is None and w.returncode is None}
         for worker_id in ids:
             key = self.keys.heartbeat(worker_id)
             if store.check([key]):

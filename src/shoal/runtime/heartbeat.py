@@ -1,10 +1,11 @@
-"""An elastic worker's heartbeat: a counter in the job store, bumped every ``PERIOD_S`` by a thread of its own.
+"""A worker's heartbeat: a counter in the job store, bumped every ``PERIOD_S`` by a thread of its own.
 
-shoalrun's elastic driver reads it to find a worker stopped, or cut off from the network while its process (a local
-one, or the ssh client of a remote one) lives on: one whose counter has stayed still for longer than its own history
-makes likely (``shoal.runtime.liveness``) while the others' have moved is ended as failed and left out of the next
-round. The thread has its own store connection,
-so a main thread blocked in a collective or a store call never delays it; a failed write reconnects.
+shoalrun reads it to find a worker stopped, or cut off from the network while its process (a local one, or the ssh
+client of a remote one) lives on: one whose counter has stayed still for longer than its own history makes likely
+(``shoal.runtime.liveness``) while the others' have moved. The elastic driver ends it and leaves it out of the next
+round; a static job names it, and fails at the silence ceiling (``shoal.runner.static_watch``). The thread has its
+own store connection, so a main thread blocked in a collective or a store call never delays it; a failed write
+reconnects.
 """
 
 from __future__ import annotations

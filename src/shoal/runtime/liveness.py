@@ -18,6 +18,7 @@ a worker whose beats have come irregularly (a loaded machine) gets proportionall
 from __future__ import annotations
 
 import collections
+import functools
 import math
 from dataclasses import dataclass
 
@@ -56,6 +57,8 @@ class Detector:
         self.intervals: collections.deque[float] = collections.deque(maxlen=WINDOW)
         self.excused = -math.inf
         """The last time the whole job was silent (the store's side at fault): a silence counts from then at most."""
+        self._stats: tuple[float, float] | None = None
+        """``mean_std()`` since the last beat (the driver asks several times a second)."""
 
     def silence(self, now: float) -> float:
         """Seconds since the last beat, or since the job's last outage where that is later."""
@@ -65,15 +68,19 @@ class Detector:
         """The worker's counter moved (seen at ``now``)."""
         self.intervals.append(now - self.last)
         self.last = now
+        self._stats = None
 
     def mean_std(self) -> tuple[float, float]:
         """The intervals' mean and deviation (the period, and its floor share, before two are measured)."""
-        if len(self.intervals) < 2:
-            mean = self.settings.period_s
-            return mean, MIN_STD_FRACTION * mean
-        mean = sum(self.intervals) / len(self.intervals)
-        variance = sum((x - mean) ** 2 for x in self.intervals) / (len(self.intervals) - 1)
-        return mean, max(math.sqrt(variance), MIN_STD_FRACTION * mean)
+        if self._stats is None:
+            if len(self.intervals) < 2:
+                mean = self.settings.period_s
+                self._stats = mean, MIN_STD_FRACTION * mean
+            else:
+                mean = sum(self.intervals) / len(self.intervals)
+                variance = sum((x - mean) ** 2 for x in self.intervals) / (len(self.intervals) - 1)
+                self._stats = mean, max(math.sqrt(variance), MIN_STD_FRACTION * mean)
+        return self._stats
 
     def phi(self, now: float) -> float:
         """-log10 of the probability that a beat comes this late, under the history (with the allowed pause)."""
@@ -83,7 +90,8 @@ class Detector:
         return math.inf if tail <= 0 else -math.log10(tail)
 
     def suspected(self, now: float) -> bool:
-        return self.silence(now) >= self.settings.ceiling_s or self.phi(now) >= self.settings.threshold
+        """phi has reached the threshold, or the silence the ceiling."""
+        return self.silence(now) >= self.suspicion_after_s()
 
     def suspicion_after_s(self) -> float:
         """The silence at which this detector suspects the worker, under its history now."""
@@ -100,6 +108,7 @@ class Detector:
         )
 
 
+@functools.cache
 def _upper_quantile(tail: float) -> float:
     """z with P(Z > z) = ``tail`` for a standard normal Z (bisection on erfc: no SciPy)."""
     low, high = -10.0, 40.0
@@ -127,7 +136,7 @@ def liveness_settings() -> Settings:
 
 
 class Liveness:
-    """The detectors of an elastic job's members, fed with what the driver reads of their heartbeat counters."""
+    """The detectors of a job's workers, fed with what shoalrun reads of their heartbeat counters."""
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
@@ -147,15 +156,17 @@ class Liveness:
 
     def suspected(self, worker_ids: list[str], now: float) -> dict[str, str]:
         """Of ``worker_ids``, those heard from whose silence is now a failure, each with why. When every one of them
-        is silent past its allowed pause, the store's side is at fault (an outage, not a death): nobody is suspected,
-        and each silence counts only from the last such check on (after an outage the workers' connections
-        resume one by one, as their TCP retransmissions come)."""
+        is silent past its allowed pause, or suspected, the store's side is at fault (an outage, not a death):
+        nobody is suspected, and each silence counts only from the last such check on (after an outage the workers'
+        connections resume one by one, as their TCP retransmissions come)."""
         detectors = {w: self._seen[w][1] for w in worker_ids if w in self._seen}
-        if detectors and all(d.silence(now) > d.mean_std()[0] + self.settings.pause_s for d in detectors.values()):
+        suspects = [w for w, d in detectors.items() if d.suspected(now)]
+        paused = all(d.silence(now) > d.mean_std()[0] + self.settings.pause_s for d in detectors.values())
+        if detectors and (paused or len(suspects) == len(detectors)):
             for detector in detectors.values():
                 detector.excused = now
             return {}
-        return {w: d.describe(now) for w, d in detectors.items() if d.suspected(now)}
+        return {w: detectors[w].describe(now) for w in suspects}
 
     def silence(self, worker_id: str, now: float) -> float:
         """Seconds ``worker_id`` (heard from) has been silent (counted from the last outage's end at most)."""
