@@ -125,8 +125,11 @@ def _stopped_job(tmp_path: Path, stop_s: float | None) -> tuple[RunningJob, int,
 def test_a_stopped_worker_is_ended_within_seconds_and_the_job_trains_on_without_it(tmp_path: Path) -> None:
     job, pid, stopped = _stopped_job(tmp_path, None)
     assert job.finish(150) == 0, "\n".join(job.lines[-30:])
-    ended = job.wait_for(r"has not reached the job's store .*: silent for ([\d.]+) s", 1)
-    assert float(ended.group(1)) < 5.0, ended.group(0)  # the default 30 s limit is only the ceiling
+    ended = job.wait_for(r"has not reached the job's store .*: silent for ([\d.]+) s .*suspected from ([\d.]+) s\)", 1)
+    silent, threshold = float(ended.group(1)), float(ended.group(2))
+    # Ended by its own history, not the 30 s ceiling: at the detector's threshold (a loaded machine's irregular beats
+    # raise it, by design), within the driver's 0.25 s check and a scheduling margin (1 s).
+    assert threshold < 10 and silent < threshold + 1.0, ended.group(0)
     summary = job.summary()
     assert summary["world"] == 2 and summary["resets"] == 1, summary
     check_every_sample_once(summary, 2)
