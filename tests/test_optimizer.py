@@ -371,13 +371,13 @@ def _learnt_sparse_across_a_reinit() -> list[bool]:
     model = SometimesEmbedded()
     optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters())
     exchange = optimizer._shoal_exchange  # type: ignore[attr-defined]
-    known = [id(model.first.weight) in exchange._known_sparse()]
+    known = [id(model.first.weight) in exchange.sparse.known()]
     model(torch.tensor([1, 2]), True).backward()
     optimizer.step()
-    known.append(id(model.first.weight) in exchange._known_sparse())
+    known.append(id(model.first.weight) in exchange.sparse.known())
     hvd.shutdown()
     hvd.init()  # as after an elastic change: new members know nothing of the last session
-    known.append(id(model.first.weight) in exchange._known_sparse())
+    known.append(id(model.first.weight) in exchange.sparse.known())
     return known
 
 
@@ -432,8 +432,8 @@ def _submitted_during_backward(overlap: bool | None, threads: int) -> tuple[bool
     rows = slice(hvd.rank() * BATCH, (hvd.rank() + 1) * BATCH)
     nn.functional.mse_loss(model(x[0, 0, rows]), y[0, 0, rows]).backward()
     exchange = optimizer._shoal_exchange  # type: ignore[attr-defined]
-    submitted = len(exchange._submitted)
-    decided = exchange._overlap[2]
+    submitted = exchange.sent
+    decided = exchange.buckets.overlap
     optimizer.step()
     grads = hvd.allgather(torch.cat([p.grad.flatten() for p in model.parameters()]).unsqueeze(0))
     return decided, submitted, bool(torch.equal(grads[0], grads[-1]))

@@ -92,7 +92,7 @@ def _groups_rule(tf: Any, hvd: Any) -> dict[str, Any]:
         out["tape_groups"] = tape._shoal_reducer.groups
         params = [torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.ones(2))]
         optimizer = hvd_torch.DistributedOptimizer(torch.optim.SGD(params, lr=0.1), num_groups=2, groups=[[params[0]]])
-        chosen = optimizer._shoal_exchange.groups
+        chosen = optimizer._shoal_exchange.buckets.groups
         out["torch_groups"] = [[id(p) for p in group] for group in chosen] == [[id(params[0])]]
     out["warnings"] = sorted({w.category.__name__ for w in caught if "num_groups" in str(w.message)})
     for label, make in (

@@ -22,7 +22,6 @@ from typing import Any
 
 import torch
 
-from shoal.core.process_sets import ProcessSet
 from shoal.core.rules import ReduceOp
 from shoal.core.session import poll, synchronize
 from shoal.log import get_logger
@@ -109,15 +108,8 @@ class FarChoice:
 
     def go_local(self, rounds: RoundPlan) -> None:
         """From the next step on, the gradients are reduced inside each host only, and the plan says local steps."""
-        point_at(self.exchange, self.groups.inner)
+        self.exchange.point_at(self.groups.inner)
         self.exchange.router.go_local(rounds)
-
-
-def point_at(exchange: Any, process_set: ProcessSet) -> None:
-    """Reduce ``exchange``'s gradients in ``process_set`` from the next step on (a rank outside it reduces none)."""
-    exchange.detach()
-    exchange.process_set, exchange.member = process_set, process_set.included()
-    exchange.attach()
 
 
 class OuterRounds:

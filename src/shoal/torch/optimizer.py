@@ -231,10 +231,7 @@ def DistributedOptimizer(
     local = local_options(mode, every, local_steps, outer_optimizer)
     compressed, compression, comm = _split_compression(compression, comm)
     ps_config = resolve_config(ps_mode, ps_staleness)
-    if bucket_bytes is None:
-        bucket_bytes = worker_setting("bucket_bytes")
-    if bucket_bytes < 0:
-        raise ValueError(f"bucket_bytes must be >= 0, got {bucket_bytes}")
+    bucket_bytes = _bucket_bytes(bucket_bytes)
     handles.engine()  # raises Horovod's ValueError before init()
     params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
     if loader is not None:
@@ -244,27 +241,31 @@ def DistributedOptimizer(
     if ReduceOp(op) == ReduceOp.Adasum and basics.size() > 1:  # as in Horovod: one rank needs no delta optimizer
         if process_set is not global_process_set or comm != "allreduce":
             raise NotImplementedError("op=Adasum supports the global process set and comm='allreduce' only")
-        names = parameter_names(optimizer.param_groups, named_parameters, adasum=True)
-        wrapped = mix_into(optimizer, _AdasumOptimizer)
-        wrapped._shoal_exchange = AdasumExchange(wrapped, params, names, compression, backward_passes_per_step)
+        wrapped, names = _adasum(optimizer, params, named_parameters, compression, backward_passes_per_step)
     else:
         names = parameter_names(optimizer.param_groups, named_parameters)
-        exchange = GradientExchange(
+        router = functools.partial(LayerRouter, model=model, comm=comm, overrides=comm_overrides, ps_config=ps_config)
+        exchange_of = functools.partial(
+            GradientExchange,
+            compression=compression,
+            passes=backward_passes_per_step,
+            op=ReduceOp(op),
+            gradient_predivide_factor=gradient_predivide_factor,
+            groups=_checked_groups(params, groups, num_groups),
+            sparse_as_dense=sparse_as_dense,
+            bucket_bytes=bucket_bytes,
+        )
+        facts = functools.partial(
+            OptimizerFacts,
             params,
             names,
-            compression,
-            backward_passes_per_step,
-            ReduceOp(op),
-            gradient_predivide_factor,
-            _checked_groups(params, groups, num_groups),
-            sparse_as_dense,
-            process_set,
-            bucket_bytes,
+            average=ReduceOp(op) == ReduceOp.Average,
+            passes=0 if loader is not None else backward_passes_per_step,
+            process_set=process_set,
         )
-        router = functools.partial(LayerRouter, model=model, comm=comm, overrides=comm_overrides, ps_config=ps_config)
-        wrapped = _wrap_gradients(optimizer, exchange, router, compressed, loader)
+        wrapped = _wrap_gradients(optimizer, exchange_of, router, compressed, loader, facts)
         if local is not None and hosts is not None:
-            weigh = FarChoice(exchange, hosts) if mode is Planned.AUTO_FAR else None
+            weigh = FarChoice(wrapped._shoal_exchange, hosts) if mode is Planned.AUTO_FAR else None
             wrapped._shoal_outer = OuterRounds(params, local, hosts, outer_optimizer, weigh)
     # Horovod's attribute (code written for Horovod reads it): each parameter's name.
     wrapped._parameter_names = {p: names[id(p)] for group in wrapped.param_groups for p in group["params"] if id(p) in names}
@@ -272,30 +273,45 @@ def DistributedOptimizer(
     return wrapped
 
 
+def _bucket_bytes(given: int | None) -> int:
+    """The bucket size: ``given``, else the ``bucket_bytes`` setting; never negative."""
+    chosen: int = worker_setting("bucket_bytes") if given is None else given
+    if chosen < 0:
+        raise ValueError(f"bucket_bytes must be >= 0, got {chosen}")
+    return chosen
+
+
+def _adasum(
+    optimizer: torch.optim.Optimizer,
+    params: list[torch.Tensor],
+    named_parameters: Any,
+    compression: type[Compressor],
+    passes: int,
+) -> tuple[Any, dict[int, str]]:
+    """``optimizer`` mixed with Horovod's Adasum surface over an ``AdasumExchange``, and the parameters' names."""
+    names = parameter_names(optimizer.param_groups, named_parameters, adasum=True)
+    wrapped = mix_into(optimizer, _AdasumOptimizer)
+    wrapped._shoal_exchange = AdasumExchange(wrapped, params, names, compression, passes)
+    return wrapped, names
+
+
 def _wrap_gradients(
     optimizer: torch.optim.Optimizer,
-    exchange: GradientExchange,
+    exchange: Callable[[LayerRouter, MicroBatchWeights | None], GradientExchange],
     router: Callable[..., LayerRouter],
     compressed: Compressed | None,
     loader: BalancedLoader | None,
+    facts: Callable[..., OptimizerFacts],
 ) -> _DistributedOptimizer:
-    """``optimizer`` mixed with Horovod's surface over ``exchange``, its router built (``router(facts,
-    compressed=...)``) and the balanced loader attached."""
+    """``optimizer`` mixed with Horovod's surface over its exchange (``exchange(router, weights)``): its router
+    built (``router(facts(param_groups=..., base=...), compressed=...)``) and, with a balanced loader, the micro-batch
+    weights the loader drives."""
     wrapped = mix_into(optimizer, _DistributedOptimizer)
-    facts = OptimizerFacts(
-        exchange.params,
-        exchange.names,
-        wrapped.param_groups,
-        wrapped._shoal_base,
-        exchange.op == ReduceOp.Average,
-        0 if loader is not None else exchange.passes,
-        exchange.process_set,
-    )
-    exchange.router = router(facts, compressed=compressed)
-    wrapped._shoal_exchange = exchange
+    layers = router(facts(param_groups=wrapped.param_groups, base=wrapped._shoal_base), compressed=compressed)
+    weights = MicroBatchWeights(loader.deterministic) if loader is not None else None
+    wrapped._shoal_exchange = exchange(layers, weights)
     if loader is not None:
-        exchange.weights = MicroBatchWeights(loader.deterministic)
-        loader.attach(exchange)
+        loader.attach(wrapped._shoal_exchange)
     return wrapped
 
 

@@ -26,7 +26,7 @@ from shoal.core.rules import ReduceOp
 from shoal.log import get_logger
 from shoal.plan.far import RoundPlan
 from shoal.torch.host_groups import HostGroups
-from shoal.torch.local_steps import OuterRounds, point_at
+from shoal.torch.local_steps import OuterRounds
 
 _log = get_logger()
 
@@ -110,7 +110,7 @@ class ElasticOuter:
         if rounds.weigh is not None:
             rounds.weigh.groups = groups
         if self.exchange.process_set is old.inner:
-            point_at(self.exchange, groups.inner)
+            self.exchange.point_at(groups.inner)
             self.exchange.router.facts.process_set = groups.inner
 
     def prepare(self) -> None:
