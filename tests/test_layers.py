@@ -181,6 +181,36 @@ def test_the_gradient_exchanges_parts_import_only_the_parts_below_them() -> None
     assert not part_breaches("shoal.torch.exchange", parts)
 
 
+CARRIERS = ("shoal.plan.schemes", "shoal.torch.layer_comm.")
+"""Where a scheme may be named in a comparison: the table itself, and the carriers that each carry one scheme."""
+
+
+def scheme_comparisons(tree: ast.AST) -> list[str]:
+    """Each comparison in ``tree`` with a ``Scheme.X`` operand (alone or in a tuple, list or set)."""
+    found = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Compare):
+            continue
+        operands = [node.left, *node.comparators]
+        named = [e for o in operands for e in (o.elts if isinstance(o, ast.Tuple | ast.List | ast.Set) else [o])]
+        if any(isinstance(e, ast.Attribute) and isinstance(e.value, ast.Name) and e.value.id == "Scheme" for e in named):
+            found.append(f"line {node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_no_scheme_is_compared_outside_the_table_and_its_carriers() -> None:
+    """A scheme's behaviour is a fact of its row (``plan/schemes.py``) or its carrier's own code, never a branch
+    elsewhere: a new scheme is one new row and one new carrier."""
+    found = {
+        name: hits
+        for name, path in modules().items()
+        if not name.startswith(CARRIERS) and (hits := scheme_comparisons(ast.parse(path.read_text())))
+    }
+    assert not found, found
+    snippet = "if comm == Scheme.PS or mode in (Scheme.LOCAL, 'auto') or x is Scheme.SFB:\n    pass"
+    assert len(scheme_comparisons(ast.parse(snippet))) == 3  # the check sees ==, in a tuple and is
+
+
 def test_jobs_are_composed_not_subclassed() -> None:
     """Ray, Spark and the rest start workers through a spawner handed to the job: no subclass of a job (the elastic
     driver is the job's one extension), and no ``_spawn`` but the job's own."""

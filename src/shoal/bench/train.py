@@ -42,7 +42,7 @@ from shoal.comm.baselines import wrap_ddp, wrap_ddp_powersgd
 from shoal.config import env_name
 from shoal.core import session as handles
 from shoal.plan.planner import median_error
-from shoal.plan.schemes import COMM_CHOICES, Compressed, Planned, Scheme
+from shoal.plan.schemes import COMM_CHOICES, Compressed, Planned, parse_comm, row_of
 from shoal.predict.models import build, parameter_count
 from shoal.ps.config import resolve_config
 from shoal.torch.compression import Compressor
@@ -110,11 +110,11 @@ def _shoal_model(args: argparse.Namespace) -> tuple[nn.Module, torch.optim.Optim
 
 def _compression(args: argparse.Namespace) -> type[Compressor] | Compressed:
     """The compressed schemes' settings for ``--comm`` (their warm-up and PowerSGD's rank), else none."""
-    if args.comm == Scheme.TOPK:
-        return hvd.Compression.topk(warmup_steps=args.lossy_warmup)
-    if args.comm in (Scheme.POWERSGD, Planned.AUTO_LOSSY):
-        rank = None if args.comm == Planned.AUTO_LOSSY else args.rank
-        return hvd.Compression.powersgd(rank=rank, max_rank=args.rank, warmup_steps=args.lossy_warmup)
+    row, planned = row_of(parse_comm(args.comm)), args.comm == Planned.AUTO_LOSSY
+    if planned or (row is not None and row.ranked):  # auto-lossy: the plan picks each layer's rank up to --rank
+        return hvd.Compression.powersgd(rank=None if planned else args.rank, max_rank=args.rank, warmup_steps=args.lossy_warmup)
+    if row is not None and row.error_feedback:
+        return Compressed(row.scheme, warmup_steps=args.lossy_warmup)
     return hvd.Compression.none
 
 
@@ -389,7 +389,7 @@ def _report(args: argparse.Namespace, phases: Phases) -> None:
         "zero_grad": args.zero_grad,
         "shoal_ips": round(shoal_ips, 1),
     }
-    if args.comm == Scheme.PS:  # co-located (a server thread in every worker) unless shoalrun started servers
+    if (row := row_of(parse_comm(args.comm))) is not None and row.on_servers:  # co-located unless shoalrun started servers
         config = resolve_config()
         result["ps_mode"] = config.mode
         result["ps_servers"] = config.num_servers if config.dedicated else hvd.size()

@@ -117,6 +117,11 @@ class Planned(str, enum.Enum):
         """It may choose the compressed schemes (``auto-lossy``, ``auto-far``)."""
         return self is not Planned.AUTO
 
+    @property
+    def weighs_outer(self) -> bool:
+        """It may choose local steps with outer updates for the whole model (``auto-far``)."""
+        return self is Planned.AUTO_FAR
+
     def allowed(self, servers: bool) -> tuple[Scheme, ...]:
         """The schemes this mode may choose from; ``servers``: dedicated parameter servers are there."""
         lossless = AUTO_SCHEMES if servers else tuple(s for s in AUTO_SCHEMES if not ROWS[s].on_servers)
@@ -288,6 +293,22 @@ class Compressed:
         if self.total_steps is not None:
             return self.total_steps // 10
         return DEFAULT_WARMUP_STEPS
+
+
+def row_of(mode: Scheme | Planned) -> SchemeRow | None:
+    """The table's row of a forced ``comm`` (a scheme on every layer), or None for a planner mode."""
+    return ROWS[mode] if isinstance(mode, Scheme) else None
+
+
+def forces_outer(mode: Scheme | Planned) -> bool:
+    """``comm`` forces a scheme that changes the optimization for the whole model (local steps, ``outer``)."""
+    row = row_of(mode)
+    return row is not None and row.outer
+
+
+def takes_outer(mode: Scheme | Planned) -> bool:
+    """``comm`` forces local steps or may choose them (``auto-far``)."""
+    return forces_outer(mode) or (isinstance(mode, Planned) and mode.weighs_outer)
 
 
 def scheme_of(value: object, where: str) -> Scheme:

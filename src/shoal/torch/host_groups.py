@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from shoal.core.process_sets import ProcessSet, add_process_set, global_process_set
 from shoal.core.rules import ReduceOp
 from shoal.plan.far import LocalSteps
-from shoal.plan.schemes import Planned, Scheme
+from shoal.plan.schemes import Planned, Scheme, forces_outer, takes_outer
 from shoal.runtime import context
 from shoal.runtime.topology import Topology
 
@@ -85,7 +85,7 @@ def local_options(mode: Scheme | Planned, every: int | None, options: LocalSteps
     Raises:
         ValueError: local steps' arguments with another ``comm``, or a bad value.
     """
-    if mode not in (Scheme.LOCAL, Planned.AUTO_FAR):
+    if not takes_outer(mode):
         if every is not None or options is not None or outer is not None:
             raise ValueError(
                 f"every=, local_steps= and outer_optimizer= go with comm='local' or 'auto-far', not comm={mode.value!r}"
@@ -125,5 +125,5 @@ def host_groups(
     else None."""
     if local is None:
         return None
-    check_local(op, process_set, compressed and mode is Scheme.LOCAL, balanced)
+    check_local(op, process_set, compressed and forces_outer(mode), balanced)
     return HostGroups.register()

@@ -25,7 +25,7 @@ from shoal.core.process_sets import ProcessSet, global_process_set
 from shoal.core.requests import barrier
 from shoal.core.rules import ReduceOp, resolve_groups, split_groups
 from shoal.plan.far import LocalSteps
-from shoal.plan.schemes import Compressed, Planned, Scheme, parse_comm
+from shoal.plan.schemes import Compressed, Planned, forces_outer, parse_comm
 from shoal.ps.config import resolve_config
 from shoal.torch.balanced_loader import BalancedLoader
 from shoal.torch.compression import Compression, Compressor
@@ -237,7 +237,7 @@ def DistributedOptimizer(
     if loader is not None:
         _check_balanced(loader, ReduceOp(op), backward_passes_per_step, process_set, comm, comm_overrides, compression, params)
     hosts = host_groups(mode, local, ReduceOp(op), process_set, compressed is not None or bool(comm_overrides), bool(loader))
-    process_set = hosts.inner if hosts is not None and mode is Scheme.LOCAL else process_set
+    process_set = hosts.inner if hosts is not None and forces_outer(mode) else process_set
     if ReduceOp(op) == ReduceOp.Adasum and basics.size() > 1:  # as in Horovod: one rank needs no delta optimizer
         if process_set is not global_process_set or comm != "allreduce":
             raise NotImplementedError("op=Adasum supports the global process set and comm='allreduce' only")
