@@ -487,7 +487,7 @@ def test_the_round_lengthens_within_two_round_ends_when_the_link_slows_down() ->
     the measured wire: longer, within two round ends after the first exchange on the slow link."""
     command = [sys.executable, "-m", "shoal.bench.netns", "--hosts", "2", "--rate", "1gbit", "--faults-on-sigusr1"]
     command += ["--fault", "rate:4:100mbit", "--", sys.executable, "-m", "shoal.bench.far", "--modes", "far"]
-    command += ["--samples", "300000", "--eval-every", "100000", "--budget", "0.5"]  # the wire sets H, not the round end
+    command += ["--samples", "120000", "--eval-every", "60000", "--budget", "0.5"]  # the wire sets H, not the round end
     with subprocess.Popen(command, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as job:
         assert job.stdout is not None
         lines = []
