@@ -30,16 +30,15 @@ import signal
 import sys
 import threading
 import time
-from dataclasses import dataclass
 from typing import Any
 
 from shoal.config import LaunchConfig, worker_setting
 from shoal.config.worker import parse_signal_names
 from shoal.runner.cooldown import HostCooldown
 from shoal.runner.discovery import HostDiscovery, progress_period
+from shoal.runner.elastic_worker import ElasticWorker, WorkerState
 from shoal.runner.hosts import HostSlots, SlotInfo, place_ranks
 from shoal.runner.launcher import Job, _describe_status, requested_hosts
-from shoal.runner.spawners import Worker
 from shoal.runtime.elastic_rendezvous import ELASTIC_ID_ENV, REMOVED, ElasticKeys
 from shoal.runtime.liveness import Liveness, liveness_settings
 
@@ -47,23 +46,6 @@ _LIVENESS_CHECK_S = 0.25
 """How often the driver reads the members' heartbeats."""
 _READY_SETTLE_S = 0.2
 """A worker asking for a new round usually saw a peer die; give the driver a moment to see the exit too."""
-
-
-@dataclass
-class ElasticWorker:
-    """A worker process and where it stands in the elastic job."""
-
-    worker_id: str
-    hostname: str
-    process: Worker
-    rank: int | None = None
-    """Its rank in the newest round it belongs to; None for a newcomer not admitted yet."""
-    state: str = "starting"
-    """starting (newcomer) | member | removed | finished | failed | left (exited 0 without finishing training)."""
-    joined: bool = False
-    """True once it arrived in a round that formed: it holds the training state (a newcomer only after a sync)."""
-    leaving: str | None = None
-    """The signal that gave it a preemption notice: it leaves at its next commit and is in no later round."""
 
 
 class ElasticJob(Job):
@@ -114,7 +96,7 @@ class ElasticJob(Job):
 
     # ----- the worker set -----
 
-    def _alive(self, *states: str) -> list[ElasticWorker]:
+    def _alive(self, *states: WorkerState) -> list[ElasticWorker]:
         return [w for w in self.elastic if w.state in states and w.process.returncode is None]
 
     def workers_on(self, hostnames: set[str]) -> int:
@@ -137,7 +119,7 @@ class ElasticJob(Job):
 
     def _fill_slots(self, limit: int) -> None:
         """Start workers on free slots of the known, non-excluded hosts, up to ``limit`` live workers."""
-        live = self._alive("starting", "member")
+        live = self._alive(WorkerState.STARTING, WorkerState.MEMBER)
         # A host whose worker got a notice gets none while that worker is still leaving; a host that is going away
         # leaves the discovery output.
         leaving = {w.hostname for w in self.elastic if w.leaving is not None and w.process.returncode is None}
@@ -150,7 +132,7 @@ class ElasticJob(Job):
                 if len(live) >= limit:
                     return
                 self._start_worker(host.hostname)
-                live = self._alive("starting", "member")
+                live = self._alive(WorkerState.STARTING, WorkerState.MEMBER)
 
     # ----- rounds -----
 
@@ -159,10 +141,10 @@ class ElasticJob(Job):
         self.round += 1
         for member, place in zip(members, place_ranks([m.hostname for m in members]), strict=True):
             self._store.set(self._keys.assignment(self.round, member.worker_id), place.to_json())
-            member.rank, member.state = place.rank, "member"
-        for worker in self._alive("member", "starting"):
-            if worker not in members and worker.state == "member":
-                worker.state = "removed"
+            member.rank, member.state = place.rank, WorkerState.MEMBER
+        for worker in self._alive(WorkerState.MEMBER, WorkerState.STARTING):
+            if worker not in members and worker.state == WorkerState.MEMBER:
+                worker.state = WorkerState.REMOVED
                 self._store.set(self._keys.assignment(self.round, worker.worker_id), REMOVED)
         self._store.set(self._keys.round, str(self.round))
         self._round_members = list(members)
@@ -174,7 +156,11 @@ class ElasticJob(Job):
         """Members that stay (rank order kept, so rank 0 has trained), then newcomers ready to rendezvous."""
         assert self._store is not None and self._keys is not None
         slots = {h.hostname: h.slots for h in self.discovery.hosts()}
-        stay = [w for w in self._alive("member") if (w.hostname in slots or not self.discovery.dynamic) and w.leaving is None]
+        stay = [
+            w
+            for w in self._alive(WorkerState.MEMBER)
+            if (w.hostname in slots or not self.discovery.dynamic) and w.leaving is None
+        ]
         stay.sort(key=lambda w: w.rank if w.rank is not None else 0)
         if self.discovery.dynamic:  # a host that offers fewer slots keeps its lowest-ranked workers
             kept: dict[str, int] = {}
@@ -187,7 +173,7 @@ class ElasticJob(Job):
     def _ready_newcomers(self) -> list[ElasticWorker]:
         """Newcomers that are ready to rendezvous and got no notice."""
         assert self._store is not None and self._keys is not None
-        starting = self._alive("starting")
+        starting = self._alive(WorkerState.STARTING)
         return [w for w in starting if w.leaving is None and self._store.check([self._keys.ready(w.worker_id)])]
 
     def _wants_new_round(self) -> str | None:
@@ -195,7 +181,7 @@ class ElasticJob(Job):
         assert self._store is not None and self._keys is not None
         if self._reset_reason is not None:
             return self._reset_reason
-        for worker in self._alive("member"):
+        for worker in self._alive(WorkerState.MEMBER):
             key = self._keys.ready(worker.worker_id)
             if self._store.check([key]) and int(self._store.get(key).decode()) >= self.round:
                 now = time.monotonic()
@@ -205,7 +191,7 @@ class ElasticJob(Job):
                 return None
         if self.discovery.dynamic:
             slots = {h.hostname: h.slots for h in self.discovery.hosts()}
-            members = self._alive("member")
+            members = self._alive(WorkerState.MEMBER)
             if any(w.hostname not in slots for w in members):
                 return "a host left the discovery output"
             if any(sum(1 for m in members if m.hostname == host) > count for host, count in slots.items()):
@@ -224,7 +210,7 @@ class ElasticJob(Job):
         if self._store is None or self._keys is None or now - self._liveness_checked < _LIVENESS_CHECK_S:
             return
         self._liveness_checked = now
-        members = self._alive("member")
+        members = self._alive(WorkerState.MEMBER)
         for worker in members:
             key = self._keys.heartbeat(worker.worker_id)
             if self._store.check([key]):
@@ -248,9 +234,9 @@ class ElasticJob(Job):
         """Note workers that say they got a preemption notice (``shoal.runtime.preemption``)."""
         if self._store is None or self._keys is None:
             return
-        for worker in self._alive("starting", "member"):
+        for worker in self._alive(WorkerState.STARTING, WorkerState.MEMBER):
             self._check_notice(worker)
-        members = self._alive("member")
+        members = self._alive(WorkerState.MEMBER)
         if self._job_notice is None and members and all(w.leaving is not None for w in members):
             self._job_notice = members[0].leaving  # nobody would stay: the whole job is being preempted
 
@@ -274,7 +260,7 @@ class ElasticJob(Job):
             self._job_notice_deadline = now + grace_s
             # Only these hold the state: whether they leave cleanly decides the exit code (a worker still starting,
             # or a member of a round that never formed, has nothing to hand over, whatever its exit).
-            self._noticed_members = [w for w in self._alive("member") if w.joined]
+            self._noticed_members = [w for w in self._alive(WorkerState.MEMBER) if w.joined]
             print(
                 f"shoalrun: the job got {self._job_notice}; every worker leaves at its next commit, with nothing "
                 f"rolled back, and the job ends (grace {grace_s:.0f} s)",
@@ -283,7 +269,7 @@ class ElasticJob(Job):
             )
             if self._store is not None and self._keys is not None:
                 self._publish_round([])
-            for worker in self._alive("starting"):  # newcomers hold nothing to hand over
+            for worker in self._alive(WorkerState.STARTING):  # newcomers hold nothing to hand over
                 worker.process.signal_tree(signal.SIGTERM)
         if all(w.process.returncode is not None for w in self.elastic):
             failed = [w.worker_id for w in self._noticed_members if w.process.returncode != 0]
@@ -309,7 +295,7 @@ class ElasticJob(Job):
         if worker.leaving is not None or not self._store.check([key]):
             return
         worker.leaving = self._store.get(key).decode()
-        if worker.state != "member":
+        if worker.state != WorkerState.MEMBER:
             self.verbose(f"worker {worker.worker_id} got {worker.leaving} before it joined; it leaves now")
             return
         print(
@@ -339,19 +325,19 @@ class ElasticJob(Job):
         """Note exited workers; returns a job exit code when the job is over."""
         for worker in self.elastic:
             code = worker.process.returncode
-            if code is None or worker.state in ("finished", "failed", "left"):
+            if code is None or worker.state in (WorkerState.FINISHED, WorkerState.FAILED, WorkerState.LEFT):
                 continue
             if code == 0:
                 self._check_notice(worker)  # it may have left before the driver saw its notice
-                if worker.leaving is not None and worker.state in ("member", "removed"):
+                if worker.leaving is not None and worker.state in (WorkerState.MEMBER, WorkerState.REMOVED):
                     self.verbose(f"worker {worker.worker_id} left after its {worker.leaving} notice")
-                    worker.state = "left"
+                    worker.state = WorkerState.LEFT
                     continue
-                worker.state = "finished" if worker.state == "member" else "left"
+                worker.state = WorkerState.FINISHED if worker.state == WorkerState.MEMBER else WorkerState.LEFT
                 continue
-            was_member = worker.state == "member"
-            given_notice = worker.leaving is not None and worker.state == "removed"
-            worker.state = "failed"
+            was_member = worker.state == WorkerState.MEMBER
+            given_notice = worker.leaving is not None and worker.state == WorkerState.REMOVED
+            worker.state = WorkerState.FAILED
             self._end_leftovers(worker)
             cooldown_s = self.cooldown.fail(worker.hostname)  # also for a newcomer: no restart storm there
             self._drain_output_of(worker.process)
@@ -364,7 +350,7 @@ class ElasticJob(Job):
                     file=sys.stderr,
                     flush=True,
                 )
-            finished = [w for w in self.elastic if w.state == "finished"]
+            finished = [w for w in self.elastic if w.state == WorkerState.FINISHED]
             if not was_member or (finished and not worker.joined):
                 continue  # a removed worker, or a newcomer that never took part: nothing to recover from
             if finished:
@@ -383,17 +369,17 @@ class ElasticJob(Job):
             )
             self._reset_reason = f"worker {worker.worker_id} failed"
             self._mark_broken(worker)
-        if any(w.state == "finished" for w in self.elastic):
+        if any(w.state == WorkerState.FINISHED for w in self.elastic):
             # A short last round may have formed since the loop last looked: its members are training, not waiting.
             self._note_formed()
-            members = self._alive("member")
+            members = self._alive(WorkerState.MEMBER)
             if any(w.joined for w in members):
                 return None  # members holding the state are still finishing their last steps
             if members and self.round == 1 and not self._round_formed:
                 return None  # a script that never rendezvoused (no elastic state): each worker runs to its end
             # Training is over; newcomers still waiting to join (or removed workers still leaving) are not needed.
             self._say_ending()
-            for worker in self._alive("starting", "removed", "member"):
+            for worker in self._alive(WorkerState.STARTING, WorkerState.REMOVED, WorkerState.MEMBER):
                 worker.process.signal_tree(signal.SIGTERM)
             return 0
         if self._job_notice is None and self.elastic and all(w.process.returncode is not None for w in self.elastic):
@@ -453,7 +439,7 @@ class ElasticJob(Job):
             # Every worker started for the first round is in it, alive or not: one that already exited (a short
             # script, the others still being spawned) is then reaped as a member, finished or failed, not as a
             # newcomer that left without joining (which once ended a job of quick workers "none finished", exit 1).
-            self._publish_round([w for w in self.elastic if w.state == "starting"])
+            self._publish_round([w for w in self.elastic if w.state == WorkerState.STARTING])
         while True:
             interrupted = self._interrupted()  # a signal, or the store could not be hosted
             if interrupted is not None:
@@ -463,7 +449,7 @@ class ElasticJob(Job):
                 if outcome != 0:
                     self.terminate_all()
                 return outcome
-            finished = any(w.state == "finished" for w in self.elastic)
+            finished = any(w.state == WorkerState.FINISHED for w in self.elastic)
             if not finished and self._job_notice is None:
                 self._check_notices()
             if not finished and self._job_notice is not None:  # nothing re-forms once the whole job has notice

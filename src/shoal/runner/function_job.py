@@ -10,6 +10,7 @@ import sys
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from typing import Any
 
+from shoal.runner.elastic_worker import WorkerState
 from shoal.runner.task import PAYLOAD_KEY, elastic_result_key, result_key, task_prefix
 
 
@@ -88,7 +89,7 @@ class FunctionJob:
             RuntimeError: the job failed (the workers' tracebacks, then ``detail``).
         """
         failures = self.failures()
-        finished = sorted((w for w in workers if w.state == "finished"), key=lambda w: w.rank or 0)
+        finished = sorted((w for w in workers if w.state is WorkerState.FINISHED), key=lambda w: w.rank or 0)
         if code != 0 or not finished:
             reason = "\n".join(failures) or "see its messages above"
             raise RuntimeError(f"{self.what}: the elastic job failed (exit code {code}): {reason}{detail}")
