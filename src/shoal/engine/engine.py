@@ -13,7 +13,7 @@ while no other thread does (``Engine.drive``). One thread at a time runs cycles.
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from shoal.comm import process_group
 from shoal.comm.hierarchical import HierarchicalAllreduce
@@ -70,7 +70,7 @@ class Engine:
         self._inbox = Inbox()
         self._lock = self._inbox.lock
         self._cycler = Cycle(config, self.transport, self._executor, self._inbox, lambda: self.timeline)
-        self._driver: str | None = None
+        self._driver: Literal["engine", "caller"] | None = None
         """Who runs cycles now: "engine" (its thread), "caller" (a thread blocked on its own call), None; under _lock."""
         self._callers_drive = callers_drive
         self._abandoned = False

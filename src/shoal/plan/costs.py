@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Literal
 
 from shoal.plan.calibration import Calibration
 from shoal.plan.far import RoundPlan, exchange_parts
@@ -31,7 +32,9 @@ class LayerShape:
     """SFB on it spares backward the local weight gradient (an ``nn.Linear`` with a trainable bias)."""
 
 
-FACTOR_BYTES = {"float32": 4, "bfloat16": 2}
+Factors = Literal["float32", "bfloat16"]
+"""PowerSGD's factors on the wire."""
+FACTOR_BYTES: dict[Factors, int] = {"float32": 4, "bfloat16": 2}
 """Bytes per entry of PowerSGD's factors on the wire, by ``LossyOptions.factors``."""
 
 
@@ -50,7 +53,7 @@ class LossyOptions:
     """Top-k's share of each gradient's entries sent."""
     min_rate: float = 2.0
     """A gradient is compressed only where it shrinks at least this much (else it joins the plain allreduce)."""
-    factors: str = "float32"
+    factors: Factors = "float32"
     """PowerSGD's P and Q on the wire: ``"float32"`` (as torch's hook) or ``"bfloat16"`` (half the bytes; each rank's
     error feedback keeps the rounding of its own share)."""
 

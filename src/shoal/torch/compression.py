@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from shoal.plan.costs import LossyOptions
+from shoal.plan.costs import Factors, LossyOptions
 from shoal.plan.schemes import Compressed, Scheme
 
 __all__ = [
@@ -83,7 +83,7 @@ def powersgd(
     min_compression_rate: float = 2.0,
     max_rank: int = 4,
     min_rank: int = 2,
-    factors: str = "float32",
+    factors: Factors = "float32",
 ) -> Compressed:
     """PowerSGD with error feedback and warm start for every gradient with a matrix view (docs/communication.md).
 
