@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from shoal.exceptions import ElasticRendezvousError, WorkerRemovedError
 from shoal.runner.cli import parse_args
-from shoal.runner.discovery import HostDiscovery, run_discovery_script
+from shoal.runner.discovery import HostDiscovery, run_discovery_script, script_source
 from shoal.runner.hosts import HostSlots, HostSpecError
 from shoal.runtime.elastic_rendezvous import REMOVED, ElasticKeys, join_round
 from shoal.runtime.launch_env import SlotInfo
@@ -69,7 +69,7 @@ def test_a_bad_discovery_script_is_reported(tmp_path: Path, body: str, message: 
 def test_discovery_keeps_the_last_good_answer(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     hosts = tmp_path / "hosts"
     hosts.write_text("a:2\n")
-    discovery = HostDiscovery([], f"cat {hosts}", interval_s=0.05)
+    discovery = HostDiscovery([], script_source(f"cat {hosts}"), interval_s=0.05)
     discovery.start()
     assert discovery.hosts() == [HostSlots("a", 2)]
     hosts.unlink()

@@ -32,7 +32,7 @@ NODE_POLL_S = 1.0
 """How often the driver asks Ray for its nodes."""
 
 
-class RayNodes(HostDiscovery):
+class RayNodes:
     """Ray's live nodes as hosts (``ray-<node id prefix>``), each offering as many slots as its total CPUs (and GPUs)
     hold workers of ``cpus_per_worker`` (and ``gpus_per_worker``).
 
@@ -40,8 +40,7 @@ class RayNodes(HostDiscovery):
     leave at the next commit with nothing rolled back, as a preemption notice makes them leave under shoalrun.
     """
 
-    def __init__(self, ray: Any, cpus_per_worker: float, gpus_per_worker: float, interval_s: float = NODE_POLL_S) -> None:
-        super().__init__([], None, interval_s=interval_s, dynamic=True)
+    def __init__(self, ray: Any, cpus_per_worker: float, gpus_per_worker: float) -> None:
         self._ray = ray
         self._cpus = cpus_per_worker
         self._gpus = gpus_per_worker
@@ -57,7 +56,8 @@ class RayNodes(HostDiscovery):
         except Exception:  # an older Ray, or one whose private state API moved: no draining seen
             return set()
 
-    def _fetch(self) -> list[HostSlots]:
+    def __call__(self) -> list[HostSlots]:
+        """Ray's live nodes now, as hosts (the elastic job's ``HostDiscovery`` source)."""
         hosts = []
         draining = self._draining()
         for node in self._ray.nodes():
@@ -311,7 +311,7 @@ class ElasticRayExecutor:
         job = ElasticJob(
             self._config(),
             [],
-            discovery=nodes,
+            discovery=HostDiscovery([], nodes, interval_s=NODE_POLL_S),
             spawner=RayActorSpawner(ray, nodes, self.cpus_per_slot, self.gpus_per_slot),
             rendezvous_addr=ray.util.get_node_ip_address(),
             extra_env=self.env_vars,

@@ -1,16 +1,19 @@
-"""Host discovery for elastic jobs: a user script, polled, that prints the hosts available right now.
+"""Host discovery for elastic jobs: a source of the hosts available right now, polled.
 
-The script's contract is horovodrun's: print one ``host:slots`` line per available host (a bare ``host`` means one
-slot) and exit 0. A script that fails, hangs or prints garbage does not end the job: the last good answer stands,
-and the problem is reported once per distinct message.
+``HostDiscovery`` keeps the host list; its source is a callable: a user's script (``script_source``), Ray's nodes
+(``shoal.ray``), Spark's slots (``shoal.spark``). The script's contract is horovodrun's: print one ``host:slots``
+line per available host (a bare ``host`` means one slot) and exit 0. A script that fails, hangs or prints garbage
+does not end the job: the last good answer stands, and the problem is reported once per distinct message.
 """
 
 from __future__ import annotations
 
+import functools
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 
 from shoal.runner.hosts import HostSlots, HostSpecError, parse_host_entry
 
@@ -44,28 +47,42 @@ def progress_period(timeout_s: float) -> float:
     return max(1.0, min(10.0, timeout_s / 3))
 
 
+HostSource = Callable[[], list[HostSlots]]
+"""The hosts available now; a ``HostSpecError`` keeps the previous answer (reported once per distinct message)."""
+
+
+def script_source(script: str, default_slots: int = 1) -> HostSource:
+    """A user's discovery script as a source (``run_discovery_script``)."""
+    return functools.partial(run_discovery_script, script, default_slots=default_slots)
+
+
 class HostDiscovery:
-    """Keeps the current host list: static (``-H``/``--hostfile``/``-np``), or polled in a thread from a script (or,
-    in a subclass, from a cluster manager: Ray's nodes, Spark's tasks) when ``dynamic``."""
+    """Keeps the current host list: static (``-H``/``--hostfile``/``-np``), or polled in a thread from ``source`` (a
+    script, or a cluster manager: Ray's nodes, Spark's tasks), which makes it ``dynamic``. ``live``: where the source
+    knows losses sooner than its next poll (Spark's slots), the hosts read from it at every ``hosts()``."""
 
     def __init__(
         self,
         static_hosts: list[HostSlots],
-        script: str | None,
+        source: HostSource | None = None,
         interval_s: float = 1.0,
-        default_slots: int = 1,
-        dynamic: bool | None = None,
+        live: HostSource | None = None,
     ) -> None:
         self._hosts = list(static_hosts)
-        self._script = script
-        self.dynamic = script is not None if dynamic is None else dynamic
+        self._source = source
+        self._live = live
+        self.dynamic = source is not None
         """Whether hosts come and go (polled): an elastic job then follows them, and listens on every interface."""
         self._interval_s = interval_s
-        self._default_slots = default_slots
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._last_error = ""
         self._thread: threading.Thread | None = None
+
+    @classmethod
+    def of_script(cls, static_hosts: list[HostSlots], script: str | None, default_slots: int = 1) -> HostDiscovery:
+        """shoalrun's discovery: the static hosts, or those ``script`` prints (polled) where one is given."""
+        return cls(static_hosts, script_source(script, default_slots) if script else None)
 
     def start(self) -> None:
         """Run the script once now (so the first answer is known), then keep polling in the background."""
@@ -81,6 +98,8 @@ class HostDiscovery:
 
     def hosts(self) -> list[HostSlots]:
         """The latest known hosts."""
+        if self._live is not None:
+            return self._live()
         with self._lock:
             return list(self._hosts)
 
@@ -88,14 +107,10 @@ class HostDiscovery:
         while not self._stop.wait(self._interval_s):
             self._poll_once()
 
-    def _fetch(self) -> list[HostSlots]:
-        """The current hosts (here: the discovery script's answer; shoal.ray asks Ray instead)."""
-        assert self._script is not None
-        return run_discovery_script(self._script, default_slots=self._default_slots)
-
     def _poll_once(self) -> None:
+        assert self._source is not None
         try:
-            hosts = self._fetch()
+            hosts = self._source()
         except HostSpecError as error:
             if str(error) != self._last_error:
                 print(f"shoalrun: warning: {error}; keeping the previous host list", file=sys.stderr, flush=True)

@@ -63,7 +63,7 @@ class ElasticJob(Job):
         if config.num_proc is None or config.min_np is None or config.max_np is None:
             raise ValueError("an elastic job needs -np, --min-np and --max-np (LaunchConfig.check() fills them in)")
         if discovery is None:
-            discovery = HostDiscovery(static_hosts, config.host_discovery_script, default_slots=config.slots_per_host or 1)
+            discovery = HostDiscovery.of_script(static_hosts, config.host_discovery_script, config.slots_per_host or 1)
         discovery.start()
         # Only used to choose the rendezvous address: hosts discovered later may be remote, so then listen on all.
         known = [SlotInfo(h.hostname, 0, 1, 0, 1, 0, 1) for h in discovery.hosts()]

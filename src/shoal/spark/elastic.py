@@ -38,11 +38,10 @@ of a lost task often lands on the same host, so a host is never excluded for the
 RESUBMIT_DELAY_S = 1.0
 
 
-class SparkSlots(HostDiscovery):
+class SparkSlots:
     """The slots (Spark tasks) that registered in the store and still run, as hosts with that many slots."""
 
     def __init__(self, context: Any, group: str, wanted: int, verbose: bool) -> None:
-        super().__init__([], None, interval_s=0.2, dynamic=True)
         self._context, self._group, self._wanted, self._verbose_on = context, group, wanted, verbose
         self._view: Any = None
         self._settings: TaskSettings | None = None
@@ -108,9 +107,13 @@ class SparkSlots(HostDiscovery):
         time.sleep(RESUBMIT_DELAY_S)
         self._submit()
 
-    def _fetch(self) -> list[HostSlots]:
+    def poll(self) -> list[HostSlots]:
+        """Register the slots that announced their host since the last poll; the slots known now (the elastic job's
+        ``HostDiscovery`` source)."""
         if self._view is None:
             return []
+        if self._ending:  # the store may be closing: the slots as they stand
+            return self.hosts()
         with self._slot_lock:
             unregistered = [slot for slot in range(self._submitted) if slot not in self.hosts_of]
         found = {
@@ -154,8 +157,7 @@ class SparkSlots(HostDiscovery):
 
     def finish(self, wait_s: float = 5.0) -> None:
         """Tell every slot to end (while the store is still up), and give the running ones ``wait_s`` to do so."""
-        self._ending = True
-        self.stop()
+        self._ending = True  # no more polls of the store (see poll)
         if self._view is None:
             return
         self._view.set(END_KEY, b"1")
@@ -167,8 +169,7 @@ class SparkSlots(HostDiscovery):
 
     def end(self, wait_s: float = 30.0) -> None:
         """Cancel the slots' Spark jobs that are left (slots Spark never started, or the job failed)."""
-        self._ending = True
-        self.stop()
+        self._ending = True  # no more polls of the store (see poll)
         self._context.cancelJobGroup(self._group)
         deadline = time.monotonic() + wait_s
         with self._slot_lock:
@@ -322,7 +323,7 @@ def run_elastic(
     job = ElasticJob(
         config,
         [],
-        discovery=slots,
+        discovery=HostDiscovery([], slots.poll, interval_s=0.2, live=slots.hosts),
         spawner=SparkSlotSpawner(slots, lambda: output),
         rendezvous_addr=_driver_address(context, nics),
         on_store=publish,
