@@ -245,7 +245,6 @@ OVERSIZE = {
     "shoal.comm.shm": 448,
     "shoal.bench.unequal": 412,
     "shoal.runner.elastic_driver.ElasticJob": 518,
-    "shoal.torch.layer_comm.router.LayerRouter": 297,
     "shoal.ray.executor.RayExecutor": 282,
     "shoal.config.launch.LaunchConfig": 278,
     "shoal.comm.shm.SharedMemoryGroup": 275,

@@ -442,7 +442,7 @@ def _overridden() -> dict[str, object]:
         comm_overrides={"fc1": hvd.Compression.powersgd(rank=3, warmup_steps=0), nn.Conv2d: "topk"},
     )
     router = router_of(optimizer)
-    by_name = {name: router._comm_of.get(id(module.weight)) for name, module in model.named_children()}
+    by_name = {name: router.carriers.of(module.weight) for name, module in model.named_children()}
     return {
         name: (type(comm).__name__, getattr(comm, "rank", None), comm.setting.warmup if hasattr(comm, "setting") else None)
         for name, comm in by_name.items()

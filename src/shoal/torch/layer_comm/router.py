@@ -12,7 +12,6 @@ import dataclasses
 import functools
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -21,44 +20,24 @@ from torch import nn
 from shoal.core import basics
 from shoal.core import session as handles
 from shoal.core.objects import broadcast_object
-from shoal.core.process_sets import ProcessSet, global_process_set, set_id_of
+from shoal.core.process_sets import set_id_of
 from shoal.log import get_logger
 from shoal.plan.calibration import Calibration
 from shoal.plan.costs import CostContext, LayerShape, LossyOptions, local_cost
 from shoal.plan.drift import DriftMonitor, refit
 from shoal.plan.far import RoundPlan
-from shoal.plan.planner import LayerPlan, forced_scheme, forced_setting, keep_measured, refuse_tied_sfb
+from shoal.plan.planner import LayerPlan, forced_scheme, forced_setting, keep_measured
 from shoal.plan.schemes import COMPRESSED, Compressed, Planned, Scheme, parse_comm, scheme_of
-from shoal.ps.client import PSSession
 from shoal.ps.config import PSConfig
-from shoal.ps.messages import SessionSpec
 from shoal.runtime import context
 from shoal.torch import functions
 from shoal.torch.compression import Compression, Compressor
 from shoal.torch.layer_comm.calibrate import job_calibration, keep_calibration
-from shoal.torch.layer_comm.layers import build_plan, tied_modules
-from shoal.torch.layer_comm.lossy import LossyState, LowRank, TopK
+from shoal.torch.layer_comm.carriers import Carriers, OptimizerFacts
+from shoal.torch.layer_comm.layers import build_plan
+from shoal.torch.layer_comm.lossy import LossyState
 from shoal.torch.layer_comm.report import LastPlan, describe_calibration, describe_choices, warmup_note
-from shoal.torch.layer_comm.schemes import CastAllreduce, LayerComm, ParameterServer, SufficientFactors, Wiring
-
-LAYER_COMM: dict[Scheme, type[LayerComm]] = {
-    Scheme.ALLREDUCE: LayerComm,
-    Scheme.FP16: CastAllreduce,
-    Scheme.BF16: CastAllreduce,
-    Scheme.SFB: SufficientFactors,
-    Scheme.PS: ParameterServer,
-    Scheme.POWERSGD: LowRank,
-    Scheme.TOPK: TopK,
-    Scheme.LOCAL: LayerComm,  # the buckets carry it, inside the host (shoal.torch.local_steps)
-}
-"""The class that carries each scheme; every ``Scheme`` has one."""
-
-
-def make_layer_comm(
-    scheme: Scheme, name: str, module: nn.Module | None, params: list[torch.Tensor], wiring: Wiring
-) -> LayerComm:
-    """The object that carries ``scheme`` for one layer."""
-    return LAYER_COMM[scheme].build(scheme, name, module, params, wiring)
+from shoal.torch.layer_comm.schemes import LayerComm, SufficientFactors
 
 
 def row_counter(rows: dict[str, int], name: str) -> Callable[..., None]:
@@ -79,23 +58,6 @@ def settings_of(model: nn.Module, overrides: dict[Any, Any]) -> dict[str, Compre
         if isinstance(value, Compressed):
             found[name] = value
     return found
-
-
-@dataclass
-class OptimizerFacts:
-    """What the router needs to know about its optimizer."""
-
-    params: list[torch.Tensor]
-    """The trainable parameters."""
-    names: dict[int, str]
-    """Each parameter's name, by ``id``."""
-    param_groups: list[dict[str, Any]]
-    base: type[torch.optim.Optimizer]
-    """The wrapped optimizer's class (the servers run the same update)."""
-    average: bool
-    passes: int
-    """backward_passes_per_step; 0: as many as each step's micro-batches (a ``BalancedLoader``)."""
-    process_set: ProcessSet
 
 
 class LayerRouter:
@@ -128,9 +90,8 @@ class LayerRouter:
         self.lossy = LossyState()
         """The compressed schemes' residuals, bases and step count (committed by the elastic ``TorchState``)."""
         self.ps_config = ps_config
-        self.ps: ParameterServer | None = None
-        self._comm_of: dict[int, LayerComm] = {}
-        self._lr_of = {id(p): group for group in facts.param_groups for p in group["params"]}
+        cast = Compression.bf16 if self.planned is not None and self.planned.compresses else None
+        self.carriers = Carriers(facts, model, self.lossy, ps_config, self.settings, cast)
         self.plans: list[LayerPlan] | None = None
         self.drift: DriftMonitor | None = None
         self.calibration: Calibration | None = None
@@ -139,7 +100,7 @@ class LayerRouter:
         if model is None:
             if self.planned is not None or Scheme(comm).row.needs_linear or overrides:
                 raise ValueError(f"comm={comm!r} and comm_overrides need model= (the nn.Module being trained)")
-            self._assign_all(Scheme(comm))
+            self.carriers.assign_all(Scheme(comm))
         elif self.planned is not None:
             for name, module in model.named_modules():
                 if isinstance(module, nn.Linear):
@@ -152,24 +113,24 @@ class LayerRouter:
                     # sfb is for fully-connected layers; the others keep the plain allreduce
                     default = Scheme.ALLREDUCE if chosen.row.needs_linear and not isinstance(module, nn.Linear) else chosen
                     schemes[name] = forced_scheme(name, module, self.overrides) or default
-            self._assign(schemes, settings_of(model, self.overrides))
+            self.carriers.assign(schemes, settings_of(model, self.overrides))
 
     # ----- asked by the optimizer -----
 
     def offer(self, param: torch.Tensor) -> bool:
         """The gradient hook: hand a final gradient to its parameter's scheme, which sends it (True) or leaves it to the
         optimizer's buckets (False)."""
-        comm = self._comm_of.get(id(param))
+        comm = self.carriers.of(param)
         return comm is not None and comm.offer(param)
 
     def compressor(self, param: torch.Tensor) -> type[Compressor] | None:
         """The buckets' compressor for ``param`` when its scheme sets one."""
-        comm = self._comm_of.get(id(param))
+        comm = self.carriers.of(param)
         return None if comm is None else comm.bucket_compressor()
 
     def layers(self) -> list[LayerComm]:
         """Every distinct ``LayerComm`` (each once)."""
-        return list({id(comm): comm for comm in self._comm_of.values()}.values())
+        return self.carriers.layers()
 
     def finish(self, average: bool) -> None:
         """At ``synchronize()``: complete every layer's exchange of this step (the compressed schemes' together)."""
@@ -180,7 +141,7 @@ class LayerRouter:
     def start_update(self, synchronized: bool) -> list[torch.Tensor]:
         """Before the local optimizer's step: pull the servers' values, (re-)plan if due. Returns the parameters
         the local step must skip (the servers updated them)."""
-        ps = self.ps  # (auto may open one below; its layers were allreduced this step)
+        ps = self.carriers.ps  # (auto may open one below; its layers were allreduced this step)
         if ps is not None:
             ps.session.finish()
         self.lossy.steps += 1  # every rank, every step: the compressed schemes' warm-up count
@@ -193,101 +154,10 @@ class LayerRouter:
 
     # ----- schemes -----
 
-    def _lr(self, param: torch.Tensor) -> float:
-        """A parameter's current learning rate (the servers apply the update)."""
-        return float(self._lr_of[id(param)]["lr"])
-
-    def _wiring(
-        self,
-        session: PSSession | None = None,
-        setting: Compressed | None = None,
-        rank: int | None = None,
-        factored: bool = False,
-    ) -> Wiring:
-        names, lossy = self.facts.names, self.lossy
-        cast = Compression.bf16 if self.planned is not None and self.planned.compresses else None
-        return Wiring(self.facts.process_set, session, self._lr, names, lossy, setting, rank, factored, cast)
-
     def lossy_options(self) -> LossyOptions:
         """The bounds the planner weighs the compressed schemes with (PowerSGD's rank and factors, top-k's ratio)."""
         low_rank, sparse = self.settings[Scheme.POWERSGD].options, self.settings[Scheme.TOPK].options
         return dataclasses.replace(low_rank, ratio=sparse.ratio)
-
-    def _assign_all(self, scheme: Scheme) -> None:
-        """Without a model: one scheme for every parameter."""
-        if scheme.row.on_servers:
-            self._open_ps(self.facts.params)
-        elif scheme.row.carrier:
-            comm = make_layer_comm(scheme, "", None, self.facts.params, self._wiring(setting=self.settings.get(scheme)))
-            self._comm_of.update({id(p): comm for p in self.facts.params})
-
-    def _assign(
-        self, schemes: dict[str, Scheme], settings: dict[str, Compressed] | None = None, ranks: dict[str, int] | None = None
-    ) -> None:
-        """A scheme per module name (parameters of modules not named keep the plain allreduce), with a compressed
-        scheme's settings and rank per module where given."""
-        assert self.model is not None
-        modules = dict(self.model.named_modules())
-        tied = tied_modules(self.model)
-        served: list[torch.Tensor] = []
-        for name, scheme in schemes.items():
-            params = [p for p in modules[name].parameters(recurse=False) if p.requires_grad]
-            if scheme.row.on_servers:
-                served += params
-                continue
-            if scheme.row.one_pass and self.facts.passes != 1:
-                why = "backward_passes_per_step > 1" if self.facts.passes else "a BalancedLoader's micro-batches"
-                get_logger().info("%s is off for '%s': %s accumulate gradients", scheme, name, why)
-                continue
-            if scheme.row.needs_linear and name in tied:
-                refuse_tied_sfb(name)
-                continue
-            if scheme.row.carrier:
-                setting = (settings or {}).get(name) or self.settings.get(scheme)
-                factored = self.facts.passes == 1 and name not in tied  # PowerSGD from a linear layer's factors
-                wiring = self._wiring(setting=setting, rank=(ranks or {}).get(name), factored=factored)
-                comm = make_layer_comm(scheme, name, modules[name], params, wiring)
-                self._comm_of.update({id(p): comm for p in params})
-        if served:
-            self._open_ps(served)
-
-    def _open_ps(self, params: list[torch.Tensor]) -> None:
-        """Route these parameters through the parameter server (joins its group on first use; every rank calls)."""
-        from shoal.ps.connect import connect  # the PS joins its own group only when some layer uses it
-        from shoal.ps.optimizers import describe_optimizer
-        from shoal.runtime.elastic_rendezvous import is_elastic_worker
-
-        facts = self.facts
-        if facts.process_set is not global_process_set:
-            raise ValueError("comm='ps' works on the global process set only")
-        if is_elastic_worker():
-            raise ValueError("comm='ps' is not available in elastic jobs yet: a server shard cannot move to new workers")
-        owned = {id(p) for p in facts.params}
-        params = [p for p in dict.fromkeys(params) if id(p) in owned]
-        if not params:
-            return
-        name, groups = describe_optimizer(facts.base, facts.param_groups)
-        group_index = {id(p): i for i, group in enumerate(facts.param_groups) for p in group["params"]}
-        config = self.ps_config
-        spec = SessionSpec(name, groups, [group_index[id(p)] for p in params], config.mode, config.staleness, facts.average)
-        client, store = connect(config)
-        session = client.open_session(params, [facts.names[id(p)] for p in params], spec, store)
-        ps = make_layer_comm(Scheme.PS, "ps", None, params, self._wiring(session))
-        assert isinstance(ps, ParameterServer)
-        self.ps = ps
-        self._comm_of.update({id(p): ps for p in params})
-
-    def _clear(self) -> None:
-        """Undo ``_assign`` before a re-plan (the parameter server keeps the layers it serves)."""
-        for comm in self.layers():
-            if comm is not self.ps:
-                comm.remove()
-        self._comm_of = {key: comm for key, comm in self._comm_of.items() if comm is self.ps}
-
-    def _exchange_names(self, module: nn.Module) -> list[str]:
-        params = [p for p in module.parameters(recurse=False) if p.requires_grad and id(p) in self.facts.names]
-        comm = self._comm_of.get(id(params[0])) if params else None
-        return (comm or LayerComm("", list(params))).exchange_names(self.facts.names)
 
     # ----- comm="auto" -----
 
@@ -313,23 +183,23 @@ class LayerRouter:
         dedicated = self.ps_config.dedicated
         # ps only when servers exist, and only in the first plan: one session holds a fixed set of layers, so a
         # re-plan keeps the layers already served (their optimizer state lives there) and adds none.
-        allowed = (self.planned or Planned.AUTO).allowed(servers=bool(dedicated) and self.ps is None)
+        allowed = (self.planned or Planned.AUTO).allowed(servers=bool(dedicated) and self.carriers.ps is None)
         overrides = dict(self.overrides)
         modules = dict(self.model.named_modules())
         previous = self.plans or []
         if self.plans is not None:  # layers already on the servers stay there (their state lives there)
             overrides.update({modules[p.name]: p.choice for p in self.plans if p.choice.row.on_servers})
-            self._clear()
+            self.carriers.clear()
         servers = self.ps_config.num_servers if dedicated else workers
         self.plans = build_plan(self.model, calibration, workers, self._rows, overrides, allowed, servers, self.lossy_options())
         keep_measured(self.plans, previous)  # the same on every rank: the agreed measurements, rank 0's refit
         # With a session open, every ps layer of this plan is one it already serves (a re-plan adds none).
-        self._assign(
-            {p.name: p.choice for p in self.plans if not (p.choice.row.on_servers and self.ps is not None)},
+        self.carriers.assign(
+            {p.name: p.choice for p in self.plans if not (p.choice.row.on_servers and self.carriers.ps is not None)},
             settings_of(self.model, self.overrides),
             {p.name: p.rank for p in self.plans if p.rank},
         )
-        exchanges = {plan.name: self._exchange_names(modules[plan.name]) for plan in self.plans}
+        exchanges = {plan.name: self.carriers.exchange_names(modules[plan.name]) for plan in self.plans}
         if self.drift is None:
             self.drift = DriftMonitor(self.plans, exchanges, calibration)
         else:
@@ -348,7 +218,7 @@ class LayerRouter:
     def go_local(self, rounds: RoundPlan) -> None:
         """``auto-far`` chose local steps: every gradient now goes through the buckets, among the host's ranks (the
         plan's own carriers are removed), drift stops watching, and the plan reports local steps."""
-        self._clear()
+        self.carriers.clear()
         refits = self.drift.recalibrations if self.drift is not None else 0
         self.drift = None
         if self.plans is None or self.calibration is None:  # never planned (an elastic newcomer taking the job's

@@ -3,7 +3,7 @@
 ``DistributedOptimizer`` asks the ``LayerComm`` of each parameter at each point of a step (``LayerRouter`` keeps
 the map): whether the scheme takes a final gradient itself instead of the optimizer's allreduce buckets, which
 compressor the buckets use for it, what to do for parameters that got no gradient, how to finish at
-``synchronize()``, and which engine requests carry it (for the drift monitor). The router's ``LAYER_COMM`` registers
+``synchronize()``, and which engine requests carry it (for the drift monitor). ``carriers.LAYER_COMM`` registers
 each class under its ``Scheme``, once (the compressed schemes' classes are in ``lossy.py``).
 """
 
