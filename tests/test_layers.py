@@ -234,7 +234,6 @@ def test_jobs_are_composed_not_subclassed() -> None:
 MODULE_LINES, CLASS_LINES = 400, 250
 """The sizes no module and no class of ``src/shoal`` may pass, beyond ``OVERSIZE``."""
 OVERSIZE = {
-    "shoal.runner.elastic_driver": 578,
     "shoal.torch.layer_comm.lossy": 586,
     "shoal.bench.churn": 582,
     "shoal.spark.estimator": 575,
@@ -244,7 +243,7 @@ OVERSIZE = {
     "shoal.comm.auth_store": 506,
     "shoal.comm.shm": 448,
     "shoal.bench.unequal": 412,
-    "shoal.runner.elastic_driver.ElasticJob": 518,
+    "shoal.runner.elastic_driver.ElasticJob": 282,
     "shoal.ray.executor.RayExecutor": 282,
     "shoal.config.launch.LaunchConfig": 278,
     "shoal.comm.shm.SharedMemoryGroup": 275,

@@ -38,3 +38,8 @@ class ElasticWorker:
     """True once it arrived in a round that formed: it holds the training state (a newcomer only after a sync)."""
     leaving: str | None = None
     """The signal that gave it a preemption notice: it leaves at its next commit and is in no later round."""
+
+
+def alive(workers: list[ElasticWorker], *states: WorkerState) -> list[ElasticWorker]:
+    """The ``workers`` in one of ``states`` whose process still runs."""
+    return [w for w in workers if w.state in states and w.process.returncode is None]
