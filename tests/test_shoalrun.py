@@ -323,7 +323,7 @@ def test_an_elastic_job_of_workers_that_exit_before_the_last_is_started_finishes
     worker has exited and none finished" and exited 1, because the round was published with the workers still alive;
     and a finished worker once ended the others of a script that never rendezvoused)."""
     from shoal.runner.cli import parse_args
-    from shoal.runner.elastic_driver import ElasticJob, elastic_hosts
+    from shoal.runner.elastic_driver import ElasticSupervisor, elastic_hosts
     from shoal.runner.spawners import ProcessSpawner, Worker, WorkerSpec
 
     class SlowSpawner(ProcessSpawner):
@@ -334,7 +334,7 @@ def test_an_elastic_job_of_workers_that_exit_before_the_last_is_started_finishes
 
     script = f"import os, time; time.sleep(0.5); open(os.path.join({str(tmp_path)!r}, str(os.getpid())), 'w').close()"
     config = parse_args(["-np", "3", "--min-np", "2", sys.executable, "-c", script])
-    assert ElasticJob(config, elastic_hosts(config), spawner=SlowSpawner()).run() == 0
+    assert ElasticSupervisor(config, elastic_hosts(config)).job_of(spawner=SlowSpawner()).run() == 0
     assert len(list(tmp_path.iterdir())) == 3  # every worker ran to its end
 
 

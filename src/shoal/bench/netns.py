@@ -269,9 +269,10 @@ def main(argv: list[str] | None = None) -> int:
         }
         job: Job
         if config.elastic:
-            from shoal.runner.elastic_driver import ElasticJob
+            from shoal.runner.elastic_driver import ElasticSupervisor
 
-            job = ElasticJob(config, host_slots, spawner=ProcessSpawner(prefixes), rendezvous_addr=hosts.gateway())
+            supervisor = ElasticSupervisor(config, host_slots)
+            job = supervisor.job_of(spawner=ProcessSpawner(prefixes), rendezvous_addr=hosts.gateway())
         else:
             job = Job(config, slots, spawner=ProcessSpawner(prefixes), rendezvous_addr=hosts.gateway())
         if faults:

@@ -21,7 +21,7 @@ from typing import Any, cast
 
 from shoal.config import LaunchConfig
 from shoal.runner.discovery import HostDiscovery
-from shoal.runner.elastic_driver import ElasticJob
+from shoal.runner.elastic_driver import ElasticSupervisor
 from shoal.runner.function_job import FunctionJob
 from shoal.runner.hosts import HostSlots
 from shoal.runner.spawners import PolledProcess, Spawner, Worker, WorkerSpec
@@ -306,12 +306,10 @@ class ElasticRayExecutor:
             function.publish(store, job.secret)
 
         def collect(store: Any) -> None:
-            function.take_workers(function.view(store, job.secret), [worker.worker_id for worker in job.elastic])
+            function.take_workers(function.view(store, job.secret), [worker.worker_id for worker in supervisor.elastic])
 
-        job = ElasticJob(
-            self._config(),
-            [],
-            discovery=HostDiscovery([], nodes, interval_s=NODE_POLL_S),
+        supervisor = ElasticSupervisor(self._config(), [], discovery=HostDiscovery([], nodes, interval_s=NODE_POLL_S))
+        job = supervisor.job_of(
             spawner=RayActorSpawner(ray, nodes, self.cpus_per_slot, self.gpus_per_slot),
             rendezvous_addr=ray.util.get_node_ip_address(),
             extra_env=self.env_vars,
@@ -319,7 +317,7 @@ class ElasticRayExecutor:
             on_finish=collect,
         )
         code = job.run()  # its spawner's actors end with it
-        return function.of_finished(code, job.elastic)
+        return function.of_finished(code, supervisor.elastic)
 
     def shutdown(self) -> None:
         """Nothing outlives ``run`` (its actors end with it); kept for Horovod's API."""

@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
         print(check_build(config))
         return 0
     if config.elastic:
-        from shoal.runner.elastic_driver import ElasticJob, elastic_hosts
+        from shoal.runner.elastic_driver import ElasticSupervisor, elastic_hosts
 
         try:
             hosts = elastic_hosts(config)
@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
                 config.num_proc = min(sum(h.slots for h in hosts), config.max_np)
             if config.min_np is None:
                 config.min_np = config.num_proc
-            return ElasticJob(config, hosts).run()
+            return ElasticSupervisor(config, hosts).job_of().run()
         except (HostSpecError, ValueError) as error:
             print(f"shoalrun: error: {error}", file=sys.stderr)
             return 2

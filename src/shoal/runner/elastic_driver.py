@@ -25,6 +25,7 @@ more, then ends everything with a non-zero exit. ``--reset-limit`` bounds how ma
 
 from __future__ import annotations
 
+import functools
 import math
 import signal
 import sys
@@ -34,43 +35,39 @@ from typing import Any
 
 from shoal.config import LaunchConfig
 from shoal.runner.cooldown import HostCooldown
-from shoal.runner.discovery import HostDiscovery, progress_period
+from shoal.runner.discovery import HostDiscovery
 from shoal.runner.elastic_liveness import HeartbeatWatch
 from shoal.runner.elastic_notices import Notices
 from shoal.runner.elastic_rounds import Rounds
 from shoal.runner.elastic_worker import ElasticWorker, WorkerState, alive
 from shoal.runner.hosts import HostSlots, SlotInfo
-from shoal.runner.launcher import Job, _describe_status, requested_hosts
+from shoal.runner.launcher import Job, requested_hosts
+from shoal.runner.supervise import describe_status, say_verbose
 from shoal.runtime.elastic_rendezvous import ELASTIC_ID_ENV, ElasticKeys
 
 
-class ElasticJob(Job):
-    """A shoalrun job whose membership may change; ``run()`` returns shoalrun's exit code."""
+class ElasticSupervisor:
+    """The supervisor of a shoalrun job whose membership may change (``Job(..., supervisor=...)``; ``job_of`` builds
+    that job)."""
 
-    def __init__(
-        self,
-        config: LaunchConfig,
-        static_hosts: list[HostSlots],
-        discovery: HostDiscovery | None = None,
-        **job_options: Any,
-    ) -> None:
+    def __init__(self, config: LaunchConfig, static_hosts: list[HostSlots], discovery: HostDiscovery | None = None) -> None:
         """An elastic job over the static hosts (or those the discovery script prints, or ``discovery`` finds:
-        shoal.ray passes Ray's nodes); ``job_options`` go to ``Job`` (rendezvous address, store callbacks)."""
+        shoal.ray passes Ray's nodes)."""
         if config.num_proc is None or config.min_np is None or config.max_np is None:
             raise ValueError("an elastic job needs -np, --min-np and --max-np (LaunchConfig.check() fills them in)")
         if discovery is None:
             discovery = HostDiscovery.of_script(static_hosts, config.host_discovery_script, config.slots_per_host or 1)
         discovery.start()
-        # Only used to choose the rendezvous address: hosts discovered later may be remote, so then listen on all.
-        known = [SlotInfo(h.hostname, 0, 1, 0, 1, 0, 1) for h in discovery.hosts()]
-        super().__init__(config, slots=known, bind_all=discovery.dynamic, **job_options)
+        self.config = config
+        self.verbose = functools.partial(say_verbose, config)
+        self.job: Job | None = None
+        """The job it supervises, once ``launch`` runs."""
         self.num_proc, self.min_np, self.max_np = config.num_proc, config.min_np, config.max_np
         self.discovery = discovery
         self.elastic: list[ElasticWorker] = []
         self.cooldown = HostCooldown(config.blacklist_cooldown_range)
         """Hosts whose workers failed: none get new workers for the rest of the job, or until their cooldown ends."""
         self._spawned = 0
-        self._below_min_since: float | None = None
         self._keys: ElasticKeys | None = None
         self.rounds = Rounds(config, self.elastic, discovery, self.max_np, self.verbose)
         """The rounds of membership: the next one's members, when one is needed, and watching it form."""
@@ -83,7 +80,23 @@ class ElasticJob(Job):
     def _alive(self, *states: WorkerState) -> list[ElasticWorker]:
         return alive(self.elastic, *states)
 
-    def workers_on(self, hostnames: set[str]) -> int:
+    def job_of(self, **job_options: Any) -> Job:
+        """The job this supervises; ``job_options`` go to ``Job`` (spawner, rendezvous address, store callbacks)."""
+        # The hosts known now only choose the rendezvous address: hosts discovered later may be remote, so then
+        # the store listens on every interface.
+        known = [SlotInfo(h.hostname, 0, 1, 0, 1, 0, 1) for h in self.discovery.hosts()]
+        return Job(self.config, slots=known, bind_all=self.discovery.dynamic, supervisor=self, **job_options)
+
+    def _job(self) -> Job:
+        assert self.job is not None, "launch() first"
+        return self.job
+
+    @property
+    def _store(self) -> Any:
+        """The job's store, once it is up."""
+        return None if self.job is None else self.job.store
+
+    def workers_on(self, job: Job, hostnames: set[str]) -> int:
         # The machine's slots, up to --max-np: the most workers it will run at once (the job's slot list names each
         # host once, so it would say one, and every worker would take all the cores).
         return min(sum(h.slots for h in self.discovery.hosts() if h.hostname in hostnames), self.max_np)
@@ -96,8 +109,9 @@ class ElasticJob(Job):
         label = self._spawned - 1
         slot = SlotInfo(hostname, label, label + 1, 0, 1, 0, 1)
         env = {ELASTIC_ID_ENV: worker_id}  # the elastic timeout comes with every worker's settings
-        process = self._spawn(slot, env)
-        self.workers.append(process)
+        job = self._job()
+        process = job.spawn(slot, env)
+        job.workers.append(process)
         self.elastic.append(ElasticWorker(worker_id, hostname, process))
         self.verbose(f"started worker {worker_id}")
 
@@ -136,12 +150,11 @@ class ElasticJob(Job):
                 self.rounds.publish([])
 
         members, starting = self._alive(WorkerState.MEMBER), self._alive(WorkerState.STARTING)
-        return self.notices.end_after(members, starting, self.elastic, publish_empty, self.terminate_all)
+        return self.notices.end_after(members, starting, self.elastic, publish_empty, self._job().terminate_all)
 
-    def terminate_all(self) -> None:
-        """Say the job is ending, then end every worker as a static job does."""
-        self.notices.say_ending(self._store, self._keys)
-        super().terminate_all()
+    def ending(self, job: Job) -> None:
+        """Say the job is ending: workers given notice exit at once rather than wait for a commit."""
+        self.notices.say_ending(job.store, self._keys)
 
     # ----- supervision -----
 
@@ -165,11 +178,11 @@ class ElasticJob(Job):
             worker.state = WorkerState.FAILED
             self._end_leftovers(worker)
             cooldown_s = self.cooldown.fail(worker.hostname)  # also for a newcomer: no restart storm there
-            self._drain_output_of(worker.process)
+            self._job().drain_output_of(worker.process)
             if given_notice:  # the round without it is out already; the others restore, as after a crash
                 print(
                     f"shoalrun: worker {worker.worker_id} (rank {worker.rank}) on host {worker.hostname} "
-                    f"{_describe_status(code)}: it reached no commit within --preemption-grace-seconds of its "
+                    f"{describe_status(code)}: it reached no commit within --preemption-grace-seconds of its "
                     f"{worker.leaving}, so the others restore their last commit; "
                     f"{_no_new_workers(worker.hostname, cooldown_s)}",
                     file=sys.stderr,
@@ -181,14 +194,14 @@ class ElasticJob(Job):
             if finished:
                 print(
                     f"shoalrun: worker {worker.worker_id} (rank {worker.rank}) on host {worker.hostname} "
-                    f"{_describe_status(code)} after other workers had finished; ending the job",
+                    f"{describe_status(code)} after other workers had finished; ending the job",
                     file=sys.stderr,
                     flush=True,
                 )
                 return 128 - code if code < 0 else code
             print(
                 f"shoalrun: worker {worker.worker_id} (rank {worker.rank}) on host {worker.hostname} "
-                f"{_describe_status(code)}; {_no_new_workers(worker.hostname, cooldown_s)}; re-forming the job",
+                f"{describe_status(code)}; {_no_new_workers(worker.hostname, cooldown_s)}; re-forming the job",
                 file=sys.stderr,
                 flush=True,
             )
@@ -220,48 +233,48 @@ class ElasticJob(Job):
         except Exception as error:  # an actor already gone, a slot that cannot be reached: nothing left to end
             self.verbose(f"could not end what worker {worker.worker_id} left behind: {error}")
 
-    def run(self) -> int:
+    def launch(self, job: Job) -> int:
         """Start the job, keep it going through failures and host changes, return shoalrun's exit code. In the main
         thread, a notice signal to shoalrun (SIGUSR1 by default) that the process does not handle already is a notice
         to the whole job."""
+        self.job = job
         previous: dict[int, Any] = {}
         if threading.current_thread() is threading.main_thread():
             # Only signals nobody here handles yet: a program that runs the job (shoal.bench.netns) may use one.
             free = [sig for sig in self.notices.signals() if signal.getsignal(sig) is signal.SIG_DFL]
             previous = {sig: signal.signal(sig, self.notices.on_signal) for sig in free}
         try:
-            return super().run()
+            return self._launch(job)
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
             self.discovery.stop()
 
-    def _launch(self) -> int:
+    def _launch(self, job: Job) -> int:
         from shoal.comm.names import secret_namespace
 
         config = self.config
         if not self.discovery.wait_for_slots(self.min_np, config.elastic_timeout, self.cooldown.excluded()):
-            return self._fail(
+            return job.fail(
                 f"fewer than --min-np {self.min_np} slots were available within --elastic-timeout "
                 f"{config.elastic_timeout:.0f} s"
             )
-        self._store_thread.join()  # the driver writes rounds into the store from the start
-        if self._store_error is None:
-            self._keys = ElasticKeys(secret_namespace(self.secret))
-            self.rounds.attach(self._store, self._keys)
+        if job.wait_for_store():  # the driver writes rounds into the store from the start
+            self._keys = ElasticKeys(secret_namespace(job.secret))
+            self.rounds.attach(job.store, self._keys)
             self._fill_slots(min(self.num_proc, self.max_np))
             # Every worker started for the first round is in it, alive or not: one that already exited (a short
             # script, the others still being spawned) is then reaped as a member, finished or failed, not as a
             # newcomer that left without joining (which once ended a job of quick workers "none finished", exit 1).
             self.rounds.publish([w for w in self.elastic if w.state == WorkerState.STARTING])
         while True:
-            interrupted = self._interrupted()  # a signal, or the store could not be hosted
+            interrupted = job.interrupted()  # a signal, or the store could not be hosted
             if interrupted is not None:
                 return interrupted
             outcome = self._reap()
             if outcome is not None:
                 if outcome != 0:
-                    self.terminate_all()
+                    self._job().terminate_all()
                 return outcome
             finished = any(w.state == WorkerState.FINISHED for w in self.elastic)
             if not finished and self.notices.job is None:
@@ -288,36 +301,12 @@ class ElasticJob(Job):
             return None
         members = self.rounds.next_members()
         if any(w.joined for w in self.elastic) and not any(m.joined for m in members):
-            return self._fail("every worker that held the training state is gone; newcomers cannot continue from it")
+            return self._job().fail("every worker that held the training state is gone; newcomers cannot continue from it")
         if len(members) < self.min_np:
-            now = time.monotonic()
-            if self._below_min_since is None:
-                self._below_min_since = now
-                print(
-                    f"shoalrun: {len(members)} worker(s) left, fewer than --min-np {self.min_np}; waiting up "
-                    f"to --elastic-timeout {config.elastic_timeout:.0f} s for more hosts",
-                    file=sys.stderr,
-                    flush=True,
-                )
-            if now - self._below_min_since >= config.elastic_timeout:
-                return self._fail(
-                    f"only {len(members)} worker(s) remain, fewer than --min-np {self.min_np}, and no "
-                    f"host offered more slots within --elastic-timeout {config.elastic_timeout:.0f} s"
-                )
-            if now - max(self._below_min_since, self.rounds.progress_said) >= progress_period(config.elastic_timeout):
-                self.rounds.progress_said = now
-                left = config.elastic_timeout - (now - self._below_min_since)
-                cooling = self.cooldown.describe()
-                print(
-                    f"shoalrun: still {len(members)} worker(s), fewer than --min-np {self.min_np}; {left:.0f} s "
-                    f"left for hosts to offer more{f'; cooling down: {cooling}' if cooling else ''}",
-                    file=sys.stderr,
-                    flush=True,
-                )
-            return None
+            failure = self.rounds.too_few(len(members), self.min_np, self.cooldown.describe())
+            return None if failure is None else self._job().fail(failure)
         if config.reset_limit is not None and self.rounds.resets >= config.reset_limit:
-            return self._fail(f"the job needs to re-form ({reason}) but --reset-limit {config.reset_limit} is reached")
-        self._below_min_since = None
+            return self._job().fail(f"the job needs to re-form ({reason}) but --reset-limit {config.reset_limit} is reached")
         self.rounds.settled()
         print(
             f"shoalrun: re-forming the job with {len(members)} workers ({reason}); reset {self.rounds.resets + 1}",

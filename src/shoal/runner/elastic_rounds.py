@@ -49,6 +49,8 @@ class Rounds:
         self.progress_said = 0.0
         """When the driver last said what it waits for."""
         self._ready_seen_at: float | None = None
+        self._below_min_since: float | None = None
+        """Since when the next round would have fewer than --min-np members."""
 
     def attach(self, store: Any, keys: ElasticKeys) -> None:
         """The job's store is up: rounds are written there from now on."""
@@ -76,6 +78,37 @@ class Rounds:
         """The driver re-forms the job now: the reasons seen so far are answered."""
         self.reason = None
         self._ready_seen_at = None
+        self._below_min_since = None
+
+    def too_few(self, count: int, min_np: int, cooling: str) -> str | None:
+        """The next round would have ``count`` members, fewer than ``min_np``: wait up to --elastic-timeout for
+        hosts to offer more, saying so now and then (``cooling``: the hosts cooling down); past it, why the job
+        fails."""
+        timeout_s = self._config.elastic_timeout
+        now = time.monotonic()
+        if self._below_min_since is None:
+            self._below_min_since = now
+            print(
+                f"shoalrun: {count} worker(s) left, fewer than --min-np {min_np}; waiting up "
+                f"to --elastic-timeout {timeout_s:.0f} s for more hosts",
+                file=sys.stderr,
+                flush=True,
+            )
+        if now - self._below_min_since >= timeout_s:
+            return (
+                f"only {count} worker(s) remain, fewer than --min-np {min_np}, and no "
+                f"host offered more slots within --elastic-timeout {timeout_s:.0f} s"
+            )
+        if now - max(self._below_min_since, self.progress_said) >= progress_period(timeout_s):
+            self.progress_said = now
+            left = timeout_s - (now - self._below_min_since)
+            print(
+                f"shoalrun: still {count} worker(s), fewer than --min-np {min_np}; {left:.0f} s "
+                f"left for hosts to offer more{f'; cooling down: {cooling}' if cooling else ''}",
+                file=sys.stderr,
+                flush=True,
+            )
+        return None
 
     def next_members(self) -> list[ElasticWorker]:
         """Members that stay (rank order kept, so rank 0 has trained), then newcomers ready to rendezvous."""

@@ -32,28 +32,15 @@ from shoal.runner.hosts import (
 )
 from shoal.runner.rendezvous_address import pick_rendezvous_address
 from shoal.runner.spawners import LaunchError, ProcessSpawner, Spawner, Worker, WorkerSpec, process_label
-from shoal.runner.static_watch import StaticWatch
+from shoal.runner.supervise import TERMINATE_GRACE_S, StaticSupervisor, Supervisor, say_verbose
 from shoal.runner.worker_env import worker_env
 from shoal.runtime.slurm import NodeListError, allocation
-
-TERMINATE_GRACE_S = 2.0
-"""After SIGTERM, how long workers get before SIGKILL; the whole tree is gone well within 5 s."""
-SERVER_EXIT_GRACE_S = 5.0
-"""Once every worker finished, how long dedicated parameter servers get to leave on their own."""
-
-
-def _describe_status(code: int) -> str:
-    if code < 0:
-        try:
-            return f"was killed by signal {signal.Signals(-code).name}"
-        except ValueError:
-            return f"was killed by signal {-code}"
-    return f"exited with code {code}"
 
 
 class Job:
     """A whole shoalrun job; ``run()`` returns shoalrun's exit code. Its workers start through its ``spawner``
-    (processes here, over ssh or as Slurm steps by default; Ray actors, Spark slots)."""
+    (processes here, over ssh or as Slurm steps by default; Ray actors, Spark slots), and its ``supervisor`` decides
+    which run and when the job ends (static by default; the elastic driver)."""
 
     def __init__(
         self,
@@ -65,6 +52,7 @@ class Job:
         bind_all: bool = False,
         on_store: Callable[[Any], None] | None = None,
         on_finish: Callable[[Any], None] | None = None,
+        supervisor: Supervisor | None = None,
     ) -> None:
         """A job over ``slots``.
 
@@ -77,6 +65,7 @@ class Job:
             bind_all: listen on every interface even when all ``slots`` are local (hosts may join later).
             on_store: called with the job's store as soon as it exists (before any worker can read it).
             on_finish: called with the job's store once every worker has ended, before the store is dropped.
+            supervisor: which workers run and when the job ends (default: a ``StaticSupervisor``, every rank at once).
         """
         self._on_store, self._on_finish = on_store, on_finish
         self.config = config
@@ -100,9 +89,7 @@ class Job:
         self._store_error: BaseException | None = None
         self._store_thread = threading.Thread(target=self._host_store, name="shoalrun-store", daemon=True)
         self._stop_signal: int | None = None
-        self._watch = StaticWatch(self.secret)
-        """The workers' heartbeats: a stopped or cut-off worker is named in seconds and fails the job at the
-        ceiling (``static_watch``)."""
+        self.supervisor = supervisor or StaticSupervisor()
 
     @property
     def store(self) -> Any:
@@ -111,12 +98,11 @@ class Job:
 
     def workers_on(self, hostnames: set[str]) -> int:
         """How many workers this job runs on the hosts ``hostnames`` (one machine's: its spawner says which)."""
-        return sum(1 for s in self.slots if s.hostname in hostnames)
+        return self.supervisor.workers_on(self, hostnames)
 
     def verbose(self, message: str) -> None:
         """Say ``message`` on stderr with ``--verbose``."""
-        if self.config.verbose:
-            print(f"shoalrun: {message}", file=sys.stderr, flush=True)
+        say_verbose(self.config, message)
 
     def _host_store(self) -> None:
         # shoalrun never imports torch (seconds of CPU the workers need at start-up): its view of the store is the
@@ -132,7 +118,7 @@ class Job:
         except BaseException as error:  # reported by the supervisor loop, which ends the job
             self._store_error = error
 
-    def _job_env(self, slot: SlotInfo | None = None, extra: dict[str, str] | None = None) -> dict[str, str]:
+    def job_env(self, slot: SlotInfo | None = None, extra: dict[str, str] | None = None) -> dict[str, str]:
         """The Shoal environment of one process (``worker_env``): the rendezvous, the secret and the knobs, then the
         rank's identity (``slot``; none for a server) and extras; without them, what every process of the job gets."""
         settings = self.config.worker_env()
@@ -140,7 +126,7 @@ class Job:
             settings["PYTHONPATH"] = os.pathsep.join(p for p in (HOROVOD_SHIM_PATH, os.environ.get("PYTHONPATH")) if p)
         return worker_env(JobAddress(self.rendezvous_addr, self.rendezvous_port, self.secret), settings, slot, extra)
 
-    def _spawn(
+    def spawn(
         self,
         slot: SlotInfo,
         extra: dict[str, str] | None = None,
@@ -148,7 +134,7 @@ class Job:
         command: list[str] | None = None,
     ) -> Worker:
         """Start one process through the spawner: a rank's worker, or a dedicated server (``server_index``)."""
-        env = self._job_env(slot if server_index is None else None, {**self.extra_env, **(extra or {})})
+        env = self.job_env(slot if server_index is None else None, {**self.extra_env, **(extra or {})})
         # Output prefix [N] and log directory rank.N for a worker (N zero-padded to the widest rank, as horovodrun
         # does); [server.I] and server.I for a server.
         width = len(str(max(len(self.slots) - 1, 0)))
@@ -170,7 +156,9 @@ class Job:
         self._stop_signal = signum
 
     def terminate_all(self) -> None:
-        """SIGTERM every worker tree, then SIGKILL whatever is left after the grace period."""
+        """SIGTERM every worker tree (after the supervisor's word), then SIGKILL whatever is left after the grace
+        period."""
+        self.supervisor.ending(self)
         for worker in self.workers:
             worker.signal_tree(signal.SIGTERM)
         deadline = time.monotonic() + TERMINATE_GRACE_S
@@ -198,9 +186,9 @@ class Job:
         try:
             self.verbose(f"rendezvous at {self.rendezvous_addr}:{self.rendezvous_port}")
             self._store_thread.start()
-            return self._launch()
+            return self.supervisor.launch(self)
         except LaunchError as error:
-            return self._fail(str(error))
+            return self.fail(str(error))
         finally:
             self._drain_output()
             for sig, handler in previous.items():
@@ -223,20 +211,18 @@ class Job:
                 finally:
                     self.spawner.close()  # (Ray's actors end even when collecting a result raised)
 
-    def _launch(self) -> int:
-        """Start the workers (and servers) and supervise them to the end; returns shoalrun's exit code."""
-        for slot in self.slots:
-            self.workers.append(self._spawn(slot))
-        self._spawn_servers()
-        return self._supervise()
+    def wait_for_store(self) -> bool:
+        """Wait until the store is up (the store thread is done); False where it could not be hosted."""
+        self._store_thread.join()
+        return self._store_error is None
 
-    def _fail(self, message: str) -> int:
+    def fail(self, message: str) -> int:
         """Report why the job ends, end every worker, and return exit code 1."""
         print(f"shoalrun: {message}", file=sys.stderr, flush=True)
         self.terminate_all()
         return 1
 
-    def _interrupted(self) -> int | None:
+    def interrupted(self) -> int | None:
         """The exit code when a signal or the store ended the job (every worker is then terminated), else None."""
         if self._stop_signal is not None:
             name = signal.Signals(self._stop_signal).name
@@ -244,20 +230,8 @@ class Job:
             self.terminate_all()
             return 128 + self._stop_signal
         if self._store_error is not None:
-            return self._fail(f"cannot host the rendezvous store: {self._store_error}")
+            return self.fail(f"cannot host the rendezvous store: {self._store_error}")
         return None
-
-    def _spawn_servers(self) -> None:
-        """Start ``--num-servers`` dedicated parameter servers, spread over the job's hosts in turn."""
-        count = self.config.num_servers
-        if not count:
-            return
-        from shoal.ps.launch import server_processes
-
-        hosts = list(dict.fromkeys(slot.hostname for slot in self.slots))
-        for index, (argv, env) in enumerate(server_processes(count, len(self.slots), self._job_env())):
-            slot = next(s for s in self.slots if s.hostname == hosts[index % len(hosts)])
-            self.workers.append(self._spawn(slot, env, server_index=index, command=argv))
 
     def _remove_shared_memory(self) -> None:
         """Workers unlink their segments once attached; this catches one that died while setting up."""
@@ -267,58 +241,11 @@ class Job:
         if removed:
             self.verbose(f"removed leftover shared-memory segments: {', '.join(removed)}")
 
-    def _supervise(self) -> int:
-        while True:
-            interrupted = self._interrupted()
-            if interrupted is not None:
-                return interrupted
-            failed = next((w for w in self.workers if w.returncode not in (None, 0)), None)
-            if failed is not None:
-                code = failed.returncode
-                assert code is not None
-                others = [w for w in self.workers if w is not failed and w.returncode is None]
-                self._drain_output_of(failed)
-                print(
-                    f"shoalrun: {failed.label} on host {failed.slot.hostname} {_describe_status(code)}"
-                    + ("; terminating the other workers" if others else ""),
-                    file=sys.stderr,
-                    flush=True,
-                )
-                self.terminate_all()
-                return 128 - code if code < 0 else code
-            if all(w.returncode == 0 for w in self.workers if w.server_index is None):
-                return end_servers([w for w in self.workers if w.server_index is not None], self.verbose)
-            silent = self._watch.check(self._store, self.workers, time.monotonic())
-            if silent is not None:
-                return self._fail(f"rank {silent.slot.rank} on host {silent.slot.hostname} stayed silent; ending the job")
-            time.sleep(0.05)
-
     @staticmethod
-    def _drain_output_of(worker: Worker) -> None:
+    def drain_output_of(worker: Worker) -> None:
+        """Let a worker's output reach the terminal (up to 1 s per stream) before the job says what became of it."""
         for pump in worker.pumps:
             pump.join(timeout_s=1.0)
-
-
-def end_servers(servers: list[Worker], verbose: Callable[[str], None]) -> int:
-    """Every worker finished: servers leave on their own once all said goodbye; SIGTERM any that linger. Returns
-    shoalrun's exit code."""
-    deadline = time.monotonic() + SERVER_EXIT_GRACE_S
-    while time.monotonic() < deadline and any(s.returncode is None for s in servers):
-        time.sleep(0.05)
-    lingering = [s for s in servers if s.returncode is None]
-    for server in lingering:
-        verbose(f"{server.label} is still waiting after every worker finished; ending it")
-        server.signal_tree(signal.SIGTERM)
-    for server in lingering:
-        try:
-            server.process.wait(timeout=TERMINATE_GRACE_S)
-        except subprocess.TimeoutExpired:
-            server.signal_tree(signal.SIGKILL)
-    failed = next((s for s in servers if s not in lingering and s.returncode not in (None, 0)), None)
-    if failed is not None and failed.returncode is not None:
-        print(f"shoalrun: {failed.label} {_describe_status(failed.returncode)}", file=sys.stderr, flush=True)
-        return 1
-    return 0
 
 
 def build_slots(config: LaunchConfig) -> list[SlotInfo]:

@@ -22,7 +22,7 @@ from typing import IO, Any, cast
 
 from shoal.config import LaunchConfig
 from shoal.runner.discovery import HostDiscovery
-from shoal.runner.elastic_driver import ElasticJob
+from shoal.runner.elastic_driver import ElasticSupervisor
 from shoal.runner.function_job import FunctionJob
 from shoal.runner.hosts import HostSlots
 from shoal.runner.spawners import LaunchError, PolledProcess, Spawner, Worker, WorkerSpec
@@ -317,13 +317,11 @@ def run_elastic(
     def collect(store: Any) -> None:
         if output is not None:
             output.drain()
-        function.take_workers(function.view(store, job.secret), [worker.worker_id for worker in job.elastic])
+        function.take_workers(function.view(store, job.secret), [worker.worker_id for worker in supervisor.elastic])
         slots.finish()
 
-    job = ElasticJob(
-        config,
-        [],
-        discovery=HostDiscovery([], slots.poll, interval_s=0.2, live=slots.hosts),
+    supervisor = ElasticSupervisor(config, [], discovery=HostDiscovery([], slots.poll, interval_s=0.2, live=slots.hosts))
+    job = supervisor.job_of(
         spawner=SparkSlotSpawner(slots, lambda: output),
         rendezvous_addr=_driver_address(context, nics),
         on_store=publish,
@@ -337,7 +335,7 @@ def run_elastic(
         drainer.stop()
         slots.end()
     last = f"\nthe last Spark slot error: {slots.last_error}" if slots.last_error else ""
-    return function.of_finished(code, job.elastic, last)
+    return function.of_finished(code, supervisor.elastic, last)
 
 
 def _config(
