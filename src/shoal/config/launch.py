@@ -246,12 +246,12 @@ class LaunchConfig:
             raise ValueError(f"--num-servers must be >= 0, got {self.num_servers}")
         if self.start_timeout <= 0:
             raise ValueError(f"--start-timeout must be > 0, got {self.start_timeout}")
-        self._check_engine()
+        _check_engine(self)
         self.elastic = any(v is not None for v in (self.min_np, self.max_np, self.host_discovery_script, self.reset_limit))
         if self.elastic:
             if self.num_servers:
                 raise ValueError("--num-servers cannot be combined with elastic flags (a server's shard cannot move yet)")
-            self._check_elastic()
+            _check_elastic(self)
             return
         for flag, value in (
             ("--blacklist-cooldown-range", self.blacklist_cooldown_range),
@@ -260,60 +260,10 @@ class LaunchConfig:
         ):
             if value is not None:
                 raise ValueError(f"{flag} is for elastic jobs (--min-np, --max-np or --host-discovery-script)")
-        if self.num_proc is None and not self._hosts_known():
+        if self.num_proc is None and not _hosts_known(self):
             raise ValueError("-np is required when no hosts are given")
         if self.num_proc is not None and self.num_proc < 1:
             raise ValueError(f"-np must be >= 1, got {self.num_proc}")
-
-    def _hosts_known(self) -> bool:
-        """Whether the hosts and their slots are known without -np: -H, --hostfile, or a Slurm allocation (salloc,
-        sbatch), whose tasks are the slots."""
-        slurm_job = os.environ.get("SLURM_JOB_ID") or os.environ.get("SLURM_JOBID")
-        slurm_nodes = os.environ.get("SLURM_JOB_NODELIST") or os.environ.get("SLURM_NODELIST")
-        return bool(self.hosts or self.hostfile or (slurm_job and slurm_nodes))
-
-    def _check_engine(self) -> None:
-        """The engine settings as the workers will see them (over this process's environment) must be valid."""
-        unknown = set(self.engine) - {s.name for s in settings(EngineConfig)}
-        if unknown:
-            raise ValueError(f"unknown engine settings: {', '.join(sorted(unknown))}")
-        for setting in settings(EngineConfig):  # the flags horovodrun checks itself, named as it names them
-            value = self.engine.get(setting.name)
-            if setting.name in _NON_NEGATIVE and value is not None and value < 0:
-                raise ValueError(f"{setting.knob.flags[0]} must be >= 0, got {value / setting.knob.flag_scale:g}")
-        try:
-            from_env(EngineConfig, **self.engine)
-        except ValueError as error:
-            raise ValueError(f"engine settings: {error}") from None
-
-    def _check_elastic(self) -> None:
-        if self.host_discovery_script and (self.hosts or self.hostfile):
-            raise ValueError("use either --host-discovery-script or -H/--hostfile, not both")
-        for flag, value in (("-np", self.num_proc), ("--min-np", self.min_np), ("--max-np", self.max_np)):
-            if value is not None and value < 1:
-                raise ValueError(f"{flag} must be >= 1, got {value}")
-        if self.num_proc is None:
-            self.num_proc = self.min_np
-        if self.num_proc is None and not self._hosts_known():
-            raise ValueError("an elastic job needs -np or --min-np")
-        if self.min_np is None and self.num_proc is not None:
-            self.min_np = self.num_proc  # else from the hosts' slots, once they are known (shoal.runner.main)
-        if self.num_proc is not None and self.min_np is not None and self.num_proc < self.min_np:
-            raise ValueError(f"-np {self.num_proc} is smaller than --min-np {self.min_np}")
-        if self.max_np is not None and self.max_np < max(self.min_np or 0, self.num_proc or 0):
-            raise ValueError(f"--max-np {self.max_np} is smaller than -np/--min-np")
-        if self.max_np is None:
-            self.max_np = UNBOUNDED_NP
-        if self.elastic_timeout <= 0:
-            raise ValueError(f"--elastic-timeout must be > 0, got {self.elastic_timeout}")
-        if self.reset_limit is not None and self.reset_limit < 0:
-            raise ValueError(f"--reset-limit must be >= 0, got {self.reset_limit}")
-        if self.blacklist_cooldown_range is not None:
-            self.blacklist_cooldown_range = check_cooldown_range(self.blacklist_cooldown_range)
-        if self.preemption_signals is not None:
-            parse_signal_names(self.preemption_signals)
-        if self.preemption_grace_seconds is not None and not 0 < self.preemption_grace_seconds <= 3600:
-            raise ValueError(f"--preemption-grace-seconds must be > 0 and <= 3600, got {self.preemption_grace_seconds:g}")
 
     def worker_env(self) -> dict[str, str]:
         """The settings every process of the job gets as SHOAL_ variables: the launcher's own (start timeout, log
@@ -327,6 +277,60 @@ class LaunchConfig:
             if setting.knob.env is not None and value is not None and not switched_off:
                 env[env_name(setting.knob.env)] = to_env(setting, value)
         return env
+
+
+def _hosts_known(config: LaunchConfig) -> bool:
+    """Whether the hosts and their slots are known without -np: -H, --hostfile, or a Slurm allocation (salloc,
+    sbatch), whose tasks are the slots."""
+    slurm_job = os.environ.get("SLURM_JOB_ID") or os.environ.get("SLURM_JOBID")
+    slurm_nodes = os.environ.get("SLURM_JOB_NODELIST") or os.environ.get("SLURM_NODELIST")
+    return bool(config.hosts or config.hostfile or (slurm_job and slurm_nodes))
+
+
+def _check_engine(config: LaunchConfig) -> None:
+    """The engine settings as the workers will see them (over this process's environment) must be valid."""
+    unknown = set(config.engine) - {s.name for s in settings(EngineConfig)}
+    if unknown:
+        raise ValueError(f"unknown engine settings: {', '.join(sorted(unknown))}")
+    for setting in settings(EngineConfig):  # the flags horovodrun checks itself, named as it names them
+        value = config.engine.get(setting.name)
+        if setting.name in _NON_NEGATIVE and value is not None and value < 0:
+            raise ValueError(f"{setting.knob.flags[0]} must be >= 0, got {value / setting.knob.flag_scale:g}")
+    try:
+        from_env(EngineConfig, **config.engine)
+    except ValueError as error:
+        raise ValueError(f"engine settings: {error}") from None
+
+
+def _check_elastic(config: LaunchConfig) -> None:
+    """The elastic flags must agree; -np, --min-np and --max-np are filled in from one another."""
+    if config.host_discovery_script and (config.hosts or config.hostfile):
+        raise ValueError("use either --host-discovery-script or -H/--hostfile, not both")
+    for flag, value in (("-np", config.num_proc), ("--min-np", config.min_np), ("--max-np", config.max_np)):
+        if value is not None and value < 1:
+            raise ValueError(f"{flag} must be >= 1, got {value}")
+    if config.num_proc is None:
+        config.num_proc = config.min_np
+    if config.num_proc is None and not _hosts_known(config):
+        raise ValueError("an elastic job needs -np or --min-np")
+    if config.min_np is None and config.num_proc is not None:
+        config.min_np = config.num_proc  # else from the hosts' slots, once they are known (shoal.runner.main)
+    if config.num_proc is not None and config.min_np is not None and config.num_proc < config.min_np:
+        raise ValueError(f"-np {config.num_proc} is smaller than --min-np {config.min_np}")
+    if config.max_np is not None and config.max_np < max(config.min_np or 0, config.num_proc or 0):
+        raise ValueError(f"--max-np {config.max_np} is smaller than -np/--min-np")
+    if config.max_np is None:
+        config.max_np = UNBOUNDED_NP
+    if config.elastic_timeout <= 0:
+        raise ValueError(f"--elastic-timeout must be > 0, got {config.elastic_timeout}")
+    if config.reset_limit is not None and config.reset_limit < 0:
+        raise ValueError(f"--reset-limit must be >= 0, got {config.reset_limit}")
+    if config.blacklist_cooldown_range is not None:
+        config.blacklist_cooldown_range = check_cooldown_range(config.blacklist_cooldown_range)
+    if config.preemption_signals is not None:
+        parse_signal_names(config.preemption_signals)
+    if config.preemption_grace_seconds is not None and not 0 < config.preemption_grace_seconds <= 3600:
+        raise ValueError(f"--preemption-grace-seconds must be > 0 and <= 3600, got {config.preemption_grace_seconds:g}")
 
 
 COOLDOWN_LIMITS_S = (1.0, 3600.0)
