@@ -238,9 +238,7 @@ OVERSIZE = {
     "shoal.comm.auth_store": 506,
     "shoal.comm.shm": 448,
     "shoal.bench.unequal": 412,
-    "shoal.runner.elastic_driver.ElasticSupervisor": 269,
     "shoal.ray.executor.RayExecutor": 282,
-    "shoal.config.launch.LaunchConfig": 278,
     "shoal.comm.shm.SharedMemoryGroup": 275,
 }
 """What was over the sizes when the guard went from the engine to the whole package (issue #55), at its size then:

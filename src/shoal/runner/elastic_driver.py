@@ -39,11 +39,11 @@ from shoal.runner.discovery import HostDiscovery
 from shoal.runner.elastic_liveness import HeartbeatWatch
 from shoal.runner.elastic_notices import Notices
 from shoal.runner.elastic_rounds import Rounds
-from shoal.runner.elastic_worker import ElasticWorker, WorkerState, alive
+from shoal.runner.elastic_worker import ElasticWorker, WorkerStarter, WorkerState, alive
 from shoal.runner.hosts import HostSlots, SlotInfo
 from shoal.runner.launcher import Job, requested_hosts
 from shoal.runner.supervise import describe_status, say_verbose
-from shoal.runtime.elastic_rendezvous import ELASTIC_ID_ENV, ElasticKeys
+from shoal.runtime.elastic_rendezvous import ElasticKeys
 
 
 class ElasticSupervisor:
@@ -64,10 +64,11 @@ class ElasticSupervisor:
         """The job it supervises, once ``launch`` runs."""
         self.num_proc, self.min_np, self.max_np = config.num_proc, config.min_np, config.max_np
         self.discovery = discovery
-        self.elastic: list[ElasticWorker] = []
         self.cooldown = HostCooldown(config.blacklist_cooldown_range)
         """Hosts whose workers failed: none get new workers for the rest of the job, or until their cooldown ends."""
-        self._spawned = 0
+        self.starter = WorkerStarter(discovery, self.cooldown, self.verbose)
+        self.elastic = self.starter.workers
+        """Every worker the job started, in order."""
         self._keys: ElasticKeys | None = None
         self.rounds = Rounds(config, self.elastic, discovery, self.max_np, self.verbose)
         """The rounds of membership: the next one's members, when one is needed, and watching it form."""
@@ -100,37 +101,6 @@ class ElasticSupervisor:
         # The machine's slots, up to --max-np: the most workers it will run at once (the job's slot list names each
         # host once, so it would say one, and every worker would take all the cores).
         return min(sum(h.slots for h in self.discovery.hosts() if h.hostname in hostnames), self.max_np)
-
-    def _start_worker(self, hostname: str) -> None:
-        self._spawned += 1
-        worker_id = f"{hostname}#{self._spawned}"
-        # The slot's rank only labels the output (the n-th worker started is [n-1], so labels never collide);
-        # the real rank comes from each round's assignment.
-        label = self._spawned - 1
-        slot = SlotInfo(hostname, label, label + 1, 0, 1, 0, 1)
-        env = {ELASTIC_ID_ENV: worker_id}  # the elastic timeout comes with every worker's settings
-        job = self._job()
-        process = job.spawn(slot, env)
-        job.workers.append(process)
-        self.elastic.append(ElasticWorker(worker_id, hostname, process))
-        self.verbose(f"started worker {worker_id}")
-
-    def _fill_slots(self, limit: int) -> None:
-        """Start workers on free slots of the known, non-excluded hosts, up to ``limit`` live workers."""
-        live = self._alive(WorkerState.STARTING, WorkerState.MEMBER)
-        # A host whose worker got a notice gets none while that worker is still leaving; a host that is going away
-        # leaves the discovery output.
-        leaving = {w.hostname for w in self.elastic if w.leaving is not None and w.process.returncode is None}
-        excluded = self.cooldown.excluded() | leaving
-        for host in self.discovery.hosts():
-            if host.hostname in excluded:
-                continue
-            on_host = sum(1 for w in live if w.hostname == host.hostname)
-            for _ in range(host.slots - on_host):
-                if len(live) >= limit:
-                    return
-                self._start_worker(host.hostname)
-                live = self._alive(WorkerState.STARTING, WorkerState.MEMBER)
 
     # ----- preemption notices -----
 
@@ -262,7 +232,7 @@ class ElasticSupervisor:
         if job.wait_for_store():  # the driver writes rounds into the store from the start
             self._keys = ElasticKeys(secret_namespace(job.secret))
             self.rounds.attach(job.store, self._keys)
-            self._fill_slots(min(self.num_proc, self.max_np))
+            self.starter.fill(self._job(), min(self.num_proc, self.max_np))
             # Every worker started for the first round is in it, alive or not: one that already exited (a short
             # script, the others still being spawned) is then reaped as a member, finished or failed, not as a
             # newcomer that left without joining (which once ended a job of quick workers "none finished", exit 1).
@@ -295,7 +265,7 @@ class ElasticSupervisor:
         config = self.config
         self.rounds.watch()
         if self.discovery.dynamic or config.blacklist_cooldown_range is not None:
-            self._fill_slots(self.max_np)  # static hosts come back only after a cooldown
+            self.starter.fill(self._job(), self.max_np)  # static hosts come back only after a cooldown
         reason = self.rounds.wanted()
         if reason is None:
             return None
