@@ -47,8 +47,7 @@ class LossyOptions:
     max_rank: int = 4
     min_rank: int = 2
     """The lowest rank a per-layer choice takes (if ``max_rank`` allows): rank 1 converges noticeably slower (Vogels
-    et al. 2019 match SGD's accuracy from rank 2; on digits at 100 Mbit/s, rank 1 ended 1.4 points short of the
-    uncompressed run in 8 epochs where DDP's hook at rank 4 matched it)."""
+    et al. 2019 match SGD's accuracy from rank 2; the measurement is in docs/communication.md)."""
     ratio: float = 0.01
     """Top-k's share of each gradient's entries sent."""
     min_rate: float = 2.0
