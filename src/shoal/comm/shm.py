@@ -30,16 +30,11 @@ import torch
 from shoal.comm.names import SEGMENT_PREFIX, SHM_DIR, host_tag
 from shoal.comm.names import job_token as job_token  # re-exported: shm is where the segments are made
 from shoal.comm.names import remove_job_segments as remove_job_segments
+from shoal.comm.shm_control import ControlLines, SharedMemoryError
 from shoal.log import get_logger
 
 _SHM_DIR = SHM_DIR
-_CONTROL_LINE_INT64 = 8  # one 64-byte cache line per rank, so ranks never write the same line
 _HEADER_BYTES = 4096
-_SPIN_BEFORE_YIELD = 64
-_YIELD_BEFORE_SLEEP_S = 0.002
-_LIVENESS_EVERY_S = 0.02
-_LEFT = -1
-"""The pid recorded for a rank that closed its side of the segment."""
 DEFAULT_SLOT_BYTES = 4 * 1024 * 1024
 
 REDUCE_INTO: dict[str, Callable[[torch.Tensor, torch.Tensor], Any]] = {
@@ -60,18 +55,6 @@ _REDUCE_OUT: dict[str, Callable[[torch.Tensor, torch.Tensor, torch.Tensor], Any]
 }
 _LARGE_CHUNK_ELEMENTS = 64 * 1024
 """From this many elements per chunk on, copies dominate and the copy-saving allreduce variant is used."""
-
-
-class SharedMemoryError(RuntimeError):
-    """A local peer died or stopped answering during a shared-memory collective."""
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except (FileNotFoundError, ProcessLookupError, IndexError):
-        return False
 
 
 def check_segment_file(path: str, info: os.stat_result, size: int) -> None:
@@ -122,9 +105,7 @@ class SharedMemoryGroup:
             self._map = mmap.mmap(fd, size)
         finally:
             os.close(fd)
-        # A memoryview of int64s: reading one costs tens of nanoseconds, which is what a spin loop needs.
-        self._control = memoryview(self._map)[:_HEADER_BYTES].cast("q")
-        self._sequence_index = [rank * _CONTROL_LINE_INT64 for rank in range(local_size)]
+        self._lines = ControlLines(memoryview(self._map)[:_HEADER_BYTES].cast("q"), local_rank, local_size, timeout_s)
         self._slices_cache: dict[int, list[tuple[int, int]]] = {}
         self._small_cache: dict[
             tuple[torch.dtype, int, int], tuple[torch.Tensor, torch.Tensor | None, list[torch.Tensor], torch.Tensor]
@@ -132,48 +113,13 @@ class SharedMemoryGroup:
         self._data = torch.frombuffer(self._map, dtype=torch.uint8, offset=_HEADER_BYTES, count=2 * local_size * slot_bytes)
         self._views: dict[torch.dtype, list[list[torch.Tensor]]] = {}
         self._steps = 0
-        self._epoch = 0
-        self._control[local_rank * _CONTROL_LINE_INT64] = 0
-        self._control[local_rank * _CONTROL_LINE_INT64 + 1] = os.getpid()
         self._closed = False
 
     # ----- synchronisation -----
 
     def barrier(self) -> None:
         """Wait until every local rank has reached this point; raises if a peer died or the timeout passed."""
-        self._epoch += 1
-        epoch = self._epoch
-        control = self._control
-        control[self.local_rank * _CONTROL_LINE_INT64] = epoch
-        spins = 0
-        start = time.monotonic()
-        last_check = start
-        pause = 20e-6
-        while not all(control[index] >= epoch for index in self._sequence_index):
-            spins += 1
-            if spins < _SPIN_BEFORE_YIELD:
-                continue
-            now = time.monotonic()
-            if now - start < _YIELD_BEFORE_SLEEP_S:
-                os.sched_yield()
-                continue
-            time.sleep(pause)
-            pause = min(pause * 2, 1e-3)
-            if now - last_check >= _LIVENESS_EVERY_S:
-                last_check = now
-                self._check_peers(epoch, now - start)
-
-    def _check_peers(self, epoch: int, waited_s: float) -> None:
-        for peer in range(self.local_size):
-            if self._control[peer * _CONTROL_LINE_INT64] >= epoch or peer == self.local_rank:
-                continue
-            pid = self._control[peer * _CONTROL_LINE_INT64 + 1]
-            if pid == _LEFT:
-                raise SharedMemoryError(f"local rank {peer} left the group during a shared-memory collective")
-            if pid and not _pid_alive(pid):
-                raise SharedMemoryError(f"local rank {peer} (pid {pid}) died during a shared-memory collective")
-        if waited_s > self.timeout_s:
-            raise SharedMemoryError(f"local ranks did not reach a shared-memory collective within {self.timeout_s:.0f} s")
+        self._lines.barrier()
 
     # ----- helpers -----
 
@@ -370,11 +316,10 @@ class SharedMemoryGroup:
         if self._closed:
             return
         self._closed = True
-        self._control[self.local_rank * _CONTROL_LINE_INT64 + 1] = _LEFT
         self._data = torch.empty(0, dtype=torch.uint8)
         self._views.clear()
         self._small_cache.clear()
-        self._control.release()  # a thread still spinning on it gets a ValueError, not a read of freed memory
+        self._lines.leave()
         # Not self._map.close(): tensors from torch.frombuffer keep the mmap object alive but hold no buffer export,
         # so a close would succeed under a view another thread still uses. The segment is unmapped when the last
         # view and this group are gone.
