@@ -9,8 +9,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from shoal.ray.job import RayJobStore, import_ray, rank_order
+from shoal.ray.placement import PLACEMENT_STRATEGIES, Placement
 
-PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 SHUTDOWN_GRACE_S = 5.0
 """How long ``shutdown()`` lets the ranks shut Shoal down together before their actors are killed."""
 
@@ -164,46 +164,20 @@ class RayExecutor:
         if num_hosts is not None and num_workers_per_host < 1:
             raise ValueError("RayExecutor: num_workers_per_host must be >= 1")
         self.settings = settings or RaySettings()
-        self.num_hosts = num_hosts
-        self.num_workers_per_host = num_workers_per_host
         self.num_workers = num_workers or (num_hosts or 0) * num_workers_per_host
-        self.cpus_per_worker = cpus_per_worker
-        self.use_gpu = use_gpu
-        self.gpus_per_worker = (gpus_per_worker or 1) if use_gpu else 0
-        self.use_current_placement_group = use_current_placement_group
-        self.placement_strategy = placement_strategy
+        self.placement = Placement(
+            self.num_workers,
+            num_hosts,
+            num_workers_per_host,
+            cpus_per_worker,
+            (gpus_per_worker or 1) if use_gpu else 0,
+            use_current_placement_group,
+            placement_strategy,
+            self.settings.placement_group_timeout_s,
+        )
         self.locations: list[tuple[str, int]] = []
         """Each rank's (host name, pid)."""
-        self._placement_group: Any = None
-        self._owns_placement_group = False
         self._store: RayJobStore | None = None
-
-    def _reserve(self, ray: Any) -> list[int]:
-        """Reserve the bundles (a new placement group, or the current one) and return each worker's bundle index."""
-        from ray.util.placement_group import get_current_placement_group, placement_group
-
-        worker_bundle = {"CPU": self.cpus_per_worker, **({"GPU": self.gpus_per_worker} if self.use_gpu else {})}
-        current = get_current_placement_group() if self.use_current_placement_group else None
-        if current is not None:
-            self._placement_group, self._owns_placement_group = current, False
-            return [index % len(current.bundle_specs) for index in range(self.num_workers)]
-        if self.num_hosts:  # one bundle per host holding its workers, each host a different node
-            per_host = {name: amount * self.num_workers_per_host for name, amount in worker_bundle.items()}
-            bundles, strategy = [per_host] * self.num_hosts, "STRICT_SPREAD"
-            indices = [index // self.num_workers_per_host for index in range(self.num_workers)]
-        else:
-            bundles, strategy = [worker_bundle] * self.num_workers, self.placement_strategy
-            indices = list(range(self.num_workers))
-        self._placement_group, self._owns_placement_group = placement_group(bundles, strategy=strategy), True
-        try:
-            ray.get(self._placement_group.ready(), timeout=self.settings.placement_group_timeout_s)
-        except ray.exceptions.GetTimeoutError:
-            self.shutdown()
-            raise RuntimeError(
-                f"RayExecutor: Ray could not reserve {len(bundles)} x {bundles[0]} ({strategy}) within "
-                f"{self.settings.placement_group_timeout_s:.0f} s; the cluster has {ray.available_resources()} free"
-            ) from None
-        return indices
 
     def start(
         self,
@@ -219,7 +193,6 @@ class RayExecutor:
             RuntimeError: Ray cannot reserve the resources in time, or an actor fails to start.
         """
         ray = import_ray()
-        from ray.util.placement_group import placement_group_table
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         if self._elastic is not None:
@@ -229,17 +202,15 @@ class RayExecutor:
             raise RuntimeError("RayExecutor.start(): already started; shutdown() first")
         if not ray.is_initialized():
             ray.init()
-        bundle_of = self._reserve(ray)
-        node_of_bundle = placement_group_table(self._placement_group)["bundles_to_node_id"]
-        address_of_node = {node["NodeID"]: node["NodeManagerAddress"] for node in ray.nodes()}
-        nodes = [address_of_node[node_of_bundle[bundle]] for bundle in bundle_of]
+        bundle_of = self.placement.reserve(ray)
+        nodes = self.placement.nodes(ray, bundle_of)
         order = rank_order(nodes)
         self._store = RayJobStore(ray.util.get_node_ip_address(), self.settings.timeout_s)
         envs = self._store.rank_envs([nodes[index] for index in order], extra_env_vars)
         actor_class = ray.remote(ShoalWorker)
         for rank, index in enumerate(order):
-            strategy = PlacementGroupSchedulingStrategy(self._placement_group, placement_group_bundle_index=bundle_of[index])
-            options = {"num_cpus": self.cpus_per_worker, "num_gpus": self.gpus_per_worker, "scheduling_strategy": strategy}
+            strategy = PlacementGroupSchedulingStrategy(self.placement.group, placement_group_bundle_index=bundle_of[index])
+            options = {"num_cpus": self.placement.cpus, "num_gpus": self.placement.gpus, "scheduling_strategy": strategy}
             self.workers.append(actor_class.options(**options).remote(rank, envs[rank]))
         try:
             self.locations = ray.get([worker.where.remote() for worker in self.workers])
@@ -335,11 +306,7 @@ class RayExecutor:
             except ray.exceptions.RayError:  # already gone
                 pass
         self.workers, self.locations = [], []
-        if self._placement_group is not None and self._owns_placement_group:
-            from ray.util.placement_group import remove_placement_group
-
-            remove_placement_group(self._placement_group)
-        self._placement_group = None
+        self.placement.release()
         if self._store is not None:
             self._store.close()
             self._store = None
