@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 import shoal.torch as hvd
 from conftest import REPO, SHOALRUN, clean_env
-from shoal.comm import auth_store, shm
+from shoal.comm import auth_store, shm, store_wire
 from shoal.engine.request import Kind, RequestMeta
 from shoal.engine.wire_format import decode_requests, decode_stall_report, encode_requests
 from shoal.testing import run_ranks
@@ -83,7 +83,7 @@ def test_a_stranger_can_neither_read_list_nor_write_the_store_and_the_job_goes_o
     results = run_ranks(_stranger_attacks, 2, timeout_s=90)
     stranger = results[0]
     assert all(result.startswith("error") for _, result in stranger["tcpstore"]), stranger["tcpstore"]  # type: ignore[union-attr]
-    greeting = len(auth_store._MAGIC) + auth_store._NONCE_BYTES
+    greeting = len(store_wire.MAGIC) + store_wire.NONCE_BYTES
     assert all(0 <= n <= greeting for n in stranger["garbage_replies"])  # type: ignore[union-attr]  # the challenge at most
     assert "does not match the job's secret" in stranger["wrong_secret"]  # type: ignore[operator]
     assert stranger["stranger_key_written"] is False

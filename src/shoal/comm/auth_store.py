@@ -19,9 +19,6 @@ elastic assignments) are visible on the wire to someone who can watch it, as the
 
 from __future__ import annotations
 
-import hashlib
-import hmac
-import os
 import queue
 import socket
 import struct
@@ -30,128 +27,19 @@ import time
 from datetime import timedelta
 from typing import TYPE_CHECKING, TypeVar
 
+from shoal.comm import store_wire as wire
+from shoal.comm.store_wire import StoreAuthError
 from shoal.config import env_name
 from shoal.log import get_logger
 
 if TYPE_CHECKING:
     from typing_extensions import Self
 
-_MAGIC = b"SHOAL-STORE-1"
-_NONCE_BYTES = 32
-_MAC_BYTES = 32
-_MAX_FRAME_BYTES = 64 * 1024 * 1024
 _HANDSHAKE_TIMEOUT_S = 10.0
 _MAX_CONNECTIONS = 4096
 
 (_SET, _GET, _ADD, _COMPARE_SET, _CHECK, _WAIT, _DELETE, _NUM_KEYS, _APPEND) = range(1, 10)
 _OK, _TIMEOUT, _MISSING, _BAD = 0, 1, 2, 3
-
-
-class StoreAuthError(RuntimeError):
-    """The other side does not hold the job secret (or is not a Shoal store at all)."""
-
-
-def _mac(key: bytes, *parts: bytes) -> bytes:
-    return hmac.new(key, b"".join(parts), hashlib.sha256).digest()
-
-
-def _recv_exact(sock: socket.socket, count: int) -> bytes:
-    chunks, left = [], count
-    while left:
-        chunk = sock.recv(min(left, 1 << 20))
-        if not chunk:
-            raise ConnectionError("the connection closed")
-        chunks.append(chunk)
-        left -= len(chunk)
-    return b"".join(chunks)
-
-
-def _pack_fields(*fields: bytes) -> bytes:
-    return b"".join(struct.pack(">I", len(f)) + f for f in fields)
-
-
-def _unpack_fields(data: bytes) -> list[bytes]:
-    fields, offset = [], 0
-    while offset < len(data):
-        if offset + 4 > len(data):
-            raise ValueError("truncated field")
-        (length,) = struct.unpack_from(">I", data, offset)
-        offset += 4
-        if offset + length > len(data):
-            raise ValueError("truncated field")
-        fields.append(data[offset : offset + length])
-        offset += length
-    return fields
-
-
-def _int_field(value: int) -> bytes:
-    return struct.pack(">q", value)
-
-
-def _read_int(field: bytes) -> int:
-    if len(field) != 8:
-        raise ValueError("malformed integer field")
-    return int(struct.unpack(">q", field)[0])
-
-
-class _Channel:
-    """One authenticated connection: framed, MAC'd, sequence-numbered messages in both directions."""
-
-    def __init__(self, sock: socket.socket, key: bytes, outgoing: bytes, incoming: bytes) -> None:
-        self.sock = sock
-        self._key = key
-        self._out, self._in = outgoing, incoming
-        self._sent = 0
-        self._received = 0
-
-    def send(self, payload: bytes) -> None:
-        mac = _mac(self._key, self._out, struct.pack(">Q", self._sent), payload)
-        self._sent += 1
-        self.sock.sendall(struct.pack(">I", len(payload)) + payload + mac)
-
-    def receive(self) -> bytes:
-        (length,) = struct.unpack(">I", _recv_exact(self.sock, 4))
-        if length > _MAX_FRAME_BYTES:
-            raise ValueError(f"a frame of {length} bytes is over the limit")
-        payload = _recv_exact(self.sock, length)
-        mac = _recv_exact(self.sock, _MAC_BYTES)
-        expected = _mac(self._key, self._in, struct.pack(">Q", self._received), payload)
-        if not hmac.compare_digest(mac, expected):
-            raise StoreAuthError("a message failed authentication")
-        self._received += 1
-        return payload
-
-
-def _server_handshake(sock: socket.socket, secret: bytes) -> _Channel:
-    challenge = os.urandom(_NONCE_BYTES)
-    sock.sendall(_MAGIC + challenge)
-    nonce = _recv_exact(sock, _NONCE_BYTES)
-    proof = _recv_exact(sock, _MAC_BYTES)
-    if not hmac.compare_digest(proof, _mac(secret, b"client", challenge, nonce)):
-        raise StoreAuthError("the client does not hold the job secret")
-    sock.sendall(_mac(secret, b"server", challenge, nonce))
-    return _Channel(sock, _mac(secret, b"session", challenge, nonce), b"S", b"C")
-
-
-def _client_handshake(sock: socket.socket, secret: bytes, where: str) -> _Channel:
-    try:
-        magic = _recv_exact(sock, len(_MAGIC))
-    except (ConnectionError, OSError) as error:
-        raise StoreAuthError(f"the rendezvous store at {where} closed the connection: {error}") from error
-    if magic != _MAGIC:
-        raise StoreAuthError(f"{where} is not a Shoal rendezvous store (another program holds the port?)")
-    challenge = _recv_exact(sock, _NONCE_BYTES)
-    nonce = os.urandom(_NONCE_BYTES)
-    sock.sendall(nonce + _mac(secret, b"client", challenge, nonce))
-    try:
-        proof = _recv_exact(sock, _MAC_BYTES)
-    except (ConnectionError, OSError) as error:
-        raise StoreAuthError(
-            f"rendezvous refused by {where}: this process's {env_name('SECRET')} does not match the job's secret"
-        ) from error
-    if not hmac.compare_digest(proof, _mac(secret, b"server", challenge, nonce)):
-        raise StoreAuthError(f"the store at {where} does not hold the job secret (another process holds the port?)")
-    return _Channel(sock, _mac(secret, b"session", challenge, nonce), b"C", b"S")
 
 
 class _KeyValues:
@@ -200,31 +88,31 @@ def _apply(values: _KeyValues, request: bytes) -> bytes:
     """Run one decoded request against the data and encode the reply; ValueError for a malformed request."""
     if not request:
         raise ValueError("empty request")
-    op, fields = request[0], _unpack_fields(request[1:])
+    op, fields = request[0], wire.unpack_fields(request[1:])
     if op == _SET and len(fields) == 2:
         values.set(fields[0], fields[1])
         return bytes([_OK])
     if op == _GET and len(fields) == 2:
-        if not values.wait_for([fields[0]], _read_int(fields[1]) / 1000):
+        if not values.wait_for([fields[0]], wire.read_int(fields[1]) / 1000):
             return bytes([_TIMEOUT])
         with values.cond:
             value = values.data.get(fields[0])
-        return bytes([_OK]) + _pack_fields(value) if value is not None else bytes([_MISSING])
+        return bytes([_OK]) + wire.pack_fields(value) if value is not None else bytes([_MISSING])
     if op == _ADD and len(fields) == 2:
-        return bytes([_OK]) + _pack_fields(_int_field(values.add(fields[0], _read_int(fields[1]))))
+        return bytes([_OK]) + wire.pack_fields(wire.int_field(values.add(fields[0], wire.read_int(fields[1]))))
     if op == _COMPARE_SET and len(fields) == 3:
-        return bytes([_OK]) + _pack_fields(values.compare_set(*fields))
+        return bytes([_OK]) + wire.pack_fields(values.compare_set(*fields))
     if op == _CHECK and fields:
         with values.cond:
             present = all(k in values.data for k in fields)
         return bytes([_OK if present else _MISSING])
     if op == _WAIT and fields:
-        return bytes([_OK if values.wait_for(fields[:-1], _read_int(fields[-1]) / 1000) else _TIMEOUT])
+        return bytes([_OK if values.wait_for(fields[:-1], wire.read_int(fields[-1]) / 1000) else _TIMEOUT])
     if op == _DELETE and len(fields) == 1:
         return bytes([_OK if values.delete(fields[0]) else _MISSING])
     if op == _NUM_KEYS and not fields:
         with values.cond:
-            return bytes([_OK]) + _pack_fields(_int_field(len(values.data)))
+            return bytes([_OK]) + wire.pack_fields(wire.int_field(len(values.data)))
     if op == _APPEND and len(fields) == 2:
         values.append(fields[0], fields[1])
         return bytes([_OK])
@@ -272,7 +160,7 @@ class AuthStoreServer:
     def _serve(self, sock: socket.socket) -> None:
         try:
             sock.settimeout(_HANDSHAKE_TIMEOUT_S)
-            channel = _server_handshake(sock, self._secret)
+            channel = wire.server_handshake(sock, self._secret)
             sock.settimeout(None)
             while True:
                 channel.send(_apply(self.values, channel.receive()))
@@ -334,8 +222,8 @@ class _LocalBackend:
         self.values = values
 
     def request(self, op: int, fields: list[bytes], timeout_s: float | None = None) -> tuple[int, list[bytes]]:
-        reply = _apply(self.values, bytes([op]) + _pack_fields(*fields))
-        return reply[0], _unpack_fields(reply[1:])
+        reply = _apply(self.values, bytes([op]) + wire.pack_fields(*fields))
+        return reply[0], wire.unpack_fields(reply[1:])
 
 
 class _RemoteBackend:
@@ -348,14 +236,14 @@ class _RemoteBackend:
     def __init__(self, host: str, port: int, secret: bytes, timeout_s: float) -> None:
         self.host, self.port, self._secret = host, port, secret
         self._timeout_s = timeout_s
-        self._idle: queue.SimpleQueue[_Channel] = queue.SimpleQueue()
+        self._idle: queue.SimpleQueue[wire.Channel] = queue.SimpleQueue()
         self._idle.put(self._connect(timeout_s))
 
     @property
     def where(self) -> str:
         return f"{self.host}:{self.port}"
 
-    def _connect(self, timeout_s: float) -> _Channel:
+    def _connect(self, timeout_s: float) -> wire.Channel:
         """Connect and authenticate, retrying refused connections until ``timeout_s`` (the server may be starting)."""
         deadline = time.monotonic() + timeout_s
         while True:
@@ -370,7 +258,7 @@ class _RemoteBackend:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         try:
             sock.settimeout(_HANDSHAKE_TIMEOUT_S)
-            channel = _client_handshake(sock, self._secret, self.where)
+            channel = wire.client_handshake(sock, self._secret, self.where)
             sock.settimeout(None)
         except BaseException:
             sock.close()
@@ -384,7 +272,7 @@ class _RemoteBackend:
             channel = self._connect(self._timeout_s)
         try:
             channel.sock.settimeout(None if timeout_s is None else timeout_s + 30.0)
-            channel.send(bytes([op]) + _pack_fields(*fields))
+            channel.send(bytes([op]) + wire.pack_fields(*fields))
             reply = channel.receive()
         except BaseException:
             channel.sock.close()
@@ -392,7 +280,7 @@ class _RemoteBackend:
         self._idle.put(channel)
         if not reply:
             raise _store_error(f"empty reply from the rendezvous store at {self.where}")
-        return reply[0], _unpack_fields(reply[1:])
+        return reply[0], wire.unpack_fields(reply[1:])
 
     def __del__(self) -> None:
         while True:
@@ -456,7 +344,7 @@ class KeyValueView:
 
     def get(self, key: str) -> bytes:
         wanted = self._key(key)
-        status, fields = self._request(_GET, [wanted, _int_field(int(self._timeout_s * 1000))], self._timeout_s)
+        status, fields = self._request(_GET, [wanted, wire.int_field(int(self._timeout_s * 1000))], self._timeout_s)
         if status == _TIMEOUT:
             raise _timeout_error([wanted], self._timeout_s)
         if status != _OK:
@@ -464,7 +352,7 @@ class KeyValueView:
         return fields[0]
 
     def add(self, key: str, amount: int) -> int:
-        return _read_int(self._request(_ADD, [self._key(key), _int_field(int(amount))])[1][0])
+        return wire.read_int(self._request(_ADD, [self._key(key), wire.int_field(int(amount))])[1][0])
 
     def compare_set(self, key: str, expected: str | bytes, desired: str | bytes) -> bytes:
         return self._request(_COMPARE_SET, [self._key(key), _as_bytes(expected), _as_bytes(desired)])[1][0]
@@ -478,14 +366,14 @@ class KeyValueView:
     def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
         timeout_s = self._timeout_s if timeout is None else timeout.total_seconds()
         wanted = [self._key(k) for k in keys]
-        if self._request(_WAIT, [*wanted, _int_field(int(timeout_s * 1000))], timeout_s)[0] != _OK:
+        if self._request(_WAIT, [*wanted, wire.int_field(int(timeout_s * 1000))], timeout_s)[0] != _OK:
             raise _timeout_error(wanted, timeout_s)
 
     def delete_key(self, key: str) -> bool:
         return self._request(_DELETE, [self._key(key)])[0] == _OK
 
     def num_keys(self) -> int:
-        return _read_int(self._request(_NUM_KEYS, [])[1][0])
+        return wire.read_int(self._request(_NUM_KEYS, [])[1][0])
 
 
 View = TypeVar("View", bound=KeyValueView)
