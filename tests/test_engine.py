@@ -137,7 +137,7 @@ def _steady_cycles() -> tuple[int, int]:
     engine = handles.engine()
     for _ in range(5):
         hvd.allreduce(torch.ones(4), name="steady")
-    cached_before = len(engine._cache)
+    cached_before = len(engine.cycle.cache)
     return cached_before, int(hvd.allreduce(torch.ones(1), name="probe", op=hvd.Sum).item())
 
 
@@ -363,7 +363,7 @@ def _failed_rank_lingers() -> float:
         def broken_cycle() -> tuple[bool, BaseException | None]:
             raise RuntimeError("injected engine failure")
 
-        handles.engine()._cycle = broken_cycle  # type: ignore[method-assign]
+        handles.engine().cycle.run = broken_cycle  # type: ignore[method-assign]
         with pytest.raises(RuntimeError, match="injected engine failure"):
             hvd.allreduce(torch.ones(3), name="x")
         hvd.shutdown()

@@ -23,7 +23,6 @@ from shoal.engine.cycle import Cycle, pause_ms
 from shoal.engine.executor import Executor
 from shoal.engine.inbox import EngineStoppedError, Inbox, Key
 from shoal.engine.request import Kind, Request
-from shoal.engine.response_cache import ResponseCache
 from shoal.engine.stall import CollectiveWatch
 from shoal.engine.timeline import Timeline, open_timeline
 from shoal.engine.transport import ArenaSite, Transport  # ArenaSite: re-exported
@@ -69,7 +68,9 @@ class Engine:
         self._executor = Executor(self.transport, lambda: self.timeline)
         self._inbox = Inbox()
         self._lock = self._inbox.lock
-        self._cycler = Cycle(config, self.transport, self._executor, self._inbox, lambda: self.timeline)
+        self.cycle = Cycle(config, self.transport, self._executor, self._inbox, lambda: self.timeline)
+        """The protocol every rank runs in lockstep (``cycle.py``): pending requests, the response cache, the bit
+        vector, negotiation; ``cycle.run()`` is one cycle."""
         self._driver: Literal["engine", "caller"] | None = None
         """Who runs cycles now: "engine" (its thread), "caller" (a thread blocked on its own call), None; under _lock."""
         self._callers_drive = callers_drive
@@ -107,14 +108,14 @@ class Engine:
     @property
     def autotune_frozen(self) -> bool | None:
         """None without autotune; else whether the best setting has been frozen (on this rank's engine)."""
-        autotune = self._cycler.autotune
+        autotune = self.cycle.autotune
         return None if autotune is None else autotune.frozen
 
     @property
     def tuned(self) -> TunedSettings:
         """The settings in force: ``config``'s until autotune applies its own (its ``bucket_bytes``, for the
         optimizer's gradient buckets, is None until then: the optimizer keeps its own)."""
-        return self._cycler.tuned
+        return self.cycle.tuned
 
     @property
     def collective_calls(self) -> int:
@@ -124,7 +125,7 @@ class Engine:
     @property
     def one_round_cycles(self) -> int:
         """Cycles that sent a cached set's readiness with its data (``shoal.engine.one_round``)."""
-        return self._cycler.one_round_cycles
+        return self.cycle.one_round_cycles
 
     @property
     def hierarchical(self) -> HierarchicalAllreduce | None:
@@ -132,12 +133,8 @@ class Engine:
         return self.transport.hierarchical
 
     @property
-    def _cache(self) -> ResponseCache:
-        return self._cycler.cache
-
-    @property
     def _pending(self) -> dict[Key, Request]:
-        return self._cycler.pending
+        return self.cycle.pending
 
     def execution(self, name: str, process_set: int = 0) -> tuple[float, int, int] | None:
         """The last execution of request ``name``: (its share by size of its batch's seconds, its elements, the
@@ -229,7 +226,7 @@ class Engine:
         """Run one cycle as the driver, then give up the drive: whether it completed anything, or None when the
         engine ended in it (a stop verdict, or a failed collective)."""
         try:
-            progress, stop = self._cycle()
+            progress, stop = self.cycle.run()
             if stop is None:
                 return progress
             self._fail_everything(stop)
@@ -277,16 +274,13 @@ class Engine:
                     self._lock.notify_all()  # the engine thread carries what is left
 
     def _wait_ms(self, stalled_cycles: int) -> float:
-        return pause_ms(self._cycler.tuned.cycle_time_ms, self.config.idle_cycle_time_ms, bool(self._pending), stalled_cycles)
+        return pause_ms(self.cycle.tuned.cycle_time_ms, self.config.idle_cycle_time_ms, bool(self._pending), stalled_cycles)
 
     def _fail_everything(self, error: BaseException) -> None:
         with self._lock:
-            requests = self._cycler.drop_pending() + self._inbox.drain(error)
+            requests = self.cycle.drop_pending() + self._inbox.drain(error)
         for request in requests:
             request.fail(error)
-
-    def _cycle(self) -> tuple[bool, BaseException | None]:
-        return self._cycler.run()
 
 
 __all__ = ["ArenaSite", "Engine", "EngineStoppedError", "Kind"]
