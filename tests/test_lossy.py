@@ -16,7 +16,7 @@ from shoal.plan.costs import LossyOptions
 from shoal.plan.schemes import AUTO_SCHEMES, COMPRESSED, Scheme
 from shoal.testing import run_ranks
 from shoal.torch.layer_comm.layers import build_plan
-from shoal.torch.optimizer import router_of
+from shoal.torch.optimizer import exchange_of, router_of
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -79,7 +79,7 @@ def _distributed(
     for step in range(steps):
         optimizer.zero_grad()
         nn.functional.mse_loss(model(x[step][mine]), y[step][mine]).backward()
-        casts.append(optimizer._shoal_exchange.compressor(model.fc1.weight) is hvd.Compression.bf16)  # type: ignore[attr-defined]
+        casts.append(exchange_of(optimizer).compressor(model.fc1.weight) is hvd.Compression.bf16)
         optimizer.step()
     kinds = sorted({type(c).__name__ for c in router_of(optimizer).layers()})
     residuals = sorted(router_of(optimizer).lossy.residuals)

@@ -14,6 +14,7 @@ from torch import nn
 import shoal.torch as hvd
 from shoal.core import session as handles
 from shoal.testing import run_ranks
+from shoal.torch.optimizer import exchange_of
 
 pytestmark = pytest.mark.check  # the quick tier: make check
 
@@ -370,7 +371,7 @@ def _learnt_sparse_across_a_reinit() -> list[bool]:
     hvd.init()
     model = SometimesEmbedded()
     optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters())
-    exchange = optimizer._shoal_exchange  # type: ignore[attr-defined]
+    exchange = exchange_of(optimizer)
     known = [id(model.first.weight) in exchange.sparse.known()]
     model(torch.tensor([1, 2]), True).backward()
     optimizer.step()
@@ -431,7 +432,7 @@ def _submitted_during_backward(overlap: bool | None, threads: int) -> tuple[bool
     x, y = data(hvd.size(), 1)
     rows = slice(hvd.rank() * BATCH, (hvd.rank() + 1) * BATCH)
     nn.functional.mse_loss(model(x[0, 0, rows]), y[0, 0, rows]).backward()
-    exchange = optimizer._shoal_exchange  # type: ignore[attr-defined]
+    exchange = exchange_of(optimizer)
     submitted = exchange.sent
     decided = exchange.buckets.overlap
     optimizer.step()

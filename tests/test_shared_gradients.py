@@ -19,6 +19,7 @@ from torch import nn
 import shoal.torch as hvd
 from shoal.core import session
 from shoal.testing import run_ranks
+from shoal.torch.optimizer import exchange_of
 
 pytestmark = pytest.mark.check  # the quick tier: make check
 
@@ -95,7 +96,7 @@ def _train(case: str) -> dict[str, Any]:
         if case == "re-init" and index == 0:
             hvd.shutdown()  # as an elastic re-form does: the arena belonged to the old engine
             hvd.init()
-    shared = optimizer._shoal_exchange.shared
+    shared = exchange_of(optimizer).shared
     arena = shared.arena.own() if shared is not None else None
     in_arena = [
         arena is not None and arena.data_ptr() <= p.grad.data_ptr() < arena.data_ptr() + arena.numel()

@@ -84,6 +84,7 @@ def _groups_rule(tf: Any, hvd: Any) -> dict[str, Any]:
     import torch
 
     import shoal.torch as hvd_torch
+    from shoal.torch.optimizer import exchange_of
 
     out: dict[str, Any] = {}
     with warnings.catch_warnings(record=True) as caught:
@@ -92,7 +93,7 @@ def _groups_rule(tf: Any, hvd: Any) -> dict[str, Any]:
         out["tape_groups"] = tape._shoal_reducer.groups
         params = [torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.ones(2))]
         optimizer = hvd_torch.DistributedOptimizer(torch.optim.SGD(params, lr=0.1), num_groups=2, groups=[[params[0]]])
-        chosen = optimizer._shoal_exchange.buckets.groups
+        chosen = exchange_of(optimizer).buckets.groups
         out["torch_groups"] = [[id(p) for p in group] for group in chosen] == [[id(params[0])]]
     out["warnings"] = sorted({w.category.__name__ for w in caught if "num_groups" in str(w.message)})
     for label, make in (

@@ -12,7 +12,7 @@ import functools
 import time
 import warnings
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any, cast
+from typing import Any
 
 import torch
 from torch import nn
@@ -50,17 +50,26 @@ _STEP_AFTER_SYNCHRONIZE = (
 """Horovod's warning, word for word."""
 
 
+def exchange_of(optimizer: torch.optim.Optimizer) -> GradientExchange:
+    """The gradient exchange of a Shoal ``DistributedOptimizer`` (its buckets, sparse gradients, shared memory and
+    router): what the benchmarks and the tests inspect.
+
+    Raises:
+        TypeError: ``optimizer`` is not a Shoal ``DistributedOptimizer`` (or is Adasum's, which has no such exchange).
+    """
+    exchange = getattr(optimizer, "_shoal_exchange", None)
+    if not isinstance(exchange, GradientExchange):
+        raise TypeError(f"exchange_of takes a Shoal DistributedOptimizer, not {type(optimizer).__name__}")
+    return exchange
+
+
 def router_of(optimizer: torch.optim.Optimizer) -> LayerRouter:
-    """The per-layer communication (schemes, the ``auto`` planner, drift) of a Shoal ``DistributedOptimizer``: what
-    the benchmarks and the tests inspect.
+    """The per-layer communication (schemes, the ``auto`` planner, drift) of a Shoal ``DistributedOptimizer``.
 
     Raises:
         TypeError: ``optimizer`` is not a Shoal ``DistributedOptimizer``.
     """
-    exchange = getattr(optimizer, "_shoal_exchange", None)
-    if exchange is None:
-        raise TypeError(f"router_of takes a Shoal DistributedOptimizer, not {type(optimizer).__name__}")
-    return cast(LayerRouter, exchange.router)
+    return exchange_of(optimizer).router
 
 
 def rounds_of(optimizer: torch.optim.Optimizer) -> OuterRounds | None:
