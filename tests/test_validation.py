@@ -106,7 +106,7 @@ def test_requests_on_different_cuda_devices_negotiate_alike() -> None:
 def test_the_engine_pause_never_overflows_however_long_a_peer_takes() -> None:
     config = EngineConfig()
     tuned = SimpleNamespace(cycle_time_ms=config.cycle_time_ms)
-    fake = SimpleNamespace(_pending={(0, "t"): None}, config=config, _cycler=SimpleNamespace(tuned=tuned))
+    fake = SimpleNamespace(_pending={(0, "t"): None}, config=config, cycle=SimpleNamespace(tuned=tuned))
     # 20 ms cycles for an hour is 180,000 empty cycles; 2**1024 overflowed a float after about 21 s.
     assert Engine._wait_ms(fake, 180_000) == config.idle_cycle_time_ms  # type: ignore[arg-type]
     assert pause_ms(config.cycle_time_ms, config.idle_cycle_time_ms, True, 180_000) == config.idle_cycle_time_ms
