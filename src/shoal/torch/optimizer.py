@@ -255,7 +255,7 @@ def DistributedOptimizer(
     else:
         names = parameter_names(optimizer.param_groups, named_parameters)
         router = functools.partial(LayerRouter, model=model, comm=comm, overrides=comm_overrides, ps_config=ps_config)
-        exchange_of = functools.partial(
+        make_exchange = functools.partial(
             GradientExchange,
             compression=compression,
             passes=backward_passes_per_step,
@@ -273,7 +273,7 @@ def DistributedOptimizer(
             passes=0 if loader is not None else backward_passes_per_step,
             process_set=process_set,
         )
-        wrapped = _wrap_gradients(optimizer, exchange_of, router, compressed, loader, facts)
+        wrapped = _wrap_gradients(optimizer, make_exchange, router, compressed, loader, facts)
         if local is not None and hosts is not None:
             weigh = FarChoice(wrapped._shoal_exchange, hosts) if mode is Planned.AUTO_FAR else None
             wrapped._shoal_outer = OuterRounds(params, local, hosts, outer_optimizer, weigh)

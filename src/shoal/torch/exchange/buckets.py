@@ -49,11 +49,12 @@ def overlaps_backward(device: torch.device) -> bool:
 
 
 class InFlight(NamedTuple):
-    """One reduction on its way: the engine's handle, its parameters, what was sent for each (compressed) and the
-    compressors' contexts to decompress it."""
+    """One reduction on its way: the engine's handle, its parameters, their compressors, what was sent for each
+    (compressed) and the compressors' contexts to decompress it."""
 
     handle: int
     params: list[torch.Tensor]
+    compressors: list[type[Compressor]]
     sent: list[torch.Tensor]
     contexts: list[Any]
 
@@ -161,15 +162,16 @@ class Buckets:
         names = [gradient_request_name(self.names[id(p)]) for p in params]
         sent = [c for c, _ in packed]
         handle = functions.allreduce_named_async_(sent, names, op, self.spec.prescale, self.spec.postscale, process_set, driven)
-        self._in_flight.append(InFlight(handle, params, sent, [ctx for _, ctx in packed]))
+        self._in_flight.append(InFlight(handle, params, compressors, sent, [ctx for _, ctx in packed]))
 
     def wait(self) -> None:
         """Land every reduction in flight: each parameter's gradient holds its reduced (decompressed) value."""
         for entry in self._in_flight:
             handles.synchronize(entry.handle)
-            compressors = [self.compressor(p) for p in entry.params]
-            with self._cast_span(compressors):
-                for param, compressor, sent, ctx in zip(entry.params, compressors, entry.sent, entry.contexts, strict=True):
+            with self._cast_span(entry.compressors):
+                for param, compressor, sent, ctx in zip(
+                    entry.params, entry.compressors, entry.sent, entry.contexts, strict=True
+                ):
                     if sent is not param.grad:
                         assert param.grad is not None
                         param.grad.copy_(compressor.decompress(sent, ctx))

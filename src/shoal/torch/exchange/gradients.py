@@ -40,6 +40,7 @@ class GradientExchange(BackwardHooks):
         "buckets",
         "compression",
         "marks",
+        "member",
         "op",
         "process_set",
         "router",
@@ -78,6 +79,8 @@ class GradientExchange(BackwardHooks):
         self.weights = weights
         self.compression = compression
         self.process_set = facts.process_set
+        self.member = self.process_set.included()
+        """As in Horovod, a rank outside the optimizer's process set exchanges nothing: ``step()`` is the local one."""
         self.marks = ComputeMarks()
         spec = ReduceSpec.for_gradients(op, gradient_predivide_factor)
         self.buckets = Buckets(facts.names, spec, [list(g) for g in groups or []], bucket_bytes, self.compressor, self.marks)
@@ -89,11 +92,6 @@ class GradientExchange(BackwardHooks):
         """``wait()`` ran and no gradient arrived since (the user called ``synchronize()`` before ``step()``)."""
         self._submitted: set[int] = set()
         """The parameters whose gradient left for its part this step."""
-
-    @property
-    def member(self) -> bool:
-        """As in Horovod, a rank outside the optimizer's process set exchanges nothing: ``step()`` is the local one."""
-        return self.process_set.included()
 
     @property
     def spec(self) -> ReduceSpec:
@@ -123,7 +121,7 @@ class GradientExchange(BackwardHooks):
     def point_at(self, process_set: ProcessSet) -> None:
         """Reduce the gradients in ``process_set`` from the next step on (a rank outside it reduces none)."""
         self.detach()
-        self.process_set = process_set
+        self.process_set, self.member = process_set, process_set.included()
         self.attach()
 
     def compressor(self, param: torch.Tensor) -> type[Compressor]:
