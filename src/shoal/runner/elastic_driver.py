@@ -69,7 +69,6 @@ class ElasticSupervisor:
         self.starter = WorkerStarter(discovery, self.cooldown, self.verbose)
         self.elastic = self.starter.workers
         """Every worker the job started, in order."""
-        self._keys: ElasticKeys | None = None
         self.rounds = Rounds(config, self.elastic, discovery, self.max_np, self.verbose)
         """The rounds of membership: the next one's members, when one is needed, and watching it form."""
         self.heartbeats = HeartbeatWatch()
@@ -92,11 +91,6 @@ class ElasticSupervisor:
         assert self.job is not None, "launch() first"
         return self.job
 
-    @property
-    def _store(self) -> Any:
-        """The job's store, once it is up."""
-        return None if self.job is None else self.job.store
-
     def workers_on(self, job: Job, hostnames: set[str]) -> int:
         # The machine's slots, up to --max-np: the most workers it will run at once (the job's slot list names each
         # host once, so it would say one, and every worker would take all the cores).
@@ -106,17 +100,18 @@ class ElasticSupervisor:
 
     def _check_notices(self) -> None:
         """Note workers that say they got a preemption notice (``shoal.runtime.preemption``)."""
-        if self._store is None or self._keys is None:
+        store, keys = self.rounds.store, self.rounds.keys
+        if store is None or keys is None:
             return
         starting_or_member = self._alive(WorkerState.STARTING, WorkerState.MEMBER)
-        reason = self.notices.check_all(self._store, self._keys, starting_or_member, self._alive(WorkerState.MEMBER))
+        reason = self.notices.check_all(store, keys, starting_or_member, self._alive(WorkerState.MEMBER))
         self.rounds.reason = self.rounds.reason or reason
 
     def _end_after_notice(self) -> int | None:
         """The job's end once it has notice (``Notices.end_after``)."""
 
         def publish_empty() -> None:
-            if self._store is not None and self._keys is not None:
+            if self.rounds.store is not None and self.rounds.keys is not None:
                 self.rounds.publish([])
 
         members, starting = self._alive(WorkerState.MEMBER), self._alive(WorkerState.STARTING)
@@ -124,7 +119,7 @@ class ElasticSupervisor:
 
     def ending(self, job: Job) -> None:
         """Say the job is ending: workers given notice exit at once rather than wait for a commit."""
-        self.notices.say_ending(job.store, self._keys)
+        self.notices.say_ending(self.rounds.store, self.rounds.keys)
 
     # ----- supervision -----
 
@@ -135,8 +130,9 @@ class ElasticSupervisor:
             if code is None or worker.state in (WorkerState.FINISHED, WorkerState.FAILED, WorkerState.LEFT):
                 continue
             if code == 0:
-                if self._store is not None and self._keys is not None:  # it may have left before its notice was seen
-                    self.rounds.reason = self.rounds.reason or self.notices.check(self._store, self._keys, worker)
+                store, keys = self.rounds.store, self.rounds.keys
+                if store is not None and keys is not None:  # it may have left before its notice was seen
+                    self.rounds.reason = self.rounds.reason or self.notices.check(store, keys, worker)
                 if worker.leaving is not None and worker.state in (WorkerState.MEMBER, WorkerState.REMOVED):
                     self.verbose(f"worker {worker.worker_id} left after its {worker.leaving} notice")
                     worker.state = WorkerState.LEFT
@@ -186,7 +182,7 @@ class ElasticSupervisor:
             if members and self.rounds.number == 1 and not self.rounds.formed:
                 return None  # a script that never rendezvoused (no elastic state): each worker runs to its end
             # Training is over; newcomers still waiting to join (or removed workers still leaving) are not needed.
-            self.notices.say_ending(self._store, self._keys)
+            self.notices.say_ending(self.rounds.store, self.rounds.keys)
             for worker in self._alive(WorkerState.STARTING, WorkerState.REMOVED, WorkerState.MEMBER):
                 worker.process.signal_tree(signal.SIGTERM)
             return 0
@@ -230,9 +226,8 @@ class ElasticSupervisor:
                 f"{config.elastic_timeout:.0f} s"
             )
         if job.wait_for_store():  # the driver writes rounds into the store from the start
-            self._keys = ElasticKeys(secret_namespace(job.secret))
-            self.rounds.attach(job.store, self._keys)
-            self.starter.fill(self._job(), min(self.num_proc, self.max_np))
+            self.rounds.attach(job.store, ElasticKeys(secret_namespace(job.secret)))
+            self.starter.fill(job, min(self.num_proc, self.max_np))
             # Every worker started for the first round is in it, alive or not: one that already exited (a short
             # script, the others still being spawned) is then reaped as a member, finished or failed, not as a
             # newcomer that left without joining (which once ended a job of quick workers "none finished", exit 1).
@@ -244,7 +239,7 @@ class ElasticSupervisor:
             outcome = self._reap()
             if outcome is not None:
                 if outcome != 0:
-                    self._job().terminate_all()
+                    job.terminate_all()
                 return outcome
             finished = any(w.state == WorkerState.FINISHED for w in self.elastic)
             if not finished and self.notices.job is None:
@@ -254,8 +249,8 @@ class ElasticSupervisor:
                 if outcome is not None:
                     return outcome
             elif not finished:
-                if self._store is not None and self._keys is not None:
-                    self.heartbeats.check(self._store, self._keys, self._alive(WorkerState.MEMBER))
+                if self.rounds.store is not None and self.rounds.keys is not None:
+                    self.heartbeats.check(self.rounds.store, self.rounds.keys, self.elastic)
                 code = self._maybe_reform()
                 if code is not None:
                     return code

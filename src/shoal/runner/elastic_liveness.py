@@ -8,7 +8,7 @@ import sys
 import time
 from typing import Any
 
-from shoal.runner.elastic_worker import ElasticWorker
+from shoal.runner.elastic_worker import ElasticWorker, WorkerState, alive
 from shoal.runtime.elastic_rendezvous import ElasticKeys
 from shoal.runtime.liveness import Liveness, liveness_settings
 
@@ -23,14 +23,15 @@ class HeartbeatWatch:
         self._liveness = Liveness(liveness_settings())
         self._checked = 0.0
 
-    def check(self, store: Any, keys: ElasticKeys, members: list[ElasticWorker]) -> None:
-        """End members cut off from the store or stopped (their heartbeat silent for longer than their own history
-        makes likely) while others still reach it: they cannot take part in a round. When none reaches it, the
-        store's side is at fault and nobody is ended. An ended member's exit is a failure like any other."""
+    def check(self, store: Any, keys: ElasticKeys, workers: list[ElasticWorker]) -> None:
+        """End members of ``workers`` cut off from the store or stopped (their heartbeat silent for longer than their
+        own history makes likely) while others still reach it: they cannot take part in a round. When none reaches
+        it, the store's side is at fault and nobody is ended. An ended member's exit is a failure like any other."""
         now = time.monotonic()
         if now - self._checked < CHECK_S:
             return
         self._checked = now
+        members = alive(workers, WorkerState.MEMBER)
         for worker in members:
             key = keys.heartbeat(worker.worker_id)
             if store.check([key]):
