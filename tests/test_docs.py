@@ -84,6 +84,10 @@ COVERED: dict[str, tuple[str, list[str]]] = {
         "test_far.py::test_far_benchmark_json_contract_on_two_emulated_hosts",
         ["shoal.bench.far", "chars", "100mbit"],
     ),
+    "python -m shoal.bench.startup --np 2,4": (
+        "test_examples.py::test_startup_benchmark_times_forked_fresh_and_torchrun_jobs",
+        ["shoal.bench.startup", "--np"],
+    ),
     "python -m shoal.bench.rendezvous": (
         "test_examples.py::test_rendezvous_benchmark_times_both_stores",
         ["shoal.bench.rendezvous"],

@@ -197,6 +197,17 @@ def test_rendezvous_benchmark_times_both_stores() -> None:
     assert row["open_ms"] > 0 and row["auth_ms"] > 0 and row["auth_reinit_ms"] > 0 and row["ratio"] > 0
 
 
+def test_startup_benchmark_times_forked_fresh_and_torchrun_jobs() -> None:
+    summary = last_json([sys.executable, "-m", "shoal.bench.startup", "--np", "2", "--repeats", "1"])
+    (row,) = summary["rows"]  # type: ignore[misc]
+    assert summary["bench"] == "startup" and row["np"] == 2
+    for name in ("forked", "fresh", "torchrun"):
+        assert row[f"{name}_s"] > 0 and row[f"{name}_cpu_s"] > 0
+    assert row["speedup"] == round(row["fresh_s"] / row["forked_s"], 2)
+    # the fresh job imports torch in each of its two workers, the forked one once: a second of CPU apart at least
+    assert row["fresh_cpu_s"] > row["forked_cpu_s"] + 1.0
+
+
 @needs_netns
 @pytest.mark.timeout(400)
 def test_planner_benchmark_compares_auto_with_every_forced_scheme(tmp_path: Path) -> None:

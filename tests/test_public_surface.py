@@ -136,6 +136,7 @@ SHOALRUN_FLAGS = {
     "--idle-cycle-time-ms",
     "--config-file",
     "--ranks-filter",
+    "--preload",
     "--autotune",
     "--no-autotune",
     "--autotune-log-file",

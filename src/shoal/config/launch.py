@@ -92,6 +92,15 @@ class LaunchConfig:
         metavar="NAME[=VALUE]",
         group=_HOSTS,
     )
+    preload: str = knob(
+        "auto",
+        "what one fork server per host imports once for the host's Python workers, each then forked from it instead "
+        "of importing it anew: auto (torch or TensorFlow, as the script imports them), module names (comma-separated), "
+        "or none (every worker a new interpreter)",
+        flags=("--preload",),
+        metavar="MODULES",
+        group=_HOSTS,
+    )
     start_timeout: float = knob_from(WorkerSettings, "start_timeout", flags=("--start-timeout",), group=_HOSTS)
     network_interface: str | None = knob(
         None,

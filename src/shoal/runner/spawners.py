@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from shoal.config import LaunchConfig, env_name
+from shoal.runner.forkserver import ForkServer, ForkServerError, preload_modules, python_command
 from shoal.runner.hosts import SlotInfo, is_local_host
 from shoal.runner.output import OutputPump
 from shoal.runner.worker_env import child_env, start_worker
@@ -171,6 +172,9 @@ class ProcessSpawner(Spawner):
         self.local_prefixes = local_prefixes or {}
         self._sink_lock = threading.Lock()
         self._said_threads = False
+        self._servers: dict[tuple[str, ...], ForkServer | None] = {}
+        """Each host's fork server (``--preload``), by its argv prefix; None where its workers start afresh."""
+        self._servers_lock = threading.Lock()
 
     def is_local(self, hostname: str) -> bool:
         """Whether ``hostname``'s workers start on this machine."""
@@ -221,8 +225,9 @@ class ProcessSpawner(Spawner):
             stdin = subprocess.PIPE
         shown = argv if local else [*argv[:-1], "<remote command>"]
         self.job.verbose(f"{spec.label} on {host}: {shlex.join(shown)}")
+        process: Any = self._forked(host, spec, env) if local else None
         try:
-            process = start_worker(argv, env, stream=True, stdin=stdin, bound=False)
+            process = process or start_worker(argv, env, stream=True, stdin=stdin, bound=False)
         except OSError as error:
             raise LaunchError(f"cannot start {spec.label} on {host}: {error}") from error
         if stdin == subprocess.PIPE:
@@ -246,6 +251,38 @@ class ProcessSpawner(Spawner):
             pump.start()
             worker.pumps.append(pump)
         return worker
+
+    def _forked(self, host: str, spec: WorkerSpec, env: dict[str, str]) -> Any:
+        """``spec``'s worker forked from its host's fork server (started at the host's first worker), or None when it
+        is to start afresh (``shoal.runner.forkserver`` says when)."""
+        command = python_command(spec.command, env)
+        if command is None or self.job.config.preload == "none":
+            return None
+        prefix = tuple(self.local_prefixes.get(host, []))
+        with self._servers_lock:
+            if prefix not in self._servers:
+                self._servers[prefix] = None
+                modules = preload_modules(self.job.config.preload, command, env)
+                if modules:
+                    try:
+                        self._servers[prefix] = ForkServer(modules, env, prefix, timeout=self.job.config.start_timeout)
+                        self.job.verbose(f"workers on {host} fork from a server that imported {', '.join(modules)}")
+                    except ForkServerError as error:
+                        self.job.verbose(f"workers on {host} start afresh: {error}")
+            server = self._servers[prefix]
+        if server is None or not server.accepts(env):
+            return None
+        try:
+            return server.fork(command, env)
+        except ForkServerError as error:
+            self.job.verbose(f"{spec.label} starts afresh: {error}")
+            return None
+
+    def close(self) -> None:
+        for server in self._servers.values():
+            if server is not None:
+                server.close()
+        self._servers.clear()
 
 
 def forwarded_env(environ: Mapping[str, str], requested: list[str]) -> dict[str, str]:
