@@ -8,6 +8,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -18,7 +19,7 @@ import torch.distributed as dist
 
 import shoal.torch as hvd
 from conftest import REPO, SHOALRUN, clean_env
-from shoal.comm import auth_store, shm, store_wire
+from shoal.comm import auth_store, shm, store_wire, torch_store
 from shoal.engine.request import Kind, RequestMeta
 from shoal.engine.wire_format import decode_requests, decode_stall_report, encode_requests
 from shoal.testing import run_ranks
@@ -115,6 +116,41 @@ def test_the_store_keeps_torch_store_semantics() -> None:
         view.set("k", "v")
         assert client.get("p/k") == b"v" and server.local_view().get("p/k") == b"v"
         assert client.delete_key("a") and not client.check(["a"])
+    finally:
+        server.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_wait_with_an_abort_check_ends_with_its_reason_and_a_key_that_comes_still_arrives() -> None:
+    server = auth_store.AuthStoreServer("s3cret")
+    try:
+        client = auth_store.connect("127.0.0.1", server.port, "s3cret", timeout_s=30)
+        view = client.with_prefix("round/", abort=lambda: "gone" if client.check(["broken"]) else None)
+        threading.Timer(1.5, client.set, ("round/late", b"v")).start()
+        assert view.get("late") == b"v"  # several abort checks pass before the key comes
+        threading.Timer(1.5, client.set, ("broken", b"worker#2")).start()
+        started = time.monotonic()
+        with pytest.raises(dist.DistStoreError, match="gone"):
+            view.with_prefix("pg/").wait(["never"])  # the abort check is inherited by views made from it
+        assert time.monotonic() - started < 1.5 + 2 * auth_store.ABORT_POLL_S + 1.0
+        with pytest.raises(dist.DistStoreError, match="gone"):
+            view.get("never")
+    finally:
+        server.close()
+
+
+@pytest.mark.timeout(60)
+def test_gloo_stops_joining_a_group_when_the_store_says_a_peer_will_never_come() -> None:
+    """torch's gloo waits for its peers' addresses in Shoal's store; an abort there fails the group's creation."""
+    server = auth_store.AuthStoreServer("s3cret")
+    try:
+        client = torch_store.connect("127.0.0.1", server.port, "s3cret", timeout_s=300)
+        view = client.with_prefix("round/", abort=lambda: "rank 1 died" if client.check(["broken"]) else None)
+        threading.Timer(1.0, client.set, ("broken", b"1")).start()
+        started = time.monotonic()
+        with pytest.raises(Exception, match="rank 1 died"):
+            dist.ProcessGroupGloo(view, 0, 2, timedelta(seconds=300))  # rank 1 never writes its address
+        assert time.monotonic() - started < 10
     finally:
         server.close()
 

@@ -24,6 +24,7 @@ import socket
 import struct
 import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from typing import TYPE_CHECKING, TypeVar
 
@@ -36,6 +37,8 @@ if TYPE_CHECKING:
     from typing_extensions import Self
 
 _HANDSHAKE_TIMEOUT_S = 10.0
+ABORT_POLL_S = 1.0
+"""How often a view with an ``abort`` check asks it while waiting for keys."""
 _MAX_CONNECTIONS = 4096
 
 (_SET, _GET, _ADD, _COMPARE_SET, _CHECK, _WAIT, _DELETE, _NUM_KEYS, _APPEND) = range(1, 10)
@@ -302,6 +305,7 @@ class KeyValueView:
         timeout_s: float,
         prefix: bytes = b"",
         server: AuthStoreServer | None = None,
+        abort: Callable[[], str | None] | None = None,
     ) -> None:
         super().__init__()
         self._backend = backend
@@ -310,10 +314,17 @@ class KeyValueView:
         self._views: list[KeyValueView] = []
         self.server = server
         """For the hosting process's view: the server it belongs to (``close()`` stops it)."""
+        self._abort = abort
+        """Asked every ``ABORT_POLL_S`` while a ``get`` or ``wait`` waits for keys: a reason stops the wait."""
 
-    def with_prefix(self, prefix: str) -> Self:
-        """A view of this store whose keys all live under ``prefix`` (sharing its connections), of the same class."""
-        view = type(self)(self._backend, self._timeout_s, self._prefix + prefix.encode(), self.server)
+    def with_prefix(self, prefix: str, abort: Callable[[], str | None] | None = None) -> Self:
+        """A view of this store whose keys all live under ``prefix`` (sharing its connections), of the same class.
+
+        ``abort``: while one of its ``get`` or ``wait`` calls waits for keys that are missing, the view asks
+        ``abort()`` about once a second; a reason it returns ends the wait with ``DistStoreError`` (an elastic round
+        that lost a member while forming: its peers' keys will never come). Views made from it inherit it.
+        """
+        view = type(self)(self._backend, self._timeout_s, self._prefix + prefix.encode(), self.server, abort or self._abort)
         self._views.append(view)
         return view
 
@@ -342,9 +353,24 @@ class KeyValueView:
     def set(self, key: str, value: str | bytes) -> None:
         self._request(_SET, [self._key(key), _as_bytes(value)])
 
+    def _waiting(self, op: int, fields: list[bytes], timeout_s: float) -> tuple[int, list[bytes]]:
+        """A request that waits for ``fields``' keys up to ``timeout_s``, asking ``abort`` between slices."""
+        if self._abort is None:
+            return self._request(op, [*fields, wire.int_field(int(timeout_s * 1000))], timeout_s)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            slice_s = max(0.0, min(ABORT_POLL_S, deadline - time.monotonic()))
+            status, answer = self._request(op, [*fields, wire.int_field(int(slice_s * 1000))], slice_s)
+            if status != _TIMEOUT or time.monotonic() >= deadline:
+                return status, answer
+            reason = self._abort()
+            if reason:
+                names = ", ".join(k.decode(errors="replace") for k in fields)
+                raise _store_error(f"stopped waiting for keys {names}: {reason}")
+
     def get(self, key: str) -> bytes:
         wanted = self._key(key)
-        status, fields = self._request(_GET, [wanted, wire.int_field(int(self._timeout_s * 1000))], self._timeout_s)
+        status, fields = self._waiting(_GET, [wanted], self._timeout_s)
         if status == _TIMEOUT:
             raise _timeout_error([wanted], self._timeout_s)
         if status != _OK:
@@ -366,7 +392,7 @@ class KeyValueView:
     def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
         timeout_s = self._timeout_s if timeout is None else timeout.total_seconds()
         wanted = [self._key(k) for k in keys]
-        if self._request(_WAIT, [*wanted, wire.int_field(int(timeout_s * 1000))], timeout_s)[0] != _OK:
+        if self._waiting(_WAIT, wanted, timeout_s)[0] != _OK:
             raise _timeout_error(wanted, timeout_s)
 
     def delete_key(self, key: str) -> bool:

@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed import distributed_c10d
 
 Group = Any
 """A torch.distributed process group, or None for the default (world) group."""
@@ -63,15 +64,37 @@ def allgather_bytes(data: bytes, group_size: int, group: Group) -> list[bytes]:
     return [chunk[: int(n.item())].numpy().tobytes() for chunk, n in zip(chunks, lengths, strict=True)]
 
 
-def new_group(ranks: list[int], timeout_s: float | None = None) -> Group:
+def new_group(ranks: list[int], timeout_s: float | None = None, connect_timeout_s: float | None = None) -> Group:
     """Create a process group of ``ranks``; every world rank must call this in the same order.
 
     Args:
         ranks: the global ranks of the group.
         timeout_s: how long any collective on the group may block before it fails; None takes torch's default.
+        connect_timeout_s: how long creating the group may wait for a member's connection, when shorter than
+            ``timeout_s`` (``connect_timeout``).
     """
-    timeout = timedelta(seconds=timeout_s) if timeout_s is not None else None
-    return dist.new_group(ranks=ranks, timeout=timeout)
+    bound = connect_timeout(timeout_s, connect_timeout_s)
+    if bound is None:
+        return dist.new_group(ranks=ranks, timeout=timedelta(seconds=timeout_s) if timeout_s is not None else None)
+    group = dist.new_group(ranks=ranks, timeout=timedelta(seconds=bound))
+    if dist.get_rank() in ranks:
+        lift_timeout(group, timeout_s)
+    return group
+
+
+def connect_timeout(timeout_s: float | None, connect_timeout_s: float | None) -> float | None:
+    """The timeout to create a group with so that its connections are waited for at most ``connect_timeout_s``
+    (torch's gloo waits for a peer's connection as long as for a collective, and a peer that dies after publishing
+    its address never connects); None where the group's own ``timeout_s`` already bounds it, or where this torch
+    cannot lengthen a group's timeout afterwards (``lift_timeout``)."""
+    if connect_timeout_s is None or timeout_s is None or connect_timeout_s >= timeout_s:
+        return None
+    return connect_timeout_s if hasattr(distributed_c10d, "_set_pg_timeout") else None
+
+
+def lift_timeout(group: Group | None, timeout_s: float) -> None:
+    """Give ``group`` (None: the default group), created with a connection bound, its timeout for collectives."""
+    distributed_c10d._set_pg_timeout(timedelta(seconds=timeout_s), group)
 
 
 def destroy_group(group: Group) -> None:

@@ -61,9 +61,14 @@ class HierarchicalAllreduce:
         self.local.close()
 
 
-def build_cross_groups(local_rank_of_rank: tuple[int, ...], local_size: int, timeout_s: float | None = None) -> list[Any]:
+def build_cross_groups(
+    local_rank_of_rank: tuple[int, ...],
+    local_size: int,
+    timeout_s: float | None = None,
+    connect_timeout_s: float | None = None,
+) -> list[Any]:
     """One group per local rank index, joining that local rank of every host; every world rank must call this."""
     return [
-        collectives.new_group([r for r, local in enumerate(local_rank_of_rank) if local == index], timeout_s)
+        collectives.new_group([r for r, local in enumerate(local_rank_of_rank) if local == index], timeout_s, connect_timeout_s)
         for index in range(local_size)
     ]

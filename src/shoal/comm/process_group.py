@@ -9,7 +9,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from shoal.comm.collectives import allgather_bytes
+from shoal.comm.collectives import allgather_bytes, connect_timeout, lift_timeout
 
 
 def select_backend() -> str:
@@ -19,10 +19,18 @@ def select_backend() -> str:
     return "gloo"
 
 
-def init_world(store: dist.Store, rank: int, size: int, timeout_s: float) -> str:
-    """Join the default process group through ``store``; returns the backend string used."""
+def init_world(store: dist.Store, rank: int, size: int, timeout_s: float, connect_timeout_s: float | None = None) -> str:
+    """Join the default process group through ``store``; returns the backend string used.
+
+    ``connect_timeout_s``: how long to wait for a member's connection, when shorter than ``timeout_s``
+    (``collectives.connect_timeout``): for members that are all known to be running, such as an elastic round's.
+    """
     backend = select_backend()
-    dist.init_process_group(backend=backend, store=store, rank=rank, world_size=size, timeout=timedelta(seconds=timeout_s))
+    bound = connect_timeout(timeout_s, connect_timeout_s)
+    timeout = timedelta(seconds=bound if bound is not None else timeout_s)
+    dist.init_process_group(backend=backend, store=store, rank=rank, world_size=size, timeout=timeout)
+    if bound is not None:
+        lift_timeout(None, timeout_s)
     return backend
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -143,12 +144,13 @@ def generation_store(store: dist.Store, secret: str | None, rank: int) -> tuple[
     return prefix_store(f"{namespace}/gen{generation}/", store), generation
 
 
-def prefix_store(prefix: str, store: dist.Store) -> dist.Store:
+def prefix_store(prefix: str, store: dist.Store, abort: Callable[[], str | None] | None = None) -> dist.Store:
     """A view of ``store`` whose keys all live under ``prefix``.
 
     Shoal's own stores give a view of themselves, which keeps them referenced from Python (torch's PrefixStore
-    holds only the C++ half of a Python store).
+    holds only the C++ half of a Python store). With ``abort``, a wait for missing keys in Shoal's store asks it about
+    once a second, and a reason it returns ends the wait (``KeyValueView.with_prefix``); torch's stores ignore it.
     """
     if isinstance(store, StoreView):
-        return store.with_prefix(prefix)
+        return store.with_prefix(prefix, abort)
     return dist.PrefixStore(prefix, store)

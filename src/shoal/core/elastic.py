@@ -141,7 +141,15 @@ def run(func: Callable[..., Result]) -> Callable[..., Result]:
         while True:
             try:
                 if reset_required:
-                    _reset()
+                    try:
+                        _reset()
+                    except HorovodInternalError as error:
+                        if not elastic:
+                            raise
+                        # A member of the round died while it formed: the state was restored already, and this
+                        # worker has no job to restore it in; it joins the round after that one.
+                        get_logger().warning("joining the re-formed job failed (%s); joining the next round", error)
+                        continue
                     state.reset()
                     state.on_reset()
                 state.sync()

@@ -41,11 +41,18 @@ class Engine:
     """One per process: owns the request queue and the thread that issues every collective."""
 
     def __init__(
-        self, topology: Topology, config: EngineConfig, store: Any = None, job: str = "nojob", callers_drive: bool = True
+        self,
+        topology: Topology,
+        config: EngineConfig,
+        store: Any = None,
+        job: str = "nojob",
+        callers_drive: bool = True,
+        connect_timeout_s: float | None = None,
     ) -> None:
         """``callers_drive``: a thread blocked on its own call may run cycles itself (``drive``); False: only the engine
         thread ever waits inside a collective, so ``abandon`` always frees the callers (an elastic worker, whose peer
-        may vanish while holding its connections open)."""
+        may vanish while holding its connections open). ``connect_timeout_s``: how long creating the engine's groups
+        may wait for a member's connection (``Transport``)."""
         self.rank = topology.rank
         self.size = topology.size
         self.config = config
@@ -58,7 +65,7 @@ class Engine:
             config.stall_check_disabled,
         )
         try:
-            self.transport = Transport(topology, config, store, job, self._watch)
+            self.transport = Transport(topology, config, store, job, self._watch, connect_timeout_s)
         except BaseException:
             self._watch.stop()
             raise

@@ -56,15 +56,26 @@ class ArenaSite:
 class Transport:
     """The groups and paths of one engine."""
 
-    def __init__(self, topology: Topology, config: EngineConfig, store: Any, job: str, watch: CollectiveWatch) -> None:
+    def __init__(
+        self,
+        topology: Topology,
+        config: EngineConfig,
+        store: Any,
+        job: str,
+        watch: CollectiveWatch,
+        connect_timeout_s: float | None = None,
+    ) -> None:
+        """``connect_timeout_s``: how long creating a group may wait for a member's connection (an elastic round's
+        member that died while the round formed never connects); None: as long as a collective."""
         self.rank = topology.rank
         self.size = topology.size
         self.watch = watch
         self.timeout_s = config.transport_timeout_s
+        self.connect_timeout_s = connect_timeout_s
         # The engine owns a group of its own, so that the user's own torch.distributed calls on the default group
         # (DDP, a raw all_reduce) never interleave with the engine's collectives on the same connections.
         # Every group gets an explicit timeout (torch's default is 30 minutes); see EngineConfig.collective_timeout_s.
-        self.world: Any = collectives.new_group(list(range(self.size)), config.transport_timeout_s)
+        self.world: Any = collectives.new_group(list(range(self.size)), self.timeout_s, connect_timeout_s)
         self._job = job
         self._host = host_tag(topology.host_of_rank[self.rank])
         self.hierarchical = self._setup_hierarchical(topology, config, store, job)
@@ -107,9 +118,10 @@ class Transport:
             return None
         cross_group = None
         if topology.cross_size > 1:
-            cross_group = build_cross_groups(topology.local_rank_of_rank, topology.local_size, config.transport_timeout_s)[
-                topology.local_rank
-            ]
+            cross_groups = build_cross_groups(
+                topology.local_rank_of_rank, topology.local_size, self.timeout_s, self.connect_timeout_s
+            )
+            cross_group = cross_groups[topology.local_rank]
         assert local is not None
         return HierarchicalAllreduce(local, cross_group, topology.cross_size)
 
@@ -231,7 +243,7 @@ class Transport:
     def add_set(self, members: tuple[int, ...]) -> int:
         """Register a process set; every rank calls this in the same cycle (``new_group`` is collective)."""
         with self.wire(f"creating process set {list(members)}"):
-            group = collectives.new_group(list(members), self.timeout_s)
+            group = collectives.new_group(list(members), self.timeout_s, self.connect_timeout_s)
         set_id = self.next_process_set_id
         self.next_process_set_id += 1
         self.process_sets[set_id] = ProcessSetState(members, group)

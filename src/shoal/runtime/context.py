@@ -126,7 +126,10 @@ def init() -> Context:
                 heartbeat.start(launch, lambda: 0, lambda *_: True, heartbeat.static_worker_id(launch.rank))
             scoped_store, generation = store.generation_store(job_store, launch.secret, launch.rank)
         try:
-            backend = process_group.init_world(scoped_store, launch.rank, launch.size, timeout_s=max(timeout_s, 300.0))
+            # An elastic round's members are all running once it formed: a connection that does not come within
+            # ROUND_CONNECT_TIMEOUT_S is a member that died meanwhile, and the worker joins the next round.
+            connect_s = elastic_rendezvous.ROUND_CONNECT_TIMEOUT_S if elastic_rendezvous.is_elastic_worker() else None
+            backend = process_group.init_world(scoped_store, launch.rank, launch.size, max(timeout_s, 300.0), connect_s)
             gathered = process_group.allgather_json([launch.host_key, launch.local_rank])
             # A launcher that gives no local rank (a PyTorchJob pod, an MPI without one) sends None: derived below.
             if not all(
@@ -194,7 +197,13 @@ def _join_elastic_round(launch: LaunchInfo, job_store: Any) -> tuple[LaunchInfo,
     launch = dataclasses.replace(
         launch, rank=assignment.rank, size=assignment.size, local_rank=assignment.local_rank, host_key=assignment.hostname
     )
-    scoped = store.prefix_store(keys.group_prefix(round_number), job_store)
+
+    def broken() -> str | None:  # a member died while the round formed: the keys it was to write never come
+        if not job_store.check([keys.broken(round_number)]):
+            return None
+        return f"elastic round {round_number} lost worker {job_store.get(keys.broken(round_number)).decode()}"
+
+    scoped = store.prefix_store(keys.group_prefix(round_number), job_store, abort=broken)
     return launch, scoped, round_number
 
 

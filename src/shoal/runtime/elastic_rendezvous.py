@@ -24,6 +24,11 @@ from shoal.exceptions import ElasticRendezvousError, WorkerRemovedError
 
 REMOVED = "removed"
 _POLL_S = 0.02
+ROUND_CONNECT_TIMEOUT_S = 15.0
+"""How long a member of a formed round waits for another member's connection while the round's process groups are
+made. Every member has arrived by then, so the connections come within a second or two even on a loaded machine;
+one that does not come is a member that died after publishing its address (gloo would otherwise wait as long as for
+a collective), and the worker joins the next round. Collectives keep their own, longer timeout."""
 
 
 def is_elastic_worker() -> bool:
