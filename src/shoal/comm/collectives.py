@@ -77,7 +77,7 @@ def new_group(ranks: list[int], timeout_s: float | None = None, connect_timeout_
     if bound is None:
         return dist.new_group(ranks=ranks, timeout=timedelta(seconds=timeout_s) if timeout_s is not None else None)
     group = dist.new_group(ranks=ranks, timeout=timedelta(seconds=bound))
-    if dist.get_rank() in ranks:
+    if dist.get_rank() in ranks and timeout_s is not None:  # (a bound implies a timeout_s)
         lift_timeout(group, timeout_s)
     return group
 
