@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 import shoal.torch as hvd
 from conftest import REPO, SHOALRUN, clean_env
-from shoal.comm import auth_store, shm, store_wire, torch_store
+from shoal.comm import auth_store, shm, store_client, store_wire, torch_store
 from shoal.engine.request import Kind, RequestMeta
 from shoal.engine.wire_format import decode_requests, decode_stall_report, encode_requests
 from shoal.testing import run_ranks
@@ -66,7 +66,7 @@ def _stranger_attacks() -> dict[str, object]:
         outcome["garbage_replies"] = replies
         # 3. Shoal's own client with a wrong secret.
         try:
-            auth_store.connect(addr, port, "not-the-secret", timeout_s=3)
+            store_client.connect(addr, port, "not-the-secret", timeout_s=3)
             outcome["wrong_secret"] = "connected"
         except auth_store.StoreAuthError as error:
             outcome["wrong_secret"] = str(error)
@@ -97,7 +97,7 @@ def test_a_server_without_the_secret_is_refused_by_clients() -> None:
     impostor = auth_store.AuthStoreServer("some-other-secret")
     try:
         with pytest.raises(auth_store.StoreAuthError):
-            auth_store.connect("127.0.0.1", impostor.port, "the-job-secret", timeout_s=3)
+            store_client.connect("127.0.0.1", impostor.port, "the-job-secret", timeout_s=3)
     finally:
         impostor.close()
 
@@ -105,7 +105,7 @@ def test_a_server_without_the_secret_is_refused_by_clients() -> None:
 def test_the_store_keeps_torch_store_semantics() -> None:
     server = auth_store.AuthStoreServer("s3cret")
     try:
-        client = auth_store.connect("127.0.0.1", server.port, "s3cret", timeout_s=5)
+        client = store_client.connect("127.0.0.1", server.port, "s3cret", timeout_s=5)
         client.set("a", b"1")
         assert client.get("a") == b"1" and client.add("n", 2) == 2 and client.add("n", 3) == 5
         assert client.compare_set("c", "", "x") == b"x" and client.compare_set("c", "y", "z") == b"x"
@@ -124,7 +124,7 @@ def test_the_store_keeps_torch_store_semantics() -> None:
 def test_a_wait_with_an_abort_check_ends_with_its_reason_and_a_key_that_comes_still_arrives() -> None:
     server = auth_store.AuthStoreServer("s3cret")
     try:
-        client = auth_store.connect("127.0.0.1", server.port, "s3cret", timeout_s=30)
+        client = store_client.connect("127.0.0.1", server.port, "s3cret", timeout_s=30)
         view = client.with_prefix("round/", abort=lambda: "gone" if client.check(["broken"]) else None)
         threading.Timer(1.5, client.set, ("round/late", b"v")).start()
         assert view.get("late") == b"v"  # several abort checks pass before the key comes
@@ -132,7 +132,7 @@ def test_a_wait_with_an_abort_check_ends_with_its_reason_and_a_key_that_comes_st
         started = time.monotonic()
         with pytest.raises(dist.DistStoreError, match="gone"):
             view.with_prefix("pg/").wait(["never"])  # the abort check is inherited by views made from it
-        assert time.monotonic() - started < 1.5 + 2 * auth_store.ABORT_POLL_S + 1.0
+        assert time.monotonic() - started < 1.5 + 2 * store_client.ABORT_POLL_S + 1.0
         with pytest.raises(dist.DistStoreError, match="gone"):
             view.get("never")
     finally:
@@ -313,7 +313,7 @@ def test_the_store_survives_many_garbage_connections() -> None:
         while server.refused < 50 and time.monotonic() < deadline:
             time.sleep(0.05)
         assert server.refused == 50
-        client = auth_store.connect("127.0.0.1", server.port, "s3cret", timeout_s=5)
+        client = store_client.connect("127.0.0.1", server.port, "s3cret", timeout_s=5)
         client.set("still", "serving")
         assert client.get("still") == b"serving"
     finally:

@@ -19,30 +19,16 @@ elastic assignments) are visible on the wire to someone who can watch it, as the
 
 from __future__ import annotations
 
-import queue
 import socket
 import struct
 import threading
-import time
-from collections.abc import Callable
-from datetime import timedelta
-from typing import TYPE_CHECKING, TypeVar
 
 from shoal.comm import store_wire as wire
+from shoal.comm.store_client import KeyValueView, View
 from shoal.comm.store_wire import StoreAuthError
-from shoal.config import env_name
 from shoal.log import get_logger
 
-if TYPE_CHECKING:
-    from typing_extensions import Self
-
-_HANDSHAKE_TIMEOUT_S = 10.0
-ABORT_POLL_S = 1.0
-"""How often a view with an ``abort`` check asks it while waiting for keys."""
 _MAX_CONNECTIONS = 4096
-
-(_SET, _GET, _ADD, _COMPARE_SET, _CHECK, _WAIT, _DELETE, _NUM_KEYS, _APPEND) = range(1, 10)
-_OK, _TIMEOUT, _MISSING, _BAD = 0, 1, 2, 3
 
 
 class _KeyValues:
@@ -92,33 +78,33 @@ def _apply(values: _KeyValues, request: bytes) -> bytes:
     if not request:
         raise ValueError("empty request")
     op, fields = request[0], wire.unpack_fields(request[1:])
-    if op == _SET and len(fields) == 2:
+    if op == wire.SET and len(fields) == 2:
         values.set(fields[0], fields[1])
-        return bytes([_OK])
-    if op == _GET and len(fields) == 2:
+        return bytes([wire.OK])
+    if op == wire.GET and len(fields) == 2:
         if not values.wait_for([fields[0]], wire.read_int(fields[1]) / 1000):
-            return bytes([_TIMEOUT])
+            return bytes([wire.TIMEOUT])
         with values.cond:
             value = values.data.get(fields[0])
-        return bytes([_OK]) + wire.pack_fields(value) if value is not None else bytes([_MISSING])
-    if op == _ADD and len(fields) == 2:
-        return bytes([_OK]) + wire.pack_fields(wire.int_field(values.add(fields[0], wire.read_int(fields[1]))))
-    if op == _COMPARE_SET and len(fields) == 3:
-        return bytes([_OK]) + wire.pack_fields(values.compare_set(*fields))
-    if op == _CHECK and fields:
+        return bytes([wire.OK]) + wire.pack_fields(value) if value is not None else bytes([wire.MISSING])
+    if op == wire.ADD and len(fields) == 2:
+        return bytes([wire.OK]) + wire.pack_fields(wire.int_field(values.add(fields[0], wire.read_int(fields[1]))))
+    if op == wire.COMPARE_SET and len(fields) == 3:
+        return bytes([wire.OK]) + wire.pack_fields(values.compare_set(*fields))
+    if op == wire.CHECK and fields:
         with values.cond:
             present = all(k in values.data for k in fields)
-        return bytes([_OK if present else _MISSING])
-    if op == _WAIT and fields:
-        return bytes([_OK if values.wait_for(fields[:-1], wire.read_int(fields[-1]) / 1000) else _TIMEOUT])
-    if op == _DELETE and len(fields) == 1:
-        return bytes([_OK if values.delete(fields[0]) else _MISSING])
-    if op == _NUM_KEYS and not fields:
+        return bytes([wire.OK if present else wire.MISSING])
+    if op == wire.WAIT and fields:
+        return bytes([wire.OK if values.wait_for(fields[:-1], wire.read_int(fields[-1]) / 1000) else wire.TIMEOUT])
+    if op == wire.DELETE and len(fields) == 1:
+        return bytes([wire.OK if values.delete(fields[0]) else wire.MISSING])
+    if op == wire.NUM_KEYS and not fields:
         with values.cond:
-            return bytes([_OK]) + wire.pack_fields(wire.int_field(len(values.data)))
-    if op == _APPEND and len(fields) == 2:
+            return bytes([wire.OK]) + wire.pack_fields(wire.int_field(len(values.data)))
+    if op == wire.APPEND and len(fields) == 2:
         values.append(fields[0], fields[1])
-        return bytes([_OK])
+        return bytes([wire.OK])
     raise ValueError(f"unknown or malformed request (op {op})")
 
 
@@ -162,7 +148,7 @@ class AuthStoreServer:
 
     def _serve(self, sock: socket.socket) -> None:
         try:
-            sock.settimeout(_HANDSHAKE_TIMEOUT_S)
+            sock.settimeout(wire.HANDSHAKE_TIMEOUT_S)
             channel = wire.server_handshake(sock, self._secret)
             sock.settimeout(None)
             while True:
@@ -199,25 +185,6 @@ class AuthStoreServer:
                 pass
 
 
-def _as_bytes(value: str | bytes | bytearray | list[int]) -> bytes:
-    if isinstance(value, str):
-        return value.encode()
-    return bytes(value)
-
-
-def _store_error(message: str, network: bool = False) -> RuntimeError:
-    """torch's error class, as torch's own stores raise: imported only on these paths, so that a process that
-    starts no collective (shoalrun) never imports torch."""
-    import torch.distributed as dist
-
-    return dist.DistNetworkError(message) if network else dist.DistStoreError(message)
-
-
-def _timeout_error(keys: list[bytes], timeout_s: float) -> RuntimeError:
-    names = ", ".join(k.decode(errors="replace") for k in keys)
-    return _store_error(f"wait timeout after {timeout_s * 1000:.0f}ms, keys: {names}")
-
-
 class _LocalBackend:
     """Requests answered in this process, straight from an ``AuthStoreServer``'s data."""
 
@@ -227,194 +194,3 @@ class _LocalBackend:
     def request(self, op: int, fields: list[bytes], timeout_s: float | None = None) -> tuple[int, list[bytes]]:
         reply = _apply(self.values, bytes([op]) + wire.pack_fields(*fields))
         return reply[0], wire.unpack_fields(reply[1:])
-
-
-class _RemoteBackend:
-    """Requests sent to an ``AuthStoreServer`` over authenticated connections, from a small pool.
-
-    Each request takes an idle connection (opening and authenticating a new one when none is idle), so a blocking
-    ``get`` on one thread never holds up another thread's requests.
-    """
-
-    def __init__(self, host: str, port: int, secret: bytes, timeout_s: float) -> None:
-        self.host, self.port, self._secret = host, port, secret
-        self._timeout_s = timeout_s
-        self._idle: queue.SimpleQueue[wire.Channel] = queue.SimpleQueue()
-        self._idle.put(self._connect(timeout_s))
-
-    @property
-    def where(self) -> str:
-        return f"{self.host}:{self.port}"
-
-    def _connect(self, timeout_s: float) -> wire.Channel:
-        """Connect and authenticate, retrying refused connections until ``timeout_s`` (the server may be starting)."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                sock = socket.create_connection((self.host, self.port), timeout=max(0.1, deadline - time.monotonic()))
-                break
-            except OSError as error:
-                if time.monotonic() >= deadline:
-                    message = f"cannot reach the rendezvous store at {self.where}: {error}"
-                    raise _store_error(message, network=True) from error
-                time.sleep(0.05)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        try:
-            sock.settimeout(_HANDSHAKE_TIMEOUT_S)
-            channel = wire.client_handshake(sock, self._secret, self.where)
-            sock.settimeout(None)
-        except BaseException:
-            sock.close()
-            raise
-        return channel
-
-    def request(self, op: int, fields: list[bytes], timeout_s: float | None = None) -> tuple[int, list[bytes]]:
-        try:
-            channel = self._idle.get_nowait()
-        except queue.Empty:
-            channel = self._connect(self._timeout_s)
-        try:
-            channel.sock.settimeout(None if timeout_s is None else timeout_s + 30.0)
-            channel.send(bytes([op]) + wire.pack_fields(*fields))
-            reply = channel.receive()
-        except BaseException:
-            channel.sock.close()
-            raise
-        self._idle.put(channel)
-        if not reply:
-            raise _store_error(f"empty reply from the rendezvous store at {self.where}")
-        return reply[0], wire.unpack_fields(reply[1:])
-
-    def __del__(self) -> None:
-        while True:
-            try:
-                self._idle.get_nowait().sock.close()
-            except (queue.Empty, AttributeError):
-                return
-            except OSError:
-                continue
-
-
-class KeyValueView:
-    """torch's ``Store`` interface over a backend (local or remote), every key under ``prefix``, in plain Python;
-    ``shoal.comm.torch_store.StoreView`` is the same class as a torch ``Store`` (which gloo takes)."""
-
-    def __init__(
-        self,
-        backend: _LocalBackend | _RemoteBackend,
-        timeout_s: float,
-        prefix: bytes = b"",
-        server: AuthStoreServer | None = None,
-        abort: Callable[[], str | None] | None = None,
-    ) -> None:
-        super().__init__()
-        self._backend = backend
-        self._timeout_s = timeout_s
-        self._prefix = prefix
-        self._views: list[KeyValueView] = []
-        self.server = server
-        """For the hosting process's view: the server it belongs to (``close()`` stops it)."""
-        self._abort = abort
-        """Asked every ``ABORT_POLL_S`` while a ``get`` or ``wait`` waits for keys: a reason stops the wait."""
-
-    def with_prefix(self, prefix: str, abort: Callable[[], str | None] | None = None) -> Self:
-        """A view of this store whose keys all live under ``prefix`` (sharing its connections), of the same class.
-
-        ``abort``: while one of its ``get`` or ``wait`` calls waits for keys that are missing, the view asks
-        ``abort()`` about once a second; a reason it returns ends the wait with ``DistStoreError`` (an elastic round
-        that lost a member while forming: its peers' keys will never come). Views made from it inherit it.
-        """
-        view = type(self)(self._backend, self._timeout_s, self._prefix + prefix.encode(), self.server, abort or self._abort)
-        self._views.append(view)
-        return view
-
-    def clone(self) -> Self:
-        """Another view of the same store (torch clones a store for each thread that uses it)."""
-        return self.with_prefix("")
-
-    def close(self) -> None:
-        """Stop the server, when this is the hosting process's view."""
-        if self.server is not None:
-            self.server.close()
-
-    def _key(self, key: str | bytes) -> bytes:
-        return self._prefix + _as_bytes(key)
-
-    def _request(self, op: int, fields: list[bytes], timeout_s: float | None = None) -> tuple[int, list[bytes]]:
-        return self._backend.request(op, fields, timeout_s)
-
-    def set_timeout(self, timeout: timedelta) -> None:
-        self._timeout_s = timeout.total_seconds()
-
-    @property
-    def timeout(self) -> timedelta:
-        return timedelta(seconds=self._timeout_s)
-
-    def set(self, key: str, value: str | bytes) -> None:
-        self._request(_SET, [self._key(key), _as_bytes(value)])
-
-    def _waiting(self, op: int, fields: list[bytes], timeout_s: float) -> tuple[int, list[bytes]]:
-        """A request that waits for ``fields``' keys up to ``timeout_s``, asking ``abort`` between slices."""
-        if self._abort is None:
-            return self._request(op, [*fields, wire.int_field(int(timeout_s * 1000))], timeout_s)
-        deadline = time.monotonic() + timeout_s
-        while True:
-            slice_s = max(0.0, min(ABORT_POLL_S, deadline - time.monotonic()))
-            status, answer = self._request(op, [*fields, wire.int_field(int(slice_s * 1000))], slice_s)
-            if status != _TIMEOUT or time.monotonic() >= deadline:
-                return status, answer
-            reason = self._abort()
-            if reason:
-                names = ", ".join(k.decode(errors="replace") for k in fields)
-                raise _store_error(f"stopped waiting for keys {names}: {reason}")
-
-    def get(self, key: str) -> bytes:
-        wanted = self._key(key)
-        status, fields = self._waiting(_GET, [wanted], self._timeout_s)
-        if status == _TIMEOUT:
-            raise _timeout_error([wanted], self._timeout_s)
-        if status != _OK:
-            raise _store_error(f"key {key!r} vanished while being read")
-        return fields[0]
-
-    def add(self, key: str, amount: int) -> int:
-        return wire.read_int(self._request(_ADD, [self._key(key), wire.int_field(int(amount))])[1][0])
-
-    def compare_set(self, key: str, expected: str | bytes, desired: str | bytes) -> bytes:
-        return self._request(_COMPARE_SET, [self._key(key), _as_bytes(expected), _as_bytes(desired)])[1][0]
-
-    def append(self, key: str, value: str | bytes) -> None:
-        self._request(_APPEND, [self._key(key), _as_bytes(value)])
-
-    def check(self, keys: list[str]) -> bool:
-        return self._request(_CHECK, [self._key(k) for k in keys])[0] == _OK
-
-    def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
-        timeout_s = self._timeout_s if timeout is None else timeout.total_seconds()
-        wanted = [self._key(k) for k in keys]
-        if self._waiting(_WAIT, wanted, timeout_s)[0] != _OK:
-            raise _timeout_error(wanted, timeout_s)
-
-    def delete_key(self, key: str) -> bool:
-        return self._request(_DELETE, [self._key(key)])[0] == _OK
-
-    def num_keys(self) -> int:
-        return wire.read_int(self._request(_NUM_KEYS, [])[1][0])
-
-
-View = TypeVar("View", bound=KeyValueView)
-
-
-def connect(
-    host: str, port: int, secret: str, timeout_s: float = 300.0, prefix: str = "", view: type[View] | None = None
-) -> View:
-    """A client of the ``AuthStoreServer`` at ``host:port``, authenticated with ``secret``.
-
-    Raises:
-        StoreAuthError: the server refused this process's secret, or did not prove it holds the job secret.
-        torch.distributed.DistNetworkError: nothing answered within ``timeout_s``.
-    """
-    if not secret:
-        raise ValueError(f"an authenticated store needs the job secret ({env_name('SECRET')})")
-    backend = _RemoteBackend(host, port, secret.encode(), timeout_s)
-    return (view or KeyValueView)(backend, timeout_s, prefix.encode())  # type: ignore[return-value]

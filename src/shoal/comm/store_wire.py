@@ -15,6 +15,13 @@ MAGIC = b"SHOAL-STORE-1"
 NONCE_BYTES = 32
 MAC_BYTES = 32
 MAX_FRAME_BYTES = 64 * 1024 * 1024
+HANDSHAKE_TIMEOUT_S = 10.0
+"""How long either side of a new connection may take over the handshake."""
+
+(SET, GET, ADD, COMPARE_SET, CHECK, WAIT, DELETE, NUM_KEYS, APPEND) = range(1, 10)
+"""A request's first byte: the operation."""
+OK, TIMEOUT, MISSING, BAD = 0, 1, 2, 3
+"""A reply's first byte: how it went."""
 
 
 class StoreAuthError(RuntimeError):

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from shoal.comm.auth_store import AuthStoreServer, KeyValueView
-from shoal.comm.auth_store import connect as connect_view
+from shoal.comm.auth_store import AuthStoreServer
+from shoal.comm.store_client import KeyValueView
+from shoal.comm.store_client import connect as connect_view
 
 
 class StoreView(KeyValueView, dist.Store):

@@ -53,8 +53,7 @@ class Engine:
         thread ever waits inside a collective, so ``abandon`` always frees the callers (an elastic worker, whose peer
         may vanish while holding its connections open). ``connect_timeout_s``: how long creating the engine's groups
         may wait for a member's connection (``Transport``)."""
-        self.rank = topology.rank
-        self.size = topology.size
+        self.rank, self.size = topology.rank, topology.size
         self.config = config
         self._watch = CollectiveWatch(
             self.rank,
