@@ -256,9 +256,7 @@ class ProcessSpawner(Spawner):
         """``spec``'s worker forked from its host's fork server (started at the host's first worker), or None when it
         is to start afresh (``shoal.runner.forkserver`` says when)."""
         command = python_command(spec.command, env)
-        # An emulated host's workers start afresh under its prefix: forked ones measured a 10x slower intra-host
-        # link in the calibration test (open; see the fork server's note).
-        if command is None or self.job.config.preload == "none" or host in self.local_prefixes:
+        if command is None or self.job.config.preload == "none":
             return None
         prefix = tuple(self.local_prefixes.get(host, []))
         with self._servers_lock:
