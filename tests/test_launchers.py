@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import shutil
@@ -246,12 +247,13 @@ def test_calibration_measures_each_link_class_when_hosts_hold_several_ranks() ->
     ]
     result = subprocess.run(command, env=clean_env(), capture_output=True, text=True, timeout=180)
     assert result.returncode == 0, result.stderr[-3000:]
-    rates = dict(
-        re.findall(r"(intra-host|inter-host) link \(gloo allreduce\): latency [\d.]+ ms, ([\d.]+) GB/s", result.stdout)
-    )
+    line = r"(intra-host|inter-host) link \(gloo allreduce\): latency [\d.]+ ms, ([\d.]+ GB/s|unbounded)"
+    rates = dict(re.findall(line, result.stdout))
     assert set(rates) == {"intra-host", "inter-host"}, result.stdout
-    assert float(rates["inter-host"]) < float(rates["intra-host"]), rates  # the shaped 1 Gbit/s link is the slow one
-    assert float(rates["inter-host"]) < 0.2, rates  # 1 Gbit/s is 0.125 GB/s
+    # An intra-host line fitted with no cost per byte (latency-bound at these sizes, on a loaded machine) is unbounded.
+    speed = {link: math.inf if rate == "unbounded" else float(rate.split()[0]) for link, rate in rates.items()}
+    assert speed["inter-host"] < speed["intra-host"], rates  # the shaped 1 Gbit/s link is the slow one
+    assert speed["inter-host"] < 0.2, rates  # 1 Gbit/s is 0.125 GB/s
 
 
 def test_check_build_reports_each_host_over_ssh(loopback_sshd: tuple[int, Path]) -> None:
