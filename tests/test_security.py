@@ -3,6 +3,7 @@ destinations, shared-memory paths that cannot be redirected, and negotiation wit
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import socket
@@ -10,8 +11,10 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -120,12 +123,21 @@ def test_the_store_keeps_torch_store_semantics() -> None:
         server.close()
 
 
-@pytest.mark.timeout(60)
-def test_a_wait_with_an_abort_check_ends_with_its_reason_and_a_key_that_comes_still_arrives() -> None:
+@contextlib.contextmanager
+def _round_view(connect: Callable[..., Any], timeout_s: float, reason: str) -> Iterator[tuple[Any, Any]]:
+    """A client of a fresh store and its view under ``round/`` whose abort check gives ``reason`` once the client
+    has set ``broken``."""
     server = auth_store.AuthStoreServer("s3cret")
     try:
-        client = store_client.connect("127.0.0.1", server.port, "s3cret", timeout_s=30)
-        view = client.with_prefix("round/", abort=lambda: "gone" if client.check(["broken"]) else None)
+        client = connect("127.0.0.1", server.port, "s3cret", timeout_s=timeout_s)
+        yield client, client.with_prefix("round/", abort=lambda: reason if client.check(["broken"]) else None)
+    finally:
+        server.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_wait_with_an_abort_check_ends_with_its_reason_and_a_key_that_comes_still_arrives() -> None:
+    with _round_view(store_client.connect, 30, "gone") as (client, view):
         threading.Timer(1.5, client.set, ("round/late", b"v")).start()
         assert view.get("late") == b"v"  # several abort checks pass before the key comes
         threading.Timer(1.5, client.set, ("broken", b"worker#2")).start()
@@ -135,24 +147,17 @@ def test_a_wait_with_an_abort_check_ends_with_its_reason_and_a_key_that_comes_st
         assert time.monotonic() - started < 1.5 + 2 * store_client.ABORT_POLL_S + 1.0
         with pytest.raises(dist.DistStoreError, match="gone"):
             view.get("never")
-    finally:
-        server.close()
 
 
 @pytest.mark.timeout(60)
 def test_gloo_stops_joining_a_group_when_the_store_says_a_peer_will_never_come() -> None:
     """torch's gloo waits for its peers' addresses in Shoal's store; an abort there fails the group's creation."""
-    server = auth_store.AuthStoreServer("s3cret")
-    try:
-        client = torch_store.connect("127.0.0.1", server.port, "s3cret", timeout_s=300)
-        view = client.with_prefix("round/", abort=lambda: "rank 1 died" if client.check(["broken"]) else None)
+    with _round_view(torch_store.connect, 300, "rank 1 died") as (client, view):
         threading.Timer(1.0, client.set, ("broken", b"1")).start()
         started = time.monotonic()
         with pytest.raises(Exception, match="rank 1 died"):
             dist.ProcessGroupGloo(view, 0, 2, timedelta(seconds=300))  # rank 1 never writes its address
         assert time.monotonic() - started < 10
-    finally:
-        server.close()
 
 
 # ----- no secret on any command line -----

@@ -20,7 +20,7 @@ from shoal.engine.engine import Engine, EngineStoppedError
 from shoal.engine.request import Request, RequestMeta
 from shoal.exceptions import NotInitializedError
 from shoal.runtime import context
-from shoal.runtime.elastic_rendezvous import ROUND_CONNECT_TIMEOUT_S, is_elastic_worker
+from shoal.runtime.elastic_rendezvous import is_elastic_worker, round_connect_timeout
 
 _session_ids = itertools.count(1)
 _handle_ids = itertools.count(1)
@@ -69,10 +69,9 @@ def _start_session(ctx: context.Context) -> None:
     # then fails their requests at once (``Engine.abandon``), whichever thread the collective blocks.
     # Its groups wait for a member's connection only briefly (the round's members are all running; one that died
     # while the round formed never connects, and the worker then joins the next round instead).
-    elastic = is_elastic_worker()
-    connect_timeout_s = ROUND_CONNECT_TIMEOUT_S if elastic else None
+    callers_drive, connect_timeout_s = not is_elastic_worker(), round_connect_timeout()
     config = EngineConfig.from_env()
-    engine = Engine(ctx.topology, config, ctx.store, job_token(ctx.launch.secret), not elastic, connect_timeout_s)
+    engine = Engine(ctx.topology, config, ctx.store, job_token(ctx.launch.secret), callers_drive, connect_timeout_s)
     ctx.set_part(_PART, Session(engine))
 
 

@@ -128,7 +128,7 @@ def init() -> Context:
         try:
             # An elastic round's members are all running once it formed: a connection that does not come within
             # ROUND_CONNECT_TIMEOUT_S is a member that died meanwhile, and the worker joins the next round.
-            connect_s = elastic_rendezvous.ROUND_CONNECT_TIMEOUT_S if elastic_rendezvous.is_elastic_worker() else None
+            connect_s = elastic_rendezvous.round_connect_timeout()
             backend = process_group.init_world(scoped_store, launch.rank, launch.size, max(timeout_s, 300.0), connect_s)
             gathered = process_group.allgather_json([launch.host_key, launch.local_rank])
             # A launcher that gives no local rank (a PyTorchJob pod, an MPI without one) sends None: derived below.
@@ -199,9 +199,8 @@ def _join_elastic_round(launch: LaunchInfo, job_store: Any) -> tuple[LaunchInfo,
     )
 
     def broken() -> str | None:  # a member died while the round formed: the keys it was to write never come
-        if not job_store.check([keys.broken(round_number)]):
-            return None
-        return f"elastic round {round_number} lost worker {job_store.get(keys.broken(round_number)).decode()}"
+        failed = elastic_rendezvous.failed_member(job_store, keys, round_number)
+        return None if failed is None else f"elastic round {round_number} lost worker {failed}"
 
     scoped = store.prefix_store(keys.group_prefix(round_number), job_store, abort=broken)
     return launch, scoped, round_number

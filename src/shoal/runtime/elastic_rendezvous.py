@@ -36,6 +36,12 @@ def is_elastic_worker() -> bool:
     return bool(os.environ.get(ELASTIC_ID_ENV))
 
 
+def round_connect_timeout() -> float | None:
+    """How long this process's groups may wait for a member's connection: ``ROUND_CONNECT_TIMEOUT_S`` in an elastic
+    worker, None (as long as a collective) elsewhere, where ranks may reach a group's creation far apart."""
+    return ROUND_CONNECT_TIMEOUT_S if is_elastic_worker() else None
+
+
 class ElasticKeys:
     """Key names under the job's namespace; the one place both sides spell them."""
 
@@ -88,6 +94,13 @@ class ElasticKeys:
     def arrival(self, round_number: int, worker_id: str) -> str:
         """Set when a worker arrives in a round (the driver finds members that never come)."""
         return f"{self.base}/r{round_number}/arrival/{worker_id}"
+
+
+def failed_member(store: Any, keys: ElasticKeys, round_number: int) -> str | None:
+    """The worker whose failure made the driver mark ``round_number`` broken, or None while it is not."""
+    if not store.check([keys.broken(round_number)]):
+        return None
+    return str(store.get(keys.broken(round_number)).decode())
 
 
 def current_round(store: Any, keys: ElasticKeys) -> int:

@@ -53,7 +53,7 @@ def start(
 def _beat(launch: Any, worker_id: str, joined_round: Callable[[], int], on_broken: Callable[[int, str], bool]) -> None:
     from shoal.comm.names import secret_namespace
     from shoal.comm.store import connect_job_store
-    from shoal.runtime.elastic_rendezvous import ElasticKeys
+    from shoal.runtime.elastic_rendezvous import ElasticKeys, failed_member
 
     keys = ElasticKeys(secret_namespace(launch.secret))
     key = keys.heartbeat(worker_id)
@@ -68,9 +68,9 @@ def _beat(launch: Any, worker_id: str, joined_round: Callable[[], int], on_broke
             count += 1
             job_store.set(key, str(count))
             joined = joined_round()
-            if joined > told and job_store.check([keys.broken(joined)]):
-                if on_broken(joined, job_store.get(keys.broken(joined)).decode()):
-                    told = joined
+            failed = failed_member(job_store, keys, joined) if joined > told else None
+            if failed is not None and on_broken(joined, failed):
+                told = joined
         except Exception as error:  # cut off or the driver gone: reconnect next time (the watchdog ends an orphan)
             get_logger().debug("heartbeat to shoalrun's store failed: %s", error)
             job_store = None
