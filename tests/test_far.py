@@ -29,6 +29,7 @@ from shoal.plan.far import (
     RoundPlan,
     exchange_parts,
     exchange_seconds,
+    fragment_bounds,
     plan_rounds,
     prefer_local,
 )
@@ -107,7 +108,13 @@ def test_one_step_rounds_equal_one_process_over_the_global_batch(size: int) -> N
 
 # ----- one outer step against numpy -----
 
-ROUNDS, EVERY, INNER_LR, OUTER_LR, MOMENTUM = 2, 3, 0.05, 0.7, 0.9
+ROUNDS, EVERY, INNER_LR, OUTER_LR, MOMENTUM = 3, 4, 0.05, 0.7, 0.9
+HAND_CASES = [  # (overlap, fragments, delay): the whole model landing a round later, or in two fragments a step later
+    (False, 1, None),
+    (True, 1, EVERY),
+    (False, 2, None),
+    (True, 2, 1),
+]
 
 
 def _linear_data(rank: int) -> tuple[np.ndarray, np.ndarray]:
@@ -115,15 +122,25 @@ def _linear_data(rank: int) -> tuple[np.ndarray, np.ndarray]:
     return rng.standard_normal((ROUNDS * EVERY, 5, 4)), rng.standard_normal((ROUNDS * EVERY, 5, 3))
 
 
-def _train_linear(overlap: bool) -> dict[str, np.ndarray]:
-    """A bias-free linear layer, loss ½·Σ(xWᵀ - y)² / B, DiLoCo's defaults but for the learning rates; the hosts
-    meet at the end (``outer_step``)."""
+def _train_linear(overlap: bool, fragments: int, delay: int | None) -> dict[str, np.ndarray]:
+    """A linear layer, loss ½·Σ(xWᵀ + b - y)² / B, DiLoCo's defaults but for the learning rates; the weight and the
+    bias are a fragment each where there are two. The hosts meet at the end (``outer_step``)."""
     hvd.init()
     torch.manual_seed(0)
-    model = nn.Linear(4, 3, bias=False)
+    model = nn.Linear(4, 3)
     inner = torch.optim.SGD(model.parameters(), lr=INNER_LR)
-    options = hvd.LocalSteps(every=EVERY, codec="fp32", outer_lr=OUTER_LR, outer_momentum=MOMENTUM, overlap=overlap)
+    options = hvd.LocalSteps(
+        every=EVERY,
+        codec="fp32",
+        outer_lr=OUTER_LR,
+        outer_momentum=MOMENTUM,
+        overlap=overlap,
+        fragments=fragments,
+        delay=delay,
+    )
     optimizer = hvd.DistributedOptimizer(inner, comm="local", local_steps=options)
+    outer = rounds_of(optimizer)
+    assert outer is not None and outer.fragments == fragments
     x, y = _linear_data(hvd.rank())
     for step in range(ROUNDS * EVERY):
         optimizer.zero_grad()
@@ -131,54 +148,81 @@ def _train_linear(overlap: bool) -> dict[str, np.ndarray]:
         (0.5 * ((model(batch) - torch.from_numpy(y[step]).float()) ** 2).sum() / len(batch)).backward()
         optimizer.step()
     optimizer.outer_step()
-    return {"weight": model.weight.detach().numpy().astype(np.float64)}
+    return {name: p.detach().numpy().astype(np.float64) for name, p in model.named_parameters()}
 
 
-def _numpy_diloco(start: np.ndarray, hosts: int, overlap: bool) -> np.ndarray:
-    """The same rounds by hand. With overlap, a round's mean lands at the next round's end: the outer step from the
-    round's start, plus the inner steps each host took since it sent."""
+def _numpy_diloco(start: dict[str, np.ndarray], hosts: int, overlap: bool, fragments: int, delay: int | None):
+    """The same rounds by hand, step by step. Fragment f (the weight, then the bias; or both as one) is sent at inner
+    step (f + 1)·H / fragments of each round: the hosts' mean of its start minus its weights. It lands τ steps later
+    (at once without overlap; before it is sent again): an outer Nesterov step from its start, plus the inner steps
+    each host took since it sent. At the end the hosts meet: what is in flight lands, then every fragment is
+    averaged."""
     data = [_linear_data(rank) for rank in range(hosts)]
-    outer_start, momentum = start.copy(), np.zeros_like(start)
-    local = [start.copy() for _ in range(hosts)]
+    groups = [["weight", "bias"]] if fragments == 1 else [["weight"], ["bias"]]
+    outer_start = {name: value.copy() for name, value in start.items()}
+    momentum: dict[str, np.ndarray] = {}
+    local = [{name: value.copy() for name, value in start.items()} for _ in range(hosts)]
+    in_flight: dict[int, tuple[dict[str, np.ndarray], list[dict[str, np.ndarray]], int]] = {}
 
-    def outer(mean: np.ndarray) -> np.ndarray:
-        nonlocal momentum
-        momentum = MOMENTUM * momentum + mean  # torch's SGD: the buffer starts as the first gradient
-        return outer_start - OUTER_LR * (mean + MOMENTUM * momentum)  # Nesterov
+    def land(fragment: int, average: bool = False) -> None:
+        mean, sent, _ = in_flight.pop(fragment)
+        for name in groups[fragment]:
+            if average:
+                outer_start[name] = outer_start[name] - mean[name]
+            else:  # torch's SGD: the buffer starts as the first gradient; Nesterov
+                momentum[name] = MOMENTUM * momentum[name] + mean[name] if name in momentum else mean[name].copy()
+                outer_start[name] = outer_start[name] - OUTER_LR * (mean[name] + MOMENTUM * momentum[name])
+            for weights, was in zip(local, sent, strict=True):
+                weights[name] = outer_start[name] + (weights[name] - was[name])
 
-    in_flight = None
-    for round_ in range(ROUNDS + 1):  # the last: outer_step() at the end, where there is something to meet on
-        if round_ == ROUNDS and in_flight is None:
-            break
-        if round_ < ROUNDS:
-            for (x, y), weights in zip(data, local, strict=True):
-                for step in range(round_ * EVERY, (round_ + 1) * EVERY):
-                    error = x[step] @ weights.T - y[step]
-                    weights -= INNER_LR * error.T @ x[step] / len(x[step])
-        if in_flight is not None:
-            mean, sent = in_flight
-            outer_start = outer(mean)
-            local = [outer_start + (weights - was) for weights, was in zip(local, sent, strict=True)]
-            in_flight = None
-        mean = np.mean([outer_start - weights for weights in local], axis=0)  # the pseudo-gradient
-        if overlap and round_ < ROUNDS:
-            in_flight = (mean, [weights.copy() for weights in local])
-        else:  # outer_step() at the end: the hosts' mean weights, no outer step
-            outer_start = outer(mean) if round_ < ROUNDS else outer_start - mean
-            local = [outer_start.copy() for _ in local]
+    def send(fragment: int) -> None:
+        names = groups[fragment]
+        mean = {name: np.mean([outer_start[name] - weights[name] for weights in local], axis=0) for name in names}
+        in_flight[fragment] = (mean, [{name: weights[name].copy() for name in names} for weights in local], 0)
+
+    steps, sent_in_round = 0, 0
+    for step in range(ROUNDS * EVERY):
+        for (x, y), weights in zip(data, local, strict=True):
+            error = x[step] @ weights["weight"].T + weights["bias"] - y[step]
+            weights["weight"] -= INNER_LR * error.T @ x[step] / len(x[step])
+            weights["bias"] -= INNER_LR * error.sum(axis=0) / len(x[step])
+        steps += 1
+        in_flight = {f: (mean, sent, age + 1) for f, (mean, sent, age) in in_flight.items()}
+        due = []
+        while sent_in_round < fragments and steps >= (sent_in_round + 1) * EVERY // fragments:
+            due.append(sent_in_round)
+            sent_in_round += 1
+        for fragment in sorted(set(f for f, (_, _, age) in in_flight.items() if age >= (delay or 0)) | set(due)):
+            if fragment in in_flight:
+                land(fragment)
+        for fragment in due:
+            send(fragment)
+            if not overlap:
+                land(fragment)
+        if sent_in_round == fragments:
+            steps, sent_in_round = 0, 0
+    for fragment in sorted(in_flight):
+        land(fragment)
+    for fragment in range(fragments):
+        send(fragment)
+        land(fragment, average=True)
     return local[0]
 
 
-@pytest.mark.parametrize("overlap", [False, True])
-def test_outer_nesterov_steps_match_a_numpy_hand_computation(overlap: bool) -> None:
+@pytest.mark.parametrize(("overlap", "fragments", "delay"), HAND_CASES)
+def test_outer_nesterov_steps_match_a_numpy_hand_computation(overlap: bool, fragments: int, delay: int | None) -> None:
     torch.manual_seed(0)
-    start = nn.Linear(4, 3, bias=False).weight.detach().numpy().astype(np.float64)
-    expected = _numpy_diloco(start, 2, overlap)
-    results = run_ranks(_train_linear, 2, args=(overlap,), rank_env_overrides=hosts_env([1, 1]), timeout_s=90)
-    assert not np.allclose(expected, start, atol=1e-3)  # the rounds moved the weights
-    assert not np.allclose(expected, _numpy_diloco(start, 2, not overlap), atol=1e-4)  # overlap changes the rounds
+    model = nn.Linear(4, 3)
+    start = {name: p.detach().numpy().astype(np.float64) for name, p in model.named_parameters()}
+    expected = _numpy_diloco(start, 2, overlap, fragments, delay)
+    results = run_ranks(_train_linear, 2, args=(overlap, fragments, delay), rank_env_overrides=hosts_env([1, 1]), timeout_s=90)
+    assert not np.allclose(expected["weight"], start["weight"], atol=1e-3)  # the rounds moved the weights
+    for other in HAND_CASES:  # each way of landing gives other weights
+        if other != (overlap, fragments, delay):
+            assert not np.allclose(expected["weight"], _numpy_diloco(start, 2, *other)["weight"], atol=1e-4)
     for rank, result in enumerate(results):
-        np.testing.assert_allclose(result["weight"], expected, atol=1e-5, err_msg=f"rank {rank}")
+        for name in ("weight", "bias"):
+            np.testing.assert_allclose(result[name], expected[name], atol=1e-5, err_msg=f"rank {rank}, {name}")
 
 
 # ----- the codecs -----
@@ -230,11 +274,11 @@ def test_codec_error_does_not_accumulate_over_rounds(codec: Codec) -> None:
 # ----- hosts of several ranks -----
 
 
-def _train_two_hosts(steps: int, every: int, overlap: bool) -> dict[str, object]:
+def _train_two_hosts(steps: int, every: int, overlap: bool, fragments: int) -> dict[str, object]:
     hvd.init()
     model = _model()
     inner = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.5)
-    options = hvd.LocalSteps(codec="int8", overlap=overlap)
+    options = hvd.LocalSteps(codec="int8", overlap=overlap, fragments=fragments)
     optimizer = hvd.DistributedOptimizer(inner, model=model, comm="local", every=every, local_steps=options)
     x, y = _data(4 * 3, steps, seed=hvd.rank())
     snapshots = []
@@ -248,18 +292,29 @@ def _train_two_hosts(steps: int, every: int, overlap: bool) -> dict[str, object]
     assert not optimizer.outer_step()  # nothing left to meet on
     outer = rounds_of(optimizer)
     assert outer is not None
-    return {"snapshots": snapshots, "rounds": outer.rounds, "sent": outer.sent_bytes, "leader": outer.groups.leader}
+    sizes = [span.stop - span.start for span in outer.cut.spans]
+    return {
+        "snapshots": snapshots,
+        "rounds": outer.rounds,
+        "sent": outer.link.sent_bytes,
+        "leader": outer.groups.leader,
+        "sizes": sizes,
+    }
 
 
-@pytest.mark.parametrize("overlap", [False, True])
-def test_ranks_of_a_host_stay_equal_and_hosts_meet_at_every_outer_step(overlap: bool) -> None:
-    """Without overlap the hosts are equal after every outer step; with it, a round's mean lands a round later on
-    top of each host's own steps, so they meet only at ``outer_step()``."""
+@pytest.mark.parametrize(("overlap", "fragments"), [(False, 1), (True, 1), (True, 3)])
+def test_ranks_of_a_host_stay_equal_and_hosts_meet_at_every_outer_step(overlap: bool, fragments: int) -> None:
+    """Without overlap the hosts of one fragment are equal after every outer step; with it, a round's mean lands
+    later on top of each host's own steps, and in fragments each lands on its own step, so they meet only at
+    ``outer_step()``."""
     steps, every = 7, 3
     env = hosts_env([2, 2])
-    results = run_ranks(_train_two_hosts, 4, args=(steps, every, overlap), rank_env_overrides=env, timeout_s=90)
+    args = (steps, every, overlap, fragments)
+    results = run_ranks(_train_two_hosts, 4, args=args, rank_env_overrides=env, timeout_s=90)
     assert [r["leader"] for r in results] == [True, False, True, False]
     assert all(r["rounds"] == steps // every + 1 for r in results)
+    sizes = results[0]["sizes"]
+    assert len(sizes) == fragments and sum(sizes) == results[0]["snapshots"][0].size
     np.testing.assert_array_equal(results[0]["snapshots"][-1], results[2]["snapshots"][-1])
     for step in range(steps):
         for a, b in ((0, 1), (2, 3)):  # inside a host: equal after every inner step
@@ -268,8 +323,10 @@ def test_ranks_of_a_host_stay_equal_and_hosts_meet_at_every_outer_step(overlap: 
             np.testing.assert_array_equal(results[0]["snapshots"][step], results[2]["snapshots"][step])
         else:  # and apart in between (each host trains on its own data)
             assert not np.array_equal(results[0]["snapshots"][step], results[2]["snapshots"][step])
-    entries = results[0]["snapshots"][0].size
-    assert results[0]["sent"] == (steps // every + 1) * Codec.INT8.wire_bytes(entries)
+    # every fragment in each whole round and at the meeting, and those due in the last round's steps
+    partial = [f for f in range(fragments) if (f + 1) * every // fragments <= steps % every]
+    sent = (steps // every + 1) * sum(Codec.INT8.wire_bytes(size) for size in sizes)
+    assert results[0]["sent"] == sent + sum(Codec.INT8.wire_bytes(sizes[f]) for f in partial)
     assert results[1]["sent"] == 0  # only a host's first rank crosses the link
 
 
@@ -310,6 +367,37 @@ def test_a_given_round_length_is_kept_and_the_cap_holds() -> None:
     assert rounds.every == 7 and rounds.codec is Codec.INT8
     capped = plan_rounds(SLOW, 2, 9_400_000, 1e-6, LocalSteps(max_every=40, codec="fp32"))
     assert capped.every == 40 and capped.codec is Codec.FP32
+
+
+def test_fragments_are_runs_of_whole_parameters_of_about_equal_entries() -> None:
+    assert fragment_bounds([10, 10, 10, 10], 4) == [(0, 1), (1, 2), (2, 3), (3, 4)]
+    assert fragment_bounds([10, 10, 10, 10], 2) == [(0, 2), (2, 4)]
+    assert fragment_bounds([1, 2, 3, 4, 5, 6, 7, 8], 3) == [(0, 4), (4, 6), (6, 8)]  # 10, 11 and 15 entries
+    assert fragment_bounds([48, 8, 16, 2], 3) == [(0, 1), (1, 2), (2, 4)]  # a weight larger than its share alone
+    assert fragment_bounds([1, 1, 1, 100], 4) == [(0, 3), (3, 4)]  # fewer: the last parameter holds most entries
+    assert fragment_bounds([10, 10, 10], 5) == [(0, 1), (1, 2), (2, 3)]
+    assert fragment_bounds([10, 10, 10], 1) == [(0, 3)] and fragment_bounds([], 3) == []
+
+
+def test_the_plan_cuts_fragments_where_the_link_carries_bytes_and_not_where_its_latency_dominates() -> None:
+    entries, step_s = 20_000_000, 0.1  # 80 MB of float32 on 100 Mbit/s: the bytes dominate
+    whole = plan_rounds(SLOW, 2, entries, step_s, fragments=1)
+    cut = plan_rounds(SLOW, 2, entries, step_s, fragments=4)
+    assert cut.fragments == 4 and cut.codec is whole.codec and cut.every <= 1.1 * whole.every
+    wire, _ = exchange_parts(SLOW, 2, entries, cut.codec, 4)
+    assert wire == pytest.approx(exchange_parts(SLOW, 2, entries, cut.codec)[0] + 3 * 30e-3)  # a latency each
+    assert cut.tau == math.ceil(OVERLAP_SLACK * wire / 4 / step_s) < cut.every and cut.fits  # lands before H
+    assert whole.tau == math.ceil(OVERLAP_SLACK * whole.wire_s / step_s) <= whole.every
+    assert "in 4 fragments, each landing" in cut.describe()
+    assert cut.as_dict()["fragments"] == 4 and cut.as_dict()["delay"] == cut.tau
+    tiny = plan_rounds(SLOW, 2, 20_000, 1e-3, fragments=4)  # 20 kB: four latencies would lengthen the round
+    assert tiny.fragments == 1
+    waiting = plan_rounds(SLOW, 2, entries, step_s, LocalSteps(overlap=False), fragments=4)
+    assert waiting.tau == 0 and "not overlapped" in waiting.describe()
+    short = plan_rounds(SLOW, 2, entries, step_s, LocalSteps(delay=1), fragments=4)  # τ given too short to hide
+    assert short.tau == 1 and not short.fits
+    assert "a fragment's exchange" in short.describe() and "does not fit in the 100 ms of the 1 steps" in short.describe()
+    assert short.per_step_s == pytest.approx(step_s + (short.wire_s - 4 * step_s + short.local_s) / short.every)
 
 
 def test_local_steps_are_a_row_of_the_table_that_no_per_layer_mode_picks() -> None:
@@ -475,7 +563,7 @@ def test_far_benchmark_json_contract_on_two_emulated_hosts(task: str) -> None:
     assert data["sync_bytes_per_sample"] > data["far_bytes_per_sample"]
     plan = data["plan"]
     assert plan["hosts"] == 2 and plan["codec"] in ("fp32", "bf16", "int8") and plan["every"] >= 1
-    assert plan["fragments"] == 1 and plan["rounds"] >= 1
+    assert 1 <= plan["fragments"] <= 4 and 1 <= plan["delay"] <= plan["every"] and plan["rounds"] >= 1
     chance = math.log(10 if task == "digits" else 256)
     assert data["sync_eval_loss"] < chance and data["far_eval_loss"] < chance  # both learnt something
 
@@ -542,3 +630,9 @@ def test_local_steps_refuse_what_they_cannot_honour() -> None:
     assert "cannot go with comm='local'" in errors[3]
     with pytest.raises(ValueError, match="codec must be one of"):
         LocalSteps(codec="int4")
+    with pytest.raises(ValueError, match="fragments must be an int >= 1"):
+        LocalSteps(fragments=0)
+    with pytest.raises(ValueError, match="delay must be an int >= 1"):
+        LocalSteps(delay=0)
+    with pytest.raises(ValueError, match="delay needs overlap=True"):
+        LocalSteps(delay=3, overlap=False)

@@ -183,6 +183,8 @@ def train(mode: str, task: Task, args: argparse.Namespace) -> Run:
             outer_lr=args.outer_lr,
             outer_momentum=args.outer_momentum,
             overlap=not args.no_overlap,
+            fragments=args.fragments,
+            delay=args.delay,
         )
         optimizer = hvd.DistributedOptimizer(optimizer, model=model, comm="local", local_steps=options)
     run = Run()
@@ -221,7 +223,6 @@ def train(mode: str, task: Task, args: argparse.Namespace) -> Run:
         run.plan = {
             **outer.plan.as_dict(),
             "rounds": outer.rounds,
-            "fragments": 1,
             "planning_s": round(outer.planning_s, 3),
             "round_ends_s": round(outer.exchange_s, 3),
             "replans": [list(change) for change in outer.replans],
@@ -260,7 +261,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rate", default="", help="the emulated link's rate, for the record (e.g. 100mbit)")
     parser.add_argument("--outer-lr", type=float, default=LocalSteps.outer_lr, help="the outer step's learning rate")
     parser.add_argument("--outer-momentum", type=float, default=LocalSteps.outer_momentum, help="its Nesterov momentum")
-    parser.add_argument("--no-overlap", action="store_true", help="every host waits for the exchange at a round's end")
+    parser.add_argument("--no-overlap", action="store_true", help="every host waits for each exchange where it is sent")
+    parser.add_argument(
+        "--fragments", type=int, default=LocalSteps.fragments, help="cut the model into at most this many fragments"
+    )
+    parser.add_argument("--delay", type=int, default=None, help="force τ, the steps a fragment's exchange overlaps")
     parser.add_argument("--modes", default=",".join(MODES), help="for a quicker look: a comma-separated subset")
     add_json_flag(parser)
     args = parser.parse_args(argv)

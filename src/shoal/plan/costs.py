@@ -320,7 +320,5 @@ def local_cost(ctx: CostContext, layer: LayerShape) -> Estimate:
     assert rounds is not None
     entries = layer.nbytes // max(layer.itemsize, 1)
     wire, local = exchange_parts(ctx.calibration, rounds.hosts, entries, rounds.codec)
-    exposed = 1.0
-    if rounds.overlap:
-        exposed = max(0.0, rounds.wire_s - rounds.every * rounds.step_s) / rounds.wire_s if rounds.wire_s > 0 else 0.0
+    exposed = rounds.exposed_s / rounds.wire_s if rounds.wire_s > 0 else float(not rounds.overlap)
     return Estimate(wire * exposed / rounds.every, local / rounds.every)

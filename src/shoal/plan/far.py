@@ -7,13 +7,19 @@ start minus the weights now) in a codec, and an outer optimizer (Nesterov SGD by
 start weights (Douillard et al., "DiLoCo", arXiv 2311.08105). With H = 1, outer SGD at learning rate 1 without
 momentum, and the fp32 codec, this is synchronous data-parallel SGD.
 
+As in Streaming DiLoCo (Douillard et al., arXiv 2501.18512), the model is cut into fragments of whole parameters, each
+synced on its own step of the round (H / fragments apart) and landed τ inner steps after it was sent, while the next
+steps compute: the link carries a fragment at a time, and the round's end work is spread over the round.
+
 The package imports no framework; the torch carrier is ``shoal.torch.local_steps``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from shoal.plan.calibration import Calibration
@@ -63,6 +69,9 @@ larger learning rate. On ``shoal.bench.far --task chars`` with DiLoCo's values, 
 DEFAULT_BUDGET = 0.05
 """The share of a round that the outer exchange may add: the planner's H is the smallest that keeps the exchange
 within it (a longer round only makes the optimization staler)."""
+DEFAULT_FRAGMENTS = 4
+"""The fragments a model is cut into by default (fewer where it has fewer parameters, or where one parameter is
+larger than a fragment's share)."""
 LOCAL_MARGIN = 0.8
 """``auto-far`` takes local steps only where their predicted step time is at most this share of the best synchronous
 plan's (a quarter faster): changing the optimization must buy a real saving, and the synchronous plan's prediction
@@ -91,8 +100,15 @@ class LocalSteps:
     budget: float = DEFAULT_BUDGET
     """The share of a round the outer exchange may add, for the planner's H (without overlap)."""
     overlap: bool = True
-    """The outer exchange runs while the next round's inner steps compute, and lands at that round's end (one round
-    stale, as Streaming DiLoCo's overlapped outer steps); False: every host waits for it at the round's end."""
+    """The outer exchange runs while the next inner steps compute, and lands ``delay`` steps after it was sent (as
+    Streaming DiLoCo's overlapped outer steps); False: every host waits for it where it is sent."""
+    fragments: int = DEFAULT_FRAGMENTS
+    """The model is cut into up to this many fragments of whole parameters, of about equal entries in the model's
+    order, each synced on its own step of the round; 1: the whole model at the round's end."""
+    delay: int | None = None
+    """τ, the inner steps between a fragment's send and its landing (at most H: a fragment lands before it is sent
+    again); None: the planner's, the fewest that hide the fragment's wire ``OVERLAP_SLACK`` times over. Only with
+    overlap."""
 
     def __post_init__(self) -> None:
         if self.every is not None and (not isinstance(self.every, int) or self.every < 1):
@@ -110,6 +126,13 @@ class LocalSteps:
             raise ValueError(f"need 1 <= min_every <= max_every, got {self.min_every} and {self.max_every}")
         if not 0 < self.budget < 1:
             raise ValueError(f"budget must be in (0, 1), got {self.budget}")
+        if not isinstance(self.fragments, int) or self.fragments < 1:
+            raise ValueError(f"fragments must be an int >= 1, got {self.fragments!r}")
+        if self.delay is not None:
+            if not isinstance(self.delay, int) or self.delay < 1:
+                raise ValueError(f"delay must be an int >= 1 (inner steps), got {self.delay!r}")
+            if not self.overlap:
+                raise ValueError("delay needs overlap=True: without overlap a fragment lands where it is sent")
 
 
 @dataclass(frozen=True)
@@ -124,32 +147,63 @@ class RoundPlan:
     """One inner step's measured time (compute, and the in-host exchange)."""
     hosts: int
     local_s: float = 0.0
-    """The codec's local work per exchange (never hidden: it runs between the steps)."""
+    """The codec's local work per exchange, all fragments (never hidden: it runs between the steps)."""
     overlap: bool = True
+    fragments: int = 1
+    delay: int | None = None
+    """τ: a fragment lands this many inner steps after it was sent; None: H with overlap (it lands before it is sent
+    again), 0 without."""
+
+    @property
+    def tau(self) -> int:
+        """τ in force: ``delay``, or what None stands for."""
+        if self.delay is not None:
+            return self.delay
+        return self.every if self.overlap else 0
 
     @property
     def exchange_s(self) -> float:
         return self.wire_s + self.local_s
 
     @property
+    def fragment_wire_s(self) -> float:
+        return self.wire_s / self.fragments
+
+    @property
     def fits(self) -> bool:
-        """The exchange hides behind the round's inner steps (always False without overlap)."""
-        return self.overlap and self.wire_s <= self.every * self.step_s
+        """The exchange hides behind the inner steps: a round's wire behind the round, each fragment's behind its τ
+        steps (always False without overlap)."""
+        return self.overlap and self.wire_s <= self.every * self.step_s and self.fragment_wire_s <= self.tau * self.step_s
+
+    @property
+    def exposed_s(self) -> float:
+        """The wire seconds per round that the inner steps do not hide: what the round cannot carry, or what each
+        fragment's τ steps do not hide, whichever is more (all of it without overlap)."""
+        if not self.overlap:
+            return self.wire_s
+        hidden = min(self.every, self.fragments * self.tau) * self.step_s
+        return max(0.0, self.wire_s - hidden)
 
     @property
     def per_step_s(self) -> float:
         """The predicted time of one inner step, with the outer exchange's exposed part spread over the round."""
-        exposed = max(0.0, self.wire_s - self.every * self.step_s) if self.overlap else self.wire_s
-        return self.step_s + (exposed + self.local_s) / self.every
+        return self.step_s + (self.exposed_s + self.local_s) / self.every
 
     def describe(self) -> str:
+        cut = f" in {self.fragments} fragments" if self.fragments > 1 else ""
+        landing = f", each landing {self.tau} steps after it is sent" if self.overlap else ""
         text = (
-            f"local steps: every {self.every} steps, {self.codec} codec, outer exchange {self.exchange_s * 1e3:.1f} ms "
-            f"over {self.hosts} hosts against {self.step_s * 1e3:.2f} ms per inner step"
+            f"local steps: every {self.every} steps{cut}{landing}, {self.codec} codec, outer exchange "
+            f"{self.exchange_s * 1e3:.1f} ms over {self.hosts} hosts against {self.step_s * 1e3:.2f} ms per inner step"
         )
-        if self.overlap and not self.fits:
+        if self.overlap and self.wire_s > self.every * self.step_s:
             hidden = self.every * self.step_s
             text += f"; the exchange does not fit in the {hidden * 1e3:.0f} ms of a round that hide it"
+        elif self.overlap and not self.fits:
+            text += (
+                f"; a fragment's exchange ({self.fragment_wire_s * 1e3:.1f} ms) does not fit in the "
+                f"{self.tau * self.step_s * 1e3:.0f} ms of the {self.tau} steps that hide it"
+            )
         return text + ("" if self.overlap else ", not overlapped")
 
     def as_dict(self) -> dict[str, object]:
@@ -160,6 +214,8 @@ class RoundPlan:
             "step_ms": round(self.step_s * 1e3, 3),
             "hosts": self.hosts,
             "overlap": self.overlap,
+            "fragments": self.fragments,
+            "delay": self.tau,
             "fits": self.fits,
         }
 
@@ -173,55 +229,103 @@ def link_line(calibration: Calibration, hosts: int) -> tuple[float, float]:
     return latency, per_byte * ring / (2 * (ring - 1))
 
 
-def exchange_parts(calibration: Calibration, hosts: int, entries: int, codec: Codec) -> tuple[float, float]:
-    """One outer exchange of ``entries`` in ``codec`` among ``hosts``: (the wire: a ring allreduce of float32, or an
-    allgather of every host's codes, (N-1)·bytes per link; the codec's local work)."""
+def exchange_parts(calibration: Calibration, hosts: int, entries: int, codec: Codec, fragments: int = 1) -> tuple[float, float]:
+    """One outer exchange of ``entries`` in ``codec`` among ``hosts``, sent as ``fragments`` equal parts: (the wire:
+    per part, a ring allreduce of float32, or an allgather of every host's codes, (N-1)·bytes per link; the codec's
+    local work)."""
     if hosts < 2:
         return 0.0, 0.0
     latency, link_per_byte = link_line(calibration, hosts)
-    payload = codec.wire_bytes(entries)
+    part = math.ceil(entries / fragments)
+    payload = codec.wire_bytes(part)
     share = (hosts - 1) if codec.gathered else 2 * (hosts - 1) / hosts
     passes = CODEC_PASSES[codec] + (hosts if codec.gathered else 0)
-    return latency + link_per_byte * share * payload, calibration.local_seconds("codec-pass", entries) * passes
+    wire = fragments * (latency + link_per_byte * share * payload)
+    return wire, fragments * calibration.local_seconds("codec-pass", part) * passes
 
 
-def exchange_seconds(calibration: Calibration, hosts: int, entries: int, codec: Codec) -> float:
+def exchange_seconds(calibration: Calibration, hosts: int, entries: int, codec: Codec, fragments: int = 1) -> float:
     """One outer exchange's wire and local work (``exchange_parts``, summed)."""
-    return sum(exchange_parts(calibration, hosts, entries, codec))
+    return sum(exchange_parts(calibration, hosts, entries, codec, fragments))
 
 
 OVERLAP_SLACK = 1.5
-"""With overlap, H is this many times the steps the exchange lasts: the exchange shares the host's cores with the
-inner steps, and a link's time varies."""
+"""With overlap, H is this many times the steps the exchange lasts, and so is a fragment's τ: the exchange shares the
+host's cores with the inner steps, and a link's time varies."""
+
+
+FRAGMENT_SLACK = 1.1
+"""The plan cuts the model into fragments only while that lengthens the round by at most this factor: each fragment
+pays the link's latency once more, and on a link whose latency dominates a longer round is a staler optimization."""
+
+
+def fragment_bounds(sizes: Sequence[int], fragments: int) -> list[tuple[int, int]]:
+    """The parameters (of ``sizes`` entries, in the model's order) cut into at most ``fragments`` runs of whole
+    parameters of about equal entries: ``(first, end)`` index pairs, none empty. Each run takes parameters while
+    they bring it nearer to its share (the entries left over the fragments left), so a parameter larger than a
+    share makes a fragment of its own, and there may be fewer."""
+    bounds: list[tuple[int, int]] = []
+    first, left = 0, sum(sizes)
+    for remaining in range(fragments, 0, -1):
+        if first >= len(sizes):
+            break
+        share = left / remaining
+        end, filled = first + 1, sizes[first]
+        while end < len(sizes) and (remaining == 1 or abs(filled + sizes[end] - share) < abs(filled - share)):
+            filled += sizes[end]
+            end += 1
+        bounds.append((first, end))
+        first, left = end, left - filled
+    return bounds
 
 
 def plan_rounds(
-    calibration: Calibration, hosts: int, entries: int, step_s: float, options: LocalSteps = LocalSteps()
+    calibration: Calibration,
+    hosts: int,
+    entries: int,
+    step_s: float,
+    options: LocalSteps = LocalSteps(),
+    fragments: int = 1,
 ) -> RoundPlan:
-    """H and the codec for a model of ``entries`` float32 parameters whose inner step takes ``step_s``.
+    """H, the codec, the fragments (at most ``fragments``) and τ for a model of ``entries`` float32 parameters
+    whose inner step takes ``step_s``.
 
-    Per codec (the given one, else each), H is the shortest round that hides the outer exchange (with overlap: the
-    exchange fits in ``OVERLAP_SLACK`` times fewer steps than H; without: it adds at most ``budget`` of the round),
-    capped at ``max_every``. The codec with the shortest H wins (a tie goes to the more precise): a shorter round
-    is a less stale optimization. A given ``every`` is kept, and the codec is then the one with the cheapest
-    exchange.
+    Per codec (the given one, else each), H is the shortest round that hides the outer exchange of the whole model
+    (with overlap: the exchange fits in ``OVERLAP_SLACK`` times fewer steps than H; without: it adds at most
+    ``budget`` of the round), capped at ``max_every``. The codec with the shortest H wins (a tie goes to the more
+    precise): a shorter round is a less stale optimization. A given ``every`` is kept, and the codec is then the one
+    with the cheapest exchange. Each fragment costs the link's latency once more: the plan takes the most fragments
+    whose round is at most ``FRAGMENT_SLACK`` longer (and, where the whole model's exchange hides, still hides). τ
+    is the fewest steps that hide a fragment's wire ``OVERLAP_SLACK`` times over, at most H.
     """
     codecs = [Codec(options.codec)] if options.codec is not None else list(Codec)
-    parts = {codec: exchange_parts(calibration, hosts, entries, codec) for codec in codecs}
 
-    def plan(codec: Codec, every: int) -> RoundPlan:
-        wire, local = parts[codec]
-        return RoundPlan(every, codec, wire, step_s, hosts, local, options.overlap)
+    def plan(codec: Codec, count: int) -> RoundPlan:
+        wire, local = exchange_parts(calibration, hosts, entries, codec, count)
+        every = options.every if options.every is not None else round_length(wire, local, step_s, options)
+        return with_delay(RoundPlan(every, codec, wire, step_s, hosts, local, options.overlap, count), options)
 
     if options.every is not None:
-        codec = min(codecs, key=lambda c: (sum(parts[c]), codecs.index(c)))
-        return plan(codec, options.every)
+        whole = min((plan(c, 1) for c in codecs), key=lambda p: (p.exchange_s, codecs.index(p.codec)))
+    else:
+        whole = min((plan(c, 1) for c in codecs), key=lambda p: (p.every, p.per_step_s, codecs.index(p.codec)))
+    for count in range(fragments, 1, -1):
+        cut = plan(whole.codec, count)
+        if cut.every <= max(whole.every, FRAGMENT_SLACK * whole.every) and (cut.fits or not whole.fits):
+            return cut
+    return whole
 
-    def every_for(codec: Codec) -> int:
-        return round_length(*parts[codec], step_s, options)
 
-    codec = min(codecs, key=lambda c: (every_for(c), plan(c, every_for(c)).per_step_s, codecs.index(c)))
-    return plan(codec, every_for(codec))
+def with_delay(plan: RoundPlan, options: LocalSteps) -> RoundPlan:
+    """``plan`` with its τ: none without overlap; the given ``delay``; else the fewest inner steps that hide a
+    fragment's wire ``OVERLAP_SLACK`` times over. Never more than H."""
+    if not plan.overlap:
+        delay = 0
+    elif options.delay is not None:
+        delay = options.delay
+    else:
+        delay = math.ceil(OVERLAP_SLACK * plan.fragment_wire_s / max(plan.step_s, 1e-9))
+    return dataclasses.replace(plan, delay=min(plan.every, max(delay, 1 if plan.overlap else 0)))
 
 
 def round_length(wire_s: float, local_s: float, step_s: float, options: LocalSteps) -> int:
@@ -235,10 +339,12 @@ def round_length(wire_s: float, local_s: float, step_s: float, options: LocalSte
 
 
 def replan(plan: RoundPlan, wire_s: float, local_s: float, step_s: float, options: LocalSteps) -> RoundPlan:
-    """The plan with H chosen again from measured times (the slowest rank's): the link or the step changed, or the
-    calibration misjudged them. The codec stays; a given ``every`` is kept."""
+    """The plan with H and τ chosen again from measured times (the slowest rank's; ``wire_s``: a round's fragments
+    on the wire): the link or the step changed, or the calibration misjudged them. The codec and the fragments stay;
+    a given ``every`` or ``delay`` is kept."""
     every = plan.every if options.every is not None else round_length(wire_s, local_s, step_s, options)
-    return RoundPlan(every, plan.codec, wire_s, step_s, plan.hosts, local_s, plan.overlap)
+    fresh = RoundPlan(every, plan.codec, wire_s, step_s, plan.hosts, local_s, plan.overlap, plan.fragments)
+    return with_delay(fresh, options)
 
 
 def prefer_local(sync_step_s: float, rounds: RoundPlan) -> bool:

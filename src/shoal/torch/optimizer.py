@@ -30,11 +30,12 @@ from shoal.ps.config import resolve_config
 from shoal.torch.balanced_loader import BalancedLoader
 from shoal.torch.compression import Compression, Compressor
 from shoal.torch.exchange import AdasumExchange, GradientExchange
+from shoal.torch.far_choice import FarChoice
 from shoal.torch.host_groups import host_groups, local_options
 from shoal.torch.layer_comm.carriers import OptimizerFacts
 from shoal.torch.layer_comm.report import plan_report
 from shoal.torch.layer_comm.router import LayerRouter
-from shoal.torch.local_steps import FarChoice, OuterFactory, OuterRounds
+from shoal.torch.local_steps import OuterFactory, OuterRounds
 from shoal.torch.micro_batch_grads import MicroBatchWeights, check_ordered_params
 from shoal.torch.optimizer_class import is_mixed_with, mix_into
 from shoal.torch.param_names import parameter_names

@@ -38,6 +38,10 @@ class OuterState:
     start: torch.Tensor
     outer: dict[str, Any]
     steps: int
+    sent: int
+    """The fragments sent in the round."""
+    inner: int
+    synced: list[int]
     rounds: int
     plan: RoundPlan | None
     phase: str
@@ -51,11 +55,6 @@ class OuterState:
     """The rounds had taken steps (a newcomer's have not)."""
 
 
-def unsynced(rounds: OuterRounds) -> int:
-    """The host's inner steps not yet in an outer update that landed (the round's, and the one in flight's)."""
-    return rounds.steps + (rounds.in_flight.steps if rounds.in_flight is not None else 0)
-
-
 def snapshot(rounds: OuterRounds) -> OuterState:
     """``rounds``' state now, copied."""
     phase = "weighing" if rounds.weigh is not None else ("synchronous" if rounds.disabled else "local")
@@ -63,13 +62,16 @@ def snapshot(rounds: OuterRounds) -> OuterState:
         rounds.start.clone(),
         copy.deepcopy(rounds.outer.state_dict()),
         rounds.steps,
+        rounds.sent,
+        rounds.inner,
+        list(rounds.synced),
         rounds.rounds,
         rounds.plan,
         phase,
-        unsynced(rounds),
+        rounds.unsynced(),
         rounds.groups.hosts,
         rounds.lost_steps,
-        rounds.rounds > 0 or unsynced(rounds) > 0,
+        rounds.rounds > 0 or rounds.unsynced() > 0,
     )
 
 
@@ -100,13 +102,13 @@ class ElasticOuter:
         order, before the sync) and the exchange moved onto this host's new set where it was on the old one. The
         exchange in flight belonged to the old job: it is forgotten."""
         rounds = self.rounds
-        if rounds.in_flight is not None:
-            self.carried = unsynced(rounds)
-            rounds.in_flight = None
+        if rounds.in_flight:
+            self.carried = rounds.unsynced()
+            rounds.in_flight = {}
         old, groups = rounds.groups, HostGroups.register()
         self.hosts_before, rounds.groups = old.hosts, groups
-        rounds.feedback = None  # the lossy codecs' residual was this host's debt to the old job's exchange
-        rounds._last = None  # the re-form is not an inner step
+        rounds.link.regroup(groups)
+        rounds.times.last = None  # the re-form is not an inner step
         if rounds.weigh is not None:
             rounds.weigh.groups = groups
         if self.exchange.process_set is old.inner:
@@ -125,7 +127,7 @@ class ElasticOuter:
         mine.hosts, mine.unsynced = self.hosts_before, max(mine.unsynced, self.carried)
         state: OuterState = broadcast_object(mine, 0, name="elastic.sync.outer")
         speaks = rounds.groups.leader and mine.trained and state.start.shape == rounds.start.shape
-        progress = rounds._flat() - state.start if speaks else torch.zeros_like(state.start)
+        progress = rounds.cut.flat() - state.start if speaks else torch.zeros_like(state.start)
         summed = torch.cat([progress, torch.ones(1) * speaks])
         total = functions.allreduce(summed, name="elastic.sync.outer.progress", op=ReduceOp.Sum)
         hosts = round(float(total[-1]))
@@ -149,11 +151,11 @@ class ElasticOuter:
         rounds, state = self.rounds, self._incoming
         assert state is not None
         if self._mean is not None:
-            for param, value in zip(rounds.params, rounds._views(state.start + self._mean), strict=True):
+            for param, value in zip(rounds.params, rounds.cut.views(state.start + self._mean), strict=True):
                 param.copy_(value.to(param.dtype))
         _put_back(rounds, state)
         if state.hosts == 1 or self._mean is None:  # no round was running: the next one starts from here
-            rounds.start, rounds.steps = rounds._flat(), 0
+            rounds.restart()
         if rounds.plan is not None:
             rounds.plan = dataclasses.replace(rounds.plan, hosts=rounds.groups.hosts)
         self.hosts_before, self.carried, self._incoming, self._mean = rounds.groups.hosts, 0, None, None
@@ -162,8 +164,10 @@ class ElasticOuter:
 def _put_back(rounds: OuterRounds, state: OuterState) -> None:
     rounds.start = state.start.clone()
     rounds.outer.load_state_dict(copy.deepcopy(state.outer))
-    rounds.steps, rounds.rounds, rounds.plan, rounds.lost_steps = state.steps, state.rounds, state.plan, state.lost_steps
-    rounds.in_flight = None
+    rounds.in_flight = {}
+    rounds.adopt(state.plan)
+    rounds.steps, rounds.sent, rounds.rounds = state.steps, state.sent, state.rounds
+    rounds.inner, rounds.synced, rounds.lost_steps = state.inner, list(state.synced), state.lost_steps
     _set_phase(rounds, state.phase)
 
 
