@@ -9,6 +9,7 @@ import math
 import signal
 import subprocess
 import sys
+import time
 from typing import Any
 
 import numpy as np
@@ -467,7 +468,10 @@ def _synced_after_a_host_changes(steps: int, newcomer: bool) -> dict[str, object
     fresh model and optimizer, still weighing), then train on and meet."""
     hvd.init()
     model = _model()
-    optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model=model, comm="auto-far")
+    # Rounds of at most 40 steps: H follows the measured step (0.3 to 1 ms here), and the sync needs two rounds
+    # landed before it, whatever the machine's speed.
+    far = {"comm": "auto-far", "local_steps": hvd.LocalSteps(max_every=40)}
+    optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model=model, **far)
     x, y = _data(8, 2 * steps, seed=hvd.rank())
 
     def train(begin: int, end: int) -> None:
@@ -483,7 +487,7 @@ def _synced_after_a_host_changes(steps: int, newcomer: bool) -> dict[str, object
     if newcomer and hvd.rank() == 1:
         torch.manual_seed(99)
         model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 2))
-        optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model=model, comm="auto-far")
+        optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model=model, **far)
     hvd.elastic.TorchState(model=model, optimizer=optimizer).sync()
     rounds = rounds_of(optimizer)
     assert rounds is not None
@@ -599,6 +603,44 @@ def test_the_round_lengthens_within_two_round_ends_when_the_link_slows_down() ->
     longer = [(round_, every) for round_, every, when in replans if when > at and every > fast_every]
     assert longer, (at, replans, ends)
     assert longer[0][0] <= first_slow + 1 + 2, (first_slow, longer, replans)  # that exchange's landing, then two
+
+
+def _train_one_host_behind(steps: int, lag_s: float) -> dict[str, object]:
+    """Two hosts of local steps on a fast calibration (H at the floor); host 1 takes ``lag_s`` longer per step."""
+    hvd.init()
+    model = _model()
+    options = hvd.LocalSteps(codec="fp32", fragments=2)
+    optimizer = hvd.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.05), model=model, comm="local", local_steps=options
+    )
+    x, y = _data(8, steps, seed=hvd.rank())
+    for step in range(steps):
+        optimizer.zero_grad()
+        nn.functional.mse_loss(model(x[step]), y[step]).backward()
+        if hvd.rank() == 1:
+            time.sleep(lag_s)
+        optimizer.step()
+    optimizer.outer_step()
+    outer = rounds_of(optimizer)
+    assert outer is not None and outer.plan is not None
+    return {"replans": outer.replans, "every": outer.plan.every, "tau": outer.plan.tau, "rounds": outer.rounds}
+
+
+def test_a_host_running_behind_does_not_lengthen_the_round(tmp_path: Any) -> None:
+    """The host ahead sees each exchange end only once the host behind has sent its part: its wire holds the hosts'
+    skew, which waiting at the landings keeps to about τ steps. Re-planning takes the shortest wire a sending rank
+    saw (the link's own time), so H stays near the floor and τ short. Taking the skew as wire lengthened both every
+    round (H 37, 40, 92 and τ 46 after 5 rounds here), and a longer τ let the host behind fall further behind."""
+    path = tmp_path / "calibration.json"
+    path.write_text(calibration_to_json(SHARED_MEMORY))
+    env = {"SHOAL_CALIBRATION_FILE": str(path)}
+    args = (200, 0.004)  # 4 ms more per step on host 1: 80 ms of skew per round of 20 steps, were it not waited for
+    results = run_ranks(_train_one_host_behind, 2, args=args, env=env, rank_env_overrides=hosts_env([1, 1]), timeout_s=90)
+    for result in results:
+        # The loopback's own time moves H a little on a busy machine: 20 to 33, τ 3 to 5, under three busy loops.
+        assert result["rounds"] >= 5, result
+        assert result["every"] <= 40 and all(every <= 40 for _, every, _ in result["replans"]), result
+        assert result["tau"] <= 10, result
 
 
 # ----- errors -----

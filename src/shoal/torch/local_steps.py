@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import math
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -98,14 +99,16 @@ class RoundTimes:
         self.last = now
         return took
 
-    def end_round(self, work: float) -> torch.Tensor:
-        """The round's last fragment is sent, after ``work`` more seconds of outer work: (wire, outer work, inner
-        step) for ``replan``, and the next round's counts start."""
+    def end_round(self, work: float, sends: bool) -> torch.Tensor:
+        """The round's last fragment is sent, after ``work`` more seconds of outer work: what this rank measured, to
+        be reduced with ``ReduceOp.Max`` across ranks for ``replan`` (see ``OuterRounds._replan``), and the next
+        round's counts start. ``sends``: this rank crosses the link (a host's first rank)."""
         self.ends.append((self.wire, self.work + work))
         self.wire = self.work = 0.0
         wires, works = zip(*self.ends, strict=True)
         wire, local = max(statistics.median(wires), wires[-1]), statistics.median(works)
-        return torch.tensor([wire, local, statistics.median(self.steps or [0.0])], dtype=torch.float64)
+        negated = -wire if sends else -math.inf
+        return torch.tensor([negated, local, statistics.median(self.steps or [0.0])], dtype=torch.float64)
 
 
 class OuterRounds:
@@ -279,7 +282,7 @@ class OuterRounds:
     def _end_round(self, last: Pending, work: float) -> None:
         """The round's last fragment is sent: its times go with it (the slowest rank's, for ``replan`` where it
         lands), and the next round starts."""
-        measured = self.times.end_round(work)
+        measured = self.times.end_round(work, bool(last.handles))
         last.stats = functions.allreduce_async(measured, name=f"shoal.outer.times.{self.rounds}", op=ReduceOp.Max)
         self.steps = self.sent = 0
         self.rounds += 1
@@ -347,11 +350,15 @@ class OuterRounds:
         return waited
 
     def _replan(self, measured: torch.Tensor) -> None:
-        """H and τ again from the slowest rank's measured wire, outer work and inner step (the same on every
-        rank)."""
+        """H and τ again from the measured wire, outer work and inner step (the same on every rank): the slowest
+        rank's work and step, and the shortest wire any host's first rank saw. Hosts run apart, so a host that is
+        ahead sees its exchange end only when the last host has sent its part too: its wire holds the hosts' skew.
+        The last to send sees the link's own time, which is what a round must carry. Taking the skew as wire made H
+        and τ grow: a τ that waits for a host that is behind lets it fall further behind."""
         assert self.plan is not None
-        wire, local, step = (float(v) for v in measured)
-        if wire <= 0 or step <= 0:
+        negated, local, step = (float(v) for v in measured)
+        wire = -negated
+        if not math.isfinite(wire) or wire <= 0 or step <= 0:
             return
         plan = replan(self.plan, wire, local, step, self.options)
         if plan.every != self.plan.every:
