@@ -387,8 +387,9 @@ def test_the_plan_cuts_fragments_where_the_link_carries_bytes_and_not_where_its_
     assert cut.fragments == 4 and cut.codec is whole.codec and cut.every <= 1.1 * whole.every
     wire, _ = exchange_parts(SLOW, 2, entries, cut.codec, 4)
     assert wire == pytest.approx(exchange_parts(SLOW, 2, entries, cut.codec)[0] + 3 * 30e-3)  # a latency each
-    assert cut.tau == math.ceil(OVERLAP_SLACK * wire / 4 / step_s) < cut.every and cut.fits  # lands before H
-    assert whole.tau == math.ceil(OVERLAP_SLACK * whole.wire_s / step_s) <= whole.every
+    hides = math.ceil(OVERLAP_SLACK * wire / 4 / step_s)  # the fewest steps that hide a fragment's wire
+    assert cut.tau == max(hides, math.ceil(cut.every / 4)) < cut.every and cut.fits  # and one fragment's spacing
+    assert whole.tau == whole.every  # one fragment lands at the next round's end
     assert "in 4 fragments, each landing" in cut.describe()
     assert cut.as_dict()["fragments"] == 4 and cut.as_dict()["delay"] == cut.tau
     tiny = plan_rounds(SLOW, 2, 20_000, 1e-3, fragments=4)  # 20 kB: four latencies would lengthen the round
@@ -630,17 +631,19 @@ def test_a_host_running_behind_does_not_lengthen_the_round(tmp_path: Any) -> Non
     """The host ahead sees each exchange end only once the host behind has sent its part: its wire holds the hosts'
     skew, which waiting at the landings keeps to about τ steps. Re-planning takes the shortest wire a sending rank
     saw (the link's own time), so H stays near the floor and τ short. Taking the skew as wire lengthened both every
-    round (H 37, 40, 92 and τ 46 after 5 rounds here), and a longer τ let the host behind fall further behind."""
+    round (H 37, 40, 92 and τ 46 after 5 rounds with 4 ms of lag), and a longer τ let the host behind fall further
+    behind."""
     path = tmp_path / "calibration.json"
     path.write_text(calibration_to_json(SHARED_MEMORY))
     env = {"SHOAL_CALIBRATION_FILE": str(path)}
-    args = (200, 0.004)  # 4 ms more per step on host 1: 80 ms of skew per round of 20 steps, were it not waited for
+    args = (200, 0.01)  # 10 ms more per step on host 1: 200 ms of skew per round of 20 steps, were it not waited for
     results = run_ranks(_train_one_host_behind, 2, args=args, env=env, rank_env_overrides=hosts_env([1, 1]), timeout_s=90)
     for result in results:
-        # The loopback's own time moves H a little on a busy machine: 20 to 33, τ 3 to 5, under three busy loops.
+        # The loopback's own time moves H a little on a busy machine (to 43 with 4 ms of lag, in a parallel run of
+        # the suite); a longer lag makes each step longer against that time, and the skew longer still.
         assert result["rounds"] >= 5, result
         assert result["every"] <= 40 and all(every <= 40 for _, every, _ in result["replans"]), result
-        assert result["tau"] <= 10, result
+        assert result["tau"] <= 15, result  # at least H / 2 (two fragments), and the wire's few steps
 
 
 # ----- errors -----

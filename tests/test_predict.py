@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from shoal.plan.calibration import Calibration, calibration_to_json
+from shoal.plan.far import LocalSteps, plan_rounds
 from shoal.plan.planner import predict
 from shoal.plan.schemes import Scheme
 from shoal.plan.simulate import Gradient, Layer, Line, Links, StepProfile, simulate
@@ -148,6 +149,31 @@ def test_scaling_names_the_bottleneck_and_the_better_setting() -> None:
     assert row.best_comm == "sfb" or row.best_comm == "auto"
     assert row.best_efficiency > row.prediction.efficiency
     assert "communication-bound" in row.advice() and "fc" in row.advice() and f"comm={row.best_comm}" in row.advice()
+
+
+def test_local_steps_are_played_as_inner_steps_plus_the_rounds_exposed_exchange() -> None:
+    """``local``: the step among one host's ranks, plus the outer exchange's exposed wire and codec work over H (the
+    ``RoundPlan`` that ``plan_rounds`` makes for that step); ``auto-far`` takes it where ``prefer_local`` does."""
+    step = profile([("fc2", 8 * MB, 0.02), ("fc1", 8 * MB, 0.05)])
+    slow = Links(inter=Line(30e-3, 8e-8), intra=LINKS.intra, cast_per_byte_s=1e-10, flops_per_s=1e11)  # 100 Mbit/s
+    synchronous = simulate(step, slow, 2, 1, "allreduce")
+    local = simulate(step, slow, 2, 1, "local")
+    alone = simulate(step, slow, 1, 1, "allreduce")
+    rounds = plan_rounds(slow.calibration(2, 1), 2, 4 * MB, alone.step_s, LocalSteps(), fragments=2)
+    assert local.step_s == pytest.approx(rounds.per_step_s) and rounds.every > 1
+    assert set(local.choices.values()) == {Scheme.LOCAL}
+    assert local.efficiency > 0.9 > synchronous.efficiency  # 16 MB at 100 Mbit/s each step, against once a round
+    far = simulate(step, slow, 2, 1, "auto-far")
+    assert far.step_s == pytest.approx(local.step_s) and set(far.choices.values()) == {Scheme.LOCAL}
+    one_host = simulate(step, slow, 4, 4, "auto-far")  # shared memory: auto-lossy's plan, not local steps
+    assert Scheme.LOCAL not in one_host.choices.values()
+    assert one_host.step_s == pytest.approx(simulate(step, slow, 4, 4, "auto-lossy").step_s)
+    in_host = simulate(step, slow, 4, 4, "local")  # one host: its ranks are synchronous, nothing crosses hosts
+    assert in_host.step_s == pytest.approx(simulate(step, slow, 4, 4, "allreduce").step_s)
+    row = scaling(step, slow, [2], comm="allreduce")[0]  # the advice ranks synchronous settings, and names local steps
+    assert row.best_comm not in ("local", "auto-far") and row.far_efficiency == pytest.approx(local.efficiency)
+    assert "local steps (comm=local or auto-far) would reach" in row.advice() and "changes the optimization" in row.advice()
+    assert row.as_dict()["far_efficiency"] == round(local.efficiency, 3)
 
 
 def test_flop_profile_orders_gradients_backwards_and_counts_linear_flops() -> None:

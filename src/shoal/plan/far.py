@@ -318,13 +318,16 @@ def plan_rounds(
 
 def with_delay(plan: RoundPlan, options: LocalSteps) -> RoundPlan:
     """``plan`` with its τ: none without overlap; the given ``delay``; else the fewest inner steps that hide a
-    fragment's wire ``OVERLAP_SLACK`` times over. Never more than H."""
+    fragment's wire ``OVERLAP_SLACK`` times over, and at least until the next fragment leaves (H / fragments: the
+    hosts' steps jitter, and a τ that covers only the wire makes the host ahead wait at landings). Never more than
+    H; with one fragment, H (it lands at the next round's end)."""
     if not plan.overlap:
         delay = 0
     elif options.delay is not None:
         delay = options.delay
     else:
-        delay = math.ceil(OVERLAP_SLACK * plan.fragment_wire_s / max(plan.step_s, 1e-9))
+        wire = math.ceil(OVERLAP_SLACK * plan.fragment_wire_s / max(plan.step_s, 1e-9))
+        delay = max(wire, math.ceil(plan.every / plan.fragments))
     return dataclasses.replace(plan, delay=min(plan.every, max(delay, 1 if plan.overlap else 0)))
 
 

@@ -37,7 +37,7 @@ from shoal.plan.costs import (
     sfb_spared_flops,
 )
 from shoal.plan.planner import pick
-from shoal.plan.schemes import Planned, Play, Scheme, estimates, fill_bucket, parse_comm
+from shoal.plan.schemes import Planned, Play, Scheme, estimates, fill_bucket, forces_outer, parse_comm, takes_outer
 
 LINK_RATES = {"1gbit": 1e9, "10gbit": 1e10, "25gbit": 2.5e10, "100gbit": 1e11}
 """The ``--link`` presets: line rate in bits per second."""
@@ -279,6 +279,27 @@ def simulate(
     transformer lost more than its whole 1 Gbit/s wire time to communication, and the one-host MLP three times its
     bare shared-memory time (docs/predict.md).
     """
+    mode = parse_comm(comm)
+    if takes_outer(mode):
+        from shoal.plan.outer_predict import simulate_outer  # it plays the inner step with this function
+
+        weigh = not forces_outer(mode)
+        return simulate_outer(simulate, profile, links, workers, ranks_per_host, weigh, bucket_bytes, cpu_bound)[0]
+    return _play(profile, links, workers, ranks_per_host, comm, bucket_bytes, servers, cpu_bound, lossy)
+
+
+def _play(
+    profile: StepProfile,
+    links: Links,
+    workers: int,
+    ranks_per_host: int,
+    comm: str,
+    bucket_bytes: int,
+    servers: int | None,
+    cpu_bound: bool,
+    lossy: LossyOptions | None,
+) -> StepPrediction:
+    """``simulate`` for the synchronous settings: each layer's exchange played against backward."""
     calibration = links.calibration(workers, ranks_per_host)
     layers = {layer.name: layer for layer in profile.layers}
     estimated = _estimates(profile, CostContext(calibration, workers, servers, lossy or LossyOptions()))

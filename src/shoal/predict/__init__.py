@@ -8,11 +8,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shoal.plan.schemes import SCHEMES, Planned, parse_comm
+from shoal.plan.schemes import SCHEMES, Planned, forces_outer, parse_comm, takes_outer
 from shoal.plan.simulate import Links, StepPrediction, StepProfile, simulate
 
 ALTERNATIVES = (*(s.value for s in SCHEMES if not s.row.on_servers), *(p.value for p in Planned))
-"""The comm settings the advice compares (what ``DistributedOptimizer(comm=...)`` offers without servers)."""
+"""The comm settings ``--comm`` offers (what ``DistributedOptimizer(comm=...)`` offers without servers)."""
+SYNCHRONOUS = tuple(alt for alt in ALTERNATIVES if not takes_outer(parse_comm(alt)))
+"""The alternatives the advice ranks: those that keep the optimization synchronous. Local steps (``local``) are
+named beside them where they do better, as a change of the optimization (docs/far.md)."""
+LOCAL = next(alt for alt in ALTERNATIVES if forces_outer(parse_comm(alt)))
 
 
 @dataclass
@@ -24,6 +28,8 @@ class Row:
     best_comm: str
     best_efficiency: float
     layer_bytes: dict[str, int]
+    far_efficiency: float = 0.0
+    """Local steps' predicted efficiency (``comm="local"``, with the planner's H and codec)."""
 
     def advice(self) -> str:
         """Where the time goes and what would help, in one sentence."""
@@ -35,6 +41,11 @@ class Row:
         text = f"communication-bound ({100 * share:.0f}% of the step exposed), most of it in {layers}"
         if self.best_comm != self.comm and self.best_efficiency > p.efficiency + 0.01:
             text += f"; comm={self.best_comm} raises efficiency to {100 * self.best_efficiency:.0f}%"
+        if not takes_outer(parse_comm(self.comm)) and self.far_efficiency > max(p.efficiency, self.best_efficiency) + 0.01:
+            text += (
+                f"; local steps (comm={LOCAL} or auto-far) would reach {100 * self.far_efficiency:.0f}%, with the hosts "
+                "meeting every H steps, which changes the optimization (docs/far.md)"
+            )
         return text
 
     def as_dict(self) -> dict[str, object]:
@@ -53,6 +64,7 @@ class Row:
             "schemes": counts,
             "best_comm": self.best_comm,
             "best_efficiency": round(self.best_efficiency, 3),
+            "far_efficiency": round(self.far_efficiency, 3),
             "advice": self.advice(),
         }
 
@@ -77,6 +89,7 @@ def scaling(
         per_host = min(ranks_per_host, count)
         settings = dict.fromkeys((*ALTERNATIVES, comm))  # comm's own simulation is one of them
         results = {alt: simulate(profile, links, count, per_host, alt, bucket_bytes, cpu_bound=cpu_bound) for alt in settings}
-        best = max(ALTERNATIVES, key=lambda alt: results[alt].efficiency)
-        rows.append(Row(results[comm], comm, best, results[best].efficiency, layer_bytes))
+        best = max(SYNCHRONOUS, key=lambda alt: results[alt].efficiency)
+        far = results[LOCAL].efficiency
+        rows.append(Row(results[comm], comm, best, results[best].efficiency, layer_bytes, far))
     return rows

@@ -90,6 +90,10 @@ class RoundTimes:
         """The last rounds' (wire, outer work) seconds: H follows their medians, or the last wire if slower."""
         self.wire = 0.0
         self.work = 0.0
+        self.exchange_s = 0.0
+        """All wall seconds this rank spent on outer exchanges (encoding, sending, landing, waiting)."""
+        self.waited_s = 0.0
+        """The part of ``exchange_s`` spent waiting for exchanges to land (not hidden by the steps since they left)."""
 
     def step(self, now: float) -> float | None:
         """An inner step ended at ``now``: its wall seconds, where the last one's end is known."""
@@ -101,8 +105,13 @@ class RoundTimes:
 
     def end_round(self, work: float, sends: bool) -> torch.Tensor:
         """The round's last fragment is sent, after ``work`` more seconds of outer work: what this rank measured, to
-        be reduced with ``ReduceOp.Max`` across ranks for ``replan`` (see ``OuterRounds._replan``), and the next
-        round's counts start. ``sends``: this rank crosses the link (a host's first rank)."""
+        be reduced with ``ReduceOp.Max`` across ranks for ``replan``, and the next round's counts start. ``sends``:
+        this rank crosses the link (a host's first rank).
+
+        ``replan`` takes the slowest rank's work and step, and the shortest wire any sending rank saw (sent negated).
+        Hosts run apart, so a host ahead sees an exchange end only once the host behind has sent its part too: its
+        wire holds the hosts' skew. The last to send sees the link's own time, which is what a round must carry.
+        Taking the skew as wire made H and τ grow, and a longer τ let the host behind fall further behind."""
         self.ends.append((self.wire, self.work + work))
         self.wire = self.work = 0.0
         wires, works = zip(*self.ends, strict=True)
@@ -164,8 +173,6 @@ class OuterRounds:
         """``auto-far`` kept the synchronous plan: the rounds never run."""
         self.planning_s = 0.0
         """Wall seconds the plan took (the calibration's probes, where this job had not measured them yet)."""
-        self.exchange_s = 0.0
-        """Wall seconds this rank spent on outer exchanges (encoding, sending, landing and waiting where not hidden)."""
         self.lost_steps = 0
         """Inner steps of hosts that left an elastic job before their work reached an outer update."""
 
@@ -262,20 +269,21 @@ class OuterRounds:
         landing += [f for f in sending if f in self.in_flight and f not in landing]
         if not landing and not sending:
             return False
-        started = time.perf_counter()
+        begun = started = time.perf_counter()
         waited = sum(self._land(self.in_flight.pop(fragment)) for fragment in landing)
         for fragment in sending:
             pending = self._send(fragment)
             if fragment == self.fragments - 1:
                 self._end_round(pending, time.perf_counter() - started - waited)
+                self.times.waited_s += waited
                 started, waited = time.perf_counter(), 0.0
             if plan.overlap:
                 self.in_flight[fragment] = pending
             else:
                 waited += self._land(pending)
-        spent = time.perf_counter() - started
-        self.times.work += spent - waited
-        self.exchange_s += spent
+        self.times.work += time.perf_counter() - started - waited
+        self.times.waited_s += waited
+        self.times.exchange_s += time.perf_counter() - begun
         self.times.last = time.perf_counter()  # the outer work is not an inner step
         return True
 
@@ -350,11 +358,7 @@ class OuterRounds:
         return waited
 
     def _replan(self, measured: torch.Tensor) -> None:
-        """H and τ again from the measured wire, outer work and inner step (the same on every rank): the slowest
-        rank's work and step, and the shortest wire any host's first rank saw. Hosts run apart, so a host that is
-        ahead sees its exchange end only when the last host has sent its part too: its wire holds the hosts' skew.
-        The last to send sees the link's own time, which is what a round must carry. Taking the skew as wire made H
-        and τ grow: a τ that waits for a host that is behind lets it fall further behind."""
+        """H and τ again from the times measured (``RoundTimes.end_round``, the same on every rank)."""
         assert self.plan is not None
         negated, local, step = (float(v) for v in measured)
         wire = -negated
