@@ -4,8 +4,9 @@ or that weighs it (``auto-far``), through ``simulate_outer``.
 A host's ranks take synchronous inner steps: the step is simulated among one host's ranks (its in-host exchange, a
 plain allreduce). Across hosts the model's pseudo-gradient is exchanged once per round, in the fragments, codec and
 H that ``plan_rounds`` chooses for that inner step, and a step costs the inner step plus the round's exposed wire and
-codec work spread over its H steps (``RoundPlan.per_step_s``). ``auto-far`` takes that where ``prefer_local`` says,
-else ``auto-lossy``'s per-layer plan.
+codec work spread over its H steps (``RoundPlan.per_step_s``; CPU-bound, also the part of the wire that keeps a core
+busy, as ``simulate`` counts it). ``auto-far`` takes that where ``prefer_local`` says, else ``auto-lossy``'s
+per-layer plan.
 """
 
 from __future__ import annotations
@@ -50,6 +51,8 @@ def simulate_outer(
             return sync, None
     step = rounds.per_step_s if rounds is not None else inner.step_s
     outer_s = rounds.wire_s / rounds.every if rounds is not None else 0.0
+    if cpu_bound and rounds is not None:  # the exchange's busy part cannot run beside compute: it adds to the steps
+        step += calibration.cpu_seconds("allgather" if rounds.codec.gathered else "allreduce", outer_s)
     samples = workers * profile.batch / step
     prediction = dataclasses.replace(
         inner,
