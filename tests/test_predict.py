@@ -163,6 +163,8 @@ def test_local_steps_are_played_as_inner_steps_plus_the_rounds_exposed_exchange(
     assert local.step_s == pytest.approx(rounds.per_step_s) and rounds.every > 1
     assert set(local.choices.values()) == {Scheme.LOCAL}
     assert local.efficiency > 0.9 > synchronous.efficiency  # 16 MB at 100 Mbit/s each step, against once a round
+    busy = simulate(step, slow, 2, 1, "local", cpu_bound=True)  # the wire's busy part cannot run beside compute
+    assert busy.step_s == pytest.approx(local.step_s + rounds.wire_s / rounds.every)  # all of it: no share measured
     far = simulate(step, slow, 2, 1, "auto-far")
     assert far.step_s == pytest.approx(local.step_s) and set(far.choices.values()) == {Scheme.LOCAL}
     one_host = simulate(step, slow, 4, 4, "auto-far")  # shared memory: auto-lossy's plan, not local steps
