@@ -255,8 +255,9 @@ host's cores with the inner steps, and a link's time varies."""
 
 
 FRAGMENT_SLACK = 1.1
-"""The plan cuts the model into fragments only while that lengthens the round by at most this factor: each fragment
-pays the link's latency once more, and on a link whose latency dominates a longer round is a staler optimization."""
+"""The plan cuts the model into fragments only while that lengthens the round, and the predicted step, by at most
+this factor: each fragment pays the link's latency once more, and on a link whose latency dominates a longer round
+is a staler optimization."""
 
 
 def fragment_bounds(sizes: Sequence[int], fragments: int) -> list[tuple[int, int]]:
@@ -295,7 +296,8 @@ def plan_rounds(
     ``budget`` of the round), capped at ``max_every``. The codec with the shortest H wins (a tie goes to the more
     precise): a shorter round is a less stale optimization. A given ``every`` is kept, and the codec is then the one
     with the cheapest exchange. Each fragment costs the link's latency once more: the plan takes the most fragments
-    whose round is at most ``FRAGMENT_SLACK`` longer (and, where the whole model's exchange hides, still hides). τ
+    whose round and predicted step are at most ``FRAGMENT_SLACK`` longer (and, where the whole model's exchange
+    hides, that still hides; where it does not, a capped round's exposed latencies make the step longer). τ
     is the fewest steps that hide a fragment's wire ``OVERLAP_SLACK`` times over, at most H.
     """
     codecs = [Codec(options.codec)] if options.codec is not None else list(Codec)
@@ -311,8 +313,9 @@ def plan_rounds(
         whole = min((plan(c, 1) for c in codecs), key=lambda p: (p.every, p.per_step_s, codecs.index(p.codec)))
     for count in range(fragments, 1, -1):
         cut = plan(whole.codec, count)
-        if cut.every <= max(whole.every, FRAGMENT_SLACK * whole.every) and (cut.fits or not whole.fits):
-            return cut
+        if cut.every <= FRAGMENT_SLACK * whole.every and cut.per_step_s <= FRAGMENT_SLACK * whole.per_step_s:
+            if cut.fits or not whole.fits:
+                return cut
     return whole
 
 

@@ -29,6 +29,7 @@ from shoal.plan.far import Codec, LocalSteps, RoundPlan, fragment_bounds, replan
 from shoal.torch import functions
 from shoal.torch.far_choice import WEIGH_STEPS, FarChoice, slowest_plan
 from shoal.torch.host_groups import HostGroups
+from shoal.torch.layer_comm.report import report_rounds
 from shoal.torch.outer_link import OuterLink, Pending
 
 OuterFactory = Callable[[list[torch.Tensor]], torch.optim.Optimizer]
@@ -187,8 +188,8 @@ class OuterRounds:
             assert not self.in_flight, "the fragments change only while none is in flight"
             self.cut.cut(plan.fragments if plan is not None else self.options.fragments)
             self.synced = [self.inner] * self.fragments
-        if plan is not None and plan.fragments != self.fragments:
-            plan = dataclasses.replace(plan, fragments=self.fragments)
+        if plan is not None:  # the plan_report shows it
+            report_rounds(plan := dataclasses.replace(plan, fragments=self.fragments))
         self.plan = plan
 
     def entries(self) -> int:
@@ -368,7 +369,7 @@ class OuterRounds:
         if plan.every != self.plan.every:
             self.replans.append((self.rounds, plan.every, time.time()))
             _log.info("local steps: every %d steps now (was %d): %s", plan.every, self.plan.every, plan.describe())
-        self.plan = plan
+        self.adopt(plan)
 
 
 def default_outer(options: LocalSteps) -> OuterFactory:

@@ -35,6 +35,13 @@ def last_plan() -> LastPlan | None:
     return plan
 
 
+def report_rounds(rounds: RoundPlan) -> None:
+    """Local steps were planned again: the last plan, where it reports local steps, shows the rounds now in force."""
+    plan = last_plan() if basics.is_initialized() else None
+    if plan is not None and plan.rounds is not None:
+        plan.rounds = rounds
+
+
 def describe_choices(plans: list[LayerPlan]) -> str:
     """``allreduce: 3, sfb: 2`` for a plan."""
     counts: dict[str, int] = {}
