@@ -107,8 +107,7 @@ class LocalSteps:
     order, each synced on its own step of the round; 1: the whole model at the round's end."""
     delay: int | None = None
     """τ, the inner steps between a fragment's send and its landing (at most H: a fragment lands before it is sent
-    again); None: the planner's, the fewest that hide the fragment's wire ``OVERLAP_SLACK`` times over. Only with
-    overlap."""
+    again); None: the planner's (``with_delay``). Only with overlap."""
 
     def __post_init__(self) -> None:
         if self.every is not None and (not isinstance(self.every, int) or self.every < 1):
@@ -297,8 +296,8 @@ def plan_rounds(
     precise): a shorter round is a less stale optimization. A given ``every`` is kept, and the codec is then the one
     with the cheapest exchange. Each fragment costs the link's latency once more: the plan takes the most fragments
     whose round and predicted step are at most ``FRAGMENT_SLACK`` longer (and, where the whole model's exchange
-    hides, that still hides; where it does not, a capped round's exposed latencies make the step longer). τ
-    is the fewest steps that hide a fragment's wire ``OVERLAP_SLACK`` times over, at most H.
+    hides, that still hides; where it does not, a capped round's exposed latencies make the step longer). τ is
+    ``with_delay``'s.
     """
     codecs = [Codec(options.codec)] if options.codec is not None else list(Codec)
 
@@ -345,9 +344,9 @@ def round_length(wire_s: float, local_s: float, step_s: float, options: LocalSte
 
 
 def replan(plan: RoundPlan, wire_s: float, local_s: float, step_s: float, options: LocalSteps) -> RoundPlan:
-    """The plan with H and τ chosen again from measured times (the slowest rank's; ``wire_s``: a round's fragments
-    on the wire): the link or the step changed, or the calibration misjudged them. The codec and the fragments stay;
-    a given ``every`` or ``delay`` is kept."""
+    """The plan with H and τ chosen again from measured times (``wire_s``: a round's fragments on the wire, as the
+    last host to send saw them; the slowest rank's work and step): the link or the step changed, or the calibration
+    misjudged them. The codec and the fragments stay; a given ``every`` or ``delay`` is kept."""
     every = plan.every if options.every is not None else round_length(wire_s, local_s, step_s, options)
     fresh = RoundPlan(every, plan.codec, wire_s, step_s, plan.hosts, local_s, plan.overlap, plan.fragments)
     return with_delay(fresh, options)

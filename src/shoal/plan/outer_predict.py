@@ -16,7 +16,7 @@ import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from shoal.plan.far import LocalSteps, RoundPlan, plan_rounds, prefer_local
+from shoal.plan.far import LocalSteps, plan_rounds, prefer_local
 from shoal.plan.schemes import Planned, Scheme
 
 if TYPE_CHECKING:
@@ -33,9 +33,9 @@ def simulate_outer(
     bucket_bytes: int,
     cpu_bound: bool,
     options: LocalSteps | None = None,
-) -> tuple[StepPrediction, RoundPlan | None]:
+) -> StepPrediction:
     """One step of local steps at ``workers`` ranks in hosts of ``ranks_per_host`` (``weigh``: ``auto-far``, which
-    keeps ``auto-lossy``'s plan where local steps do not pay), and the rounds it assumes (None: synchronous).
+    keeps ``auto-lossy``'s plan where local steps do not pay).
     ``simulate`` is ``shoal.plan.simulate.simulate`` (passed in: that module dispatches here)."""
     options = options or LocalSteps()
     per_host = min(ranks_per_host, workers)
@@ -48,13 +48,13 @@ def simulate_outer(
     if weigh:
         sync = simulate(profile, links, workers, per_host, Planned.AUTO_LOSSY.value, bucket_bytes, cpu_bound=cpu_bound)
         if rounds is None or not prefer_local(sync.step_s, rounds):
-            return sync, None
+            return sync
     step = rounds.per_step_s if rounds is not None else inner.step_s
     outer_s = rounds.wire_s / rounds.every if rounds is not None else 0.0
     if cpu_bound and rounds is not None:  # the exchange's busy part cannot run beside compute: it adds to the steps
         step += calibration.cpu_seconds("allgather" if rounds.codec.gathered else "allreduce", outer_s)
     samples = workers * profile.batch / step
-    prediction = dataclasses.replace(
+    return dataclasses.replace(
         inner,
         workers=workers,
         ranks_per_host=per_host,
@@ -66,4 +66,3 @@ def simulate_outer(
         choices=dict.fromkeys(inner.choices, Scheme.LOCAL),
         calibration=calibration,
     )
-    return prediction, rounds

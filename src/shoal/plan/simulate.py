@@ -284,7 +284,7 @@ def simulate(
         from shoal.plan.outer_predict import simulate_outer  # it plays the inner step with this function
 
         weigh = not forces_outer(mode)
-        return simulate_outer(simulate, profile, links, workers, ranks_per_host, weigh, bucket_bytes, cpu_bound)[0]
+        return simulate_outer(simulate, profile, links, workers, ranks_per_host, weigh, bucket_bytes, cpu_bound)
     return _play(profile, links, workers, ranks_per_host, comm, bucket_bytes, servers, cpu_bound, lossy)
 
 
