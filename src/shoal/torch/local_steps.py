@@ -289,8 +289,8 @@ class OuterRounds:
         return True
 
     def _end_round(self, last: Pending, work: float) -> None:
-        """The round's last fragment is sent: its times go with it (the slowest rank's, for ``replan`` where it
-        lands), and the next round starts."""
+        """The round's last fragment is sent: the times measured go with it (``RoundTimes.end_round``, for
+        ``replan`` where it lands), and the next round starts."""
         measured = self.times.end_round(work, bool(last.handles))
         last.stats = functions.allreduce_async(measured, name=f"shoal.outer.times.{self.rounds}", op=ReduceOp.Max)
         self.steps = self.sent = 0
@@ -328,11 +328,12 @@ class OuterRounds:
         fragment = pending.fragment
         started = time.perf_counter()
         mean = self.link.mean(pending)
+        measured = synchronize(pending.stats) if pending.stats is not None else None  # a wait too, not outer work
         waited = time.perf_counter() - started
         if pending.handles:
             self.times.wire += (pending.done_at or time.perf_counter()) - pending.sent_at
-        if pending.stats is not None:
-            self._replan(synchronize(pending.stats))
+        if measured is not None:
+            self._replan(measured)
         params, span = self.cut.of(fragment), self.cut.spans[fragment]
         progress = self.cut.flat(fragment) - pending.weights
         kept = [param.grad for param in self.params]
