@@ -25,6 +25,7 @@ from shoal.plan.costs import CostContext, LayerShape
 from shoal.plan.far import (
     INT8_CHUNK,
     OVERLAP_SLACK,
+    WIRE_FRAMING,
     Codec,
     LocalSteps,
     RoundPlan,
@@ -33,6 +34,8 @@ from shoal.plan.far import (
     fragment_bounds,
     plan_rounds,
     prefer_local,
+    replan,
+    wire_floor,
 )
 from shoal.plan.schemes import AUTO_SCHEMES, COMPRESSED, ROWS, Planned, Scheme, estimates
 from shoal.testing import run_ranks
@@ -353,7 +356,43 @@ def test_planner_takes_local_steps_on_a_slow_link_and_stays_synchronous_on_share
     fast = plan_rounds(SHARED_MEMORY, 2, entries, 10 * step_s)  # a fast link whose exchange is a small share
     assert not prefer_local(10 * step_s + SHARED_MEMORY.seconds("allreduce", 4 * entries), fast)
     assert not prefer_local(1.0, plan_rounds(SLOW, 1, entries, step_s))  # one host: nothing to gain
-    assert plan_rounds(SLOW, 2, 1000, step_s).every == 20  # a tiny model's exchange still gets the floor's round
+    assert plan_rounds(SLOW, 2, 1000, step_s).every == 28  # a tiny model's round: the wire share's floor for int8
+
+
+def test_where_codecs_tie_on_the_round_the_plan_sends_the_fewest_bytes_that_cost_no_time() -> None:
+    free = LocalSteps(wire_share=None)  # no floor from the bytes: every codec's round is the floor's 20 steps
+    rounds = plan_rounds(SLOW, 2, 471_000, 0.024, free)  # the chars bench's model and step
+    assert rounds.every == 20 and rounds.codec is Codec.INT8
+    fp32 = plan_rounds(SLOW, 2, 471_000, 0.024, LocalSteps(wire_share=None, codec="fp32"))
+    assert fp32.every == 20 and rounds.wire_s < fp32.wire_s / 2  # 30 ms of latency each
+    entries = 4_000_000  # on shared memory the codecs' work, not the wire, is the cost
+    int8_local = exchange_parts(SHARED_MEMORY, 2, entries, Codec.INT8)[1]
+    step_s = int8_local / (20 * 0.04)  # int8 would add 4% to a step, bf16 (5 passes of its 8) 2.5%
+    costly = plan_rounds(SHARED_MEMORY, 2, entries, step_s, free)
+    assert costly.every == 20 and costly.codec is Codec.FP32
+    cheap = plan_rounds(SHARED_MEMORY, 2, entries, step_s * 1.6, free)  # bf16 adds 1.6%, int8 2.5%
+    assert cheap.every == 20 and cheap.codec is Codec.BF16
+
+
+def test_the_wire_share_sets_the_shortest_round_per_codec() -> None:
+    entries = 471_000
+    # per link: int8 sends (N-1)·(1 + 4/256) bytes per entry, framed, against a ring's 2(N-1)/N·4 of float32
+    for hosts, codec in [(2, Codec.INT8), (3, Codec.INT8), (8, Codec.INT8), (2, Codec.BF16), (2, Codec.FP32)]:
+        share = (hosts - 1) if codec.gathered else 2 * (hosts - 1) / hosts
+        ratio = WIRE_FRAMING * share * codec.wire_bytes(entries) / (2 * (hosts - 1) / hosts * 4 * entries)
+        floor = wire_floor(codec, hosts, entries, LocalSteps())
+        assert floor == math.ceil(ratio * 100 - 1e-9) and ratio / floor <= 0.01 < ratio / (floor - 1)
+    assert wire_floor(Codec.INT8, 2, entries, LocalSteps()) == 28 and wire_floor(Codec.FP32, 2, entries, LocalSteps()) == 107
+    assert (
+        wire_floor(Codec.INT8, 1, entries, LocalSteps()) == 1 == wire_floor(Codec.INT8, 2, entries, LocalSteps(wire_share=None))
+    )
+    rounds = plan_rounds(SLOW, 2, entries, 0.024)  # every codec hides in 20 steps: the bytes decide
+    assert rounds.every == 28 and rounds.codec is Codec.INT8 and rounds.wire_floor == 28
+    again = replan(rounds, 1e-3, 0.0, 0.024, LocalSteps())  # a faster link measured: the floor holds
+    assert again.every == 28 and again.wire_floor == 28
+    assert plan_rounds(SLOW, 2, entries, 0.024, LocalSteps(every=7)).every == 7  # a given H is kept
+    with pytest.raises(ValueError, match="wire_share must be in"):
+        LocalSteps(wire_share=0)
 
 
 def test_the_plan_says_when_the_exchange_cannot_hide() -> None:
@@ -548,7 +587,8 @@ def test_the_elastic_sync_merges_the_hosts_progress_and_hands_a_newcomer_the_out
 
 FAR_KEYS = {
     "bench", "hosts", "rate", "task", "far_ips", "sync_ips", "solo_ips", "bound_ips", "of_bound",
-    "far_bytes_per_sample", "sync_bytes_per_sample", "allreduce_bytes_per_sample", "far_time_to_target_s",
+    "far_bytes_per_sample", "far_round_bytes_per_sample", "sync_bytes_per_sample", "allreduce_bytes_per_sample",
+    "far_time_to_target_s",
     "sync_time_to_target_s", "solo_time_to_target_s", "far_eval_loss", "sync_eval_loss", "plan",
 }  # fmt: skip
 
@@ -578,6 +618,7 @@ def test_far_benchmark_json_contract_on_two_emulated_hosts(task: str) -> None:
     assert data["of_bound"] == pytest.approx(data["far_ips"] / data["bound_ips"], rel=1e-2)
     # counted on the links, not estimated: local steps send far fewer bytes than uncompressed allreduce would
     assert 0 < data["far_bytes_per_sample"] < data["allreduce_bytes_per_sample"] / 10
+    assert 0 < data["far_round_bytes_per_sample"] < data["allreduce_bytes_per_sample"] / 10  # the rounds alone
     assert data["sync_bytes_per_sample"] > data["far_bytes_per_sample"]
     plan = data["plan"]
     assert plan["hosts"] == 2 and plan["codec"] in ("fp32", "bf16", "int8") and plan["every"] >= 1
@@ -623,7 +664,7 @@ def _train_one_host_behind(steps: int, lag_s: float) -> dict[str, object]:
     """Two hosts of local steps on a fast calibration (H at the floor); host 1 takes ``lag_s`` longer per step."""
     hvd.init()
     model = _model()
-    options = hvd.LocalSteps(codec="fp32", fragments=2)
+    options = hvd.LocalSteps(codec="fp32", fragments=2, wire_share=None)  # the floor of 20
     optimizer = hvd.DistributedOptimizer(
         torch.optim.SGD(model.parameters(), lr=0.05), model=model, comm="local", local_steps=options
     )

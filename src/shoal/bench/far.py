@@ -13,9 +13,11 @@ Run under emulated hosts: ``python -m shoal.bench.netns --hosts 2 --rate 100mbit
 Each trains ``--samples`` samples in all (over every host), scoring the held-out loss every ``--eval-every`` samples
 with the clock stopped. The target is the held-out loss sync reaches at the end, plus 1%; a run's time to target is
 its training seconds until it first scores at or below it. Bytes are the emulated hosts' interfaces' transmitted
-bytes (``/sys/class/net/*/statistics/tx_bytes``, loopback aside), summed over the ranks. The last line is JSON:
-``{"bench": "far", "hosts", "rate", "task", "far_ips", "sync_ips", "solo_ips", "bound_ips", "of_bound",
-"far_bytes_per_sample", "sync_bytes_per_sample", "allreduce_bytes_per_sample", "far_time_to_target_s",
+bytes (``/sys/class/net/*/statistics/tx_bytes``, loopback aside), summed over the ranks;
+``far_round_bytes_per_sample`` counts them from the first outer round's end on (without the start's calibration probes
+and broadcast). The last line is JSON: ``{"bench": "far", "hosts", "rate", "task", "far_ips", "sync_ips", "solo_ips",
+"bound_ips", "of_bound", "far_bytes_per_sample", "far_round_bytes_per_sample", "sync_bytes_per_sample",
+"allreduce_bytes_per_sample", "far_time_to_target_s",
 "sync_time_to_target_s", "solo_time_to_target_s", "far_eval_loss", "sync_eval_loss", "solo_eval_loss", "target",
 "far_accuracy", "sync_accuracy", "of_bound_without_last_meeting", "plan"}``. ``of_bound_without_last_meeting`` leaves
 out the hosts' blocking last meeting (``outer_step()``), which a short run does not amortize.
@@ -82,6 +84,11 @@ class Run:
     curve: list[tuple[int, float, float, float | None]] = field(default_factory=list)
     """(samples, training seconds, held-out loss, held-out accuracy) at each score."""
     sent: int = 0
+    rounds_sent: int = 0
+    """Bytes sent from the first outer round's end on (local steps): the rounds, without the start's one-off
+    calibration probes and broadcast."""
+    rounds_samples: int = 0
+    """Samples trained over every host from the first outer round's end on."""
     plan: dict[str, Any] | None = None
     round_ends: list[float] = field(default_factory=list)
     """``time.time()`` at each outer round's end (local steps), as the inner steps saw it."""
@@ -204,6 +211,8 @@ def train(mode: str, task: Task, args: argparse.Namespace) -> Run:
         optimizer.step()
         outer = rounds_of(optimizer)
         if outer is not None and outer.rounds > len(run.round_ends):
+            if not run.round_ends:
+                run.rounds_sent, run.rounds_samples = sent_bytes(), (steps - step) * per_step
             run.round_ends.append(round(time.time(), 3))
         if step % eval_every == 0 or step == steps:
             if step == steps and mode == "far":
@@ -218,6 +227,8 @@ def train(mode: str, task: Task, args: argparse.Namespace) -> Run:
     if not alone:
         hvd.barrier()
     run.sent = sent_bytes() - before
+    if run.round_ends:
+        run.rounds_sent = sent_bytes() - run.rounds_sent
     outer = rounds_of(optimizer)
     if outer is not None and outer.plan is not None:
         run.plan = {
@@ -279,6 +290,7 @@ def main(argv: list[str] | None = None) -> None:
     runs = {mode: train(mode, task, args) for mode in args.modes.split(",")}
     hosts = hvd.size()
     sent = {mode: summed(run.sent, mode) for mode, run in runs.items()}
+    rounds_sent = summed(runs["far"].rounds_sent, "far.rounds") if "far" in runs else 0.0
     if hvd.rank() != 0:
         hvd.shutdown()
         return
@@ -288,7 +300,12 @@ def main(argv: list[str] | None = None) -> None:
             + ", ".join(f"{s}:{loss:.3f}" for s, _, loss, _ in run.curve)
         )
     if set(runs) != set(MODES):  # a look at some modes: no comparison
-        print(json.dumps({mode: {"seconds": run.seconds, "curve": run.curve, "plan": run.plan} for mode, run in runs.items()}))
+        looks = {
+            mode: {"seconds": run.seconds, "bytes_per_sample": round(sent[mode] / run.samples, 1)} for mode, run in runs.items()
+        }
+        if "far" in looks:
+            looks["far"]["round_bytes_per_sample"] = round(rounds_sent / max(runs["far"].rounds_samples, 1), 1)
+        print(json.dumps({mode: {**looks[mode], "curve": run.curve, "plan": run.plan} for mode, run in runs.items()}))
         hvd.shutdown()
         return
     solo, sync, far = runs["solo"], runs["sync"], runs["far"]
@@ -308,6 +325,7 @@ def main(argv: list[str] | None = None) -> None:
         "of_bound": round(ips["far"] / (hosts * ips["solo"]), 3),
         "of_bound_without_last_meeting": round(far.samples / (far.seconds - far.final_s) / (hosts * ips["solo"]), 3),
         "far_bytes_per_sample": round(sent["far"] / far.samples, 1),
+        "far_round_bytes_per_sample": round(rounds_sent / max(far.rounds_samples, 1), 1),
         "sync_bytes_per_sample": round(sent["sync"] / sync.samples, 1),
         "allreduce_bytes_per_sample": round(2 * (hosts - 1) * 4 * entries / (args.batch_size * hosts), 1),
         "far_time_to_target_s": time_to(far, target),

@@ -66,6 +66,13 @@ DEFAULT_EVERY_FLOOR = 20
 """The shortest round the planner chooses. An outer Nesterov step multiplies a round's progress by about
 lr / (1 - momentum) once its momentum builds up (7 with DiLoCo's 0.7 and 0.9); over rounds of a few steps that is a
 larger learning rate. On ``shoal.bench.far --task chars`` with DiLoCo's values, rounds of 2 to 15 steps diverged."""
+DEFAULT_WIRE_SHARE = 0.01
+"""The bytes the outer exchange may send per inner step, as a share of what uncompressed synchronous allreduce sends
+per step: a far link is often metered, and shared with other traffic. DiLoCo's rounds of 500 steps send 500 times
+fewer; at 1/100 a 2-host int8 round is at least 28 steps, fp32's 107."""
+WIRE_FRAMING = 1.07
+"""What a host's interface counts over the exchange's payload, for ``wire_share``: TCP over Ethernet adds 66 bytes of
+headers to each 1,448-byte segment, and the receiver acknowledges every second segment with a 66-byte frame."""
 DEFAULT_BUDGET = 0.05
 """The share of a round that the outer exchange may add: the planner's H is the smallest that keeps the exchange
 within it (a longer round only makes the optimization staler)."""
@@ -97,6 +104,9 @@ class LocalSteps:
     """The longest round the planner may choose."""
     min_every: int = DEFAULT_EVERY_FLOOR
     """The shortest round the planner may choose (a given ``every`` may be shorter)."""
+    wire_share: float | None = DEFAULT_WIRE_SHARE
+    """The most bytes the outer exchange may send per inner step, as a share of uncompressed synchronous allreduce's
+    per step: the planner's H is at least what keeps it (``wire_floor``); None: no such floor."""
     budget: float = DEFAULT_BUDGET
     """The share of a round the outer exchange may add, for the planner's H (without overlap)."""
     overlap: bool = True
@@ -123,6 +133,8 @@ class LocalSteps:
             raise ValueError(f"outer_momentum must be in [0, 1), got {self.outer_momentum}")
         if not 1 <= self.min_every <= self.max_every:
             raise ValueError(f"need 1 <= min_every <= max_every, got {self.min_every} and {self.max_every}")
+        if self.wire_share is not None and not 0 < self.wire_share <= 1:
+            raise ValueError(f"wire_share must be in (0, 1] or None, got {self.wire_share}")
         if not 0 < self.budget < 1:
             raise ValueError(f"budget must be in (0, 1), got {self.budget}")
         if not isinstance(self.fragments, int) or self.fragments < 1:
@@ -152,6 +164,8 @@ class RoundPlan:
     delay: int | None = None
     """τ: a fragment lands this many inner steps after it was sent; None: H with overlap (it lands before it is sent
     again), 0 without."""
+    wire_floor: int = 1
+    """The shortest H that keeps the options' ``wire_share`` (``wire_floor``); re-planning keeps it too."""
 
     @property
     def tau(self) -> int:
@@ -258,6 +272,11 @@ FRAGMENT_SLACK = 1.1
 this factor: each fragment pays the link's latency once more, and on a link whose latency dominates a longer round
 is a staler optimization."""
 
+CODEC_SLACK = 1.02
+"""Where codecs tie on H (the floor, or the cap), the plan takes the one with the least wire time among those whose
+predicted step is within this factor of the tie's fastest: the far link is shared, and often metered, and a byte
+that buys no time is waste (the lossy codecs keep error feedback; docs/far.md measures their loss)."""
+
 
 def fragment_bounds(sizes: Sequence[int], fragments: int) -> list[tuple[int, int]]:
     """The parameters (of ``sizes`` entries, in the model's order) cut into at most ``fragments`` runs of whole
@@ -292,8 +311,9 @@ def plan_rounds(
 
     Per codec (the given one, else each), H is the shortest round that hides the outer exchange of the whole model
     (with overlap: the exchange fits in ``OVERLAP_SLACK`` times fewer steps than H; without: it adds at most
-    ``budget`` of the round), capped at ``max_every``. The codec with the shortest H wins (a tie goes to the more
-    precise): a shorter round is a less stale optimization. A given ``every`` is kept, and the codec is then the one
+    ``budget`` of the round), capped at ``max_every``. The codec with the shortest H wins: a shorter round is a less
+    stale optimization. On a tie, the least wire time wins among those whose predicted step is within
+    ``CODEC_SLACK`` of the fastest (``fewest_bytes``). A given ``every`` is kept, and the codec is then the one
     with the cheapest exchange. Each fragment costs the link's latency once more: the plan takes the most fragments
     whose round and predicted step are at most ``FRAGMENT_SLACK`` longer (and, where the whole model's exchange
     hides, that still hides; where it does not, a capped round's exposed latencies make the step longer). τ is
@@ -303,19 +323,30 @@ def plan_rounds(
 
     def plan(codec: Codec, count: int) -> RoundPlan:
         wire, local = exchange_parts(calibration, hosts, entries, codec, count)
-        every = options.every if options.every is not None else round_length(wire, local, step_s, options)
-        return with_delay(RoundPlan(every, codec, wire, step_s, hosts, local, options.overlap, count), options)
+        floor = wire_floor(codec, hosts, entries, options)
+        every = options.every if options.every is not None else round_length(wire, local, step_s, options, floor)
+        rounds = RoundPlan(every, codec, wire, step_s, hosts, local, options.overlap, count, wire_floor=floor)
+        return with_delay(rounds, options)
 
     if options.every is not None:
         whole = min((plan(c, 1) for c in codecs), key=lambda p: (p.exchange_s, codecs.index(p.codec)))
     else:
-        whole = min((plan(c, 1) for c in codecs), key=lambda p: (p.every, p.per_step_s, codecs.index(p.codec)))
+        whole = fewest_bytes([plan(c, 1) for c in codecs], codecs)
     for count in range(fragments, 1, -1):
         cut = plan(whole.codec, count)
         if cut.every <= FRAGMENT_SLACK * whole.every and cut.per_step_s <= FRAGMENT_SLACK * whole.per_step_s:
             if cut.fits or not whole.fits:
                 return cut
     return whole
+
+
+def fewest_bytes(plans: list[RoundPlan], codecs: list[Codec]) -> RoundPlan:
+    """The plan with the shortest H; on a tie, the least wire time among those whose step is within ``CODEC_SLACK``
+    of the tie's fastest (then the more precise codec)."""
+    tied = [p for p in plans if p.every == min(q.every for q in plans)]
+    fastest = min(p.per_step_s for p in tied)
+    near = [p for p in tied if p.per_step_s <= CODEC_SLACK * fastest]
+    return min(near, key=lambda p: (p.wire_s, codecs.index(p.codec)))
 
 
 def with_delay(plan: RoundPlan, options: LocalSteps) -> RoundPlan:
@@ -333,22 +364,34 @@ def with_delay(plan: RoundPlan, options: LocalSteps) -> RoundPlan:
     return dataclasses.replace(plan, delay=min(plan.every, max(delay, 1 if plan.overlap else 0)))
 
 
-def round_length(wire_s: float, local_s: float, step_s: float, options: LocalSteps) -> int:
-    """The shortest H that hides an exchange of ``wire_s`` on the wire and ``local_s`` of codec work behind inner
-    steps of ``step_s`` (``plan_rounds``' rule), capped at ``options.max_every``."""
+def round_length(wire_s: float, local_s: float, step_s: float, options: LocalSteps, floor: int = 1) -> int:
+    """The shortest H of at least ``floor`` (``wire_floor``'s) that hides an exchange of ``wire_s`` on the wire and
+    ``local_s`` of codec work behind inner steps of ``step_s`` (``plan_rounds``' rule), capped at
+    ``options.max_every``."""
     if options.overlap:
         needed = max(OVERLAP_SLACK * wire_s, local_s / options.budget) / max(step_s, 1e-9)
     else:
         needed = (wire_s + local_s) / (options.budget * max(step_s, 1e-9))
-    return max(options.min_every, min(options.max_every, math.ceil(needed)))
+    return max(options.min_every, min(options.max_every, max(floor, math.ceil(needed))))
+
+
+def wire_floor(codec: Codec, hosts: int, entries: int, options: LocalSteps) -> int:
+    """The shortest H whose outer exchange in ``codec`` sends at most ``options.wire_share`` of the bytes per step
+    that uncompressed synchronous allreduce sends (per link: a ring moves 2(N-1)/N of float32, an allgather N-1
+    times the codes; the exchange's side with its ``WIRE_FRAMING``); 1 without a share or a second host."""
+    if options.wire_share is None or hosts < 2:
+        return 1
+    share = (hosts - 1) if codec.gathered else 2 * (hosts - 1) / hosts
+    ratio = WIRE_FRAMING * share * codec.wire_bytes(entries) / (2 * (hosts - 1) / hosts * 4 * max(entries, 1))
+    return max(1, math.ceil(ratio / options.wire_share - 1e-9))
 
 
 def replan(plan: RoundPlan, wire_s: float, local_s: float, step_s: float, options: LocalSteps) -> RoundPlan:
     """The plan with H and τ chosen again from measured times (``wire_s``: a round's fragments on the wire, as the
     last host to send saw them; the slowest rank's work and step): the link or the step changed, or the calibration
     misjudged them. The codec and the fragments stay; a given ``every`` or ``delay`` is kept."""
-    every = plan.every if options.every is not None else round_length(wire_s, local_s, step_s, options)
-    fresh = RoundPlan(every, plan.codec, wire_s, step_s, plan.hosts, local_s, plan.overlap, plan.fragments)
+    every = plan.every if options.every is not None else round_length(wire_s, local_s, step_s, options, plan.wire_floor)
+    fresh = dataclasses.replace(plan, every=every, wire_s=wire_s, step_s=step_s, local_s=local_s, delay=None)
     return with_delay(fresh, options)
 
 
