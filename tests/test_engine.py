@@ -146,6 +146,29 @@ def test_response_cache_disabled_still_works() -> None:
     assert run_ranks(_steady_cycles, 2) == [(1, 2), (1, 2)]
 
 
+def _quiet_cycles(seconds: float) -> tuple[int, float]:
+    hvd.init()
+    engine = handles.engine()
+    hvd.allreduce(torch.ones(4), name="before")
+    start = engine.cycle.cycles
+    time.sleep(seconds)
+    idle = engine.cycle.cycles - start
+    return idle, float(hvd.allreduce(torch.ones(1), name="after", op=hvd.Sum).item())
+
+
+@pytest.mark.timeout(120)
+def test_a_quiet_job_s_engines_cycle_less_often_and_still_answer_at_once() -> None:
+    """An idle engine joins a cycle every 20 ms (a round trip over every host's link); after 10 cycles in which
+    nothing completed anywhere, its pause doubles up to the quiet cycle time (200 ms): 2 s of quiet take about 10 +
+    3 + 8 cycles instead of 100. The first collective after it still completes (each rank's submission wakes its
+    engine). A loaded machine only makes cycles fewer, so the bound on the quiet job's count holds there too."""
+    quiet = run_ranks(_quiet_cycles, 2, args=(2.0,))
+    steady = run_ranks(_quiet_cycles, 2, args=(2.0,), env={"SHOAL_QUIET_CYCLE_TIME": "20"})
+    for (cycles, value), (steady_cycles, steady_value) in zip(quiet, steady, strict=True):
+        assert value == steady_value == 2.0
+        assert cycles <= 30 < 40 <= steady_cycles, (cycles, steady_cycles)
+
+
 class _Capture(logging.Handler):
     def __init__(self) -> None:
         super().__init__()

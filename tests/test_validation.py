@@ -13,7 +13,7 @@ import torch
 from shoal.core.requests import Call, build_meta
 from shoal.core.rules import ReduceSpec
 from shoal.engine.config import EngineConfig
-from shoal.engine.cycle import pause_ms
+from shoal.engine.cycle import Pauses, pause_ms
 from shoal.engine.engine import Engine
 from shoal.engine.negotiation import find_mismatch
 from shoal.engine.request import Kind, ReduceOp, RequestMeta
@@ -108,8 +108,18 @@ def test_the_engine_pause_never_overflows_however_long_a_peer_takes() -> None:
     tuned = SimpleNamespace(cycle_time_ms=config.cycle_time_ms)
     fake = SimpleNamespace(_pending={(0, "t"): None}, config=config, cycle=SimpleNamespace(tuned=tuned))
     # 20 ms cycles for an hour is 180,000 empty cycles; 2**1024 overflowed a float after about 21 s.
-    assert Engine._wait_ms(fake, 180_000) == config.idle_cycle_time_ms  # type: ignore[arg-type]
+    assert Engine._wait_ms(fake, Pauses(stalled=180_000)) == config.idle_cycle_time_ms  # type: ignore[arg-type]
     assert pause_ms(config.cycle_time_ms, config.idle_cycle_time_ms, True, 180_000) == config.idle_cycle_time_ms
+
+
+def test_an_idle_engine_s_pause_doubles_after_ten_quiet_cycles_up_to_the_quiet_cycle_time() -> None:
+    pauses = [pause_ms(1.0, 20.0, False, 0, quiet, 200.0) for quiet in range(16)]
+    assert pauses == [20.0] * 11 + [40.0, 80.0, 160.0, 200.0, 200.0]
+    assert pause_ms(1.0, 20.0, False, 0, 10**6, 200.0) == 200.0  # no overflow however long the quiet
+    assert pause_ms(1.0, 20.0, False, 0, 50, 20.0) == 20.0  # the quiet time at the idle time: no back-off
+    assert pause_ms(1.0, 20.0, True, 3, 50, 200.0) == 8.0  # waiting on peers: the busy back-off, not the quiet one
+    with pytest.raises(ValueError, match="quiet cycle time"):
+        EngineConfig(quiet_cycle_time_ms=10.0)
 
 
 def test_the_collective_timeout_must_exceed_the_stall_check_time() -> None:

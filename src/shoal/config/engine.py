@@ -93,6 +93,16 @@ class EngineConfig:
         flags=("--idle-cycle-time-ms",),
         group=_TUNING,
     )
+    quiet_cycle_time_ms: float = knob(
+        200.0,
+        "the longest pause of an engine in a quiet job: after 10 idle cycles in which nothing completed anywhere and "
+        "nothing waited here, the idle pause doubles each cycle up to this, and any completed collective brings it back "
+        "(each cycle crosses every host's link; the idle time bounds the wait for idle peers); equal to the idle cycle "
+        "time: no back-off",
+        env="QUIET_CYCLE_TIME",
+        flags=("--quiet-cycle-time-ms",),
+        group=_TUNING,
+    )
     cache_capacity: int = knob(
         1024,
         "response cache entries; 0 disables the cache",
@@ -226,6 +236,11 @@ class EngineConfig:
             raise ValueError(f"shared-memory slots must be a multiple of 64 bytes, >= 4096; got {self.shm_slot_bytes}")
         if self.cycle_time_ms < 0 or self.idle_cycle_time_ms <= 0:
             raise ValueError("cycle times must be positive")
+        if self.quiet_cycle_time_ms < self.idle_cycle_time_ms:
+            raise ValueError(
+                f"the quiet cycle time ({self.quiet_cycle_time_ms} ms) must be at least the idle cycle time "
+                f"({self.idle_cycle_time_ms} ms)"
+            )
         if self.cache_capacity < 0:
             raise ValueError(f"cache capacity must be >= 0, got {self.cache_capacity}")
         if self.stall_check_time_s <= 0:

@@ -19,7 +19,7 @@ from shoal.comm import process_group
 from shoal.comm.hierarchical import HierarchicalAllreduce
 from shoal.engine import exit_guard
 from shoal.engine.config import EngineConfig
-from shoal.engine.cycle import Cycle, pause_ms
+from shoal.engine.cycle import Cycle, Pauses
 from shoal.engine.executor import Executor
 from shoal.engine.inbox import EngineStoppedError, Inbox, Key
 from shoal.engine.request import Kind, Request
@@ -207,16 +207,16 @@ class Engine:
     # ----- engine-thread side -----
 
     def _run(self) -> None:
-        stalled_cycles = 0  # consecutive cycles that completed nothing while this rank had work pending
-        while self._claim(stalled_cycles):
+        pauses = Pauses()
+        while self._claim(pauses):
             progress = self._drive_one_cycle()
             if progress is None:
                 break
-            stalled_cycles = 0 if progress or not self._pending else stalled_cycles + 1
+            pauses.after(progress, bool(self._pending))
         self.transport.release()
         self._watch.stop()
 
-    def _claim(self, stalled_cycles: int) -> bool:
+    def _claim(self, pauses: Pauses) -> bool:
         """Engine thread: sleep until there is work (or the idle period passed) and no caller is running cycles,
         then take the drive; False once the engine has ended."""
         timed_out = False
@@ -225,7 +225,7 @@ class Engine:
                 if self._driver is None and (self._inbox.queue or self._inbox.shutdown_requested or timed_out):
                     self._driver = "engine"
                     return True
-                timed_out = not self._inbox.sleep(self._wait_ms(stalled_cycles) / 1000.0)
+                timed_out = not self._inbox.sleep(self._wait_ms(pauses) / 1000.0)
         return False
 
     def _drive_one_cycle(self) -> bool | None:
@@ -258,7 +258,7 @@ class Engine:
         """
         if not self._callers_drive:
             return
-        stalled_cycles = 0
+        pauses = Pauses()
         try:
             while not all(request.done.is_set() for request in requests):
                 with self._lock:
@@ -269,18 +269,18 @@ class Engine:
                 progress = self._drive_one_cycle()
                 if progress is None:
                     return
-                stalled_cycles = 0 if progress else stalled_cycles + 1
+                pauses.after(progress, pending=True)
                 if not progress:
                     with self._lock:
                         if not self._inbox.queue and not self._inbox.shutdown_requested:
-                            self._inbox.sleep(self._wait_ms(stalled_cycles) / 1000.0)
+                            self._inbox.sleep(self._wait_ms(pauses) / 1000.0)
         finally:
             with self._lock:
                 if self._inbox.queue or self._pending or self._inbox.shutdown_requested:
                     self._lock.notify_all()  # the engine thread carries what is left
 
-    def _wait_ms(self, stalled_cycles: int) -> float:
-        return pause_ms(self.cycle.tuned.cycle_time_ms, self.config.idle_cycle_time_ms, bool(self._pending), stalled_cycles)
+    def _wait_ms(self, pauses: Pauses) -> float:
+        return pauses.ms(self.config, self.cycle.tuned.cycle_time_ms, bool(self._pending))
 
     def _fail_everything(self, error: BaseException) -> None:
         with self._lock:
