@@ -134,6 +134,7 @@ SHOALRUN_FLAGS = {
     "--stall-check",
     "--gloo-timeout-seconds",
     "--idle-cycle-time-ms",
+    "--quiet-cycle-time-ms",
     "--config-file",
     "--ranks-filter",
     "--preload",
