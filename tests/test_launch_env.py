@@ -7,7 +7,7 @@ import socket
 import pytest
 
 from shoal.comm import ports
-from shoal.runtime.launch_env import detect_launch, first_slurm_host
+from shoal.runtime.launch_env import _derived_port, detect_launch, first_slurm_host
 from shoal.runtime.topology import build_topology
 
 pytestmark = pytest.mark.check  # the quick tier: make check
@@ -98,7 +98,12 @@ def test_slurm_env() -> None:
     info = detect_launch(env)
     assert (info.launcher, info.rank, info.size, info.local_rank, info.host_key) == ("slurm", 5, 8, 1, "gpu05")
     assert info.store_addr == "gpu03"
-    assert 20000 <= (info.store_port or 0) < 40000
+    assert 20000 <= (info.store_port or 0) < 32768  # below the kernel's ephemeral ports
+
+
+def test_derived_ports_lie_below_the_ephemeral_range_and_spread_over_it() -> None:
+    ports = {_derived_port(f"ompi:{job}") for job in range(2000)}
+    assert min(ports) >= 20000 and max(ports) < 32768 and len(ports) > 1800
 
 
 @pytest.mark.parametrize(("nodelist", "first"), [("n1", "n1"), ("n[1-3]", "n1"), ("gpu[07,09-10],cpu1", "gpu07"), ("a,b", "a")])

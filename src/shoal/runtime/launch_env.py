@@ -68,10 +68,16 @@ def _optional_int(env: Mapping[str, str], name: str) -> int | None:
     return _int(env, name) if env.get(name) not in (None, "") else None
 
 
+DERIVED_PORTS = range(20000, 32768)
+"""Where a derived rendezvous port lies: below Linux's ephemeral range (32768-60999 by default), from which the kernel
+hands out the local ports of outgoing connections and of sockets bound to port 0, so no such socket holds it. With
+[20000, 40000), a plain mpirun job's port in CI was another job's store (EADDRINUSE, then a ping to a stranger)."""
+
+
 def _derived_port(token: str) -> int:
-    """A port in [20000, 40000) that every rank derives from the same job token, for launchers that give none."""
+    """A port in ``DERIVED_PORTS`` that every rank derives from the same job token, for launchers that give none."""
     digest = hashlib.sha256(token.encode()).digest()
-    return 20000 + int.from_bytes(digest[:4], "big") % 20000
+    return DERIVED_PORTS.start + int.from_bytes(digest[:4], "big") % len(DERIVED_PORTS)
 
 
 def first_slurm_host(nodelist: str) -> str:
