@@ -226,9 +226,10 @@ def train(mode: str, task: Task, args: argparse.Namespace) -> Run:
     run.samples = steps * per_step
     if not alone:
         hvd.barrier()
-    run.sent = sent_bytes() - before
+    end = sent_bytes()
+    run.sent = end - before
     if run.round_ends:
-        run.rounds_sent = sent_bytes() - run.rounds_sent
+        run.rounds_sent = end - run.rounds_sent
     outer = rounds_of(optimizer)
     if outer is not None and outer.plan is not None:
         run.plan = {
@@ -290,7 +291,9 @@ def main(argv: list[str] | None = None) -> None:
     runs = {mode: train(mode, task, args) for mode in args.modes.split(",")}
     hosts = hvd.size()
     sent = {mode: summed(run.sent, mode) for mode, run in runs.items()}
-    rounds_sent = summed(runs["far"].rounds_sent, "far.rounds") if "far" in runs else 0.0
+    far_rounds = runs.get("far")
+    rounds_sent = summed(far_rounds.rounds_sent, "far.rounds") if far_rounds is not None else 0.0
+    round_bytes = round(rounds_sent / max(far_rounds.rounds_samples, 1), 1) if far_rounds is not None else None
     if hvd.rank() != 0:
         hvd.shutdown()
         return
@@ -301,11 +304,17 @@ def main(argv: list[str] | None = None) -> None:
         )
     if set(runs) != set(MODES):  # a look at some modes: no comparison
         looks = {
-            mode: {"seconds": run.seconds, "bytes_per_sample": round(sent[mode] / run.samples, 1)} for mode, run in runs.items()
+            mode: {
+                "seconds": run.seconds,
+                "bytes_per_sample": round(sent[mode] / run.samples, 1),
+                "curve": run.curve,
+                "plan": run.plan,
+            }
+            for mode, run in runs.items()
         }
-        if "far" in looks:
-            looks["far"]["round_bytes_per_sample"] = round(rounds_sent / max(runs["far"].rounds_samples, 1), 1)
-        print(json.dumps({mode: {**looks[mode], "curve": run.curve, "plan": run.plan} for mode, run in runs.items()}))
+        if round_bytes is not None:
+            looks["far"]["round_bytes_per_sample"] = round_bytes
+        print(json.dumps(looks))
         hvd.shutdown()
         return
     solo, sync, far = runs["solo"], runs["sync"], runs["far"]
@@ -325,7 +334,7 @@ def main(argv: list[str] | None = None) -> None:
         "of_bound": round(ips["far"] / (hosts * ips["solo"]), 3),
         "of_bound_without_last_meeting": round(far.samples / (far.seconds - far.final_s) / (hosts * ips["solo"]), 3),
         "far_bytes_per_sample": round(sent["far"] / far.samples, 1),
-        "far_round_bytes_per_sample": round(rounds_sent / max(far.rounds_samples, 1), 1),
+        "far_round_bytes_per_sample": round_bytes,
         "sync_bytes_per_sample": round(sent["sync"] / sync.samples, 1),
         "allreduce_bytes_per_sample": round(2 * (hosts - 1) * 4 * entries / (args.batch_size * hosts), 1),
         "far_time_to_target_s": time_to(far, target),

@@ -242,6 +242,12 @@ def link_line(calibration: Calibration, hosts: int) -> tuple[float, float]:
     return latency, per_byte * ring / (2 * (ring - 1))
 
 
+def link_share(codec: Codec, hosts: int) -> float:
+    """The payloads each host's link carries per exchange among ``hosts``: a ring allreduce moves 2(N-1)/N of it, an
+    allgather of codes N-1 copies."""
+    return (hosts - 1) if codec.gathered else 2 * (hosts - 1) / hosts
+
+
 def exchange_parts(calibration: Calibration, hosts: int, entries: int, codec: Codec, fragments: int = 1) -> tuple[float, float]:
     """One outer exchange of ``entries`` in ``codec`` among ``hosts``, sent as ``fragments`` equal parts: (the wire:
     per part, a ring allreduce of float32, or an allgather of every host's codes, (N-1)·bytes per link; the codec's
@@ -251,7 +257,7 @@ def exchange_parts(calibration: Calibration, hosts: int, entries: int, codec: Co
     latency, link_per_byte = link_line(calibration, hosts)
     part = math.ceil(entries / fragments)
     payload = codec.wire_bytes(part)
-    share = (hosts - 1) if codec.gathered else 2 * (hosts - 1) / hosts
+    share = link_share(codec, hosts)
     passes = CODEC_PASSES[codec] + (hosts if codec.gathered else 0)
     wire = fragments * (latency + link_per_byte * share * payload)
     return wire, fragments * calibration.local_seconds("codec-pass", part) * passes
@@ -343,7 +349,8 @@ def plan_rounds(
 def fewest_bytes(plans: list[RoundPlan], codecs: list[Codec]) -> RoundPlan:
     """The plan with the shortest H; on a tie, the least wire time among those whose step is within ``CODEC_SLACK``
     of the tie's fastest (then the more precise codec)."""
-    tied = [p for p in plans if p.every == min(q.every for q in plans)]
+    shortest = min(p.every for p in plans)
+    tied = [p for p in plans if p.every == shortest]
     fastest = min(p.per_step_s for p in tied)
     near = [p for p in tied if p.per_step_s <= CODEC_SLACK * fastest]
     return min(near, key=lambda p: (p.wire_s, codecs.index(p.codec)))
@@ -381,8 +388,8 @@ def wire_floor(codec: Codec, hosts: int, entries: int, options: LocalSteps) -> i
     times the codes; the exchange's side with its ``WIRE_FRAMING``); 1 without a share or a second host."""
     if options.wire_share is None or hosts < 2:
         return 1
-    share = (hosts - 1) if codec.gathered else 2 * (hosts - 1) / hosts
-    ratio = WIRE_FRAMING * share * codec.wire_bytes(entries) / (2 * (hosts - 1) / hosts * 4 * max(entries, 1))
+    sent = WIRE_FRAMING * link_share(codec, hosts) * codec.wire_bytes(entries)
+    ratio = sent / (link_share(Codec.FP32, hosts) * Codec.FP32.wire_bytes(max(entries, 1)))
     return max(1, math.ceil(ratio / options.wire_share - 1e-9))
 
 
