@@ -23,20 +23,16 @@ from shoal.config.worker import SlotInfo
 from shoal.plan.calibration import Calibration, calibration_to_json
 from shoal.plan.costs import CostContext, LayerShape
 from shoal.plan.far import (
-    INT8_CHUNK,
     OVERLAP_SLACK,
-    WIRE_FRAMING,
-    Codec,
     LocalSteps,
     RoundPlan,
-    exchange_parts,
-    exchange_seconds,
     fragment_bounds,
     plan_rounds,
     prefer_local,
     replan,
     wire_floor,
 )
+from shoal.plan.outer_wire import INT8_CHUNK, WIRE_FRAMING, Codec, exchange_parts, exchange_seconds
 from shoal.plan.schemes import AUTO_SCHEMES, COMPRESSED, ROWS, Planned, Scheme, estimates
 from shoal.testing import run_ranks
 from shoal.torch.optimizer import rounds_of

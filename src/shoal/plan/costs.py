@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from typing import Literal
 
 from shoal.plan.calibration import Calibration
-from shoal.plan.far import RoundPlan, exchange_parts
+from shoal.plan.far import RoundPlan
+from shoal.plan.outer_wire import exchange_parts
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,8 @@ import torch
 from shoal.core.rules import ReduceOp
 from shoal.core.session import poll, synchronize
 from shoal.log import get_logger
-from shoal.plan.far import Codec, LocalSteps, RoundPlan, fragment_bounds, replan
+from shoal.plan.far import LocalSteps, RoundPlan, fragment_bounds, replan
+from shoal.plan.outer_wire import Codec
 from shoal.torch import functions
 from shoal.torch.far_choice import WEIGH_STEPS, FarChoice, slowest_plan
 from shoal.torch.host_groups import HostGroups

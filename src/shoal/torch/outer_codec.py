@@ -1,4 +1,4 @@
-"""The codecs of the outer exchange (``shoal.plan.far.Codec``): bf16 and int8 with a float32 scale per chunk, both
+"""The codecs of the outer exchange (``shoal.plan.outer_wire.Codec``): bf16 and int8 with a float32 scale per chunk, both
 with error feedback, for ``shoal.torch.local_steps``."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 import torch
 
-from shoal.plan.far import INT8_CHUNK, Codec
+from shoal.plan.outer_wire import INT8_CHUNK, Codec
 
 
 class Feedback:

@@ -10,7 +10,7 @@ import torch
 
 from shoal.core.rules import ReduceOp
 from shoal.core.session import synchronize
-from shoal.plan.far import Codec
+from shoal.plan.outer_wire import Codec
 from shoal.torch import functions
 from shoal.torch.host_groups import HostGroups
 from shoal.torch.outer_codec import Feedback, decode, padded_buffer
