@@ -4,7 +4,9 @@ another in one invocation, on the same task and the same number of samples.
 Run under emulated hosts: ``python -m shoal.bench.netns --hosts 2 --rate 100mbit -- python -m shoal.bench.far``.
 
 - **solo**: every rank trains alone at once (each emulated host has its own core), with no communication: one
-  worker's batch and learning rate. Its rate times the hosts is the bound (``bound_ips``).
+  worker's batch and learning rate. The sum of their rates is the bound (``bound_ips``; each rank's is in
+  ``solo_ips_per_host``, and ``solo_ips`` is rank 0's): hosts that run at unequal speeds lower ``of_bound``, since a
+  round waits for the slowest.
 - **sync**: ``DistributedOptimizer(comm="auto-lossy")``, each rank one worker's batch, the learning rate times the
   hosts.
 - **far**: ``DistributedOptimizer(comm="local")``, each host one worker's batch and learning rate; H and the codec
@@ -16,7 +18,7 @@ its training seconds until it first scores at or below it. Bytes are the emulate
 bytes (``/sys/class/net/*/statistics/tx_bytes``, loopback aside), summed over the ranks;
 ``far_round_bytes_per_sample`` counts them from the first outer round's end on (without the start's calibration probes
 and broadcast). The last line is JSON: ``{"bench": "far", "hosts", "rate", "task", "far_ips", "sync_ips", "solo_ips",
-"bound_ips", "of_bound", "far_bytes_per_sample", "far_round_bytes_per_sample", "sync_bytes_per_sample",
+"solo_ips_per_host", "bound_ips", "of_bound", "far_bytes_per_sample", "far_round_bytes_per_sample", "sync_bytes_per_sample",
 "allreduce_bytes_per_sample", "far_time_to_target_s",
 "sync_time_to_target_s", "solo_time_to_target_s", "far_eval_loss", "sync_eval_loss", "solo_eval_loss", "target",
 "far_accuracy", "sync_accuracy", "of_bound_without_last_meeting", "plan"}``. ``of_bound_without_last_meeting`` leaves
@@ -294,6 +296,8 @@ def main(argv: list[str] | None = None) -> None:
     far_rounds = runs.get("far")
     rounds_sent = summed(far_rounds.rounds_sent, "far.rounds") if far_rounds is not None else 0.0
     round_bytes = round(rounds_sent / max(far_rounds.rounds_samples, 1), 1) if far_rounds is not None else None
+    solo_run = runs.get("solo")
+    alone = hvd.allgather_object(round(solo_run.samples / solo_run.seconds, 1) if solo_run is not None else 0.0)
     if hvd.rank() != 0:
         hvd.shutdown()
         return
@@ -314,12 +318,15 @@ def main(argv: list[str] | None = None) -> None:
         }
         if round_bytes is not None:
             looks["far"]["round_bytes_per_sample"] = round_bytes
+        if "solo" in runs and "far" in runs:
+            looks["far"]["of_bound"] = round(runs["far"].samples / runs["far"].seconds / sum(alone), 3)
         print(json.dumps(looks))
         hvd.shutdown()
         return
     solo, sync, far = runs["solo"], runs["sync"], runs["far"]
     target = round(sync.curve[-1][2] * 1.01, 5)
     ips = {mode: run.samples / run.seconds for mode, run in runs.items()}
+    bound = sum(alone)  # each host alone at once, under the same sharing of the machine
     entries = sum(p.numel() for p in task.model().parameters())
     result: dict[str, Any] = {
         "bench": "far",
@@ -330,9 +337,10 @@ def main(argv: list[str] | None = None) -> None:
         "far_ips": round(ips["far"], 1),
         "sync_ips": round(ips["sync"], 1),
         "solo_ips": round(ips["solo"], 1),
-        "bound_ips": round(hosts * ips["solo"], 1),
-        "of_bound": round(ips["far"] / (hosts * ips["solo"]), 3),
-        "of_bound_without_last_meeting": round(far.samples / (far.seconds - far.final_s) / (hosts * ips["solo"]), 3),
+        "solo_ips_per_host": alone,
+        "bound_ips": round(bound, 1),
+        "of_bound": round(ips["far"] / bound, 3),
+        "of_bound_without_last_meeting": round(far.samples / (far.seconds - far.final_s) / bound, 3),
         "far_bytes_per_sample": round(sent["far"] / far.samples, 1),
         "far_round_bytes_per_sample": round_bytes,
         "sync_bytes_per_sample": round(sent["sync"] / sync.samples, 1),
