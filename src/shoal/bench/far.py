@@ -320,6 +320,7 @@ def main(argv: list[str] | None = None) -> None:
             looks["far"]["round_bytes_per_sample"] = round_bytes
         if "solo" in runs and "far" in runs:
             looks["far"]["of_bound"] = round(runs["far"].samples / runs["far"].seconds / sum(alone), 3)
+            looks["solo"]["per_host"] = alone
         print(json.dumps(looks))
         hvd.shutdown()
         return
