@@ -258,6 +258,26 @@ def summed(value: float, name: str) -> float:
     return float(hvd.allreduce(torch.tensor([value], dtype=torch.float64), op=hvd.Sum, name=f"far.sum.{name}")[0])
 
 
+def looks(runs: dict[str, Run], sent: dict[str, float], round_bytes: float | None, alone: list[float]) -> dict[str, Any]:
+    """What ``--modes`` prints for a subset of the modes: each mode's seconds, bytes per sample, curve and plan; far's
+    ``of_bound`` against the hosts' rates alone when solo ran too."""
+    result: dict[str, Any] = {
+        mode: {
+            "seconds": run.seconds,
+            "bytes_per_sample": round(sent[mode] / run.samples, 1),
+            "curve": run.curve,
+            "plan": run.plan,
+        }
+        for mode, run in runs.items()
+    }
+    if round_bytes is not None:
+        result["far"]["round_bytes_per_sample"] = round_bytes
+    if "solo" in runs and "far" in runs:
+        result["far"]["of_bound"] = round(runs["far"].samples / runs["far"].seconds / sum(alone), 3)
+        result["solo"]["per_host"] = alone
+    return result
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m shoal.bench.far", description=__doc__.split("\n")[0])
     parser.add_argument("--task", choices=sorted(TASKS), default="digits")
@@ -307,21 +327,7 @@ def main(argv: list[str] | None = None) -> None:
             + ", ".join(f"{s}:{loss:.3f}" for s, _, loss, _ in run.curve)
         )
     if set(runs) != set(MODES):  # a look at some modes: no comparison
-        looks = {
-            mode: {
-                "seconds": run.seconds,
-                "bytes_per_sample": round(sent[mode] / run.samples, 1),
-                "curve": run.curve,
-                "plan": run.plan,
-            }
-            for mode, run in runs.items()
-        }
-        if round_bytes is not None:
-            looks["far"]["round_bytes_per_sample"] = round_bytes
-        if "solo" in runs and "far" in runs:
-            looks["far"]["of_bound"] = round(runs["far"].samples / runs["far"].seconds / sum(alone), 3)
-            looks["solo"]["per_host"] = alone
-        print(json.dumps(looks))
+        print(json.dumps(looks(runs, sent, round_bytes, alone)))
         hvd.shutdown()
         return
     solo, sync, far = runs["solo"], runs["sync"], runs["far"]
