@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from shoal.config import env_name
 from shoal.testing import free_port
 
 REPO = Path(__file__).resolve().parent.parent
@@ -108,6 +109,32 @@ def _one_worker_per_group(request: pytest.FixtureRequest, base: str) -> None:
         pytest.fail(f"xdist_group {name!r} runs on {first} and {worker}: --dist loadgroup is not grouping", pytrace=False)
 
 
+PRELOAD_SERVER_ENV = env_name("PRELOAD_SERVER")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _preload_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """One preload server per test process (``python -m shoal.runner.preload_server``): every shoalrun job the tests
+    start on this host forks its fork server from it instead of importing torch again (3 s of CPU a job). Tests of
+    the fork server itself take it out of their environment (``clean_env(preload_server=False)``)."""
+    path = tmp_path_factory.mktemp("preload") / "server.sock"
+    argv = [sys.executable, "-m", "shoal.runner.preload_server", str(path), "--parent", str(os.getpid())]
+    server = subprocess.Popen(argv, env=clean_env(preload_server=False), stdout=subprocess.PIPE, text=True)
+    assert server.stdout is not None
+    if "listening at" in server.stdout.readline():
+        os.environ[PRELOAD_SERVER_ENV] = str(path)
+    try:
+        yield
+    finally:
+        os.environ.pop(PRELOAD_SERVER_ENV, None)
+        server.terminate()
+        try:
+            server.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
+
+
 @pytest.fixture(scope="session")
 def spark() -> Iterator[Any]:
     """One local Spark (``local[2]``) per test process, shared by every Spark test module (a session takes seconds
@@ -141,11 +168,14 @@ def process_alive(pid: int) -> bool:
         return False
 
 
-def clean_env() -> dict[str, str]:
-    """This process's environment without any launcher variables, so a child sees no job."""
+def clean_env(preload_server: bool = True) -> dict[str, str]:
+    """This process's environment without any launcher variables, so a child sees no job; with the tests' preload
+    server (``_preload_server``) unless ``preload_server`` is False."""
     prefixes = ("SHOAL_", "HOROVOD_", "OMPI_", "PMI_", "PMIX_", "SLURM_", "TORCHELASTIC_")
     names = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK"}
     env = {k: v for k, v in os.environ.items() if not k.startswith(prefixes) and k not in names}
+    if preload_server and PRELOAD_SERVER_ENV in os.environ:
+        env[PRELOAD_SERVER_ENV] = os.environ[PRELOAD_SERVER_ENV]
     env["PYTHONUNBUFFERED"] = "1"
     # One compute thread per process: two tests run at once on two cores, and a process whose intra-op threads wait
     # for a busy core spins on it. The tests of shoalrun's own share of the cores remove this.

@@ -56,6 +56,14 @@ COVERED: dict[str, tuple[str, list[str]]] = {
         "test_launchers.py::test_two_host_run_over_ssh_from_a_venv_with_a_bare_python",
         ["-H", "127.0.0.2"],
     ),  # a, b: placeholders for real hosts
+    "python -m shoal.runner.preload_server /tmp/torch.sock &": (
+        "test_forkserver.py::test_a_preload_server_forks_each_jobs_fork_server_and_refuses_what_it_did_not_preload",
+        ["_start_preload_server(socket_path)", "SIGTERM"],
+    ),
+    "shoalrun --preload-server /tmp/torch.sock -np 2 python train.py": (
+        "test_forkserver.py::test_a_preload_server_forks_each_jobs_fork_server_and_refuses_what_it_did_not_preload",
+        ["--preload-server", '"-np", "2"'],
+    ),
     "shoalrun -np 2 python -m shoal.bench.allreduce": (
         "test_examples.py::test_allreduce_benchmark_json_contract",
         ["-np", "shoal.bench.allreduce"],

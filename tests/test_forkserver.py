@@ -17,15 +17,8 @@ import pytest
 
 from conftest import SHOALRUN, clean_env, process_alive
 from shoal.config import LAUNCHER_PID_ENV
-from shoal.runner.forkserver import (
-    FRAMEWORK_MODULES,
-    ForkServer,
-    ForkServerError,
-    PythonCommand,
-    preload_modules,
-    python_command,
-    top_level_imports,
-)
+from shoal.runner.forkserver import ForkServer, ForkServerError
+from shoal.runner.preload import FRAMEWORK_MODULES, PythonCommand, preload_modules, python_command, top_level_imports
 
 pytestmark = [pytest.mark.check, pytest.mark.timeout(120)]
 
@@ -181,7 +174,7 @@ _TORCH_WORKER = textwrap.dedent(
 def test_shoalrun_forks_torch_workers_from_one_server_unless_told_not_to(tmp_path: Path, preload: str) -> None:
     script = tmp_path / "worker.py"
     script.write_text(_TORCH_WORKER)
-    env = {**clean_env(), "OMP_NUM_THREADS": "2"}
+    env = {**clean_env(preload_server=False), "OMP_NUM_THREADS": "2"}
     argv = [*SHOALRUN, "--verbose", "--preload", preload, "-np", "2", sys.executable, str(script)]
     launcher = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     out, err = launcher.communicate(timeout=90)
@@ -205,7 +198,7 @@ def test_sigkill_of_shoalrun_ends_its_fork_server_and_forked_workers(tmp_path: P
     )
     launcher = subprocess.Popen(
         [*SHOALRUN, "-np", "2", sys.executable, str(script), str(tmp_path)],
-        env=clean_env(),
+        env=clean_env(preload_server=False),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
@@ -225,3 +218,79 @@ def test_sigkill_of_shoalrun_ends_its_fork_server_and_forked_workers(tmp_path: P
     finally:
         if launcher.poll() is None:
             launcher.kill()
+
+
+def _start_preload_server(path: Path, *args: str) -> subprocess.Popen[str]:
+    argv = [sys.executable, "-m", "shoal.runner.preload_server", str(path), "--parent", str(os.getpid()), *args]
+    server = subprocess.Popen(argv, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert server.stdout is not None
+    line = server.stdout.readline()  # said once the modules are imported and the socket listens
+    assert "listening at" in line, line + (server.stderr.read() if server.stderr else "")
+    return server
+
+
+def _parent_of(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as stat:
+        return int(stat.read().rsplit(")", 1)[1].split()[1])
+
+
+def test_a_preload_server_forks_each_jobs_fork_server_and_refuses_what_it_did_not_preload(tmp_path: Path) -> None:
+    """Two jobs in turn fork their workers from servers the preload server forked (not from one started by their
+    shoalrun); a job whose workers preload other modules gets a server of its own; SIGTERM ends the preload server and
+    removes its socket."""
+    script = tmp_path / "worker.py"
+    grandparent = '"grandparent": open(f"/proc/{os.getppid()}/stat").read().rsplit(")", 1)[1].split()[1], "sum"'
+    script.write_text(_TORCH_WORKER.replace('"sum"', grandparent))
+    socket_path = tmp_path / "preload.sock"
+    server = _start_preload_server(socket_path)
+    try:
+        for job in range(2):
+            argv = [*SHOALRUN, "--verbose", "--preload-server", str(socket_path), "-np", "2", sys.executable, str(script)]
+            done = subprocess.run(argv, env=clean_env(), capture_output=True, text=True, timeout=90)
+            assert done.returncode == 0, done.stderr
+            shown = [json.loads(line.split(":", 1)[1]) for line in done.stdout.splitlines() if "<stdout>:" in line]
+            assert sorted(s["rank"] for s in shown) == [0, 1] and all(s["sum"] == [3.0, 3.0] for s in shown)
+            assert f"fork from a server forked by {socket_path}" in done.stderr, done.stderr
+            assert {int(s["grandparent"]) for s in shown} == {server.pid}, (job, shown)  # worker <- job server <- it
+        other = [*SHOALRUN, "--verbose", "--preload", "json", "--preload-server", str(socket_path), "-np", "1"]
+        other += [sys.executable, "-c", "print('ok')"]
+        done = subprocess.run(other, env=clean_env(), capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0 and "ok" in done.stdout, done.stderr
+        assert "get a fork server of their own" in done.stderr and "fork from a server that imported json" in done.stderr
+    finally:
+        server.send_signal(signal.SIGTERM)
+        assert server.wait(timeout=10) == 0
+    assert not socket_path.exists()
+
+
+def test_sigkill_of_shoalrun_ends_a_fork_server_forked_by_a_preload_server(tmp_path: Path) -> None:
+    """The job's server and workers end with the job as they do with a server of its own; the preload server stays."""
+    socket_path = tmp_path / "preload.sock"
+    server = _start_preload_server(socket_path)
+    script = tmp_path / "worker.py"
+    script.write_text(
+        "import os, sys, time\nimport torch\nimport shoal.torch as hvd\nhvd.init()\n"
+        "open(sys.argv[1] + f'/pid.{hvd.rank()}', 'w').write(f'{os.getpid()} {os.getppid()}')\ntime.sleep(120)\n"
+    )
+    argv = [*SHOALRUN, "--preload-server", str(socket_path), "-np", "2", sys.executable, str(script), str(tmp_path)]
+    launcher = subprocess.Popen(argv, env=clean_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        while len([p for p in tmp_path.glob("pid.*") if p.read_text()]) < 2:
+            assert time.monotonic() < deadline and launcher.poll() is None, "the workers did not start"
+            time.sleep(0.1)
+        pids = {int(pid) for path in tmp_path.glob("pid.*") for pid in path.read_text().split()}
+        servers = pids - {int(path.read_text().split()[0]) for path in tmp_path.glob("pid.*")}
+        assert len(servers) == 1 and _parent_of(servers.pop()) == server.pid
+        launcher.kill()
+        launcher.wait(timeout=10)
+        deadline = time.monotonic() + 15
+        while any(process_alive(pid) for pid in pids) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not [pid for pid in pids if process_alive(pid)]
+        assert server.poll() is None
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+        server.kill()
+        server.wait(timeout=10)

@@ -138,6 +138,7 @@ SHOALRUN_FLAGS = {
     "--config-file",
     "--ranks-filter",
     "--preload",
+    "--preload-server",
     "--autotune",
     "--no-autotune",
     "--autotune-log-file",

@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 from shoal.bench import add_json_flag, emit
+from shoal.config import env_name
 
 _HVD_WORKER = """
 import torch
@@ -68,7 +69,8 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=300, help="seconds per job (default 300)")
     add_json_flag(parser)
     args = parser.parse_args()
-    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    # Each job starts its own fork server here, as without a preload server: that start is part of what is timed.
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", env_name("PRELOAD_SERVER"))}
     rows = []
     with tempfile.TemporaryDirectory() as scratch:
         shoal_script, torch_script = Path(scratch) / "shoal_worker.py", Path(scratch) / "torch_worker.py"

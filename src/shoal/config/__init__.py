@@ -17,6 +17,7 @@ from shoal.config.env import (
     from_env,
     knob,
     markdown_rows,
+    read_setting,
     settings,
 )
 from shoal.config.launch import LaunchConfig
@@ -79,6 +80,7 @@ __all__ = [
     "job_secret",
     "knob",
     "knobs_table",
+    "read_setting",
     "settings",
     "worker_setting",
 ]

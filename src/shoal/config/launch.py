@@ -101,6 +101,16 @@ class LaunchConfig:
         metavar="MODULES",
         group=_HOSTS,
     )
+    preload_server: str | None = knob(
+        None,
+        "the Unix socket of a preload server on this host (python -m shoal.runner.preload_server PATH) that has "
+        "imported the workers' framework already: each local host's fork server is forked from it instead of "
+        "importing the framework again (a job it cannot serve starts its own)",
+        env="PRELOAD_SERVER",
+        flags=("--preload-server",),
+        metavar="PATH",
+        group=_HOSTS,
+    )
     start_timeout: float = knob_from(WorkerSettings, "start_timeout", flags=("--start-timeout",), group=_HOSTS)
     network_interface: str | None = knob(
         None,

@@ -23,11 +23,16 @@ import signal
 import socket
 import sys
 import types
+from collections.abc import Mapping
 from typing import Any
 
 _STDIO = 3
 _MAX_RECORD = 1 << 22
 """The largest request (a worker's environment) a record may carry."""
+_STARTUP_PREFIXES = ("PYTHON", "LD_")
+"""Variables read when an interpreter starts (or a library loads)."""
+_STARTUP_EXCEPT = frozenset({"PYTHONUNBUFFERED", "PYTHONDONTWRITEBYTECODE"})
+"""...except these, which a forked worker applies itself (both servers and workers run unbuffered by default)."""
 
 
 def _send(sock: socket.socket, message: dict[str, Any]) -> None:
@@ -46,21 +51,41 @@ def _reap(sock: socket.socket) -> None:
         _send(sock, {"exit": pid, "code": os.waitstatus_to_exitcode(status)})
 
 
+def startup_env(env: Mapping[str, str]) -> dict[str, str]:
+    """The part of ``env`` a new interpreter reads at start-up (``PYTHON*``, ``LD_*``): a worker whose values differ
+    from its server's starts afresh."""
+    return {k: v for k, v in env.items() if k.startswith(_STARTUP_PREFIXES) and k not in _STARTUP_EXCEPT}
+
+
+def preload(modules: list[str]) -> str | None:
+    """Import ``modules``; returns what went wrong, or None."""
+    for name in modules:
+        try:
+            importlib.import_module(name)
+        except Exception as error:  # shoalrun starts its workers afresh instead, and says why when verbose
+            return f"cannot import {name}: {type(error).__name__}: {error}"
+    # What the preloaded modules made lives as long as every child: collections need not walk it again (a child's
+    # full collection at shutdown would, for a second with TensorFlow loaded), and a child never writes to it.
+    gc.collect()
+    gc.freeze()
+    return None
+
+
 def serve(fd: int, modules: list[str]) -> dict[str, Any] | None:
     """Preload ``modules``, then fork a child per request until the control socket closes. Returns only in a child
     (its request) or at the end (None)."""
     sock = socket.socket(fileno=fd)
     started_with = dict(os.environ)  # shoalrun's, and what an argv prefix (``env NAME=VALUE``) laid over it
-    try:
-        for name in modules:
-            importlib.import_module(name)
-    except Exception as error:  # shoalrun starts its workers afresh instead, and says why when verbose
-        _send(sock, {"ready": False, "error": f"cannot import {name}: {type(error).__name__}: {error}"})
+    error = preload(modules)
+    if error is not None:
+        _send(sock, {"ready": False, "error": error})
         return None
-    # What the preloaded modules made lives as long as every child: collections need not walk it again (a child's
-    # full collection at shutdown would, for a second with TensorFlow loaded), and a child never writes to it.
-    gc.collect()
-    gc.freeze()
+    return serve_job(sock, started_with)
+
+
+def serve_job(sock: socket.socket, started_with: dict[str, str]) -> dict[str, Any] | None:
+    """Say ready on ``sock``, then fork a child per request on it until it closes. Returns only in a child (its
+    request) or at the end (None)."""
     wake_read, wake_write = os.pipe()
     os.set_blocking(wake_read, False)
     os.set_blocking(wake_write, False)
@@ -70,12 +95,7 @@ def serve(fd: int, modules: list[str]) -> dict[str, Any] | None:
     while True:
         ready, _, _ = select.select([sock.fileno(), wake_read], [], [])
         if wake_read in ready:
-            while True:
-                try:
-                    if not os.read(wake_read, 512):
-                        break
-                except BlockingIOError:
-                    break
+            drain(wake_read)
         _reap(sock)
         if sock.fileno() not in ready:
             continue
@@ -107,6 +127,16 @@ def serve(fd: int, modules: list[str]) -> dict[str, Any] | None:
         os.read(settled, 1)  # returns once the child has its session: shoalrun may signal its group from the reply on
         os.close(settled)
         _send(sock, {"forked": pid})
+
+
+def drain(fd: int) -> None:
+    """Read a non-blocking wake-up pipe empty."""
+    while True:
+        try:
+            if not os.read(fd, 512):
+                return
+        except BlockingIOError:
+            return
 
 
 def _become(request: dict[str, Any]) -> None:

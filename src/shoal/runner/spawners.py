@@ -23,10 +23,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from shoal.config import LaunchConfig, env_name
-from shoal.runner.forkserver import ForkServer, ForkServerError, preload_modules, python_command
+from shoal.config import LaunchConfig, env_name, read_setting
+from shoal.runner.forkserver import ForkServer, ForkServerError
 from shoal.runner.hosts import SlotInfo, is_local_host
 from shoal.runner.output import OutputPump
+from shoal.runner.preload import preload_modules, python_command
 from shoal.runner.worker_env import child_env, start_worker
 from shoal.runtime.slurm import NodeListError, allocation
 
@@ -264,11 +265,7 @@ class ProcessSpawner(Spawner):
                 self._servers[prefix] = None
                 modules = preload_modules(self.job.config.preload, command, env)
                 if modules:
-                    try:
-                        self._servers[prefix] = ForkServer(modules, env, prefix, timeout=self.job.config.start_timeout)
-                        self.job.verbose(f"workers on {host} fork from a server that imported {', '.join(modules)}")
-                    except ForkServerError as error:
-                        self.job.verbose(f"workers on {host} start afresh: {error}")
+                    self._servers[prefix] = self._server(host, modules, env, prefix)
             server = self._servers[prefix]
         if server is None or not server.accepts(env):
             return None
@@ -276,6 +273,26 @@ class ProcessSpawner(Spawner):
             return server.fork(command, env)
         except ForkServerError as error:
             self.job.verbose(f"{spec.label} starts afresh: {error}")
+            return None
+
+    def _server(self, host: str, modules: tuple[str, ...], env: dict[str, str], prefix: tuple[str, ...]) -> Any:
+        """``host``'s fork server: forked from the preload server where one is named and serves this job, else
+        started; None when neither can be had (its workers start afresh)."""
+        config = self.job.config
+        preload_server = config.preload_server or read_setting(LaunchConfig, "preload_server")
+        if preload_server and not prefix:
+            try:
+                server = ForkServer(modules, env, timeout=config.start_timeout, preload_server=preload_server)
+                self.job.verbose(f"workers on {host} fork from a server forked by {preload_server}")
+                return server
+            except ForkServerError as error:
+                self.job.verbose(f"workers on {host} get a fork server of their own: {error}")
+        try:
+            server = ForkServer(modules, env, prefix, timeout=config.start_timeout)
+            self.job.verbose(f"workers on {host} fork from a server that imported {', '.join(modules)}")
+            return server
+        except ForkServerError as error:
+            self.job.verbose(f"workers on {host} start afresh: {error}")
             return None
 
     def close(self) -> None:
