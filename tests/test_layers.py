@@ -230,7 +230,7 @@ MODULE_LINES, CLASS_LINES = 400, 250
 """The sizes no module and no class of ``src/shoal`` may pass, beyond ``OVERSIZE``."""
 OVERSIZE = {
     "shoal.torch.layer_comm.lossy": 586,
-    "shoal.bench.churn": 582,
+    "shoal.bench.churn": 566,
     "shoal.spark.estimator": 575,
     "shoal.tf_ops.ops": 566,
     "shoal.bench.train": 527,

@@ -49,7 +49,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-SHOALRUN = [sys.executable, "-m", "shoal.runner"]
+from shoal.runner.preload import FRAMEWORK_MODULES
+
+# The workers import torch in functions, which --preload auto does not see: each (and each replacement) forks anyway.
+SHOALRUN = [sys.executable, "-m", "shoal.runner", "--preload", ",".join(FRAMEWORK_MODULES["torch"])]
 KINDS = ("kill", "term", "remove", "return")
 DRAWN = ("kill", "term", "remove")
 """The kinds drawn at random times; each ``remove`` schedules its host's ``return``."""
@@ -292,29 +295,10 @@ def _start(command: list[str], show: bool) -> Run:
 
 
 def _worker_command(args: argparse.Namespace, log: Path) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "shoal.bench.churn",
-        "--worker",
-        "--seconds",
-        str(args.minutes * 60),
-        "--log",
-        str(log),
-        "--batch-size",
-        str(args.batch_size),
-        "--step-delay",
-        str(args.step_delay),
-        "--commit-every",
-        str(args.commit_every),
-        "--lr",
-        str(args.lr),
-        "--workers",
-        str(args.workers),
-        "--micro-batch-size",
-        str(args.micro_batch_size),
-        *(["--balanced"] if args.balanced else []),
-    ]
+    command = [sys.executable, "-m", "shoal.bench.churn", "--worker", "--seconds", str(args.minutes * 60), "--log", str(log)]
+    command += ["--batch-size", str(args.batch_size), "--step-delay", str(args.step_delay)]
+    command += ["--commit-every", str(args.commit_every), "--lr", str(args.lr), "--workers", str(args.workers)]
+    return [*command, "--micro-batch-size", str(args.micro_batch_size), *(["--balanced"] if args.balanced else [])]
 
 
 def _wait(run: Run, limit_s: float) -> int:

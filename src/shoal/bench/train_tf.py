@@ -180,7 +180,8 @@ def main(argv: list[str] | None = None) -> None:
     for model in models:
         shoal_runs, tf_runs = [], []
         for _ in range(args.rounds):
-            shoal_command = [*SHOALRUN, "-np", str(args.workers), sys.executable, "-m"]
+            # The worker imports TensorFlow inside a function: preload it, as for a script that imports it at its top.
+            shoal_command = [*SHOALRUN, "--preload", "tensorflow", "-np", str(args.workers), sys.executable, "-m"]
             shoal_command += ["shoal.bench.train_tf", "--worker", "shoal", "--model", model, *flags]
             shoal_runs.append(float(rank0_result(shoal_command, args.timeout, "the Shoal job")["ips"]))
             tf_runs.append(_run_tf(args, model, flags))
