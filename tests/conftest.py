@@ -28,6 +28,10 @@ needs_netns = pytest.mark.skipif(
 )
 """For tests that emulate hosts with ``shoal.bench.netns``."""
 
+_TF_THREADS = {"TF_NUM_INTRAOP_THREADS": "1", "TF_NUM_INTEROP_THREADS": "1"}
+"""TensorFlow's own thread pools, which OMP_NUM_THREADS does not size, at one thread each in every test process, as
+torch's are: two tests run at once on two cores, and idle pool threads spin on them (test_tensorflow and test_keras
+took 169 s with TensorFlow's default pools, 146 s with these)."""
 _TENSORFLOW_TESTS = {"test_tensorflow.py", "test_keras.py", "test_keras2.py", "test_tf_extras.py", "test_conformance.py"}
 
 
@@ -63,6 +67,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
     if importlib.util.find_spec("tensorflow") and any(item.path.name in _TENSORFLOW_TESTS for item in items):
         os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+        for name, value in _TF_THREADS.items():  # ranks forked from the preloaded server, and in-process tests
+            os.environ.setdefault(name, value)
         preload("tensorflow")
 
 
@@ -180,6 +186,7 @@ def clean_env(preload_server: bool = True) -> dict[str, str]:
     # One compute thread per process: two tests run at once on two cores, and a process whose intra-op threads wait
     # for a busy core spins on it. The tests of shoalrun's own share of the cores remove this.
     env.setdefault("OMP_NUM_THREADS", "1")
+    env.update(_TF_THREADS)
     return env
 
 
