@@ -190,34 +190,44 @@ def test_shoalrun_forks_torch_workers_from_one_server_unless_told_not_to(tmp_pat
         assert "fork from a server" not in err and parents == {launcher.pid}
 
 
-def test_sigkill_of_shoalrun_ends_its_fork_server_and_forked_workers(tmp_path: Path) -> None:
+_SLEEPING_WORKER = (
+    "import os, sys, time\nimport torch\nimport shoal.torch as hvd\nhvd.init()\n"
+    "open(sys.argv[1] + f'/pid.{hvd.rank()}', 'w').write(f'{os.getpid()} {os.getppid()}')\ntime.sleep(120)\n"
+)
+
+
+def _sigkill_a_started_job(tmp_path: Path, *flags: str, env: dict[str, str]) -> dict[int, int]:
+    """Start 2 sleeping workers under shoalrun with ``flags``, SIGKILL shoalrun once both have started, and return
+    each worker's pid with its parent's and, under -1, that parent's parent (read before the kill), after checking
+    that all of them ended within 15 s."""
     script = tmp_path / "worker.py"
-    script.write_text(
-        "import os, sys, time\nimport torch\nimport shoal.torch as hvd\nhvd.init()\n"
-        "open(sys.argv[1] + f'/pid.{hvd.rank()}', 'w').write(f'{os.getpid()} {os.getppid()}')\ntime.sleep(120)\n"
-    )
-    launcher = subprocess.Popen(
-        [*SHOALRUN, "-np", "2", sys.executable, str(script), str(tmp_path)],
-        env=clean_env(preload_server=False),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+    script.write_text(_SLEEPING_WORKER)
+    argv = [*SHOALRUN, *flags, "-np", "2", sys.executable, str(script), str(tmp_path)]
+    launcher = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 60
         while len([p for p in tmp_path.glob("pid.*") if p.read_text()]) < 2:
             assert time.monotonic() < deadline and launcher.poll() is None, "the workers did not start"
             time.sleep(0.1)
-        pids = {int(pid) for path in tmp_path.glob("pid.*") for pid in path.read_text().split()}
-        assert launcher.pid not in pids  # (the second pid of each file is its parent: the server)
+        parents = dict(tuple(map(int, path.read_text().split())) for path in tmp_path.glob("pid.*"))
+        grandparents = {_parent_of(parent) for parent in parents.values()}
         launcher.kill()
         launcher.wait(timeout=10)
+        pids = {*parents, *parents.values()}
         deadline = time.monotonic() + 15
         while any(process_alive(pid) for pid in pids) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert not [pid for pid in pids if process_alive(pid)]
+        assert launcher.pid not in pids  # each worker's parent is the fork server
+        return {**parents, -1: grandparents.pop() if len(grandparents) == 1 else 0}
     finally:
         if launcher.poll() is None:
             launcher.kill()
+
+
+def test_sigkill_of_shoalrun_ends_its_fork_server_and_forked_workers(tmp_path: Path) -> None:
+    parents = _sigkill_a_started_job(tmp_path, env=clean_env(preload_server=False))
+    assert len({parents[pid] for pid in parents if pid != -1}) == 1  # one server forked both
 
 
 def _start_preload_server(path: Path, *args: str) -> subprocess.Popen[str]:
@@ -265,32 +275,27 @@ def test_a_preload_server_forks_each_jobs_fork_server_and_refuses_what_it_did_no
 
 def test_sigkill_of_shoalrun_ends_a_fork_server_forked_by_a_preload_server(tmp_path: Path) -> None:
     """The job's server and workers end with the job as they do with a server of its own; the preload server stays."""
-    socket_path = tmp_path / "preload.sock"
-    server = _start_preload_server(socket_path)
-    script = tmp_path / "worker.py"
-    script.write_text(
-        "import os, sys, time\nimport torch\nimport shoal.torch as hvd\nhvd.init()\n"
-        "open(sys.argv[1] + f'/pid.{hvd.rank()}', 'w').write(f'{os.getpid()} {os.getppid()}')\ntime.sleep(120)\n"
-    )
-    argv = [*SHOALRUN, "--preload-server", str(socket_path), "-np", "2", sys.executable, str(script), str(tmp_path)]
-    launcher = subprocess.Popen(argv, env=clean_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    server = _start_preload_server(tmp_path / "preload.sock")
     try:
-        deadline = time.monotonic() + 60
-        while len([p for p in tmp_path.glob("pid.*") if p.read_text()]) < 2:
-            assert time.monotonic() < deadline and launcher.poll() is None, "the workers did not start"
-            time.sleep(0.1)
-        pids = {int(pid) for path in tmp_path.glob("pid.*") for pid in path.read_text().split()}
-        servers = pids - {int(path.read_text().split()[0]) for path in tmp_path.glob("pid.*")}
-        assert len(servers) == 1 and _parent_of(servers.pop()) == server.pid
-        launcher.kill()
-        launcher.wait(timeout=10)
-        deadline = time.monotonic() + 15
-        while any(process_alive(pid) for pid in pids) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not [pid for pid in pids if process_alive(pid)]
+        parents = _sigkill_a_started_job(tmp_path, "--preload-server", str(tmp_path / "preload.sock"), env=clean_env())
+        assert len({parents[pid] for pid in parents if pid != -1}) == 1 and parents[-1] == server.pid
         assert server.poll() is None
     finally:
-        if launcher.poll() is None:
-            launcher.kill()
         server.kill()
         server.wait(timeout=10)
+
+
+def test_a_preload_server_ends_with_the_process_it_was_given_as_parent(tmp_path: Path) -> None:
+    socket_path = tmp_path / "preload.sock"
+    parent = subprocess.Popen(["sleep", "60"])
+    argv = [sys.executable, "-m", "shoal.runner.preload_server", str(socket_path), "--modules", "json"]
+    server = subprocess.Popen([*argv, "--parent", str(parent.pid)], env=clean_env(), stdout=subprocess.PIPE, text=True)
+    try:
+        assert server.stdout is not None and "listening at" in server.stdout.readline()
+        parent.kill()
+        parent.wait()
+        assert server.wait(timeout=10) == 0
+        assert not socket_path.exists()
+    finally:
+        parent.kill()
+        server.kill()

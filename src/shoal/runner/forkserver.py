@@ -257,6 +257,8 @@ class BorrowedServer:
         Raises:
             ForkServerError: no preload server answers there, or it preloaded other modules or started otherwise.
         """
+        if not hasattr(os, "pidfd_open"):
+            raise ForkServerError("a preload server needs Linux 5.3 or later (pidfd)")
         request = json.dumps({"modules": list(modules), "startup": dict(startup)}).encode()
         try:
             with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as link:
@@ -268,7 +270,10 @@ class BorrowedServer:
             raise ForkServerError(f"no preload server at {path}: {error}") from error
         if "pid" not in reply:
             raise ForkServerError(f"the preload server at {path} cannot serve this job: {reply.get('error')}")
-        return cls(int(reply["pid"]))
+        try:
+            return cls(int(reply["pid"]))
+        except OSError as error:  # the server it forked is gone already
+            raise ForkServerError(f"the fork server from {path} ended at once: {error}") from error
 
     def wait(self, timeout: float | None = None) -> int:
         if not select.select([self._fd], [], [], timeout)[0]:

@@ -45,9 +45,15 @@ def serve(path: str, modules: list[str], parent: int | None) -> dict[str, Any] |
     ending: list[int] = []
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda number, _: ending.append(number))
+    try:
+        watched = [] if parent is None else [os.pidfd_open(parent)]  # readable once the parent has exited
+    except ProcessLookupError:  # gone already
+        watched, ending = [], [signal.SIGTERM]
     print(f"preload server: {', '.join(modules)} imported; listening at {path}", flush=True)
-    while not ending and (parent is None or _alive(parent)):
-        ready, _, _ = select.select([listener.fileno(), wake_read], [], [], 1.0)
+    while not ending:
+        ready, _, _ = select.select([listener.fileno(), wake_read, *watched], [], [])
+        if set(watched) & set(ready):
+            break
         if wake_read in ready:
             drain(wake_read)
         _reap()
@@ -69,7 +75,7 @@ def serve(path: str, modules: list[str], parent: int | None) -> dict[str, Any] |
         if pid == 0:
             link.close()
             listener.close()
-            for own in (wake_read, wake_write):
+            for own in (wake_read, wake_write, *watched):
                 os.close(own)
             signal.set_wakeup_fd(-1)
             for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGCHLD):
@@ -92,16 +98,6 @@ def _answer(link: socket.socket, reply: dict[str, Any]) -> None:
     except OSError:  # the job gave up asking; it starts its own server
         pass
     link.close()
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _reap() -> None:
