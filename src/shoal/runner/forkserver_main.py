@@ -23,7 +23,7 @@ import signal
 import socket
 import sys
 import types
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 _STDIO = 3
@@ -39,8 +39,8 @@ def _send(sock: socket.socket, message: dict[str, Any]) -> None:
     sock.sendall(json.dumps(message).encode())
 
 
-def _reap(sock: socket.socket) -> None:
-    """Report every child that has ended."""
+def reap(report: Callable[[int, int], None] | None = None) -> None:
+    """Reap every child that has ended, passing ``report`` its pid and exit code."""
     while True:
         try:
             pid, status = os.waitpid(-1, os.WNOHANG)
@@ -48,7 +48,19 @@ def _reap(sock: socket.socket) -> None:
             return
         if pid == 0:
             return
-        _send(sock, {"exit": pid, "code": os.waitstatus_to_exitcode(status)})
+        if report is not None:
+            report(pid, os.waitstatus_to_exitcode(status))
+
+
+def wake_pipe() -> tuple[int, int]:
+    """A non-blocking pipe that every signal writes to (``signal.set_wakeup_fd``), SIGCHLD included: a server's
+    ``select`` on its read end wakes when a child ends. Returns (read, write)."""
+    wake_read, wake_write = os.pipe()
+    os.set_blocking(wake_read, False)
+    os.set_blocking(wake_write, False)
+    signal.set_wakeup_fd(wake_write)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
+    return wake_read, wake_write
 
 
 def startup_env(env: Mapping[str, str]) -> dict[str, str]:
@@ -86,17 +98,13 @@ def serve(fd: int, modules: list[str]) -> dict[str, Any] | None:
 def serve_job(sock: socket.socket, started_with: dict[str, str]) -> dict[str, Any] | None:
     """Say ready on ``sock``, then fork a child per request on it until it closes. Returns only in a child (its
     request) or at the end (None)."""
-    wake_read, wake_write = os.pipe()
-    os.set_blocking(wake_read, False)
-    os.set_blocking(wake_write, False)
-    signal.set_wakeup_fd(wake_write)
-    signal.signal(signal.SIGCHLD, lambda *_: None)
+    wake_read, wake_write = wake_pipe()
     _send(sock, {"ready": True, "environ": started_with})
     while True:
         ready, _, _ = select.select([sock.fileno(), wake_read], [], [])
         if wake_read in ready:
             drain(wake_read)
-        _reap(sock)
+        reap(lambda pid, code: _send(sock, {"exit": pid, "code": code}))
         if sock.fileno() not in ready:
             continue
         data, fds, _, _ = socket.recv_fds(sock, _MAX_RECORD, _STDIO)

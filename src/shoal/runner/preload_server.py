@@ -24,7 +24,7 @@ import socket
 import sys
 from typing import Any
 
-from shoal.runner.forkserver_main import drain, preload, run, serve_job, startup_env
+from shoal.runner.forkserver_main import drain, preload, reap, run, serve_job, startup_env, wake_pipe
 
 DEFAULT_MODULES = "torch,torch.distributed,torch._dynamo"
 _REQUEST = 1 << 20
@@ -37,11 +37,7 @@ def serve(path: str, modules: list[str], parent: int | None) -> dict[str, Any] |
     listener.bind(path)
     listener.listen(16)
     startup = startup_env(os.environ)
-    wake_read, wake_write = os.pipe()
-    os.set_blocking(wake_read, False)
-    os.set_blocking(wake_write, False)
-    signal.set_wakeup_fd(wake_write)
-    signal.signal(signal.SIGCHLD, lambda *_: None)
+    wake_read, wake_write = wake_pipe()
     ending: list[int] = []
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda number, _: ending.append(number))
@@ -56,7 +52,7 @@ def serve(path: str, modules: list[str], parent: int | None) -> dict[str, Any] |
             break
         if wake_read in ready:
             drain(wake_read)
-        _reap()
+        reap()
         if listener.fileno() not in ready:
             continue
         link, _ = listener.accept()
@@ -98,16 +94,6 @@ def _answer(link: socket.socket, reply: dict[str, Any]) -> None:
     except OSError:  # the job gave up asking; it starts its own server
         pass
     link.close()
-
-
-def _reap() -> None:
-    while True:
-        try:
-            pid, _ = os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
-            return
-        if pid == 0:
-            return
 
 
 def main(argv: list[str] | None = None) -> int:
