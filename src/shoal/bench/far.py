@@ -50,6 +50,7 @@ from shoal.bench import add_json_flag, chars, emit
 from shoal.bench.accuracy import build_model
 from shoal.bench.digits import load_digits_tensors
 from shoal.plan.far import DEFAULT_BUDGET, LocalSteps
+from shoal.plan.outer_wire import Codec
 from shoal.torch.optimizer import rounds_of
 
 MODES = ("solo", "sync", "far")
@@ -289,7 +290,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--context", type=int, default=64, help="chars: bytes per window")
     parser.add_argument("--eval-windows", type=int, default=256, help="chars: held-out windows scored")
     parser.add_argument("--every", type=int, default=None, help="force H (default: the planner's)")
-    parser.add_argument("--codec", choices=["fp32", "bf16", "int8"], default=None, help="force the codec")
+    parser.add_argument("--codec", choices=[codec.value for codec in Codec], default=None, help="force the codec")
     parser.add_argument(
         "--budget", type=float, default=DEFAULT_BUDGET, help="the share of a round its exchange's local work may add"
     )

@@ -53,7 +53,7 @@ class LocalSteps:
     every: int | None = None
     """H, the inner steps per outer round; None: the planner chooses it from the measured link and step time."""
     codec: Codec | str | None = None
-    """The pseudo-gradient's codec (``fp32``, ``bf16``, ``int8``); None: the planner chooses."""
+    """The pseudo-gradient's codec (``fp32``, ``bf16``, ``int8``, ``int4``); None: the planner chooses."""
     outer_lr: float = 0.5
     """The outer optimizer's learning rate. DiLoCo's is 0.7, with momentum 0.9, for rounds of 500 steps; over the
     rounds of 20 to 100 steps the planner chooses, that multiplies each round's progress by about 7 and trained worse
@@ -127,6 +127,13 @@ class RoundPlan:
     again), 0 without."""
     wire_floor: int = 1
     """The shortest H that keeps the options' ``wire_share`` (``wire_floor``); re-planning keeps it too."""
+    entries: int = 0
+    """The model's parameters (0: not known, and ``replan`` keeps the codec)."""
+    codec_local: tuple[float, ...] = ()
+    """Each codec's predicted local work per exchange (in ``Codec``'s order), for ``replan``'s choice of codec."""
+    largest_part: float = 0.0
+    """The largest fragment's share of the entries (0: equal parts). Fragments are runs of whole parameters, and one
+    parameter can hold most of a model (the digits MLP's 1024×1024 layer: 93%)."""
 
     @property
     def tau(self) -> int:
@@ -141,7 +148,8 @@ class RoundPlan:
 
     @property
     def fragment_wire_s(self) -> float:
-        return self.wire_s / self.fragments
+        """The largest fragment's wire: every fragment lands τ steps after it is sent, so τ must hide this one."""
+        return self.wire_s * (self.largest_part or 1 / self.fragments)
 
     @property
     def fits(self) -> bool:
@@ -237,9 +245,11 @@ def plan_rounds(
     step_s: float,
     options: LocalSteps = LocalSteps(),
     fragments: int = 1,
+    sizes: Sequence[int] = (),
 ) -> RoundPlan:
     """H, the codec, the fragments (at most ``fragments``) and τ for a model of ``entries`` float32 parameters
-    whose inner step takes ``step_s``.
+    whose inner step takes ``step_s`` (``sizes``: each parameter's entries, in the model's order, which set the
+    fragments' parts; none: equal parts).
 
     Per codec (the given one, else each), H is the shortest round that hides the outer exchange of the whole model
     (with overlap: the exchange fits in ``OVERLAP_SLACK`` times fewer steps than H; without: it adds at most
@@ -257,7 +267,11 @@ def plan_rounds(
         wire, local = exchange_parts(calibration, hosts, entries, codec, count)
         floor = wire_floor(codec, hosts, entries, options)
         every = options.every if options.every is not None else round_length(wire, local, step_s, options, floor)
-        rounds = RoundPlan(every, codec, wire, step_s, hosts, local, options.overlap, count, wire_floor=floor)
+        works = tuple(exchange_parts(calibration, hosts, entries, c, count)[1] for c in Codec)
+        largest = max((sum(sizes[a:b]) for a, b in fragment_bounds(sizes, count)), default=0) / max(entries, 1)
+        rounds = RoundPlan(
+            every, codec, wire, step_s, hosts, local, options.overlap, count, None, floor, entries, works, largest
+        )
         return with_delay(rounds, options)
 
     if options.every is not None:
@@ -322,10 +336,31 @@ def wire_floor(codec: Codec, hosts: int, entries: int, options: LocalSteps) -> i
 def replan(plan: RoundPlan, wire_s: float, local_s: float, step_s: float, options: LocalSteps) -> RoundPlan:
     """The plan with H and τ chosen again from measured times (``wire_s``: a round's fragments on the wire, as the
     last host to send saw them; the slowest rank's work and step): the link or the step changed, or the calibration
-    misjudged them. The codec and the fragments stay; a given ``every`` or ``delay`` is kept."""
-    every = plan.every if options.every is not None else round_length(wire_s, local_s, step_s, options, plan.wire_floor)
-    fresh = dataclasses.replace(plan, every=every, wire_s=wire_s, step_s=step_s, local_s=local_s, delay=None)
-    return with_delay(fresh, options)
+    misjudged them. The fragments stay; a given ``every``, ``delay`` or codec is kept.
+
+    Where the options leave the codec open, it is chosen again by ``plan_rounds``' rule, each codec priced from what
+    was measured: the wire scaled to its bytes on the link, the work with the plan's codec's predicted part
+    (``codec_local``) swapped for its own. A calibration can misjudge a slow link by far (a rate shaper lets its
+    small probes through at the full rate: at 10 Mbit/s a first plan predicted 27 ms for a round that took 1.07 s),
+    and a codec chosen from it would otherwise stay for the whole run."""
+    known = options.codec is None and plan.entries > 0 and len(plan.codec_local) == len(Codec)
+    codecs = list(Codec) if known else [plan.codec]
+
+    def again(codec: Codec) -> RoundPlan:
+        wire, local, floor = wire_s, local_s, plan.wire_floor
+        if codec is not plan.codec:
+            sent = [link_share(c, plan.hosts) * c.wire_bytes(plan.entries) for c in (codec, plan.codec)]
+            wire *= sent[0] / sent[1]
+            works = [plan.codec_local[codecs.index(c)] for c in (codec, plan.codec)]
+            local = max(0.0, local + works[0] - works[1])
+            floor = wire_floor(codec, plan.hosts, plan.entries, options)
+        every = plan.every if options.every is not None else round_length(wire, local, step_s, options, floor)
+        fresh = dataclasses.replace(
+            plan, codec=codec, every=every, wire_s=wire, step_s=step_s, local_s=local, delay=None, wire_floor=floor
+        )
+        return with_delay(fresh, options)
+
+    return fewest_bytes([again(codec) for codec in codecs], codecs)
 
 
 def prefer_local(sync_step_s: float, rounds: RoundPlan) -> bool:

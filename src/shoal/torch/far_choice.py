@@ -17,15 +17,17 @@ WEIGH_STEPS = 8
 """``auto-far`` weighs local steps after this many synchronous steps (its plan is made after the first)."""
 
 
-def slowest_plan(hosts: int, entries: int, times: list[float], options: LocalSteps, name: str, fragments: int = 1) -> RoundPlan:
-    """H and the codec from the job's calibration and the slowest rank's median of ``times`` (its inner steps).
-    Collective: every rank plans alike."""
+def slowest_plan(
+    hosts: int, sizes: list[int], times: list[float], options: LocalSteps, name: str, fragments: int = 1
+) -> RoundPlan:
+    """H and the codec from the job's calibration and the slowest rank's median of ``times`` (its inner steps), for
+    parameters of ``sizes`` entries. Collective: every rank plans alike."""
     from shoal.torch.layer_comm.calibrate import job_calibration
 
     ordered = sorted(times or [0.0])
     mine = torch.tensor([ordered[len(ordered) // 2]], dtype=torch.float64)
     slowest = float(functions.allreduce(mine, name=name, op=ReduceOp.Max)[0])
-    return plan_rounds(job_calibration(), hosts, entries, slowest, options, fragments)
+    return plan_rounds(job_calibration(), hosts, sum(sizes), slowest, options, fragments, sizes)
 
 
 class FarChoice:
@@ -41,11 +43,11 @@ class FarChoice:
         plans = self.exchange.router.plans or []
         return sum(plan.predicted_ms.get(plan.choice, 0.0) for plan in plans) / 1e3
 
-    def decide(self, entries: int, options: LocalSteps, computed: list[float], fragments: int) -> RoundPlan | None:
+    def decide(self, sizes: list[int], options: LocalSteps, computed: list[float], fragments: int) -> RoundPlan | None:
         """Local steps planned from the measured compute (``computed``: this rank's steps, less their waits) against
         the synchronous plan's step (that compute plus its predicted exchange); switch to them where they win.
         Collective: every rank decides alike, from the slowest rank's compute. Returns the rounds, or None."""
-        rounds = slowest_plan(self.groups.hosts, entries, computed, options, "shoal.outer.compute", fragments)
+        rounds = slowest_plan(self.groups.hosts, sizes, computed, options, "shoal.outer.compute", fragments)
         sync = rounds.step_s + self.sync_comm_s()
         chosen = prefer_local(sync, rounds)
         if context.current().topology.rank == 0:

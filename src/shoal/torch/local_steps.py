@@ -16,7 +16,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import math
-import statistics
 import time
 from collections.abc import Callable, Sequence
 
@@ -32,6 +31,7 @@ from shoal.torch.far_choice import WEIGH_STEPS, FarChoice, slowest_plan
 from shoal.torch.host_groups import HostGroups
 from shoal.torch.layer_comm.report import report_rounds
 from shoal.torch.outer_link import OuterLink, Pending
+from shoal.torch.round_times import RoundTimes
 
 OuterFactory = Callable[[list[torch.Tensor]], torch.optim.Optimizer]
 """Builds the outer optimizer over the model's parameters."""
@@ -54,8 +54,12 @@ class Fragments:
         """Each fragment's entries in the flat weights."""
         self.cut(count)
 
+    def sizes(self) -> list[int]:
+        """Each parameter's entries, in order."""
+        return [param.numel() for param in self.params]
+
     def cut(self, count: int) -> None:
-        self.bounds = fragment_bounds([p.numel() for p in self.params], count)
+        self.bounds = fragment_bounds(self.sizes(), count)
         offsets = [0]
         for param in self.params:
             offsets.append(offsets[-1] + param.numel())
@@ -78,48 +82,6 @@ class Fragments:
         params = self.of(fragment)
         parts = torch.split(flat, [p.numel() for p in params])
         return [part.view_as(param) for part, param in zip(parts, params, strict=True)]
-
-
-class RoundTimes:
-    """What the rounds measure for ``replan``: the inner steps' wall seconds, and per round the wire seconds of the
-    exchanges landed in it (as this rank saw them: 0 where it sends nothing) and the outer work (encoding, sending,
-    landing, not waiting)."""
-
-    def __init__(self) -> None:
-        self.steps: collections.deque[float] = collections.deque(maxlen=32)
-        self.last: float | None = None
-        self.ends: collections.deque[tuple[float, float]] = collections.deque(maxlen=3)
-        """The last rounds' (wire, outer work) seconds: H follows their medians, or the last wire if slower."""
-        self.wire = 0.0
-        self.work = 0.0
-        self.exchange_s = 0.0
-        """All wall seconds this rank spent on outer exchanges (encoding, sending, landing, waiting)."""
-        self.waited_s = 0.0
-        """The part of ``exchange_s`` spent waiting for exchanges to land (not hidden by the steps since they left)."""
-
-    def step(self, now: float) -> float | None:
-        """An inner step ended at ``now``: its wall seconds, where the last one's end is known."""
-        took = None if self.last is None else now - self.last
-        if took is not None:
-            self.steps.append(took)
-        self.last = now
-        return took
-
-    def end_round(self, work: float, sends: bool) -> torch.Tensor:
-        """The round's last fragment is sent, after ``work`` more seconds of outer work: what this rank measured, to
-        be reduced with ``ReduceOp.Max`` across ranks for ``replan``, and the next round's counts start. ``sends``:
-        this rank crosses the link (a host's first rank).
-
-        ``replan`` takes the slowest rank's work and step, and the shortest wire any sending rank saw (sent negated).
-        Hosts run apart, so a host ahead sees an exchange end only once the host behind has sent its part too: its
-        wire holds the hosts' skew. The last to send sees the link's own time, which is what a round must carry.
-        Taking the skew as wire made H and τ grow, and a longer τ let the host behind fall further behind."""
-        self.ends.append((self.wire, self.work + work))
-        self.wire = self.work = 0.0
-        wires, works = zip(*self.ends, strict=True)
-        wire, local = max(statistics.median(wires), wires[-1]), statistics.median(works)
-        negated = -wire if sends else -math.inf
-        return torch.tensor([negated, local, statistics.median(self.steps or [0.0])], dtype=torch.float64)
 
 
 class OuterRounds:
@@ -159,7 +121,7 @@ class OuterRounds:
             codec, delay, fragments = Codec(options.codec), options.delay, self.fragments
             self.adopt(RoundPlan(options.every, codec, 0.0, 0.0, groups.hosts, 0.0, options.overlap, fragments, delay))
         self.times = RoundTimes()
-        self.replans: list[tuple[int, int, float]] = []
+        self.replans: list[tuple[int, int, float, str]] = []
         """(round, H, ``time.time()``) each time measured times changed H."""
         self.steps = 0
         """Inner steps since the round's start."""
@@ -192,9 +154,6 @@ class OuterRounds:
         if plan is not None:  # the plan_report shows it
             report_rounds(plan := dataclasses.replace(plan, fragments=self.fragments))
         self.plan = plan
-
-    def entries(self) -> int:
-        return int(self.start.numel())
 
     def unsynced(self) -> int:
         """The host's inner steps not yet in an outer update that landed for every fragment."""
@@ -239,7 +198,7 @@ class OuterRounds:
     def _weigh(self, weigh: FarChoice) -> None:
         """``auto-far``'s choice, once (collective): switch to local steps, or stay synchronous for good."""
         self.weigh = None
-        rounds = weigh.decide(self.entries(), self.options, list(self._computed)[1:], self.fragments)
+        rounds = weigh.decide(self.cut.sizes(), self.options, list(self._computed)[1:], self.fragments)
         if rounds is None:  # step 1 warmed up the plan
             self.disabled = True
             return
@@ -250,7 +209,7 @@ class OuterRounds:
     def choose(self) -> RoundPlan:
         """Plan H, the codec and τ from the slowest rank's inner step. Collective."""
         plan = slowest_plan(
-            self.groups.hosts, self.entries(), list(self.times.steps), self.options, "shoal.outer.step_time", self.fragments
+            self.groups.hosts, self.cut.sizes(), list(self.times.steps), self.options, "shoal.outer.step_time", self.fragments
         )
         _log.info("%s", plan.describe())
         return plan
@@ -332,7 +291,7 @@ class OuterRounds:
         measured = synchronize(pending.stats) if pending.stats is not None else None  # a wait too, not outer work
         waited = time.perf_counter() - started
         if pending.handles:
-            self.times.wire += (pending.done_at or time.perf_counter()) - pending.sent_at
+            self.times.on_wire.append((pending.sent_at, pending.done_at or time.perf_counter()))
         if measured is not None:
             self._replan(measured)
         params, span = self.cut.of(fragment), self.cut.spans[fragment]
@@ -368,9 +327,10 @@ class OuterRounds:
         if not math.isfinite(wire) or wire <= 0 or step <= 0:
             return
         plan = replan(self.plan, wire, local, step, self.options)
-        if plan.every != self.plan.every:
-            self.replans.append((self.rounds, plan.every, time.time()))
-            _log.info("local steps: every %d steps now (was %d): %s", plan.every, self.plan.every, plan.describe())
+        if (plan.every, plan.codec) != (self.plan.every, self.plan.codec):
+            self.replans.append((self.rounds, plan.every, time.time(), plan.codec.value))
+            was = f"{self.plan.every}, {self.plan.codec}"
+            _log.info("local steps: every %d steps, %s now (was %s): %s", plan.every, plan.codec, was, plan.describe())
         self.adopt(plan)
 
 
