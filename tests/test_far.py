@@ -22,6 +22,7 @@ import shoal.torch as hvd
 from conftest import clean_env, needs_netns
 from shoal.bench.accuracy import build_model
 from shoal.config.worker import SlotInfo
+from shoal.core.session import engine
 from shoal.plan.calibration import Calibration, calibration_to_json
 from shoal.plan.costs import CostContext, LayerShape
 from shoal.plan.far import (
@@ -38,6 +39,7 @@ from shoal.plan.outer_wire import INT8_CHUNK, WIRE_FRAMING, Codec, exchange_part
 from shoal.plan.schemes import AUTO_SCHEMES, COMPRESSED, ROWS, Planned, Scheme, estimates
 from shoal.testing import run_ranks
 from shoal.torch.host_groups import HostGroups
+from shoal.torch.local_steps import QUIET_AFTER
 from shoal.torch.optimizer import rounds_of
 from shoal.torch.outer_codec import Feedback, decode, int4_decode, int4_encode, int8_decode, int8_encode
 from shoal.torch.outer_link import OuterLink
@@ -345,6 +347,7 @@ def _train_two_hosts(steps: int, every: int, overlap: bool, fragments: int, code
         "sent": outer.link.sent_bytes,
         "leader": outer.groups.leader,
         "sizes": sizes,
+        "quiet_after": engine().pauses.quiet_after,
     }
 
 
@@ -358,7 +361,7 @@ def test_ranks_of_a_host_stay_equal_and_hosts_meet_at_every_outer_step(overlap: 
     args = (steps, every, overlap, fragments, codec)
     results = run_ranks(_train_two_hosts, 4, args=args, rank_env_overrides=env, timeout_s=90)
     assert [r["leader"] for r in results] == [True, False, True, False]
-    assert all(r["rounds"] == steps // every + 1 for r in results)
+    assert all(r["rounds"] == steps // every + 1 and r["quiet_after"] == QUIET_AFTER for r in results)
     sizes = results[0]["sizes"]
     assert len(sizes) == fragments and sum(sizes) == results[0]["snapshots"][0].size
     np.testing.assert_array_equal(results[0]["snapshots"][-1], results[2]["snapshots"][-1])

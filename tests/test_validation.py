@@ -118,6 +118,8 @@ def test_an_idle_engine_s_pause_doubles_after_ten_quiet_cycles_up_to_the_quiet_c
     assert pause_ms(1.0, 20.0, False, 0, 10**6, 200.0) == 200.0  # no overflow however long the quiet
     assert pause_ms(1.0, 20.0, False, 0, 50, 20.0) == 20.0  # the quiet time at the idle time: no back-off
     assert pause_ms(1.0, 20.0, True, 3, 50, 200.0) == 8.0  # waiting on peers: the busy back-off, not the quiet one
+    sooner = [Pauses(quiet=quiet, quiet_after=2).ms(EngineConfig(), 1.0, False) for quiet in range(7)]
+    assert sooner == [20.0] * 3 + [40.0, 80.0, 160.0, 200.0]  # local steps' engines back off after 2
     with pytest.raises(ValueError, match="quiet cycle time"):
         EngineConfig(quiet_cycle_time_ms=10.0)
 

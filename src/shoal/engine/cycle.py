@@ -67,20 +67,21 @@ def pause_ms(
     stalled_cycles: int,
     quiet_cycles: int = 0,
     quiet_cycle_time_ms: float | None = None,
+    quiet_after: int = QUIET_CYCLES,
 ) -> float:
     """How long to sleep before the next cycle, unless a local submission wakes the engine first.
 
     While this rank waits on others (say, for their backprop to reach the same layer), each empty cycle doubles the
     pause up to the idle period: on a 2-core machine every cycle's collective takes CPU from backprop. With nothing
-    pending, the pause is the idle period; after ``QUIET_CYCLES`` idle cycles that completed nothing (``quiet_cycles``:
+    pending, the pause is the idle period; after ``quiet_after`` idle cycles that completed nothing (``quiet_cycles``:
     no rank's collective either, since every completed one completes in a cycle every rank joins), it doubles each
     cycle up to ``quiet_cycle_time_ms``. Each cycle is a round trip over every host's link: hosts far apart running
     local steps have nothing to exchange for most of a round, and 50 idle cycles a second sent 73 kB/s per host.
     """
     if not pending:
-        if quiet_cycle_time_ms is None or quiet_cycles <= QUIET_CYCLES:
+        if quiet_cycle_time_ms is None or quiet_cycles <= quiet_after:
             return idle_cycle_time_ms
-        grown = idle_cycle_time_ms * (2 ** min(quiet_cycles - QUIET_CYCLES, 32))
+        grown = idle_cycle_time_ms * (2 ** min(quiet_cycles - quiet_after, 32))
         return min(grown, max(quiet_cycle_time_ms, idle_cycle_time_ms))
     # The exponent is capped: after hours of waiting the count is huge, and 2**count would overflow a float.
     return min(cycle_time_ms * (2 ** min(stalled_cycles, 32)), idle_cycle_time_ms)
@@ -94,6 +95,8 @@ class Pauses:
     """Consecutive cycles that completed nothing while this rank had work pending."""
     quiet: int = 0
     """Consecutive cycles that completed nothing while this rank had nothing pending."""
+    quiet_after: int = QUIET_CYCLES
+    """Such cycles before the pause grows: fewer where the job's work comes in bursts far apart (local steps)."""
 
     def after(self, progress: bool, pending: bool) -> None:
         """Count a cycle: whether it completed anything, and whether this rank has work pending after it."""
@@ -103,7 +106,7 @@ class Pauses:
     def ms(self, config: EngineConfig, cycle_time_ms: float, pending: bool) -> float:
         """The pause before the next cycle (``pause_ms``; ``cycle_time_ms``: the tuned busy pause)."""
         idle_ms, quiet_ms = config.idle_cycle_time_ms, config.quiet_cycle_time_ms
-        return pause_ms(cycle_time_ms, idle_ms, pending, self.stalled, self.quiet, quiet_ms)
+        return pause_ms(cycle_time_ms, idle_ms, pending, self.stalled, self.quiet, quiet_ms, self.quiet_after)
 
 
 def ready_ids(words: list[int]) -> list[int]:

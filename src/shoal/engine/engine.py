@@ -86,6 +86,7 @@ class Engine:
         """A cycle failed or gave a stop verdict: no thread runs another; the engine thread releases the connections."""
         self.caller_cycles = 0
         """Cycles run by a thread blocked on its own call rather than by the engine thread (``drive``)."""
+        self.pauses = Pauses()  # the engine thread's (its quiet_after: fewer with local steps)
         self._thread = threading.Thread(target=self._run, name="shoal-engine", daemon=True)
         self._thread.start()
 
@@ -207,12 +208,11 @@ class Engine:
     # ----- engine-thread side -----
 
     def _run(self) -> None:
-        pauses = Pauses()
-        while self._claim(pauses):
+        while self._claim(self.pauses):
             progress = self._drive_one_cycle()
             if progress is None:
                 break
-            pauses.after(progress, bool(self._pending))
+            self.pauses.after(progress, bool(self._pending))
         self.transport.release()
         self._watch.stop()
 
