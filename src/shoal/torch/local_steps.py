@@ -44,7 +44,9 @@ QUIET_AFTER = 2
 """The engine's idle cycles before its pause grows (``Pauses.quiet_after``, 10 by default) once local steps are in
 force: the hosts' exchanges come in bursts a fraction of a round apart, and each idle cycle crosses the far link
 (about 1.4 kB per host) and takes CPU from the steps. ``bench.far --task chars`` at 10 Mbit/s, 20,000 samples: 538
-and 540 bytes per sample in the rounds against 612 and 618 with 10, in 30.2 and 30.9 s against 31.3 and 32.2 s."""
+and 540 bytes per sample in the rounds against 612 and 618 with 10, in 30.2 and 30.9 s against 31.3 and 32.2 s.
+Only where every host has one rank: a host of several exchanges every step in cycles that every rank of the job
+joins, and a host behind would then wake up to 200 ms late for them."""
 
 
 class Fragments:
@@ -158,7 +160,8 @@ class OuterRounds:
             self.synced = [self.inner] * self.fragments
         if plan is not None:  # the plan_report shows it
             report_rounds(plan := dataclasses.replace(plan, fragments=self.fragments))
-            engine().pauses.quiet_after = QUIET_AFTER if self.groups.hosts > 1 else engine().pauses.quiet_after
+            if 1 < self.groups.hosts == engine().size:  # hosts of one rank: nothing crosses the link but the rounds
+                engine().pauses.quiet_after = QUIET_AFTER
         self.plan = plan
 
     def unsynced(self) -> int:
