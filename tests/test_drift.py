@@ -293,3 +293,18 @@ def test_a_re_plan_keeps_a_scheme_that_measured_cheaper_than_the_alternative_is_
     assert keep_measured(really_better, before) == [] and really_better[0].choice == "fp16"
     unmeasured = [layer("fp16", {"sfb": 160.0, "fp16": 120.0})]
     assert keep_measured(unmeasured, [layer("sfb", {"sfb": 24.0})]) == [] and unmeasured[0].choice == "fp16"
+
+
+def test_probing_stops_where_the_fitted_line_says_the_next_size_is_too_slow_not_the_scaled_last_time() -> None:
+    """``too_slow`` predicts the next probe size from a line through the times so far. Two latency-bound times on
+    loopback (13.4 and 21.1 ms at 4 and 32 KiB, a cycle's round trip to the other host on a loaded machine) do not
+    stop the probing; scaled by the bytes, the 32 KiB time predicted 169 ms for 256 KiB and stopped it, and loopback
+    was fitted at 0.00 GB/s. Slow links still stop early: at 10 Mbit/s 32 KiB takes about 26 ms more than 4 KiB."""
+    from shoal.torch.layer_comm.calibrate import _PROBE_BUDGET_S, _PROBE_BYTES, too_slow
+
+    assert _PROBE_BYTES[:3] == (4096, 32768, 262144)
+    assert 21.07e-3 * _PROBE_BYTES[2] / _PROBE_BYTES[1] > 2 * _PROBE_BUDGET_S  # what the scaled rule did
+    assert not too_slow([13.4e-3, 21.07e-3], _PROBE_BYTES[2])
+    assert too_slow([8e-3, 34e-3], _PROBE_BYTES[2])  # 10 Mbit/s: about 245 ms predicted for 256 KiB
+    assert too_slow([1e-3, 4e-3, 23e-3], _PROBE_BYTES[3])  # 100 Mbit/s: 2 MiB would take about 170 ms
+    assert not too_slow([5.16e-3, 5.08e-3, 8.14e-3, 13.41e-3], _PROBE_BYTES[4])  # loopback: 8 MiB in about 40 ms

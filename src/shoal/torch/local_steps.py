@@ -129,7 +129,7 @@ class OuterRounds:
             self.adopt(RoundPlan(options.every, codec, 0.0, 0.0, groups.hosts, 0.0, options.overlap, fragments, delay))
         self.times = RoundTimes()
         self.replans: list[tuple[int, int, float, str]] = []
-        """(round, H, ``time.time()``) each time measured times changed H."""
+        """(round, H, ``time.time()``, codec) each time measured times changed H or the codec."""
         self.steps = 0
         """Inner steps since the round's start."""
         self.sent = 0

@@ -63,7 +63,7 @@ class OuterLink:
         handles: list[int] = []
         if groups.leaders is not None and groups.leader:
             name = f"shoal.outer.{round}.{fragment}"
-            earlier = self.feedback.get(fragment)  # a re-plan may change the codec: what rounding left out goes on
+            # A re-plan may change the codec: what rounding left out so far goes on with the next exchange.
             if codec is Codec.FP32:
                 carried = self.feedback.pop(fragment, None)
                 if carried is not None and carried.residual is not None:
@@ -71,9 +71,10 @@ class OuterLink:
                 payload = [delta]
                 handles = [functions.allreduce_async(delta, name=name, op=ReduceOp.Average, process_set=groups.leaders)]
             else:
-                feedback = earlier
+                feedback = self.feedback.get(fragment)
                 if feedback is None or feedback.codec is not codec:
-                    feedback = self.feedback[fragment] = Feedback(codec, earlier.residual if earlier else None)
+                    residual = feedback.residual if feedback is not None else None
+                    feedback = self.feedback[fragment] = Feedback(codec, residual)
                 payload = feedback.encode(delta)
                 handles = [
                     functions.allgather_async(part.unsqueeze(0), name=f"{name}.{index}", process_set=groups.leaders)

@@ -58,6 +58,7 @@ def _probe_lines(probes_at: Callable[[int, int], Probes], repeats: int, tag: str
     """
     samples: dict[str, tuple[list[float], list[float]]] = {}
     busy: dict[str, list[float]] = {}
+    slowest_by_size: list[float] = []
     for index, nbytes in enumerate(_PROBE_BYTES):
         slowest = 0.0
         for exchange, (probe, fitted_bytes) in probes_at(index, nbytes).items():
@@ -70,16 +71,25 @@ def _probe_lines(probes_at: Callable[[int, int], Probes], repeats: int, tag: str
             totals[0] += wall
             totals[1] += cpu
         agreed = float(functions.allreduce(torch.tensor([slowest]), op=functions.Max, name=f"{tag}.max.{index}"))
+        slowest_by_size.append(agreed)
         following = _PROBE_BYTES[index + 1] if index + 1 < len(_PROBE_BYTES) else None
-        # Past the budget, or a next size that would take over twice the budget (scaled by its bytes from this one):
-        # on a 100 Mbit/s link the 2 MiB probes alone took 2.5 s of the first step, and 256 KiB is already
-        # bandwidth-bound there.
-        if agreed > _PROBE_BUDGET_S or (
-            following is not None and index > 0 and agreed * following / nbytes > 2 * _PROBE_BUDGET_S
-        ):
+        if agreed > _PROBE_BUDGET_S or (following is not None and index > 0 and too_slow(slowest_by_size, following)):
             break
     lines = {exchange: fit_line(*points) for exchange, points in samples.items()}
     return lines, {exchange: round(cpu / wall, 3) for exchange, (wall, cpu) in busy.items() if wall > 0}
+
+
+def too_slow(slowest: list[float], following: int) -> bool:
+    """Whether the next probe size, ``following`` bytes, is predicted to take over twice the budget, from the line
+    fitted to the slowest times of the sizes probed so far (``slowest[i]`` for ``_PROBE_BYTES[i]``): on a 100 Mbit/s
+    link the 2 MiB probes alone took 2.5 s of the first step, and 256 KiB is already bandwidth-bound there.
+
+    A line, not the last time scaled by the bytes: a time that latency dominates does not grow with them. Scaled, a
+    32 KiB probe on loopback that took 13 ms (a cycle's round trip to the other host, on a loaded machine) stopped
+    the probing there, and a line through two latency-bound points gave loopback 0.00 GB/s, slower than the 1 Gbit/s
+    link beside it."""
+    latency, per_byte = fit_line([float(size) for size in _PROBE_BYTES[: len(slowest)]], slowest)
+    return latency + per_byte * following > 2 * _PROBE_BUDGET_S
 
 
 def measure(repeats: int = 3) -> Calibration:
