@@ -308,3 +308,23 @@ def test_probing_stops_where_the_fitted_line_says_the_next_size_is_too_slow_not_
     assert too_slow([8e-3, 34e-3], _PROBE_BYTES[2])  # 10 Mbit/s: about 245 ms predicted for 256 KiB
     assert too_slow([1e-3, 4e-3, 23e-3], _PROBE_BYTES[3])  # 100 Mbit/s: 2 MiB would take about 170 ms
     assert not too_slow([5.16e-3, 5.08e-3, 8.14e-3, 13.41e-3], _PROBE_BYTES[4])  # loopback: 8 MiB in about 40 ms
+
+
+def _scout(sleep_on_rank_1: float) -> float:
+    import time
+
+    import shoal.torch as hvd
+    from shoal.torch.layer_comm.calibrate import _scout_seconds
+
+    hvd.init()
+    pause = sleep_on_rank_1 if hvd.rank() == 1 else 0.0
+    return _scout_seconds({"allreduce": (lambda: time.sleep(pause), 1.0), "other": (lambda: 1 / 0, 1.0)}, "scout")
+
+
+def test_a_scout_call_times_the_first_probe_once_and_every_rank_takes_the_slowest() -> None:
+    """Where the line lets a size through, one call of its first probe decides first (a rate limit's burst hides the
+    link's rate from the small sizes); every rank gets the slowest rank's time, so all stop at the same size."""
+    from shoal.testing import run_ranks
+
+    scouted = run_ranks(_scout, 2, args=(0.2,), timeout_s=60)
+    assert all(seconds >= 0.2 for seconds in scouted) and scouted[0] == scouted[1]

@@ -8,6 +8,7 @@ fit is broadcast so every rank plans with the same numbers. A probe round takes 
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable
 
 import torch
@@ -60,8 +61,11 @@ def _probe_lines(probes_at: Callable[[int, int], Probes], repeats: int, tag: str
     busy: dict[str, list[float]] = {}
     slowest_by_size: list[float] = []
     for index, nbytes in enumerate(_PROBE_BYTES):
+        probes = probes_at(index, nbytes)
+        if index >= 2 and _scout_seconds(probes, f"{tag}.scout.{index}") > 2 * _PROBE_BUDGET_S:
+            break
         slowest = 0.0
-        for exchange, (probe, fitted_bytes) in probes_at(index, nbytes).items():
+        for exchange, (probe, fitted_bytes) in probes.items():
             elapsed, wall, cpu = timed_calls(probe, repeats)
             slowest = max(slowest, elapsed)
             sizes, seconds = samples.setdefault(exchange, ([], []))
@@ -79,6 +83,17 @@ def _probe_lines(probes_at: Callable[[int, int], Probes], repeats: int, tag: str
     return lines, {exchange: round(cpu / wall, 3) for exchange, (wall, cpu) in busy.items() if wall > 0}
 
 
+def _scout_seconds(probes: Probes, name: str) -> float:
+    """One call of the first exchange's probe, the slowest rank's seconds (collective). A line through small sizes
+    cannot see a rate limit's burst: at 10 Mbit/s 4 and 32 KiB took 5.3 and 16.0 ms, the line predicted 91 ms for
+    256 KiB, and each of its probes took 222 ms (2.9 s of planning for the four exchanges' calls, against 0.5 s)."""
+    probe, _ = next(iter(probes.values()))
+    started = time.perf_counter()
+    probe()
+    mine = torch.tensor([time.perf_counter() - started])
+    return float(functions.allreduce(mine, op=functions.Max, name=name))
+
+
 def too_slow(slowest: list[float], following: int) -> bool:
     """Whether the next probe size, ``following`` bytes, is predicted to take over twice the budget, from the line
     fitted to the slowest times of the sizes probed so far (``slowest[i]`` for ``_PROBE_BYTES[i]``): on a 100 Mbit/s
@@ -87,7 +102,7 @@ def too_slow(slowest: list[float], following: int) -> bool:
     A line, not the last time scaled by the bytes: a time that latency dominates does not grow with them. Scaled, a
     32 KiB probe on loopback that took 13 ms (a cycle's round trip to the other host, on a loaded machine) stopped
     the probing there, and a line through two latency-bound points gave loopback 0.00 GB/s, slower than the 1 Gbit/s
-    link beside it."""
+    link beside it. Where the line lets a size through, one call of it scouts first (``_scout_seconds``)."""
     latency, per_byte = fit_line([float(size) for size in _PROBE_BYTES[: len(slowest)]], slowest)
     return latency + per_byte * following > 2 * _PROBE_BUDGET_S
 
