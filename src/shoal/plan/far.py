@@ -17,6 +17,7 @@ The package imports no framework; the torch carrier is ``shoal.torch.local_steps
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -263,12 +264,19 @@ def plan_rounds(
     """
     codecs = [Codec(options.codec)] if options.codec is not None else list(Codec)
 
+    @functools.cache
+    def parts(count: int) -> tuple[tuple[tuple[float, float], ...], float]:
+        """Each codec's (wire, local work) in ``count`` fragments, and the largest fragment's share."""
+        exchanges = tuple(exchange_parts(calibration, hosts, entries, c, count) for c in Codec)
+        largest = max((sum(sizes[a:b]) for a, b in fragment_bounds(sizes, count)), default=0) / max(entries, 1)
+        return exchanges, largest
+
     def plan(codec: Codec, count: int) -> RoundPlan:
-        wire, local = exchange_parts(calibration, hosts, entries, codec, count)
+        exchanges, largest = parts(count)
+        wire, local = exchanges[list(Codec).index(codec)]
         floor = wire_floor(codec, hosts, entries, options)
         every = options.every if options.every is not None else round_length(wire, local, step_s, options, floor)
-        works = tuple(exchange_parts(calibration, hosts, entries, c, count)[1] for c in Codec)
-        largest = max((sum(sizes[a:b]) for a, b in fragment_bounds(sizes, count)), default=0) / max(entries, 1)
+        works = tuple(work for _, work in exchanges)
         rounds = RoundPlan(
             every, codec, wire, step_s, hosts, local, options.overlap, count, None, floor, entries, works, largest
         )
@@ -351,7 +359,7 @@ def replan(plan: RoundPlan, wire_s: float, local_s: float, step_s: float, option
         if codec is not plan.codec:
             sent = [link_share(c, plan.hosts) * c.wire_bytes(plan.entries) for c in (codec, plan.codec)]
             wire *= sent[0] / sent[1]
-            works = [plan.codec_local[codecs.index(c)] for c in (codec, plan.codec)]
+            works = [plan.codec_local[list(Codec).index(c)] for c in (codec, plan.codec)]
             local = max(0.0, local + works[0] - works[1])
             floor = wire_floor(codec, plan.hosts, plan.entries, options)
         every = plan.every if options.every is not None else round_length(wire, local, step_s, options, floor)
