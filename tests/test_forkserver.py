@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -15,10 +16,12 @@ from pathlib import Path
 
 import pytest
 
-from conftest import SHOALRUN, clean_env, process_alive
+from conftest import PRELOAD_SERVER_ENV, SHOALRUN, clean_env, needs_netns, process_alive
 from shoal.config import LAUNCHER_PID_ENV
-from shoal.runner.forkserver import ForkServer, ForkServerError
+from shoal.runner.forkserver import BorrowedServer, ForkServer, ForkServerError
+from shoal.runner.forkserver_main import startup_env
 from shoal.runner.preload import FRAMEWORK_MODULES, PythonCommand, preload_modules, python_command, top_level_imports
+from shoal.runner.preload_server import DEFAULT_MODULES
 
 pytestmark = [pytest.mark.check, pytest.mark.timeout(120)]
 
@@ -271,6 +274,45 @@ def test_a_preload_server_forks_each_jobs_fork_server_and_refuses_what_it_did_no
         server.send_signal(signal.SIGTERM)
         assert server.wait(timeout=10) == 0
     assert not socket_path.exists()
+
+
+_WHERE = """
+import json, os
+import torch  # so that shoalrun's --preload auto forks it
+with open("/proc/net/dev") as dev:
+    links = sorted(line.split(":")[0].strip() for line in dev.readlines()[2:])
+grandparent = open(f"/proc/{os.getppid()}/stat").read().rsplit(")", 1)[1].split()[1]
+print(json.dumps({"netns": os.stat("/proc/self/ns/net").st_ino, "links": links, "gloo": os.environ.get("GLOO_SOCKET_IFNAME"),
+                  "grandparent": int(grandparent)}))
+"""
+
+
+@needs_netns
+def test_a_preload_server_forks_emulated_hosts_servers_into_their_network_namespaces(tmp_path: Path) -> None:
+    """``shoal.bench.netns`` with a preload server named: each emulated host's fork server is forked by it and enters
+    that host's namespace, so a worker sees its host's link only (lo and its GLOO_SOCKET_IFNAME), in a namespace of
+    its own; a namespace that is not there, or a name that is a path, is refused by name."""
+    socket_path = tmp_path / "preload.sock"
+    server = _start_preload_server(socket_path)
+    script = tmp_path / "where.py"
+    script.write_text(_WHERE)
+    try:
+        argv = [sys.executable, "-m", "shoal.bench.netns", "--hosts", "2", "--", sys.executable, str(script)]
+        env = {**clean_env(), PRELOAD_SERVER_ENV: str(socket_path)}
+        done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=90)
+        assert done.returncode == 0, done.stderr
+        shown = [json.loads(line.split(":", 1)[1]) for line in done.stdout.splitlines() if "<stdout>:" in line]
+        assert len(shown) == 2 and {s["grandparent"] for s in shown} == {server.pid}, shown  # worker <- job server <- it
+        assert len({s["netns"] for s in shown} | {os.stat("/proc/self/ns/net").st_ino}) == 3, shown
+        assert all(s["links"] == sorted(["lo", s["gloo"]]) for s in shown), shown
+        modules = DEFAULT_MODULES.split(",")
+        for name, said in (("shoal-no-such-host", "no network namespace 'shoal-no-such-host'"), ("../x", "not a network")):
+            ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            with ours, theirs, pytest.raises(ForkServerError, match=said):
+                BorrowedServer.ask(str(socket_path), theirs, modules, startup_env(clean_env()), 10.0, name)
+    finally:
+        server.send_signal(signal.SIGTERM)
+        assert server.wait(timeout=10) == 0
 
 
 def test_sigkill_of_shoalrun_ends_a_fork_server_forked_by_a_preload_server(tmp_path: Path) -> None:

@@ -15,7 +15,7 @@ Run under emulated hosts: ``python -m shoal.bench.netns --hosts 2 --rate 100mbit
 Each trains ``--samples`` samples in all (over every host), scoring the held-out loss every ``--eval-every`` samples
 with the clock stopped. The target is the held-out loss sync reaches at the end, plus 1%; a run's time to target is
 its training seconds until it first scores at or below it. Bytes are the emulated hosts' interfaces' transmitted
-bytes (``/sys/class/net/*/statistics/tx_bytes``, loopback aside), summed over the ranks;
+bytes (``/proc/net/dev``, loopback aside), summed over the ranks;
 ``far_round_bytes_per_sample`` counts them from the first outer round's end on (without the start's calibration probes
 and broadcast). The last line is JSON: ``{"bench": "far", "hosts", "rate", "task", "far_ips", "sync_ips", "solo_ips",
 "solo_ips_per_host", "bound_ips", "of_bound", "far_bytes_per_sample", "far_round_bytes_per_sample", "sync_bytes_per_sample",
@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import os
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -64,16 +63,14 @@ DEFAULTS: dict[str, dict[str, Any]] = {
 
 
 def sent_bytes() -> int:
-    """Bytes this network namespace's interfaces have transmitted (loopback aside)."""
+    """Bytes this process's network namespace's interfaces have transmitted (loopback aside), from ``/proc/net/dev``
+    (the namespace the process is in; ``/sys/class/net`` shows the one sysfs was mounted in)."""
     total = 0
-    for name in os.listdir("/sys/class/net"):
-        if name == "lo":
-            continue
-        try:
-            with open(f"/sys/class/net/{name}/statistics/tx_bytes") as handle:
-                total += int(handle.read())
-        except OSError:
-            continue
+    with open("/proc/net/dev") as handle:
+        for line in handle.readlines()[2:]:  # two lines of headings
+            name, counters = line.split(":", 1)
+            if name.strip() != "lo":
+                total += int(counters.split()[8])  # received: 8 columns, then transmitted bytes
     return total
 
 

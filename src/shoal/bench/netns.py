@@ -37,6 +37,7 @@ import time
 from dataclasses import dataclass, field
 
 from shoal.config import LaunchConfig
+from shoal.runner.forkserver import Namespace
 from shoal.runner.hosts import HostSlots, assign_slots
 from shoal.runner.launcher import Job
 from shoal.runner.spawners import ProcessSpawner
@@ -263,18 +264,16 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as error:
             parser.error(str(error))
         # Each rank starts inside its host's namespace, with gloo bound to that namespace's shaped link.
-        prefixes = {
-            name: ["ip", "netns", "exec", hosts.namespace(i), "env", f"GLOO_SOCKET_IFNAME={hosts.device(i)}"]
-            for i, name in enumerate(names)
-        }
+        # (A preload server, where one is named, forks each host's fork server into its namespace instead.)
+        spaces = {name: Namespace(hosts.namespace(i), {"GLOO_SOCKET_IFNAME": hosts.device(i)}) for i, name in enumerate(names)}
         job: Job
         if config.elastic:
             from shoal.runner.elastic_driver import ElasticSupervisor
 
             supervisor = ElasticSupervisor(config, host_slots)
-            job = supervisor.job_of(spawner=ProcessSpawner(prefixes), rendezvous_addr=hosts.gateway())
+            job = supervisor.job_of(spawner=ProcessSpawner(namespaces=spaces), rendezvous_addr=hosts.gateway())
         else:
-            job = Job(config, slots, spawner=ProcessSpawner(prefixes), rendezvous_addr=hosts.gateway())
+            job = Job(config, slots, spawner=ProcessSpawner(namespaces=spaces), rendezvous_addr=hosts.gateway())
         if faults:
             go = threading.Event()
             if args.faults_on_sigusr1:

@@ -30,6 +30,7 @@ import sys
 import threading
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import IO, Any
 
 from shoal.runner.forkserver_main import startup_env
@@ -42,6 +43,19 @@ class ForkServerError(RuntimeError):
     """The fork server could not start, import its modules or fork a worker."""
 
 
+@dataclass(frozen=True)
+class Namespace:
+    """A host emulated on this machine: the network namespace ``ip netns`` named ``name``, and the variables every
+    worker there gets (``GLOO_SOCKET_IFNAME``: its shaped link)."""
+
+    name: str
+    environ: Mapping[str, str]
+
+    def prefix(self) -> list[str]:
+        """The argv prefix that starts a command there: ``ip netns exec NAME env K=V...``."""
+        return ["ip", "netns", "exec", self.name, "env", *(f"{k}={v}" for k, v in self.environ.items())]
+
+
 class ForkServer:
     """One fork server process and its control socket; ``fork`` starts a worker from it."""
 
@@ -52,10 +66,11 @@ class ForkServer:
         prefix: Sequence[str] = (),
         timeout: float = 120.0,
         preload_server: str | None = None,
+        namespace: Namespace | None = None,
     ) -> None:
         """Start the server under ``prefix`` (an emulated host's ``ip netns exec``) with ``env``, and wait until it
         has imported ``modules``; or, with no prefix, have the preload server listening at ``preload_server`` fork
-        one that has imported them already.
+        one that has imported them already (in ``namespace``, an emulated host's, where one is given).
 
         Raises:
             ForkServerError: it could not start or import them within ``timeout`` seconds.
@@ -69,7 +84,8 @@ class ForkServer:
         self.process: subprocess.Popen[bytes] | BorrowedServer
         try:
             if preload_server and not prefix:
-                self.process = BorrowedServer.ask(preload_server, theirs, self.modules, self.startup, timeout)
+                netns = None if namespace is None else namespace.name
+                self.process = BorrowedServer.ask(preload_server, theirs, self.modules, self.startup, timeout, netns)
             else:
                 argv = [*prefix, sys.executable, "-m", "shoal.runner.forkserver_main", str(theirs.fileno())]
                 self.process = subprocess.Popen(
@@ -101,8 +117,12 @@ class ForkServer:
             self.close()
             raise ForkServerError(str(reply.get("error", "the fork server ended before it was ready")))
         borrowed = isinstance(self.process, BorrowedServer)
-        self.overlay = {} if borrowed else {k: v for k, v in reply["environ"].items() if env.get(k) != v}
-        """What the prefix set in the server's environment (``env GLOO_SOCKET_IFNAME=...``): every worker gets it."""
+        if borrowed:
+            self.overlay = {} if namespace is None else dict(namespace.environ)
+        else:
+            self.overlay = {k: v for k, v in reply["environ"].items() if env.get(k) != v}
+        """What the prefix set in the server's environment (``env GLOO_SOCKET_IFNAME=...``), or the namespace's
+        variables: every worker gets it."""
 
     def _read(self) -> None:
         while True:
@@ -249,17 +269,24 @@ class BorrowedServer:
 
     @classmethod
     def ask(
-        cls, path: str, theirs: socket.socket, modules: Sequence[str], startup: Mapping[str, str], timeout: float
+        cls,
+        path: str,
+        theirs: socket.socket,
+        modules: Sequence[str],
+        startup: Mapping[str, str],
+        timeout: float,
+        netns: str | None = None,
     ) -> BorrowedServer:
         """Ask the preload server at ``path`` to fork a fork server for ``theirs`` (the job's end of its control
-        socket) that has imported ``modules`` and started as ``startup`` says.
+        socket) that has imported ``modules``, started as ``startup`` says, and enters the network namespace
+        ``netns`` where one is named.
 
         Raises:
             ForkServerError: no preload server answers there, or it preloaded other modules or started otherwise.
         """
         if not hasattr(os, "pidfd_open"):
             raise ForkServerError("a preload server needs Linux 5.3 or later (pidfd)")
-        request = json.dumps({"modules": list(modules), "startup": dict(startup)}).encode()
+        request = json.dumps({"modules": list(modules), "startup": dict(startup), "netns": netns}).encode()
         try:
             with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as link:
                 link.settimeout(timeout)

@@ -137,6 +137,43 @@ def serve_job(sock: socket.socket, started_with: dict[str, str]) -> dict[str, An
         _send(sock, {"forked": pid})
 
 
+NETNS_DIR = "/run/netns"
+"""Where ``ip netns add NAME`` binds a network namespace."""
+_CLONE_NEWNET = 0x40000000
+
+
+def named_netns(name: str) -> str | None:
+    """What is wrong with ``name`` as a namespace ``ip netns`` made (a path, or none bound), or None."""
+    if not name or name in (".", "..") or not all(c.isalnum() or c in "_.-" for c in name):
+        return f"{name!r} is not a network namespace's name"
+    if not os.path.exists(os.path.join(NETNS_DIR, name)):
+        return f"no network namespace {name!r} in {NETNS_DIR}"
+    return None
+
+
+def enter_netns(name: str) -> None:
+    """Move this process into the network namespace ``ip netns`` named ``name``, as ``ip netns exec`` does for the
+    command it starts (a single-threaded process: a forked child). Its children are born there.
+
+    Raises:
+        OSError: it is not there, or this process may not enter it (that takes CAP_SYS_ADMIN).
+    """
+    fd = os.open(os.path.join(NETNS_DIR, name), os.O_RDONLY)
+    try:
+        setns = getattr(os, "setns", None)  # Python 3.12 and later
+        if setns is not None:
+            setns(fd, _CLONE_NEWNET)
+            return
+        import ctypes  # standard library; only where entering a namespace
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.setns(fd, _CLONE_NEWNET) != 0:
+            number = ctypes.get_errno()
+            raise OSError(number, f"setns into {name}: {os.strerror(number)}")
+    finally:
+        os.close(fd)
+
+
 def drain(fd: int) -> None:
     """Read a non-blocking wake-up pipe empty."""
     while True:

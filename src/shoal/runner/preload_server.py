@@ -4,7 +4,9 @@
 server that imports torch (about 3 s of CPU) and forks its workers from it. A host that runs many short jobs one
 after another (a sweep, a test suite) still pays those 3 s per job. A preload server pays them once: it imports the
 modules, listens on a Unix socket, and for each job that asks, forks a fork server that serves that job exactly as
-its own would (it ends with the job, its workers watch it as their launcher).
+its own would (it ends with the job, its workers watch it as their launcher). A job may name a network namespace
+(``ip netns``, as ``shoal.bench.netns`` emulates hosts with): that fork server enters it before it serves the job, so
+the job's workers are born there, as under ``ip netns exec`` (entering one takes root).
 
 Run as ``python -m shoal.runner.preload_server PATH [--modules torch,torch.distributed,torch._dynamo] [--parent
 PID]``. It serves a job whose workers would preload the same modules and whose start-up environment (``PYTHON*``,
@@ -24,7 +26,17 @@ import socket
 import sys
 from typing import Any
 
-from shoal.runner.forkserver_main import drain, preload, reap, run, serve_job, startup_env, wake_pipe
+from shoal.runner.forkserver_main import (
+    drain,
+    enter_netns,
+    named_netns,
+    preload,
+    reap,
+    run,
+    serve_job,
+    startup_env,
+    wake_pipe,
+)
 
 DEFAULT_MODULES = "torch,torch.distributed,torch._dynamo"
 _REQUEST = 1 << 20
@@ -62,10 +74,14 @@ def serve(path: str, modules: list[str], parent: int | None) -> dict[str, Any] |
         except (OSError, ValueError):
             link.close()
             continue
+        netns = request.get("netns")
+        refused = None if netns is None else named_netns(str(netns))
         if request.get("modules") != modules or request.get("startup") != startup or len(fds) != 1:
+            refused = f"it preloaded {modules} and started with {startup}"
+        if refused is not None:
             for fd in fds:
                 os.close(fd)
-            _answer(link, {"error": f"it preloaded {modules} and started with {startup}"})
+            _answer(link, {"error": refused})
             continue
         pid = os.fork()
         if pid == 0:
@@ -77,7 +93,14 @@ def serve(path: str, modules: list[str], parent: int | None) -> dict[str, Any] |
             for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGCHLD):
                 signal.signal(sig, signal.SIG_DFL)
             os.setsid()  # a job's server leaves with its job, not with a signal to the preload server's group
-            worker = serve_job(socket.socket(fileno=fds[0]), dict(os.environ))
+            job = socket.socket(fileno=fds[0])
+            if netns is not None:  # an emulated host's: its workers are born in that host's namespace
+                try:
+                    enter_netns(str(netns))
+                except OSError as error:
+                    job.sendall(json.dumps({"ready": False, "error": f"cannot enter {netns}: {error}"}).encode())
+                    os._exit(0)
+            worker = serve_job(job, dict(os.environ))
             if worker is None:  # the job closed its socket: this fork server's end
                 os._exit(0)
             return worker

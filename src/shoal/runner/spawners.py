@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from shoal.config import LaunchConfig, env_name, read_setting
-from shoal.runner.forkserver import ForkServer, ForkServerError
+from shoal.runner.forkserver import ForkServer, ForkServerError, Namespace
 from shoal.runner.hosts import SlotInfo, is_local_host
 from shoal.runner.output import OutputPump
 from shoal.runner.preload import preload_modules, python_command
@@ -167,10 +167,15 @@ class Spawner:
 class ProcessSpawner(Spawner):
     """A worker as a process: here, under an argv prefix for an emulated host, over ssh, or a Slurm step."""
 
-    def __init__(self, local_prefixes: dict[str, list[str]] | None = None) -> None:
-        """``local_prefixes``: hosts to start on this machine anyway, each under an argv prefix (the network-namespace
-        emulator uses ``ip netns exec <ns>``); other hosts are local or reached over ssh (or srun)."""
-        self.local_prefixes = local_prefixes or {}
+    def __init__(
+        self, local_prefixes: dict[str, list[str]] | None = None, namespaces: dict[str, Namespace] | None = None
+    ) -> None:
+        """``local_prefixes``: hosts to start on this machine anyway, each under an argv prefix; other hosts are local
+        or reached over ssh (or srun). ``namespaces``: hosts emulated in network namespaces (``shoal.bench.netns``),
+        each under its ``Namespace.prefix``; a preload server (``--preload-server``) forks their fork servers into
+        them."""
+        self.namespaces = namespaces or {}
+        self.local_prefixes = {**(local_prefixes or {}), **{host: ns.prefix() for host, ns in self.namespaces.items()}}
         self._sink_lock = threading.Lock()
         self._said_threads = False
         self._servers: dict[tuple[str, ...], ForkServer | None] = {}
@@ -280,9 +285,12 @@ class ProcessSpawner(Spawner):
         started; None when neither can be had (its workers start afresh)."""
         config = self.job.config
         preload_server = config.preload_server or read_setting(LaunchConfig, "preload_server")
-        if preload_server and not prefix:
+        namespace = self.namespaces.get(host)
+        if preload_server and (not prefix or namespace is not None):
             try:
-                server = ForkServer(modules, env, timeout=config.start_timeout, preload_server=preload_server)
+                server = ForkServer(
+                    modules, env, timeout=config.start_timeout, preload_server=preload_server, namespace=namespace
+                )
                 self.job.verbose(f"workers on {host} fork from a server forked by {preload_server}")
                 return server
             except ForkServerError as error:
