@@ -39,6 +39,11 @@ def _send(sock: socket.socket, message: dict[str, Any]) -> None:
     sock.sendall(json.dumps(message).encode())
 
 
+def not_ready(sock: socket.socket, error: str) -> None:
+    """Tell the job on ``sock`` that this server cannot serve it, and why (it then starts its workers otherwise)."""
+    _send(sock, {"ready": False, "error": error})
+
+
 def reap(report: Callable[[int, int], None] | None = None) -> None:
     """Reap every child that has ended, passing ``report`` its pid and exit code."""
     while True:
@@ -90,7 +95,7 @@ def serve(fd: int, modules: list[str]) -> dict[str, Any] | None:
     started_with = dict(os.environ)  # shoalrun's, and what an argv prefix (``env NAME=VALUE``) laid over it
     error = preload(modules)
     if error is not None:
-        _send(sock, {"ready": False, "error": error})
+        not_ready(sock, error)
         return None
     return serve_job(sock, started_with)
 

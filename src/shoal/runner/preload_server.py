@@ -30,6 +30,7 @@ from shoal.runner.forkserver_main import (
     drain,
     enter_netns,
     named_netns,
+    not_ready,
     preload,
     reap,
     run,
@@ -98,7 +99,7 @@ def serve(path: str, modules: list[str], parent: int | None) -> dict[str, Any] |
                 try:
                     enter_netns(str(netns))
                 except OSError as error:
-                    job.sendall(json.dumps({"ready": False, "error": f"cannot enter {netns}: {error}"}).encode())
+                    not_ready(job, f"cannot enter {netns}: {error}")
                     os._exit(0)
             worker = serve_job(job, dict(os.environ))
             if worker is None:  # the job closed its socket: this fork server's end
