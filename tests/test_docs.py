@@ -92,6 +92,10 @@ COVERED: dict[str, tuple[str, list[str]]] = {
         "test_far.py::test_far_benchmark_json_contract_on_two_emulated_hosts",
         ["shoal.bench.far", "chars", "100mbit"],
     ),
+    "shoalrun -np 2 python -m shoal.bench.shard --model mlp": (
+        "test_sharding.py::test_shard_benchmark_compares_stages_with_ddp_and_torch_zero_in_one_run",
+        ["shoal.bench.shard", "mlp", "-np"],
+    ),
     "python -m shoal.bench.startup --np 2,4": (
         "test_examples.py::test_startup_benchmark_times_forked_fresh_and_torchrun_jobs",
         ["shoal.bench.startup", "--np"],

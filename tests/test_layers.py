@@ -175,7 +175,7 @@ def test_the_launchers_parts_import_only_the_parts_below_them() -> None:
 
 def test_the_gradient_exchanges_parts_import_only_the_parts_below_them() -> None:
     parts = doc_table("## The gradient exchange's parts")
-    assert {"gradients", "adasum", "buckets", "hooks", "sparse", "adoption", "marks"} == set(parts)
+    assert {"gradients", "adasum", "buckets", "hooks", "sparse", "adoption", "marks", "scattered"} == set(parts)
     found = {name.removeprefix("shoal.torch.exchange.") for name in modules() if name.startswith("shoal.torch.exchange.")}
     assert found == set(parts), f"docs/architecture.md's table must list every part: {found ^ set(parts)}"
     assert not part_breaches("shoal.torch.exchange", parts)

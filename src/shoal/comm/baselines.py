@@ -13,6 +13,15 @@ def wrap_ddp(model: nn.Module) -> nn.Module:
     return DistributedDataParallel(model)
 
 
+def wrap_zero_ddp(model: nn.Module, optimizer_class: type[Any], **defaults: Any) -> tuple[nn.Module, Any]:
+    """``model`` under DistributedDataParallel with torch's ZeRO stage 1, ``ZeroRedundancyOptimizer``: each rank
+    steps the whole parameters it owns (``optimizer_class`` with ``defaults``) and broadcasts them to the others."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    wrapped = DistributedDataParallel(model)
+    return wrapped, ZeroRedundancyOptimizer(wrapped.parameters(), optimizer_class=optimizer_class, **defaults)
+
+
 def wrap_ddp_powersgd(model: nn.Module, rank: int, start_iter: int = 2) -> nn.Module:
     """``model`` under DistributedDataParallel with torch's PowerSGD communication hook: rank-``rank`` factors with
     error feedback and warm start (the hook's defaults), from iteration ``start_iter`` on (plain allreduce before;

@@ -17,28 +17,29 @@ from typing import Any
 import torch
 from torch import nn
 
-from shoal.config import worker_setting
 from shoal.core import basics
 from shoal.core import session as handles
-from shoal.core.balance import check_balanced_reduction
 from shoal.core.process_sets import ProcessSet, global_process_set
 from shoal.core.requests import barrier
-from shoal.core.rules import ReduceOp, resolve_groups, split_groups
+from shoal.core.rules import ReduceOp
 from shoal.plan.far import LocalSteps
-from shoal.plan.schemes import Compressed, Planned, forces_outer, parse_comm
+from shoal.plan.schemes import Compressed, Planned, Scheme, forces_outer, parse_comm
 from shoal.ps.config import resolve_config
 from shoal.torch.balanced_loader import BalancedLoader
 from shoal.torch.compression import Compression, Compressor
 from shoal.torch.exchange import AdasumExchange, GradientExchange
+from shoal.torch.exchange.scattered import ScatteredGradients
 from shoal.torch.far_choice import FarChoice
-from shoal.torch.host_groups import host_groups, local_options
+from shoal.torch.host_groups import HostGroups, host_groups, local_options
 from shoal.torch.layer_comm.carriers import OptimizerFacts
 from shoal.torch.layer_comm.report import plan_report
 from shoal.torch.layer_comm.router import LayerRouter
 from shoal.torch.local_steps import OuterFactory, OuterRounds
-from shoal.torch.micro_batch_grads import MicroBatchWeights, check_ordered_params
+from shoal.torch.micro_batch_grads import MicroBatchWeights
+from shoal.torch.optimizer_args import bucket_bytes_of, check_balanced, checked_groups, split_compression
 from shoal.torch.optimizer_class import is_mixed_with, mix_into
 from shoal.torch.param_names import parameter_names
+from shoal.torch.sharding import Shard, ShardedOptimizer, shard_optimizer
 
 __all__ = ["DistributedOptimizer", "LocalSteps", "drop_unfinished_step", "plan_report", "rounds_of"]
 
@@ -85,6 +86,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     _shoal_base: type[torch.optim.Optimizer]
     _shoal_exchange: GradientExchange
     _shoal_outer: OuterRounds | None = None
+    _shoal_shards: ShardedOptimizer | None = None
 
     def _shoal_compressor(self, param: torch.Tensor) -> type[Compressor]:
         return self._shoal_exchange.compressor(param)
@@ -122,7 +124,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             for param, _ in hidden:
                 param.grad = None
             try:
-                loss = self._shoal_base.step(self, closure)
+                loss = self._shoal_step(closure)
             finally:
                 for param, grad in hidden:
                     param.grad = grad
@@ -130,6 +132,35 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if self._shoal_outer is not None and should_synchronize:
             self._shoal_outer.after_step(waited)
         return loss
+
+    def _shoal_step(self, closure: Any) -> Any:
+        """The update: the user's optimizer on the whole parameters, or, sharded, on this rank's shards (then the
+        values are gathered)."""
+        shards = self._shoal_shards
+        if shards is None:
+            return self._shoal_base.step(self, closure)
+        if self._shoal_exchange.scattered is None:  # stage 1: the reduced gradients are whole in p.grad
+            shards.take_grads()
+        return shards.step(closure, self.param_groups)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The optimizer's state in torch's own form; sharded, gathered whole from every rank (call it on all)."""
+        packed = self._shoal_base.state_dict(self)
+        if self._shoal_shards is not None:
+            packed["state"] = self._shoal_shards.full_state(_indices(self.param_groups))
+        return packed
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a state in torch's own form (from any world size, sharded or not); sharded, each rank keeps only its
+        pieces, without communicating (``broadcast_optimizer_state`` then hands a root's load to every rank)."""
+        shards = self._shoal_shards
+        if shards is None:
+            self._shoal_base.load_state_dict(self, state_dict)
+            return
+        self._shoal_base.load_state_dict(self, {**state_dict, "state": {}})
+        state = {int(k): v for k, v in state_dict["state"].items()}
+        shards.load_full_state(state, _indices(self.param_groups))
+        shards.loaded = state_dict
 
     def outer_step(self) -> bool:
         """With local steps (``comm="local"``, or ``"auto-far"`` once it chose them): make the hosts meet now, whatever
@@ -205,6 +236,7 @@ def DistributedOptimizer(
     every: int | None = None,
     local_steps: LocalSteps | None = None,
     outer_optimizer: OuterFactory | None = None,
+    shard: str | int | None = None,
 ) -> torch.optim.Optimizer:
     """Wrap ``optimizer`` so that gradients are averaged across ranks, overlapping backprop.
 
@@ -212,10 +244,9 @@ def DistributedOptimizer(
     and hyperparameters. Arguments follow ``horovod.torch.DistributedOptimizer``; ``groups`` is a list of parameter
     lists reduced together (or, as in Horovod, an int meaning ``num_groups``).
 
-    ``bucket_bytes`` (Shoal's addition; default: the ``BUCKET_BYTES`` knob or 2 MiB) batches gradients that become
-    ready one after another until this many bytes are waiting, then submits them together: each submission costs
-    a negotiation cycle and a collective, which on CPU outweighs the overlap won by sending every small gradient
-    alone. 0 submits every gradient the moment it is ready (pure wait-free backprop).
+    ``bucket_bytes`` (default: the ``BUCKET_BYTES`` knob or 2 MiB) batches gradients ready one after another until
+    this many bytes wait, then submits them together (each submission costs a negotiation cycle and a collective,
+    which on CPU outweighs the overlap won by sending each small gradient alone); 0 sends each the moment it is ready.
 
     Shoal's per-layer communication (Poseidon), keyword-only: ``comm`` is ``"allreduce"`` (default), ``"fp16"``,
     ``"bf16"``, ``"sfb"`` (sufficient factor broadcasting for every ``nn.Linear``) or ``"auto"`` (after the first
@@ -224,12 +255,9 @@ def DistributedOptimizer(
     overrides need ``model=``. ``compression=Compression.powersgd(rank=4)`` or ``.topk(ratio=0.01)`` compress with
     error feedback (lossy); ``comm="auto-lossy"`` lets the planner choose them per layer (docs/communication.md).
 
-    ``comm="ps"`` (or ``"ps"`` in ``comm_overrides``) routes parameters through the sharded parameter server: the
-    hook pushes each gradient to the servers that own its pieces, the servers run this optimizer's class and
-    hyperparameters (SGD or Adam/AdamW), and ``step()`` pulls the fresh values into ``p.data``. ``ps_mode`` is
+    ``comm="ps"`` routes parameters through the sharded parameter server (docs/communication.md): ``ps_mode`` is
     ``"bsp"`` (default; the same update as allreduce), ``"ssp"`` (stale synchronous, bound ``ps_staleness``) or
-    ``"async"``; the environment fallbacks are the ``PS_MODE`` and ``PS_STALENESS`` knobs (docs/knobs.md). The servers are
-    dedicated processes under ``shoalrun --num-servers S``, otherwise a thread in every worker (co-located).
+    ``"async"`` (fallbacks: the ``PS_MODE`` and ``PS_STALENESS`` knobs).
 
     ``loader``: a ``BalancedLoader`` whose steps this optimizer reduces, each rank's gradient weighted so that the
     average is one process's mean gradient over the whole global batch, with any share (``micro_batch_grads``).
@@ -237,24 +265,29 @@ def DistributedOptimizer(
 
     ``comm="local"``: local steps with outer updates (DiLoCo) for far-apart hosts, every ``every`` steps, with
     ``local_steps=LocalSteps(...)`` and ``outer_optimizer`` (a callable over the parameters), as docs/far.md says.
+
+    ``shard`` (ZeRO, docs/sharding.md): ``"optimizer"`` or 1 keeps 1/N of the optimizer state on each rank,
+    ``"gradients"`` or 2 also 1/N of the reduced gradients; None (default) or 0 shards nothing.
     """
     mode = parse_comm(comm)  # a ValueError lists the choices
     local = local_options(mode, every, local_steps, outer_optimizer)
-    compressed, compression, comm = _split_compression(compression, comm)
-    ps_config = resolve_config(ps_mode, ps_staleness)
-    bucket_bytes = _bucket_bytes(bucket_bytes)
+    compressed, compression, comm = split_compression(compression, comm)
+    bucket_bytes = bucket_bytes_of(bucket_bytes)
     handles.engine()  # raises Horovod's ValueError before init()
     params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
-    if loader is not None:
-        _check_balanced(loader, ReduceOp(op), backward_passes_per_step, process_set, comm, comm_overrides, compression, params)
-    hosts = host_groups(mode, local, ReduceOp(op), process_set, compressed is not None or bool(comm_overrides), bool(loader))
+    overridden = compressed is not None or bool(comm_overrides)
+    named = None if named_parameters is None else list(named_parameters)  # read twice below
+    shards = shard_optimizer(optimizer, params, named, Shard.parse(shard), mode, overridden, process_set, bucket_bytes)
+    check_balanced(loader, ReduceOp(op), backward_passes_per_step, process_set, comm, comm_overrides, compression, params)
+    hosts = host_groups(mode, local, ReduceOp(op), process_set, overridden, bool(loader))
     process_set = hosts.inner if hosts is not None and forces_outer(mode) else process_set
     if ReduceOp(op) == ReduceOp.Adasum and basics.size() > 1:  # as in Horovod: one rank needs no delta optimizer
-        if process_set is not global_process_set or comm != "allreduce":
-            raise NotImplementedError("op=Adasum supports the global process set and comm='allreduce' only")
-        wrapped, names = _adasum(optimizer, params, named_parameters, compression, backward_passes_per_step)
+        if process_set is not global_process_set or comm != "allreduce" or shards is not None:
+            raise NotImplementedError("op=Adasum supports the global process set, comm='allreduce' and no shard only")
+        wrapped, names = _adasum(optimizer, params, named, compression, backward_passes_per_step)
     else:
-        names = parameter_names(optimizer.param_groups, named_parameters)
+        names = parameter_names(optimizer.param_groups, named)
+        ps_config = resolve_config(ps_mode, ps_staleness)
         router = functools.partial(LayerRouter, model=model, comm=comm, overrides=comm_overrides, ps_config=ps_config)
         make_exchange = functools.partial(
             GradientExchange,
@@ -262,9 +295,10 @@ def DistributedOptimizer(
             passes=backward_passes_per_step,
             op=ReduceOp(op),
             gradient_predivide_factor=gradient_predivide_factor,
-            groups=_checked_groups(params, groups, num_groups),
+            groups=checked_groups(params, groups, num_groups),
             sparse_as_dense=sparse_as_dense,
             bucket_bytes=bucket_bytes,
+            scattered=_scattered(shards, mode, compression),
         )
         facts = functools.partial(
             OptimizerFacts,
@@ -275,21 +309,11 @@ def DistributedOptimizer(
             process_set=process_set,
         )
         wrapped = _wrap_gradients(optimizer, make_exchange, router, compressed, loader, facts)
-        if local is not None and hosts is not None:
-            weigh = FarChoice(wrapped._shoal_exchange, hosts) if mode is Planned.AUTO_FAR else None
-            wrapped._shoal_outer = OuterRounds(params, local, hosts, outer_optimizer, weigh)
+        _attach(wrapped, shards, _outer_rounds(wrapped._shoal_exchange, params, mode, local, hosts, outer_optimizer))
     # Horovod's attribute (code written for Horovod reads it): each parameter's name.
     wrapped._parameter_names = {p: names[id(p)] for group in wrapped.param_groups for p in group["params"] if id(p) in names}
     wrapped._shoal_exchange.attach()
     return wrapped
-
-
-def _bucket_bytes(given: int | None) -> int:
-    """The bucket size: ``given``, else the ``bucket_bytes`` setting; never negative."""
-    chosen: int = worker_setting("bucket_bytes") if given is None else given
-    if chosen < 0:
-        raise ValueError(f"bucket_bytes must be >= 0, got {chosen}")
-    return chosen
 
 
 def _adasum(
@@ -326,64 +350,43 @@ def _wrap_gradients(
     return wrapped
 
 
-def _split_compression(
-    compression: type[Compressor] | Compressed, comm: str
-) -> tuple[Compressed | None, type[Compressor], str]:
-    """``compression=Compression.powersgd(...)`` or ``.topk(...)``: that scheme for every layer (with the default
-    ``comm="allreduce"``), or its settings for ``comm="auto-lossy"``'s plan; the buckets then send plain gradients.
-    Returns (the compressed scheme or None, the buckets' compressor, comm)."""
-    if not isinstance(compression, Compressed):
-        return None, compression, comm
-    if comm == "allreduce":
-        return compression, Compression.none, compression.scheme.value
-    if comm in ("auto-lossy", compression.scheme.value):
-        return compression, Compression.none, comm
-    raise ValueError(
-        f"compression={compression.scheme.value} sets the scheme of every layer, or its settings with comm='auto-lossy'; "
-        f"it cannot go with comm={comm!r}"
-    )
+def _attach(wrapped: _DistributedOptimizer, shards: ShardedOptimizer | None, outer: OuterRounds | None) -> None:
+    """Give the optimizer the parts that exist (its shards, its outer rounds): where one is None the class's None
+    stands, so the user's optimizer holds no more than it needs."""
+    if shards is not None:
+        wrapped._shoal_shards = shards
+    if outer is not None:
+        wrapped._shoal_outer = outer
 
 
-def _check_balanced(
-    loader: BalancedLoader,
-    op: ReduceOp,
-    passes: int,
-    process_set: ProcessSet,
-    comm: str,
-    overrides: dict[Any, str] | None,
-    compression: type[Compressor],
+def _outer_rounds(
+    exchange: GradientExchange,
     params: list[torch.Tensor],
-) -> None:
-    """What ``loader=`` needs of the optimizer's other arguments and parameters.
-
-    Raises:
-        ValueError: an argument the balanced global batch cannot honour.
-    """
-    if not isinstance(loader, BalancedLoader):
-        raise ValueError(f"loader must be a shoal.torch.BalancedLoader, got {type(loader).__name__}")
-    check_balanced_reduction(op, passes, process_set, "backward_passes_per_step")
-    if loader.deterministic and (comm != "allreduce" or overrides or compression is not Compression.none):
-        raise ValueError("BalancedLoader(deterministic=True) sums exact rows: use comm='allreduce' and no compression")
-    if loader.deterministic:
-        check_ordered_params(params)
+    mode: Scheme | Planned,
+    local: LocalSteps | None,
+    hosts: HostGroups | None,
+    outer_optimizer: OuterFactory | None,
+) -> OuterRounds | None:
+    """The outer rounds of local steps (``comm="local"``, or ``"auto-far"``, which may choose them), else None."""
+    if local is None or hosts is None:
+        return None
+    weigh = FarChoice(exchange, hosts) if mode is Planned.AUTO_FAR else None
+    return OuterRounds(params, local, hosts, outer_optimizer, weigh)
 
 
-def _checked_groups(
-    params: list[torch.Tensor], groups: list[list[torch.Tensor]] | int | None, num_groups: int
-) -> list[list[torch.Tensor]] | None:
-    """Horovod's ``groups``/``num_groups`` (``rules.resolve_groups``): the parameter lists reduced together, checked,
-    or None."""
-    groups = resolve_groups(num_groups, groups)
-    if isinstance(groups, int):
-        groups = split_groups(params, min(groups, len(params)))
-    if groups:
-        listed = [id(p) for group in groups for p in group]
-        if len(set(listed)) != len(listed):
-            raise ValueError("a parameter appears in more than one group")
-        known = {id(p) for p in params}
-        if any(key not in known for key in listed):
-            raise ValueError("groups contain a tensor that is not a trainable parameter of this optimizer")
-    return groups or None
+def _scattered(
+    shards: ShardedOptimizer | None, mode: Scheme | Planned, compression: type[Compressor]
+) -> ScatteredGradients | None:
+    """Stage 2's part of the exchange (its reduce-scatters cast as ``comm`` or ``compression`` says), else None."""
+    if shards is None or shards.stage is not Shard.GRADIENTS:
+        return None
+    casts: dict[Scheme | Planned, type[Compressor]] = {Scheme.FP16: Compression.fp16, Scheme.BF16: Compression.bf16}
+    return ScatteredGradients(shards, casts.get(mode, compression))
+
+
+def _indices(param_groups: list[dict[str, Any]]) -> dict[int, int]:
+    """Each parameter's index in torch's state dict (its place across the param groups), by ``id``."""
+    return {id(p): i for i, p in enumerate(p for group in param_groups for p in group["params"])}
 
 
 def drop_unfinished_step(optimizer: torch.optim.Optimizer) -> None:

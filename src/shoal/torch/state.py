@@ -77,10 +77,11 @@ def broadcast_optimizer_state(
     Works for any ``torch.optim`` optimizer, including one that has not stepped yet (empty state). The structure
     and scalars travel as one pickled object; tensors travel as tensors, in place.
     """
-    if not optimizer.state_dict()["state"]:
+    sharded = getattr(optimizer, "_shoal_shards", None)
+    if sharded is None and not optimizer.state_dict()["state"]:
         _materialize_state(optimizer)
     tensors: list[torch.Tensor] = []
-    skeleton = _strip_tensors(optimizer.state_dict(), tensors) if rank() == root_rank else None
+    skeleton = _strip_tensors(_root_state(optimizer), tensors) if rank() == root_rank else None
     skeleton = broadcast_object(skeleton, root_rank, name="broadcast_optimizer_state.skeleton", process_set=process_set)
     if rank() != root_rank:
         slots: list[_TensorSlot] = []
@@ -93,7 +94,23 @@ def broadcast_optimizer_state(
     for handle in pending:
         handles.synchronize(handle)
     if rank() != root_rank:
-        optimizer.load_state_dict(_fill_tensors(skeleton, tensors))
+        given = _fill_tensors(skeleton, tensors)
+        if sharded is not None and not given["state"]:  # the root loaded nothing alone: keep each rank's own shard
+            optimizer._shoal_base.load_state_dict(optimizer, given)  # type: ignore[attr-defined]
+        else:
+            optimizer.load_state_dict(given)
+
+
+def _root_state(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """What the root hands out: its state dict; for a sharded optimizer (whose ``state_dict()`` gathers from every
+    rank), the whole state it loaded alone since its last step, if any, else its hyperparameters only: every rank
+    already holds its own shard of the state they share."""
+    sharded = getattr(optimizer, "_shoal_shards", None)
+    if sharded is None:
+        return optimizer.state_dict()
+    if sharded.loaded is not None:
+        return sharded.loaded
+    return optimizer._shoal_base.state_dict(optimizer)  # type: ignore[attr-defined]
 
 
 def _materialize_state(optimizer: torch.optim.Optimizer) -> None:

@@ -24,6 +24,7 @@ from shoal.torch.exchange.adoption import SharedAdoption
 from shoal.torch.exchange.buckets import Buckets
 from shoal.torch.exchange.hooks import BackwardHooks
 from shoal.torch.exchange.marks import ComputeMarks
+from shoal.torch.exchange.scattered import ScatteredGradients
 from shoal.torch.exchange.sparse import SparseGradients
 from shoal.torch.layer_comm.router import LayerRouter
 from shoal.torch.micro_batch_grads import MicroBatchWeights
@@ -44,6 +45,7 @@ class GradientExchange(BackwardHooks):
         "op",
         "process_set",
         "router",
+        "scattered",
         "skip_synchronize",
         "sparse",
         "synchronized",
@@ -61,9 +63,11 @@ class GradientExchange(BackwardHooks):
         groups: list[list[torch.Tensor]] | None,
         sparse_as_dense: bool,
         bucket_bytes: int,
+        scattered: ScatteredGradients | None = None,
     ) -> None:
         """``router``: the layers' schemes, over the parameters, names and process set of its ``OptimizerFacts``;
-        ``weights``: with a ``BalancedLoader``, each step's micro-batch shares and gradient scale."""
+        ``weights``: with a ``BalancedLoader``, each step's micro-batch shares and gradient scale; ``scattered``:
+        with ``shard='gradients'``, the part that reduce-scatters every gradient into the shards."""
         facts = router.facts
         super().__init__(
             facts.params,
@@ -85,6 +89,7 @@ class GradientExchange(BackwardHooks):
         spec = ReduceSpec.for_gradients(op, gradient_predivide_factor)
         self.buckets = Buckets(facts.names, spec, [list(g) for g in groups or []], bucket_bytes, self.compressor, self.marks)
         self.sparse = SparseGradients(router.model, sparse_as_dense)
+        self.scattered = scattered
         self._adoption = SharedAdoption()
         self.skip_synchronize = False
         """Inside ``optimizer.skip_synchronize()``: ``step()`` does not wait."""
@@ -107,7 +112,8 @@ class GradientExchange(BackwardHooks):
     def pending(self) -> bool:
         """Gradients of this step are being (or waiting to be) reduced."""
         shared = self._adoption.shared
-        return bool(self._submitted or self.buckets.holding or (shared is not None and shared.pending))
+        scattered = self.scattered is not None and self.scattered.pending
+        return bool(self._submitted or self.buckets.holding or scattered or (shared is not None and shared.pending))
 
     @property
     def sent(self) -> int:
@@ -160,6 +166,10 @@ class GradientExchange(BackwardHooks):
             if weights.ordered is not None:  # the deterministic mode sums whole rows at wait()
                 return
             weights.weigh(param)
+        if self.scattered is not None:
+            self._submitted.add(id(param))
+            self.scattered.ready(param, self.spec, self.process_set)
+            return
         shared = self._adoption.current()
         if shared is None:
             self._adoption.note(param)
@@ -206,6 +216,8 @@ class GradientExchange(BackwardHooks):
     def _refusal(self, candidates: list[torch.Tensor]) -> str | None:
         """Why this optimizer's gradients stay where autograd puts them (beyond what ``SharedAdoption`` checks), or
         None."""
+        if self.scattered is not None:
+            return "the gradients are reduce-scattered into shards (shard='gradients')"
         if self.weights is not None and self.weights.ordered is not None:
             return "the BalancedLoader's deterministic mode sums whole rows instead"
         if self.spec.prescale != 1.0:
@@ -226,6 +238,9 @@ class GradientExchange(BackwardHooks):
         self.flush(driven=True)  # this thread synchronizes below and runs the cycle itself if no other thread does
         if weights is not None:
             weights.weigh_rest(self.params)
+        if self.scattered is not None:
+            self.scattered.finish(self.spec, self.process_set)
+            return
         shared = self._adoption.current()
         if shared is not None:
             self._submitted.update(id(p) for p in self.params if shared.holds(p))
@@ -258,4 +273,6 @@ class GradientExchange(BackwardHooks):
         self.buckets.reset(discard)
         self._adoption.reset(discard)
         self.sparse.reset()
+        if self.scattered is not None:
+            self.scattered.reset(discard)
         self._submitted.clear()

@@ -1,0 +1,168 @@
+"""Sharded optimizer state (``DistributedOptimizer(shard=...)``, ZeRO stages 1 and 2) against the same job unsharded,
+DDP, and torch's own ZeRO stage 1 (``ZeroRedundancyOptimizer`` under DDP), with Adam, in one invocation.
+
+Run: ``shoalrun -np 2 python -m shoal.bench.shard --model mlp``. Every phase trains the same model from the same
+weights on the same batches. Rank 0 prints one JSON line: ``{"bench":"shard","model":..,"world":..,"phases":{name:
+{"ips":..,"state_bytes":..,"grad_bytes":..,"max_abs_diff":..}},"solo_ips":..,...}`` where, per phase, ``ips`` counts
+samples per second over all workers, ``state_bytes`` is the largest optimizer state any rank holds (its tensors'
+bytes), ``grad_bytes`` the largest gradient bytes a rank holds once the step's reduction is done (before the
+update), and ``max_abs_diff`` the largest difference of the phase's final weights from the unsharded Shoal phase's.
+``solo_ips`` is one process training alone (the others wait); ``<phase>_ratio`` keys give each phase's ips over
+DDP's and ``<phase>_state_share`` its state bytes over DDP's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+import shoal.torch as hvd
+from shoal.bench import add_json_flag, emit
+from shoal.comm.baselines import wrap_ddp, wrap_zero_ddp
+from shoal.predict.models import build, parameter_count
+
+PHASES = ("ddp", "torch_zero1", "shoal", "shoal_optimizer", "shoal_gradients")
+"""Every phase, in the order they run: the baselines first, then Shoal unsharded and at stages 1 and 2."""
+LR = 1e-3
+
+
+def _batches(model_name: str, batch_size: int, count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(1234 + hvd.rank())
+    _, make_input = build(model_name)
+    return [(make_input(batch_size, generator), torch.randint(0, 10, (batch_size,), generator=generator)) for _ in range(count)]
+
+
+def _tensor_bytes(tensors: Any) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+
+
+def _state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """The bytes of the optimizer state this rank holds (for a sharded one, its shards' state only)."""
+    shards = getattr(optimizer, "_shoal_shards", None)
+    inner = shards.inner if shards is not None else getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer
+    return _tensor_bytes(t for state in inner.state.values() for t in state.values())
+
+
+def _grad_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """The gradient bytes this rank holds: the parameters' and, sharded, its shards'."""
+    shards = getattr(optimizer, "_shoal_shards", None)
+    held = _tensor_bytes(p.grad for p in model.parameters())
+    return held + (_tensor_bytes(s.grad for s in shards.shards) if shards is not None else 0)
+
+
+def _train(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batches: list[tuple[torch.Tensor, torch.Tensor]],
+    args: argparse.Namespace,
+    wait: Callable[[], None],
+) -> tuple[float, int]:
+    """Seconds for the timed steps (the slowest rank's) after the warm-up ones, and the gradient bytes held after
+    the last step's reduction."""
+    loss_fn = nn.CrossEntropyLoss()
+    grad_bytes = 0
+    for index in range(args.warmup + args.steps):
+        if index == args.warmup:
+            hvd.barrier()
+            start = time.perf_counter()
+        x, y = batches[index % len(batches)]
+        optimizer.zero_grad()
+        loss_fn(model(x), y).backward()
+        wait()
+        grad_bytes = _grad_bytes(model, optimizer)
+        with getattr(optimizer, "skip_synchronize", contextlib.nullcontext)():  # Shoal's: wait() synchronized it
+            optimizer.step()
+    hvd.barrier()
+    elapsed = float(hvd.allreduce(torch.tensor([time.perf_counter() - start]), op=hvd.Max, name="bench.shard.t").item())
+    return elapsed, grad_bytes
+
+
+def run_phase(name: str, args: argparse.Namespace, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> dict[str, Any]:
+    """One phase: the model from seed 0, its optimizer as ``name`` says, trained; its figures and final weights."""
+    torch.manual_seed(0)
+    model, _ = build(args.model)
+    wait: Callable[[], None] = lambda: None  # noqa: E731
+    if name == "ddp":
+        model = wrap_ddp(model)
+        optimizer: torch.optim.Optimizer = torch.optim.Adam(model.parameters(), lr=LR)
+    elif name == "torch_zero1":
+        model, optimizer = wrap_zero_ddp(model, torch.optim.Adam, lr=LR)
+    else:
+        shard = {"shoal": None, "shoal_optimizer": "optimizer", "shoal_gradients": "gradients"}[name]
+        optimizer = hvd.DistributedOptimizer(
+            torch.optim.Adam(model.parameters(), lr=LR), named_parameters=model.named_parameters(), shard=shard
+        )
+        wait = optimizer.synchronize  # type: ignore[attr-defined]
+    elapsed, grad_bytes = _train(model, optimizer, batches, args, wait)
+    state_bytes = _state_bytes(optimizer)
+    figures = torch.tensor([state_bytes, grad_bytes], dtype=torch.float64)
+    state_bytes, grad_bytes = (int(v) for v in hvd.allreduce(figures, op=hvd.Max, name=f"bench.shard.{name}.bytes"))
+    weights = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    ips = hvd.size() * args.batch_size * args.steps / elapsed
+    return {"ips": ips, "state_bytes": state_bytes, "grad_bytes": grad_bytes, "weights": weights}
+
+
+def run_solo(args: argparse.Namespace, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+    """Samples per second of rank 0 training alone with Adam (the other ranks wait at the barrier)."""
+    elapsed = 0.0
+    if hvd.rank() == 0:
+        torch.manual_seed(0)
+        model, _ = build(args.model)
+        optimizer = torch.optim.Adam(model.parameters(), lr=LR)
+        loss_fn = nn.CrossEntropyLoss()
+        for index in range(args.warmup + args.steps):
+            if index == args.warmup:
+                start = time.perf_counter()
+            x, y = batches[index % len(batches)]
+            optimizer.zero_grad()
+            loss_fn(model(x), y).backward()
+            optimizer.step()
+        elapsed = time.perf_counter() - start
+    hvd.barrier()
+    return args.batch_size * args.steps / max(elapsed, 1e-9) if hvd.rank() == 0 else 0.0
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m shoal.bench.shard", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="mlp", choices=["mlp", "cnn", "transformer"], help="the model (default mlp)")
+    parser.add_argument("--batch-size", type=int, default=32, help="samples per rank and step (default 32)")
+    parser.add_argument("--steps", type=int, default=10, help="timed steps per phase (default 10)")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps before each phase (default 2)")
+    add_json_flag(parser)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = _parse(argv)
+    hvd.init()
+    torch.set_num_threads(1)
+    batches = _batches(args.model, args.batch_size, 4)
+    phases = {name: run_phase(name, args, batches) for name in PHASES}
+    solo_ips = run_solo(args, batches)
+    reference = phases["shoal"]["weights"]
+    result: dict[str, Any] = {
+        "bench": "shard",
+        "model": args.model,
+        "params": parameter_count(build(args.model)[0]),
+        "world": hvd.size(),
+        "solo_ips": solo_ips,
+    }
+    for phase in phases.values():
+        phase["max_abs_diff"] = float((phase.pop("weights") - reference).abs().max())
+    result["phases"] = phases
+    for name, phase in phases.items():
+        result[f"{name}_ratio"] = phase["ips"] / phases["ddp"]["ips"]
+        result[f"{name}_state_share"] = phase["state_bytes"] / phases["ddp"]["state_bytes"]
+    if hvd.rank() == 0:
+        emit(result, args.json)
+    hvd.shutdown()
+
+
+if __name__ == "__main__":
+    main()

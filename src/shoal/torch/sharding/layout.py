@@ -1,0 +1,129 @@
+"""Which rank owns which elements of the parameters (ZeRO, arXiv 1910.02054): fixed buckets split into row blocks.
+
+The parameters, in the order backward finishes them (the optimizer's order reversed), fill buckets of about
+``bucket_bytes``; a bucket is the flat concatenation of its parameters. Each bucket splits into one block per rank as
+the engine's reducescatter splits rows (``split_rows``: the first ranks take the remainder), so the block a rank
+receives from a bucket's reduce-scatter is exactly the block it owns, and the allgather of every rank's block gives
+the bucket back. A rank's shard of a param group is its blocks' pieces of that group's parameters, concatenated in
+bucket order: the flat tensor its own optimizer steps.
+
+The layout is fixed at construction (the optimizer state lives with it) and depends only on the parameters' sizes,
+groups and the rank count, so every rank computes the same one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from shoal.engine.buffers import split_rows
+
+
+@dataclass(frozen=True)
+class Piece:
+    """A run of one parameter's elements that one rank owns: ``length`` elements from ``start`` of the parameter's
+    flat view, at ``shard_start`` of that rank's shard of the parameter's group, at ``block_start`` of its block."""
+
+    param: int
+    """Index into the layout's parameters."""
+    group: int
+    start: int
+    length: int
+    shard_start: int
+    block_start: int
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """Parameters reduced and gathered together: ``params`` (indices, in the order they are concatenated), each at
+    ``offsets[i]`` of the flat bucket of ``numel`` elements; rank r's block is ``blocks[r]`` elements from
+    ``sum(blocks[:r])``."""
+
+    index: int
+    params: tuple[int, ...]
+    offsets: tuple[int, ...]
+    numel: int
+    blocks: tuple[int, ...]
+
+    def block_start(self, rank: int) -> int:
+        """Where rank ``rank``'s block starts in the flat bucket."""
+        return sum(self.blocks[:rank])
+
+
+class ShardLayout:
+    """The buckets over the parameters and, for one rank, the pieces it owns and the size of its shard per group.
+
+    Args:
+        sizes: each parameter's element count, in the optimizer's order.
+        groups: each parameter's param-group index.
+        element_bytes: bytes per element (the parameters share one dtype).
+        bucket_bytes: a bucket closes once it holds this many bytes (0: one parameter per bucket).
+        size: how many ranks share the state.
+        rank: this rank's index among them.
+    """
+
+    __slots__ = ("buckets", "group_count", "pieces", "rank", "shard_sizes", "size", "sizes")
+
+    def __init__(
+        self, sizes: list[int], groups: list[int], element_bytes: int, bucket_bytes: int, size: int, rank: int
+    ) -> None:
+        if len(sizes) != len(groups):
+            raise ValueError("one group index per parameter is needed")
+        if size < 1 or not 0 <= rank < size:
+            raise ValueError(f"rank {rank} is not one of {size} ranks")
+        self.sizes = list(sizes)
+        self.size, self.rank = size, rank
+        self.group_count = max(groups, default=-1) + 1
+        self.buckets = _fill_buckets(sizes, element_bytes, bucket_bytes, size)
+        self.shard_sizes = [0] * self.group_count
+        self.pieces: list[list[Piece]] = []
+        """Per bucket, this rank's pieces in block order."""
+        for bucket in self.buckets:
+            owned = []
+            low = bucket.block_start(rank)
+            high = low + bucket.blocks[rank]
+            for param, offset in zip(bucket.params, bucket.offsets, strict=True):
+                start, end = max(low, offset), min(high, offset + sizes[param])
+                if start >= end:
+                    continue
+                group = groups[param]
+                owned.append(Piece(param, group, start - offset, end - start, self.shard_sizes[group], start - low))
+                self.shard_sizes[group] += end - start
+            self.pieces.append(owned)
+
+    @property
+    def owned(self) -> int:
+        """How many elements this rank owns, over every group."""
+        return sum(self.shard_sizes)
+
+    @property
+    def total(self) -> int:
+        """How many elements the parameters hold."""
+        return sum(self.sizes)
+
+    def block_numel(self, bucket: Bucket) -> int:
+        """The size of this rank's block of ``bucket``."""
+        return bucket.blocks[self.rank]
+
+
+def _fill_buckets(sizes: list[int], element_bytes: int, bucket_bytes: int, size: int) -> list[Bucket]:
+    """Buckets over the parameters in backward order (the optimizer's order reversed), each closed once it holds
+    ``bucket_bytes``."""
+    buckets: list[Bucket] = []
+    members: list[int] = []
+    offsets: list[int] = []
+    numel = 0
+
+    def close() -> None:
+        nonlocal members, offsets, numel
+        if members:
+            buckets.append(Bucket(len(buckets), tuple(members), tuple(offsets), numel, tuple(split_rows(numel, size))))
+        members, offsets, numel = [], [], 0
+
+    for param in reversed(range(len(sizes))):
+        members.append(param)
+        offsets.append(numel)
+        numel += sizes[param]
+        if numel * element_bytes >= bucket_bytes:
+            close()
+    close()
+    return buckets
