@@ -241,7 +241,7 @@ def test_shard_names_and_stage_numbers() -> None:
 
 def test_shard_benchmark_compares_stages_with_ddp_and_torch_zero_in_one_run(tmp_path: Path) -> None:
     command = [*SHOALRUN, "-np", "2", sys.executable, "-m", "shoal.bench.shard", "--model", "mlp"]
-    command += ["--batch-size", "8", "--steps", "2", "--warmup", "1", "--json", str(tmp_path / "shard.json")]
+    command += ["--batch-size", "8", "--steps", "2", "--warmup", "1", "--rounds", "1", "--json", str(tmp_path / "shard.json")]
     result = subprocess.run(command, env=clean_env(), capture_output=True, text=True, timeout=240, cwd=REPO)
     assert result.returncode == 0, result.stderr[-3000:]
     summary = json.loads(result.stdout.strip().splitlines()[-1].split(":", 1)[1])

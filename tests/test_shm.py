@@ -18,6 +18,7 @@ import torch
 import shoal.torch as hvd
 from shoal.comm import collectives
 from shoal.comm.shm import create_local_group, job_token
+from shoal.comm.shm_blocks import allgather_blocks, block_bounds, reduce_scatter_
 from shoal.config.worker import job_secret
 from shoal.core import session as handles
 from shoal.runtime import context
@@ -58,6 +59,10 @@ def _against_gloo(slot_bytes: int = 4096, sizes: tuple[int, ...] = tuple(SIZES))
     mismatches = []
     for dtype in DTYPES:
         for count in sizes:
+            # Uneven blocks, in proportion 1:2:3..., so that a small count leaves the first ranks none.
+            weights = list(range(1, hvd.size() + 1))
+            edges = [count * sum(weights[:r]) // sum(weights) for r in range(hvd.size() + 1)]
+            blocks = [edges[r + 1] - edges[r] for r in range(hvd.size())]
             for reduction in REDUCTIONS:
                 mine = _values(rank, dtype, count)
                 expected = mine.clone() if dtype != "int16" else mine.to(torch.int32)
@@ -67,6 +72,13 @@ def _against_gloo(slot_bytes: int = 4096, sizes: tuple[int, ...] = tuple(SIZES))
                 tolerance = 1e-2 if dtype in ("float16", "bfloat16") else 0.0
                 if not torch.allclose(got.double(), expected.double(), rtol=tolerance, atol=tolerance):
                     mismatches.append(f"allreduce {reduction} {dtype} x{count}")
+                low, high = block_bounds(blocks)[rank]
+                scattered = reduce_scatter_(group, mine.clone(), reduction, blocks)  # type: ignore[arg-type]
+                if not torch.allclose(scattered.double(), expected[low:high].double(), rtol=tolerance, atol=tolerance):
+                    mismatches.append(f"reduce_scatter {reduction} {dtype} x{count} in {blocks}")
+            whole = allgather_blocks(group, _values(rank, dtype, count)[: blocks[rank]], blocks)  # type: ignore[arg-type]
+            if not torch.equal(whole, torch.cat([_values(r, dtype, count)[:n] for r, n in enumerate(blocks)])):
+                mismatches.append(f"allgather_blocks {dtype} x{count} in {blocks}")
             source = _values(rank, dtype, count)
             group.broadcast_(source, root=hvd.size() - 1)  # type: ignore[attr-defined]
             if not torch.equal(source, _values(hvd.size() - 1, dtype, count)):

@@ -46,7 +46,7 @@ REDUCE_INTO: dict[str, Callable[[torch.Tensor, torch.Tensor], Any]] = {
 }
 
 
-_REDUCE_OUT: dict[str, Callable[[torch.Tensor, torch.Tensor, torch.Tensor], Any]] = {
+REDUCE_OUT: dict[str, Callable[[torch.Tensor, torch.Tensor, torch.Tensor], Any]] = {
     "sum": lambda a, b, out: torch.add(a, b, out=out) if a.dtype != torch.bool else torch.logical_or(a, b, out=out),
     "product": lambda a, b, out: torch.mul(a, b, out=out) if a.dtype != torch.bool else torch.logical_and(a, b, out=out),
     "min": lambda a, b, out: torch.minimum(a, b, out=out),
@@ -123,7 +123,7 @@ class SharedMemoryGroup:
 
     # ----- helpers -----
 
-    def _next_slots(self, dtype: torch.dtype) -> list[torch.Tensor]:
+    def next_slots(self, dtype: torch.dtype) -> list[torch.Tensor]:
         """Every local rank's whole slot, typed, in the half this collective step uses (halves alternate)."""
         views = self._views.get(dtype)
         if views is None:
@@ -146,7 +146,7 @@ class SharedMemoryGroup:
         """The views one small chunk of ``count`` elements uses, in the half this step uses: this rank's slot
         prefix, its slice of local rank 0's slot (None when its slice is empty) and of every other slot, and local
         rank 0's prefix (the reduced chunk). Kept per size: a repeating collective slices nothing."""
-        slots = self._next_slots(dtype)
+        slots = self.next_slots(dtype)
         key = (dtype, count, self._steps % 2)
         views = self._small_cache.get(key)
         if views is None:
@@ -203,7 +203,7 @@ class SharedMemoryGroup:
             chunk = flat if total <= step else flat[offset : offset + step]
             count = chunk.numel()
             if count >= _LARGE_CHUNK_ELEMENTS:
-                self._allreduce_large_chunk(chunk, self._next_slots(flat.dtype), reduction, between_hosts, finish)
+                self._allreduce_large_chunk(chunk, self.next_slots(flat.dtype), reduction, between_hosts, finish)
                 continue
             mine, result, others, reduced = self._small_views(flat.dtype, count)
             mine.copy_(chunk)
@@ -243,7 +243,7 @@ class SharedMemoryGroup:
         if stop > start:
             result = slots[0][start:stop]  # local rank 0's slot collects every reduced slice, as on the small path
             peers = [rank for rank in range(self.local_size) if rank != me]
-            reduce_out = _REDUCE_OUT[reduction]
+            reduce_out = REDUCE_OUT[reduction]
             reduce_out(chunk[start:stop], slots[peers[0]][start:stop], result)
             reduce_into = REDUCE_INTO[reduction]
             for rank in peers[1:]:
@@ -264,7 +264,7 @@ class SharedMemoryGroup:
         step = self.chunk_elements(flat.dtype)
         for offset in range(0, flat.numel(), step):
             chunk = flat[offset : offset + step]
-            slot = self._next_slots(flat.dtype)[root][: chunk.numel()]
+            slot = self.next_slots(flat.dtype)[root][: chunk.numel()]
             if self.local_rank == root:
                 slot.copy_(chunk)
             self.barrier()
@@ -279,7 +279,7 @@ class SharedMemoryGroup:
         for offset in range(0, flat.numel(), step):
             chunk = flat[offset : offset + step]
             count = chunk.numel()
-            slots = self._next_slots(flat.dtype)
+            slots = self.next_slots(flat.dtype)
             slots[self.local_rank][:count].copy_(chunk)
             self.barrier()
             bounds = self.slices(count)
@@ -300,7 +300,7 @@ class SharedMemoryGroup:
         step = self.chunk_elements(flat.dtype)
         for offset in range(0, flat.numel(), step):
             count = min(step, flat.numel() - offset)
-            slots = self._next_slots(flat.dtype)
+            slots = self.next_slots(flat.dtype)
             slots[self.local_rank][:count].copy_(flat[offset : offset + count])
             self.barrier()
             for rank in range(self.local_size):

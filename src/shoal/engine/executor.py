@@ -11,6 +11,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from shoal.comm import collectives
 from shoal.comm.shared_arena import SharedArena
+from shoal.comm.shm_blocks import allgather_blocks, reduce_scatter_
 from shoal.engine import adasum
 from shoal.engine.buffers import (
     REDUCTIONS,
@@ -262,14 +263,21 @@ def _allgather(transport: Transport, response: Response, request: Request | None
     own = bit_view(given)
     dtype = own.dtype
     wire = WIRE_DTYPES.get(dtype, dtype)
-    longest = max(rows)
-    padded = torch.zeros((longest, *own.shape[1:]), dtype=wire, device=own.device)
-    padded[: own.shape[0] if own.dim() else 1].copy_(own.reshape(-1, *own.shape[1:]) if own.dim() else own.reshape(1))
-    with transport.wire(f"allgather '{response.name}'"):
-        chunks = collectives.allgather_equal(real_view(padded), len(state.members), state.group)
-    if padded.is_complex():
-        chunks = [torch.view_as_complex(chunk) for chunk in chunks]
-    result = torch.cat([chunk[:count] for chunk, count in zip(chunks, rows, strict=True)]).to(dtype).view(given.dtype)
+    mine = own.reshape(-1, *own.shape[1:]) if own.dim() else own.reshape(1)
+    local = transport.shared_blocks(mine, response.process_set)
+    if local is not None:  # one host: each rank writes its rows once and reads the others'
+        with transport.wire(f"allgather '{response.name}'"):
+            whole = allgather_blocks(local, mine.to(wire).reshape(-1), [count * math.prod(own.shape[1:]) for count in rows])
+        gathered = whole.view(sum(rows), *own.shape[1:])
+    else:  # gloo's allgather takes equal shapes: pad every rank's rows to the longest
+        padded = torch.zeros((max(rows), *own.shape[1:]), dtype=wire, device=own.device)
+        padded[: mine.shape[0]].copy_(mine)
+        with transport.wire(f"allgather '{response.name}'"):
+            chunks = collectives.allgather_equal(real_view(padded), len(state.members), state.group)
+        if padded.is_complex():
+            chunks = [torch.view_as_complex(chunk) for chunk in chunks]
+        gathered = torch.cat([chunk[:count] for chunk, count in zip(chunks, rows, strict=True)])
+    result = gathered.to(dtype).view(given.dtype)
     if request is not None:
         request.complete(result)
 
@@ -319,17 +327,43 @@ def _reducescatter(transport: Transport, response: Response, request: Request | 
     meta = response.meta
     tensor = _input(response, request)
     wire = WIRE_DTYPES.get(tensor.dtype, tensor.dtype)
-    buffer = tensor.to(wire, copy=True)
-    scale_(buffer, meta.prescale)
     assert meta.op is not None  # allreduce and reducescatter requests always carry their op
     op = ReduceOp(meta.op)
-    transport.reduce_(buffer, REDUCTIONS[op], response.process_set, state, response.name)
-    _postscale_(buffer, op, meta.postscale, len(state.members))
-    counts = split_rows(buffer.shape[0], len(state.members))
-    me = state.members.index(transport.rank)
-    start = sum(counts[:me])
+    counts = split_rows(tensor.shape[0], len(state.members))
+    source = tensor.to(wire)  # a copy only where the wire carries another dtype; the transport never writes it
+    block = _scattered(transport, source, meta.prescale, REDUCTIONS[op], counts, response, state)
+    _postscale_(block, op, meta.postscale, len(state.members))
     if request is not None:
-        request.complete(buffer[start : start + counts[me]].to(tensor.dtype).clone())
+        request.complete(block.to(tensor.dtype))
+
+
+def _scattered(
+    transport: Transport,
+    source: torch.Tensor,
+    prescale: float,
+    reduction: str,
+    rows: list[int],
+    response: Response,
+    state: ProcessSetState,
+) -> torch.Tensor:
+    """This rank's block of rows of ``source`` times ``prescale``, reduced across the set (rank i's block:
+    ``rows[i]`` rows after the blocks before it), as a new tensor; ``source`` is left as it was. One host: through
+    shared memory, each rank reducing only its block. Else an allreduce of a copy, sliced."""
+    me = state.members.index(transport.rank)
+    local = transport.shared_blocks(source, response.process_set)
+    if local is not None:
+        flat = source.reshape(-1)
+        if prescale != 1.0:
+            flat = flat.clone()
+            scale_(flat, prescale)
+        with transport.wire(f"reducescatter '{response.name}'"):
+            block = reduce_scatter_(local, flat, reduction, [count * math.prod(source.shape[1:]) for count in rows])
+        return block.view(rows[me], *source.shape[1:])
+    buffer = source.clone()
+    scale_(buffer, prescale)
+    transport.reduce_(buffer, reduction, response.process_set, state, response.name)
+    start = sum(rows[:me])
+    return buffer[start : start + rows[me]].clone()  # not a view: the whole buffer is freed
 
 
 __all__ = ["Executor", "ProcessSetState", "TransportError", "split_rows"]

@@ -18,7 +18,7 @@ from shoal.comm import collectives
 from shoal.comm.hierarchical import HierarchicalAllreduce, build_cross_groups
 from shoal.comm.names import host_tag
 from shoal.comm.shared_arena import SharedArena
-from shoal.comm.shm import create_local_group
+from shoal.comm.shm import SharedMemoryGroup, create_local_group
 from shoal.engine.buffers import real_view
 from shoal.engine.config import EngineConfig
 from shoal.engine.negotiation import Response
@@ -226,6 +226,14 @@ class Transport:
                 return finish is not None
             collectives.allreduce_(wire, reduction, state.group)
             return False
+
+    def shared_blocks(self, buffer: torch.Tensor, process_set: int) -> SharedMemoryGroup | None:
+        """The host's shared-memory group where a set's blocks (a reduce-scatter's, an allgather's) can move through
+        it: the world on one host (a block per local rank, in rank order), real dtypes; else None."""
+        hierarchical = self.hierarchical
+        if hierarchical is None or hierarchical.cross_size != 1 or buffer.is_complex():
+            return None
+        return hierarchical.local if self.uses_shared_memory(buffer, process_set) else None
 
     def and_words_(self, words: torch.Tensor) -> None:
         """The cycle's bit vector, ANDed across the world in place (through shared memory where it is set up)."""

@@ -100,9 +100,26 @@ class ShardLayout:
         """How many elements the parameters hold."""
         return sum(self.sizes)
 
-    def block_numel(self, bucket: Bucket) -> int:
-        """The size of this rank's block of ``bucket``."""
-        return bucket.blocks[self.rank]
+    def owned_by(self, rank: int) -> int:
+        """How many elements rank ``rank`` owns: the sum of its blocks."""
+        return sum(bucket.blocks[rank] for bucket in self.buckets)
+
+    def runs(self) -> list[tuple[int, int, int, int]]:
+        """Where every rank's blocks, gathered one rank after another (each rank's in bucket order), land in the
+        parameters: (param, start in its flat view, length, start in the gathered tensor), covering every element
+        once."""
+        found = []
+        gathered = 0
+        for rank in range(self.size):
+            for bucket in self.buckets:
+                low = bucket.block_start(rank)
+                high = low + bucket.blocks[rank]
+                for param, offset in zip(bucket.params, bucket.offsets, strict=True):
+                    start, end = max(low, offset), min(high, offset + self.sizes[param])
+                    if start < end:
+                        found.append((param, start - offset, end - start, gathered + start - low))
+                gathered += bucket.blocks[rank]
+        return found
 
 
 def _fill_buckets(sizes: list[int], element_bytes: int, bucket_bytes: int, size: int) -> list[Bucket]:

@@ -16,7 +16,6 @@ from typing import Any
 
 import torch
 
-from shoal.core import session as handles
 from shoal.core.process_sets import ProcessSet
 from shoal.torch import functions
 from shoal.torch.sharding.layout import Bucket, ShardLayout
@@ -71,7 +70,7 @@ class ShardedOptimizer:
         name: a prefix for this optimizer's requests to the engine.
     """
 
-    __slots__ = ("group_of", "inner", "layout", "loaded", "name", "params", "process_set", "shards", "stage")
+    __slots__ = ("_runs", "group_of", "inner", "layout", "loaded", "name", "params", "process_set", "shards", "stage")
 
     def __init__(
         self,
@@ -90,6 +89,7 @@ class ShardedOptimizer:
         """Each parameter's param-group index."""
         like = params[0] if params else torch.empty(0)
         self.shards = [torch.zeros(n, dtype=like.dtype, device=like.device) for n in layout.shard_sizes]
+        self._runs = layout.runs()
         self.loaded: dict[str, Any] | None = None
         """A full state dict loaded on this rank alone, kept until ``broadcast_optimizer_state`` hands it out."""
         self.copy_values_in()
@@ -156,18 +156,23 @@ class ShardedOptimizer:
         return loss
 
     def gather_values(self) -> None:
-        """Allgather every rank's blocks of each bucket and write the parameters' new values."""
-        handles_ = []
-        for bucket in self.layout.buckets:
-            block = self._block(bucket, self.shards)
-            name = f"{self.name}.values.{bucket.index}"
-            handles_.append(functions.allgather_async(block, name=name, process_set=self.process_set))
+        """Allgather every rank's blocks at once (one request: each rank's blocks of every bucket, in bucket order)
+        and write the parameters' new values."""
+        mine = self._owned(self.shards)
+        counts = [self.layout.owned_by(rank) for rank in range(self.layout.size)]
+        assert mine.numel() == counts[self.layout.rank]
+        whole = functions.allgather(mine, name=f"{self.name}.values", process_set=self.process_set)
         with torch.no_grad():
-            for bucket, handle in zip(self.layout.buckets, handles_, strict=True):
-                whole = handles.synchronize(handle)
-                for param, offset in zip(bucket.params, bucket.offsets, strict=True):
-                    target = self.params[param]
-                    target.view(-1).copy_(whole[offset : offset + target.numel()])
+            for param, start, length, at in self._runs:
+                self.params[param].view(-1)[start : start + length].copy_(whole[at : at + length])
+
+    def _owned(self, tensors: list[torch.Tensor]) -> torch.Tensor:
+        """This rank's blocks of every bucket, in bucket order, read from per-group flat ``tensors`` laid out as the
+        shards (with one group, that is its tensor itself)."""
+        if len(tensors) == 1:
+            return tensors[0]
+        blocks = [self._block(bucket, tensors) for bucket in self.layout.buckets]
+        return torch.cat(blocks) if blocks else torch.empty(0)
 
     def _block(self, bucket: Bucket, tensors: list[torch.Tensor]) -> torch.Tensor:
         """This rank's block of ``bucket``, read from per-group flat ``tensors`` laid out as the shards."""
@@ -186,12 +191,11 @@ class ShardedOptimizer:
         gathered: dict[str, list[torch.Tensor]] = {key: [torch.empty(0)] * len(self.params) for key in keys}
         for key in keys:
             tensors = [state.get(key, torch.zeros(0)) for state in per_group]
-            for bucket in self.layout.buckets:
-                block = self._block(bucket, tensors)
-                whole = functions.allgather(block, name=f"{self.name}.state.{key}.{bucket.index}", process_set=self.process_set)
-                for param, offset in zip(bucket.params, bucket.offsets, strict=True):
-                    shape = self.params[param].shape
-                    gathered[key][param] = whole[offset : offset + self.params[param].numel()].reshape(shape).clone()
+            whole = functions.allgather(self._owned(tensors), name=f"{self.name}.state.{key}", process_set=self.process_set)
+            full = [torch.empty(p.numel(), dtype=whole.dtype) for p in self.params]
+            for param, start, length, at in self._runs:
+                full[param][start : start + length].copy_(whole[at : at + length])
+            gathered[key] = [f.view(p.shape) for f, p in zip(full, self.params, strict=True)]
         result: dict[int, dict[str, Any]] = {}
         for param, tensor in enumerate(self.params):
             state = per_group[self.group_of[param]]
