@@ -52,7 +52,7 @@ def _train(kind: str, epochs: int, options: dict[str, object]) -> dict[str, obje
     optimizer = optimizer_for(model, kind)
     patterns = options.pop("patterns", None)
     slow_rank = options.pop("slow_rank", None)  # this rank sleeps 20 ms per micro-batch: its share must fall
-    scheme = {key: options.pop(key) for key in ("bucket_bytes", "comm", "compression") if key in options}
+    scheme = {key: options.pop(key) for key in ("bucket_bytes", "comm", "compression", "shard") if key in options}
     if "compression" in scheme:
         scheme["compression"] = getattr(hvd.Compression, str(scheme["compression"]))
     loader = hvd.BalancedLoader(dataset(), GLOBAL_BATCH, MICRO_BATCH, shuffle=True, seed=SEED, **options)  # type: ignore[arg-type]
@@ -109,6 +109,9 @@ SCHEMES = {
     "sfb": ({"comm": "sfb"}, ATOL),
     # A rank's micro-batches joined into passes of up to 8 samples (two of 4, or 4 and the short 2).
     "passes of two micro-batches": ({"max_pass_size": 8}, ATOL),
+    # Sharded optimizer state (ZeRO stage 1), and the gradients reduce-scattered into shards too (stage 2).
+    "shard optimizer": ({"shard": "optimizer"}, ATOL),
+    "shard gradients": ({"shard": "gradients", "bucket_bytes": 64}, ATOL),
 }
 
 

@@ -107,7 +107,7 @@ def _sharded(kind: str, shard: str, bucket_bytes: int) -> dict[str, Any]:
     shards = optimizer._shoal_shards  # type: ignore[attr-defined]
     # Stage 2 keeps no whole gradient after backward: the reduced one lives in the shards only.
     nn.functional.mse_loss(model(x[0, rows]), y[0, rows]).backward()
-    optimizer.synchronize()
+    optimizer.synchronize()  # type: ignore[attr-defined]
     grads_left = sum(p.grad is not None for p in model.parameters())
     optimizer.zero_grad()
     return {
@@ -163,6 +163,60 @@ def test_the_layout_gives_every_element_to_exactly_one_rank_in_blocks_that_tile_
                 assert groups[piece.param] == piece.group
         assert layout.owned == sum(layout.shard_sizes)
     assert all((o == 1).all() for o in owner)
+
+
+def _against_unsharded(shard: str, options: dict[str, Any]) -> float:
+    """Train the same steps unsharded and sharded with ``options`` (each with backward passes of half a batch);
+    return the largest difference between the two runs' weights."""
+    hvd.init()
+    torch.set_num_threads(1)
+    passes = int(options.get("backward_passes_per_step", 1))
+    clip = options.pop("clip", None)  # clip the reduced gradients to this global norm before each step
+    options = {k: (getattr(hvd.Compression, v) if k == "compression" else v) for k, v in options.items()}
+    x, y = _data(hvd.size())
+    rows = slice(hvd.rank() * BATCH, (hvd.rank() + 1) * BATCH)
+    finals, norms = [], []
+    for sharding in (None, shard):
+        torch.manual_seed(0)
+        model = Net()
+        optimizer = hvd.DistributedOptimizer(
+            _optimizer(model, "adam"), named_parameters=model.named_parameters(), shard=sharding, **options
+        )
+        for step in range(STEPS):
+            optimizer.zero_grad()
+            for part in torch.arange(BATCH).chunk(passes):
+                nn.functional.mse_loss(model(x[step, rows][part]), y[step, rows][part]).backward()
+            if clip is None:
+                optimizer.step()
+                continue
+            optimizer.synchronize()  # type: ignore[attr-defined]
+            norms.append(float(optimizer.clip_grad_norm_(clip)))  # type: ignore[attr-defined]
+            with optimizer.skip_synchronize():  # type: ignore[attr-defined]
+                optimizer.step()
+        finals.append(torch.cat([p.detach().reshape(-1) for p in model.parameters()]))
+    if clip is not None:  # the norms, before clipping, as both took them: every step clipped
+        half = len(norms) // 2
+        assert all(n > clip for n in norms), norms
+        assert max(abs(a - b) for a, b in zip(norms[:half], norms[half:], strict=True)) < 1e-5, norms
+    return float((finals[0] - finals[1]).abs().max())
+
+
+# Each of Horovod's reduction options gives the sharded optimizer the gradients the unsharded one gets, and clipping
+# by the global norm (across stage 2's shards) clips as torch.nn.utils.clip_grad_norm_ does over the whole model.
+OPTIONS = {
+    "backward_passes_per_step=2": {"backward_passes_per_step": 2},
+    "op=Sum": {"op": hvd.Sum},
+    "gradient_predivide_factor=2": {"gradient_predivide_factor": 2.0},
+    "fp16 compression": {"compression": "fp16"},
+    "clip_grad_norm_": {"clip": 0.05},
+}
+
+
+@pytest.mark.parametrize("shard", ["optimizer", "gradients"])
+@pytest.mark.parametrize("case", list(OPTIONS))
+def test_horovods_reduction_options_give_the_unsharded_weights(shard: str, case: str) -> None:
+    for rank, difference in enumerate(run_ranks(_against_unsharded, 2, args=(shard, OPTIONS[case]), timeout_s=120)):
+        assert difference < ATOL, f"{case}, rank {rank}: {difference}"
 
 
 def _resharded(kind: str, given: dict[str, Any]) -> dict[str, Any]:

@@ -27,7 +27,7 @@ from shoal.plan.schemes import Compressed, Planned, Scheme, forces_outer, parse_
 from shoal.ps.config import resolve_config
 from shoal.torch.balanced_loader import BalancedLoader
 from shoal.torch.compression import Compression, Compressor
-from shoal.torch.exchange import AdasumExchange, GradientExchange
+from shoal.torch.exchange import GradientExchange
 from shoal.torch.exchange.scattered import ScatteredGradients
 from shoal.torch.far_choice import FarChoice
 from shoal.torch.host_groups import HostGroups, host_groups, local_options
@@ -36,6 +36,7 @@ from shoal.torch.layer_comm.report import plan_report
 from shoal.torch.layer_comm.router import LayerRouter
 from shoal.torch.local_steps import OuterFactory, OuterRounds
 from shoal.torch.micro_batch_grads import MicroBatchWeights
+from shoal.torch.optimizer_adasum import AdasumOptimizer, wrap_adasum
 from shoal.torch.optimizer_args import bucket_bytes_of, check_balanced, checked_groups, split_compression
 from shoal.torch.optimizer_class import is_mixed_with, mix_into
 from shoal.torch.param_names import parameter_names
@@ -143,6 +144,23 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             shards.take_grads()
         return shards.step(closure, self.param_groups)
 
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Scale the reduced gradients so that their norm over the whole model is at most ``max_norm``, as
+        ``torch.nn.utils.clip_grad_norm_`` does; return the norm before clipping. Call it on every rank after
+        ``synchronize()``, then ``step()`` inside ``skip_synchronize()``. With ``shard='gradients'`` the reduced
+        gradients exist only in the ranks' shards, and this is how to clip them (the norm is taken across shards).
+
+        Raises:
+            RuntimeError: gradient reductions are still in flight (call ``synchronize()`` first).
+        """
+        if self._shoal_exchange.pending:
+            raise RuntimeError("clip_grad_norm_ needs the reduced gradients: call optimizer.synchronize() first")
+        shards = self._shoal_shards
+        if shards is not None and self._shoal_exchange.scattered is not None:
+            return shards.clip_grad_norm_(max_norm, norm_type)
+        params = [p for group in self.param_groups for p in group["params"]]
+        return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
+
     def state_dict(self) -> dict[str, Any]:
         """The optimizer's state in torch's own form; sharded, gathered whole from every rank (call it on all)."""
         packed = self._shoal_base.state_dict(self)
@@ -184,34 +202,6 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             )
         self._shoal_base.zero_grad(self, set_to_none)
         self._shoal_exchange.marks.step_ended()
-
-
-class _AdasumOptimizer(torch.optim.Optimizer):
-    """Horovod's Adasum optimizer surface (see ``AdasumExchange``), mixed in the same way."""
-
-    _shoal_base: type[torch.optim.Optimizer]
-    _shoal_exchange: AdasumExchange
-
-    def synchronize(self) -> None:
-        """Horovod's Adasum optimizer synchronizes in ``step()``; this does nothing, as there."""
-
-    def skip_synchronize(self) -> Any:
-        raise AssertionError("Skipping synchronization is not supported when using Adasum optimizer.")
-
-    def step(self, closure: Any = None) -> Any:
-        """Exchange any delta not started yet (no gradient this step), then apply old value + combined delta."""
-        loss = closure() if closure is not None else None
-        self._shoal_exchange.apply()
-        return loss
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """Clear gradients; refuses while exchanges are in flight."""
-        if self._shoal_exchange.pending:
-            raise AssertionError(
-                "optimizer.zero_grad() was called after loss.backward() but before optimizer.step() or "
-                "optimizer.synchronize(). This is prohibited as it can cause a race condition."
-            )
-        self._shoal_base.zero_grad(self, set_to_none)
 
 
 def DistributedOptimizer(
@@ -284,7 +274,7 @@ def DistributedOptimizer(
     if ReduceOp(op) == ReduceOp.Adasum and basics.size() > 1:  # as in Horovod: one rank needs no delta optimizer
         if process_set is not global_process_set or comm != "allreduce" or shards is not None:
             raise NotImplementedError("op=Adasum supports the global process set, comm='allreduce' and no shard only")
-        wrapped, names = _adasum(optimizer, params, named, compression, backward_passes_per_step)
+        wrapped, names = wrap_adasum(optimizer, params, named, compression, backward_passes_per_step)
     else:
         names = parameter_names(optimizer.param_groups, named)
         ps_config = resolve_config(ps_mode, ps_staleness)
@@ -314,20 +304,6 @@ def DistributedOptimizer(
     wrapped._parameter_names = {p: names[id(p)] for group in wrapped.param_groups for p in group["params"] if id(p) in names}
     wrapped._shoal_exchange.attach()
     return wrapped
-
-
-def _adasum(
-    optimizer: torch.optim.Optimizer,
-    params: list[torch.Tensor],
-    named_parameters: Any,
-    compression: type[Compressor],
-    passes: int,
-) -> tuple[Any, dict[int, str]]:
-    """``optimizer`` mixed with Horovod's Adasum surface over an ``AdasumExchange``, and the parameters' names."""
-    names = parameter_names(optimizer.param_groups, named_parameters, adasum=True)
-    wrapped = mix_into(optimizer, _AdasumOptimizer)
-    wrapped._shoal_exchange = AdasumExchange(wrapped, params, names, compression, passes)
-    return wrapped, names
 
 
 def _wrap_gradients(
@@ -392,5 +368,5 @@ def _indices(param_groups: list[dict[str, Any]]) -> dict[int, int]:
 def drop_unfinished_step(optimizer: torch.optim.Optimizer) -> None:
     """Forget the gradient exchanges of an unfinished step (elastic recovery after a failed collective); a no-op
     for an optimizer that is not a ``DistributedOptimizer``."""
-    if is_mixed_with(optimizer, _DistributedOptimizer) or is_mixed_with(optimizer, _AdasumOptimizer):
+    if is_mixed_with(optimizer, _DistributedOptimizer) or is_mixed_with(optimizer, AdasumOptimizer):
         optimizer._shoal_exchange.reset(discard=True)  # type: ignore[attr-defined]

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from shoal.core.process_sets import ProcessSet
+from shoal.core.rules import ReduceOp
 from shoal.torch import functions
 from shoal.torch.sharding.layout import Bucket, ShardLayout
 from shoal.torch.sharding.stage import Shard
@@ -135,6 +136,27 @@ class ShardedOptimizer:
             if shard.grad is None:
                 shard.grad = torch.zeros_like(shard)
         return [s.grad for s in self.shards]  # type: ignore[misc]  # every shard has one now
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float) -> torch.Tensor:
+        """Stage 2: scale the shards' gradients so that the norm of the whole reduced gradient, taken across every
+        rank's shards, is at most ``max_norm`` (``torch.nn.utils.clip_grad_norm_``'s rule); return that norm."""
+        grads = [s.grad.reshape(-1) for s in self.shards if s.grad is not None]
+        flat = torch.cat(grads) if grads else torch.zeros(0)
+        if norm_type == float("inf"):
+            mine = flat.abs().max() if flat.numel() else torch.zeros(())
+            total = functions.allreduce(
+                mine.reshape(1), name=f"{self.name}.norm", op=ReduceOp.Max, process_set=self.process_set
+            )[0]
+        else:
+            mine = flat.abs().pow(norm_type).sum() if flat.numel() else torch.zeros(())
+            summed = functions.allreduce(
+                mine.reshape(1), name=f"{self.name}.norm", op=ReduceOp.Sum, process_set=self.process_set
+            )
+            total = summed[0].pow(1.0 / norm_type)
+        scale = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for grad in grads:
+            grad.mul_(scale)
+        return total
 
     # ----- the step -----
 
