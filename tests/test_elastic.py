@@ -396,12 +396,13 @@ def test_unnamed_collectives_barrier_and_sync_batch_norm_pair_up_after_a_reform(
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("loss", ["discovery", "sigkill"])
+@pytest.mark.parametrize("loss", ["discovery", "sigkill", "sigkill, sharded"])
 def test_a_balanced_job_that_shrinks_and_grows_keeps_one_process_weights(tmp_path: Path, loss: str) -> None:
     """BalancedLoader under elastic: the world goes 2 -> 1 -> 2, the global batch stays; the weights equal one process
     over the same global batches (atol 1e-5, float reassociation) and every sample of every epoch counts once.
     The worker leaves when discovery stops offering its slot, or is SIGKILLed (the survivor rolls back to its last
-    commit) and comes back after its host's cooldown."""
+    commit) and comes back after its host's cooldown. Sharded (``shard="gradients"``), the optimizer state is
+    re-sharded over each new world from the last commit: the killed worker's half of the momentum is not lost."""
     import numpy as np
 
     from workers import balanced_elastic as worker
@@ -412,13 +413,14 @@ def test_a_balanced_job_that_shrinks_and_grows_keeps_one_process_weights(tmp_pat
     epochs = 12
     flags = ["-np", "2", "--min-np", "1", "--max-np", "2", "--host-discovery-script", str(script)]
     job = RunningJob(
-        [*flags, "--blacklist-cooldown-range", "1", "2"] if loss == "sigkill" else flags,
-        ["--epochs", str(epochs), "--step-delay", "0.1", "--hold-file", str(hold)],
+        [*flags, "--blacklist-cooldown-range", "1", "2"] if loss.startswith("sigkill") else flags,
+        ["--epochs", str(epochs), "--step-delay", "0.1", "--hold-file", str(hold)]
+        + (["--shard", "gradients"] if "sharded" in loss else []),
         [sys.executable, str(REPO / "tests" / "workers" / "balanced_elastic.py")],
     )
     pid = int(job.wait_for(r"^\[1\]<stdout>:worker pid (\d+)", 60).group(1))
     job.wait_for(r"^\[0\]<stdout>:step 8 world 2", 90)
-    if loss == "sigkill":
+    if loss.startswith("sigkill"):
         subprocess.run(["kill", "-9", str(pid)], check=True)
     else:
         hosts.write_text("localhost:1\n")
@@ -434,7 +436,7 @@ def test_a_balanced_job_that_shrinks_and_grows_keeps_one_process_weights(tmp_pat
             break
     assert result is not None, "\n".join(job.lines[-30:])
     log = result["log"]
-    assert (result["restores"] > 0) == (loss == "sigkill"), result["restores"]  # a kill rolls back, a removal does not
+    assert (result["restores"] > 0) == loss.startswith("sigkill"), result["restores"]  # a kill rolls back, a removal does not
     worlds = [entry[2] for entry in log]
     assert 1 in worlds and worlds[0] == 2 and worlds[-1] == 2, worlds
     steps = [(entry[0], entry[1]) for entry in log]

@@ -94,11 +94,14 @@ def _reference(size: int, kind: str) -> tuple[dict[str, np.ndarray], dict[int, d
 def _sharded(kind: str, shard: str, bucket_bytes: int) -> dict[str, Any]:
     hvd.init()
     torch.set_num_threads(1)
-    torch.manual_seed(0)
+    torch.manual_seed(hvd.rank())  # different on purpose: the parameters change after the optimizer is built
     model = Net()
     optimizer = hvd.DistributedOptimizer(
         _optimizer(model, kind), named_parameters=model.named_parameters(), shard=shard, bucket_bytes=bucket_bytes
     )
+    if hvd.rank() == 0:
+        torch.manual_seed(0)
+        model.load_state_dict(Net().state_dict())
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     hvd.broadcast_optimizer_state(optimizer, root_rank=0)
     x, y = _data(hvd.size())

@@ -76,6 +76,7 @@ def main() -> None:
         "instead of training on: a test removes it once it has seen the world grow again, so training cannot end "
         "before a returning worker has started, however long that takes on a loaded machine",
     )
+    parser.add_argument("--shard", default=None, help="DistributedOptimizer's shard= (default: none)")
     args = parser.parse_args()
     hvd.init()
     print(f"worker pid {os.getpid()} starts as rank {hvd.rank()}", flush=True)
@@ -83,7 +84,9 @@ def main() -> None:
     torch.manual_seed(0)
     model = Net()
     loader = hvd.BalancedLoader(dataset(), GLOBAL_BATCH, MICRO_BATCH, shuffle=True, seed=SEED)
-    optimizer = hvd.DistributedOptimizer(optimizer_for(model), named_parameters=model.named_parameters(), loader=loader)
+    optimizer = hvd.DistributedOptimizer(
+        optimizer_for(model), named_parameters=model.named_parameters(), loader=loader, shard=args.shard
+    )
     state = hvd.elastic.TorchState(model=model, optimizer=optimizer, loader=loader, epoch=0, log=[])
     restores = 0
     committed_restore = state.restore

@@ -8,6 +8,7 @@ backprop. ``step()`` (or ``synchronize()``) waits for the results and then appli
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import time
 import warnings
@@ -363,6 +364,17 @@ def _scattered(
 def _indices(param_groups: list[dict[str, Any]]) -> dict[int, int]:
     """Each parameter's index in torch's state dict (its place across the param groups), by ``id``."""
     return {id(p): i for i, p in enumerate(p for group in param_groups for p in group["params"])}
+
+
+def reshard(optimizer: torch.optim.Optimizer, committed: dict[str, Any]) -> None:
+    """After an elastic re-form: a sharded ``DistributedOptimizer`` takes its pieces of the new world and loads them
+    from ``committed``, the whole state of the last commit (the pieces a departed rank held exist nowhere else);
+    ``broadcast_optimizer_state`` then hands rank 0's commit to every rank. A no-op for any other optimizer."""
+    shards = getattr(optimizer, "_shoal_shards", None)
+    if shards is None:
+        return
+    shards.relayout(shards.layout.for_world(basics.size(), basics.rank()))
+    optimizer.load_state_dict(copy.deepcopy(committed))
 
 
 def drop_unfinished_step(optimizer: torch.optim.Optimizer) -> None:

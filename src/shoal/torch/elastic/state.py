@@ -18,7 +18,7 @@ from shoal.core.basics import rank, size
 from shoal.core.elastic import ObjectState
 from shoal.core.process_sets import global_process_set
 from shoal.torch.elastic.outer import ElasticOuter
-from shoal.torch.optimizer import drop_unfinished_step, rounds_of
+from shoal.torch.optimizer import drop_unfinished_step, reshard, rounds_of
 
 
 def _has_state_dict(value: Any) -> bool:
@@ -94,9 +94,12 @@ class TorchState(ObjectState):
             self._outer.restore()
 
     def reset(self) -> None:
-        """After the job re-formed: local steps register the new job's host groups (collective, before the sync)."""
+        """After the job re-formed: local steps register the new job's host groups (collective, before the sync); a
+        sharded optimizer takes its pieces of the new world, from the last commit."""
         if self._outer is not None:
             self._outer.regroup()
+        if self.optimizer is not None:
+            reshard(self.optimizer, self._saved_optimizer)
 
     def sync(self) -> None:
         """Broadcast rank 0's model, optimizer state and values; re-shard samplers over the new world; save."""

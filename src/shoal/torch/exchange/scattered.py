@@ -19,7 +19,7 @@ from shoal.core.process_sets import ProcessSet
 from shoal.core.rules import ReduceSpec
 from shoal.torch import functions
 from shoal.torch.compression import Compressor
-from shoal.torch.sharding.layout import Bucket
+from shoal.torch.sharding.layout import Bucket, ShardLayout
 from shoal.torch.sharding.shards import ShardedOptimizer
 
 
@@ -34,16 +34,26 @@ class ScatteredGradients:
     """Stage 2's part of the gradient exchange: the fixed buckets, the gradients waiting in them, and the
     reduce-scatters in flight."""
 
-    __slots__ = ("_bucket_of", "_in_flight", "_sent", "_waiting", "compressor", "params", "shards")
+    __slots__ = ("_by_param", "_in_flight", "_layout", "_sent", "_waiting", "compressor", "params", "shards")
 
     def __init__(self, shards: ShardedOptimizer, compressor: type[Compressor]) -> None:
         self.shards = shards
         self.params = shards.params
         self.compressor = compressor
-        self._bucket_of = {id(shards.params[p]): bucket for bucket in shards.layout.buckets for p in bucket.params}
         self._waiting: dict[int, set[int]] = {}
         self._sent: set[int] = set()
         self._in_flight: list[_Sent] = []
+        self._layout: ShardLayout | None = None
+        self._by_param: dict[int, Bucket] = {}
+
+    @property
+    def _bucket_of(self) -> dict[int, Bucket]:
+        """Each parameter's bucket, by ``id``, in the shards' current layout (an elastic re-form changes it)."""
+        layout = self.shards.layout
+        if self._layout is not layout:
+            self._layout = layout
+            self._by_param = {id(self.params[p]): bucket for bucket in layout.buckets for p in bucket.params}
+        return self._by_param
 
     def holds(self, param: torch.Tensor) -> bool:
         """Whether ``param``'s gradient travels here."""

@@ -61,7 +61,18 @@ class ShardLayout:
         rank: this rank's index among them.
     """
 
-    __slots__ = ("buckets", "group_count", "pieces", "rank", "shard_sizes", "size", "sizes")
+    __slots__ = (
+        "bucket_bytes",
+        "buckets",
+        "element_bytes",
+        "group_count",
+        "groups",
+        "pieces",
+        "rank",
+        "shard_sizes",
+        "size",
+        "sizes",
+    )
 
     def __init__(
         self, sizes: list[int], groups: list[int], element_bytes: int, bucket_bytes: int, size: int, rank: int
@@ -70,7 +81,8 @@ class ShardLayout:
             raise ValueError("one group index per parameter is needed")
         if size < 1 or not 0 <= rank < size:
             raise ValueError(f"rank {rank} is not one of {size} ranks")
-        self.sizes = list(sizes)
+        self.sizes, self.groups = list(sizes), list(groups)
+        self.element_bytes, self.bucket_bytes = element_bytes, bucket_bytes
         self.size, self.rank = size, rank
         self.group_count = max(groups, default=-1) + 1
         self.buckets = _fill_buckets(sizes, element_bytes, bucket_bytes, size)
@@ -89,6 +101,10 @@ class ShardLayout:
                 owned.append(Piece(param, group, start - offset, end - start, self.shard_sizes[group], start - low))
                 self.shard_sizes[group] += end - start
             self.pieces.append(owned)
+
+    def for_world(self, size: int, rank: int) -> ShardLayout:
+        """The same parameters and buckets over another world (an elastic job that re-formed)."""
+        return ShardLayout(self.sizes, self.groups, self.element_bytes, self.bucket_bytes, size, rank)
 
     @property
     def owned(self) -> int:

@@ -71,7 +71,7 @@ class ShardedOptimizer:
         name: a prefix for this optimizer's requests to the engine.
     """
 
-    __slots__ = ("_runs", "group_of", "inner", "layout", "loaded", "name", "params", "process_set", "shards", "stage")
+    __slots__ = ("_build", "_runs", "group_of", "inner", "layout", "loaded", "name", "params", "process_set", "shards", "stage")
 
     def __init__(
         self,
@@ -84,18 +84,26 @@ class ShardedOptimizer:
         process_set: ProcessSet,
         name: str,
     ) -> None:
-        self.stage, self.params, self.layout, self.process_set, self.name = stage, params, layout, process_set, name
+        self.stage, self.params, self.process_set, self.name = stage, params, process_set, name
         found = {id(p): g for g, group in enumerate(param_groups) for p in group["params"]}
         self.group_of = [found[id(p)] for p in params]
         """Each parameter's param-group index."""
-        like = params[0] if params else torch.empty(0)
-        self.shards = [torch.zeros(n, dtype=like.dtype, device=like.device) for n in layout.shard_sizes]
-        self._runs = layout.runs()
         self.loaded: dict[str, Any] | None = None
         """A full state dict loaded on this rank alone, kept until ``broadcast_optimizer_state`` hands it out."""
+        self._build = lambda shards: _build(
+            base, defaults, [{**_hyper(group), "params": [shard]} for group, shard in zip(param_groups, shards, strict=True)]
+        )
+        self.relayout(layout)
+
+    def relayout(self, layout: ShardLayout) -> None:
+        """Own ``layout``'s pieces from now on (an elastic job re-formed over another world): new shards from the
+        parameters' values, and a new optimizer over them, with no state (load the committed state next)."""
+        like = self.params[0] if self.params else torch.empty(0)
+        self.layout = layout
+        self.shards = [torch.zeros(n, dtype=like.dtype, device=like.device) for n in layout.shard_sizes]
+        self._runs = layout.runs()
         self.copy_values_in()
-        groups = [{**_hyper(group), "params": [shard]} for group, shard in zip(param_groups, self.shards, strict=True)]
-        self.inner = _build(base, defaults, groups)
+        self.inner = self._build(self.shards)
 
     @property
     def state_numel(self) -> int:
@@ -169,6 +177,8 @@ class ShardedOptimizer:
                 loss = closure()
         for inner, outer in zip(self.inner.param_groups, param_groups, strict=True):
             inner.update(_hyper(outer))
+        # The parameters are the truth: a broadcast, a checkpoint or an elastic roll-back may have changed them.
+        self.copy_values_in()
         self.inner.step()
         if self.stage is Shard.OPTIMIZER:  # the whole gradients stay in p.grad: hold the shard's copy only for the step
             for shard in self.shards:
