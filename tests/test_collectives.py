@@ -76,6 +76,8 @@ def _other_collectives() -> dict[str, object]:
     out["alltoall/splits"] = (received.tolist(), splits.tolist())
     for op_name in ("Sum", "Average"):
         out[f"reducescatter/{op_name}"] = hvd.reducescatter(torch.ones(5, 2) * (rank + 1), op=OPS[op_name]).tolist()
+    distinct = torch.arange(21.0).reshape(7, 3) * (rank + 1)  # every element distinct: a block mixed up shows
+    out["reducescatter/rows"] = hvd.reducescatter(distinct, op=hvd.Sum, prescale_factor=2.0).tolist()
     out["grouped_allreduce"] = [t.tolist() for t in hvd.grouped_allreduce([torch.ones(2) * rank, torch.ones(3)])]
     out["grouped_allgather"] = [t.tolist() for t in hvd.grouped_allgather([torch.ones(1) * rank, torch.ones(2)])]
     out["grouped_reducescatter"] = [t.tolist() for t in hvd.grouped_reducescatter([torch.ones(size, 1)], op=hvd.Sum)]
@@ -92,9 +94,13 @@ def _other_collectives() -> dict[str, object]:
     return out
 
 
+@pytest.mark.parametrize("path", ["shared memory", "gloo"])
 @pytest.mark.parametrize("size", [1, 2, 3, 4])
-def test_allgather_broadcast_alltoall_reducescatter(size: int) -> None:
-    results = run_ranks(_other_collectives, size, timeout_s=120)
+def test_allgather_broadcast_alltoall_reducescatter(size: int, path: str) -> None:
+    """Through the host's shared memory (the default with several ranks on a host: reducescatter and allgather move
+    only each rank's block), and over gloo alone (as between hosts: the reducescatter is a ring)."""
+    env = {"SHOAL_HIERARCHICAL_ALLREDUCE": "0"} if path == "gloo" else {}
+    results = run_ranks(_other_collectives, size, env=env, timeout_s=120)
     for rank, out in enumerate(results):
         for dtype in [*DTYPES, "bool"]:
             is_bool = dtype == "bool"
@@ -112,6 +118,10 @@ def test_allgather_broadcast_alltoall_reducescatter(size: int) -> None:
         rows = [5 // size + (1 if i < 5 % size else 0) for i in range(size)]
         assert out["reducescatter/Sum"] == [[float(total)] * 2] * rows[rank]
         assert out["reducescatter/Average"] == [[total / size] * 2] * rows[rank]
+        seven = [7 // size + (1 if i < 7 % size else 0) for i in range(size)]
+        first = sum(seven[:rank])
+        expected_block = np.arange(21.0).reshape(7, 3)[first : first + seven[rank]] * 2 * total
+        np.testing.assert_array_equal(np.array(out["reducescatter/rows"]).reshape(-1, 3), expected_block)
         assert out["grouped_allreduce"] == [[sum(range(size)) / size] * 2, [1.0] * 3]
         assert out["grouped_allgather"] == [[float(r) for r in range(size)], [1.0] * (2 * size)]
         assert out["grouped_reducescatter"] == [[[float(size)]]]

@@ -3,19 +3,27 @@ DDP, and torch's own ZeRO stage 1 (``ZeroRedundancyOptimizer`` under DDP), with 
 
 Run: ``shoalrun -np 2 python -m shoal.bench.shard --model mlp``. Every phase trains the same model from the same
 weights on the same batches. Rank 0 prints one JSON line: ``{"bench":"shard","model":..,"world":..,"phases":{name:
-{"ips":..,"state_bytes":..,"grad_bytes":..,"max_abs_diff":..}},"solo_ips":..,...}`` where, per phase (the best of
-``--rounds`` rounds, the phases alternating), ``ips`` counts samples per second over all workers, ``state_bytes``
-is the largest optimizer state any rank holds (its tensors' bytes), ``grad_bytes`` the largest gradient bytes a
-rank holds once the step's reduction is done (before the update), and ``max_abs_diff`` the largest difference of
-the phase's final weights from the unsharded Shoal phase's. ``solo_ips`` is one process training alone (the others
-wait); ``<phase>_ratio`` keys give each phase's ips over DDP's and ``<phase>_state_share`` its state bytes over
-DDP's.
+{"ips":..,"state_bytes":..,"grad_bytes":..,"peak_bytes":..,"sent_bytes_per_step":..,"max_abs_diff":..}},
+"solo_ips":..,...}``. Per phase (the best of ``--rounds`` rounds, the phases alternating):
+
+- ``ips``: samples per second over all workers;
+- ``state_bytes``: the largest optimizer state any rank holds (its tensors' bytes);
+- ``grad_bytes``: the largest gradient bytes a rank holds once the step's reduction is done (before the update);
+- ``peak_bytes``: the largest rise of a rank's resident memory during the phase (Linux's peak resident size,
+  restarted before it);
+- ``sent_bytes_per_step``: the most bytes a rank's network namespace sent per timed step, loopback aside (under
+  ``shoal.bench.netns``, the bytes between hosts; 0 on one host);
+- ``max_abs_diff``: the largest difference of the phase's final weights from the unsharded Shoal phase's.
+
+``solo_ips`` is one process training alone (the others wait); ``<phase>_ratio`` keys give each phase's ips over
+DDP's and ``<phase>_state_share`` its state bytes over DDP's.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import time
 from collections.abc import Callable
 from typing import Any
@@ -25,6 +33,7 @@ from torch import nn
 
 import shoal.torch as hvd
 from shoal.bench import add_json_flag, emit
+from shoal.bench.far import sent_bytes
 from shoal.comm.baselines import wrap_ddp, wrap_zero_ddp
 from shoal.predict.models import build, parameter_count
 
@@ -63,15 +72,15 @@ def _train(
     batches: list[tuple[torch.Tensor, torch.Tensor]],
     args: argparse.Namespace,
     wait: Callable[[], None],
-) -> tuple[float, int]:
-    """Seconds for the timed steps (the slowest rank's) after the warm-up ones, and the gradient bytes held after
-    the last step's reduction."""
+) -> tuple[float, int, int]:
+    """Seconds for the timed steps (the slowest rank's) after the warm-up ones, the gradient bytes held after the
+    last step's reduction, and the bytes this rank's host sent during the timed steps."""
     loss_fn = nn.CrossEntropyLoss()
     grad_bytes = 0
     for index in range(args.warmup + args.steps):
         if index == args.warmup:
             hvd.barrier()
-            start = time.perf_counter()
+            start, sent = time.perf_counter(), sent_bytes()
         x, y = batches[index % len(batches)]
         optimizer.zero_grad()
         loss_fn(model(x), y).backward()
@@ -79,13 +88,32 @@ def _train(
         grad_bytes = _grad_bytes(model, optimizer)
         with getattr(optimizer, "skip_synchronize", contextlib.nullcontext)():  # Shoal's: wait() synchronized it
             optimizer.step()
+    elapsed, sent = time.perf_counter() - start, sent_bytes() - sent
     hvd.barrier()
-    elapsed = float(hvd.allreduce(torch.tensor([time.perf_counter() - start]), op=hvd.Max, name="bench.shard.t").item())
-    return elapsed, grad_bytes
+    elapsed = float(hvd.allreduce(torch.tensor([elapsed]), op=hvd.Max, name="bench.shard.t").item())
+    return elapsed, grad_bytes, sent
+
+
+def _memory_mark() -> int:
+    """Give freed memory back to the system and restart the peak resident size here; return the resident bytes now
+    (what a phase's peak is measured above). Linux: ``malloc_trim`` and ``/proc/self/clear_refs``."""
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    with open("/proc/self/clear_refs", "w") as refs:
+        refs.write("5")  # resets VmHWM to the current resident size
+    return _status_bytes("VmRSS")
+
+
+def _status_bytes(field: str) -> int:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"/proc/self/status has no {field}")
 
 
 def run_phase(name: str, args: argparse.Namespace, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> dict[str, Any]:
     """One phase: the model from seed 0, its optimizer as ``name`` says, trained; its figures and final weights."""
+    base = _memory_mark()
     torch.manual_seed(0)
     model, _ = build(args.model)
     wait: Callable[[], None] = lambda: None  # noqa: E731
@@ -100,13 +128,23 @@ def run_phase(name: str, args: argparse.Namespace, batches: list[tuple[torch.Ten
             torch.optim.Adam(model.parameters(), lr=LR), named_parameters=model.named_parameters(), shard=shard
         )
         wait = optimizer.synchronize  # type: ignore[attr-defined]
-    elapsed, grad_bytes = _train(model, optimizer, batches, args, wait)
+    elapsed, grad_bytes, sent = _train(model, optimizer, batches, args, wait)
+    peak_bytes = _status_bytes("VmHWM") - base
     state_bytes = _state_bytes(optimizer)
-    figures = torch.tensor([state_bytes, grad_bytes], dtype=torch.float64)
-    state_bytes, grad_bytes = (int(v) for v in hvd.allreduce(figures, op=hvd.Max, name=f"bench.shard.{name}.bytes"))
+    figures = torch.tensor([state_bytes, grad_bytes, peak_bytes, sent / args.steps], dtype=torch.float64)
+    state_bytes, grad_bytes, peak_bytes, sent_per_step = (
+        int(v) for v in hvd.allreduce(figures, op=hvd.Max, name=f"bench.shard.{name}.bytes")
+    )
     weights = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     ips = hvd.size() * args.batch_size * args.steps / elapsed
-    return {"ips": ips, "state_bytes": state_bytes, "grad_bytes": grad_bytes, "weights": weights}
+    return {
+        "ips": ips,
+        "state_bytes": state_bytes,
+        "grad_bytes": grad_bytes,
+        "peak_bytes": peak_bytes,
+        "sent_bytes_per_step": sent_per_step,
+        "weights": weights,
+    }
 
 
 def run_solo(args: argparse.Namespace, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:

@@ -9,6 +9,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
+from shoal.comm.reductions import REDUCE_INTO
+
 Group = Any
 """A torch.distributed process group, or None for the default (world) group."""
 
@@ -43,6 +45,39 @@ def alltoall(
 ) -> None:
     """Send ``input_splits[i]`` rows of ``tensor`` to member i; receive ``output_splits[i]`` rows from it."""
     dist.all_to_all_single(output, tensor, output_splits, input_splits, group=group)
+
+
+def ring_reduce_scatter(
+    tensor: torch.Tensor, counts: list[int], reduction: str, members: list[int], group: Group
+) -> torch.Tensor:
+    """This member's block of the 1-D ``tensor`` (the same size on every member) reduced across the group, by a ring.
+
+    Member i's block is ``counts[i]`` elements after the blocks before it (``members``: the group's global ranks, in
+    order). In N-1 steps each member sends one partly reduced block to the next member and receives one from the
+    previous, so it sends (N-1)/N of the tensor's bytes, where an allreduce sends about twice that. gloo's own
+    reduce_scatter runs an allreduce per member (pytorch/pytorch#149869), so it is not used.
+    """
+    size = len(members)
+    me = members.index(dist.get_rank())
+    starts = [sum(counts[:i]) for i in range(size)]
+
+    def block(index: int) -> torch.Tensor:
+        return tensor[starts[index] : starts[index] + counts[index]]
+
+    reduce_into = REDUCE_INTO[reduction]
+    partial = block((me - 1) % size).clone()
+    for step in range(1, size):
+        index = (me - step - 1) % size  # the block arriving now, partly reduced by the members before this one
+        incoming = torch.empty(counts[index], dtype=tensor.dtype, device=tensor.device)
+        ops = []
+        if partial.numel():  # every member knows every block's size: an empty block is neither sent nor awaited
+            ops.append(dist.P2POp(dist.isend, partial, members[(me + 1) % size], group))
+        if incoming.numel():
+            ops.append(dist.P2POp(dist.irecv, incoming, members[(me - 1) % size], group))
+        for request in dist.batch_isend_irecv(ops) if ops else []:
+            request.wait()
+        partial = reduce_into(incoming, block(index))
+    return partial
 
 
 def barrier(group: Group) -> None:

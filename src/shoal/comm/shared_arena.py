@@ -26,7 +26,8 @@ from collections.abc import Callable
 import torch
 
 from shoal.comm.names import SEGMENT_PREFIX, SHM_DIR
-from shoal.comm.shm import REDUCE_INTO, SharedMemoryError, SharedMemoryGroup, check_segment_file, check_segment_path
+from shoal.comm.reductions import REDUCE_INTO
+from shoal.comm.shm import SharedMemoryError, SharedMemoryGroup, check_segment_file, check_segment_path
 
 ALIGNMENT = 64
 """Every range starts on its own cache line, so two ranks never write the same line of one arena."""

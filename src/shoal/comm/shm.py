@@ -30,6 +30,7 @@ import torch
 from shoal.comm.names import SEGMENT_PREFIX, SHM_DIR, host_tag
 from shoal.comm.names import job_token as job_token  # re-exported: shm is where the segments are made
 from shoal.comm.names import remove_job_segments as remove_job_segments
+from shoal.comm.reductions import REDUCE_INTO, REDUCE_OUT
 from shoal.comm.shm_control import ControlLines, SharedMemoryError
 from shoal.log import get_logger
 
@@ -37,22 +38,6 @@ _SHM_DIR = SHM_DIR
 _HEADER_BYTES = 4096
 DEFAULT_SLOT_BYTES = 4 * 1024 * 1024
 
-REDUCE_INTO: dict[str, Callable[[torch.Tensor, torch.Tensor], Any]] = {
-    "sum": lambda acc, other: acc.add_(other) if acc.dtype != torch.bool else acc.logical_or_(other),
-    "product": lambda acc, other: acc.mul_(other) if acc.dtype != torch.bool else acc.logical_and_(other),
-    "min": lambda acc, other: torch.minimum(acc, other, out=acc),
-    "max": lambda acc, other: torch.maximum(acc, other, out=acc),
-    "band": lambda acc, other: acc.bitwise_and_(other),
-}
-
-
-REDUCE_OUT: dict[str, Callable[[torch.Tensor, torch.Tensor, torch.Tensor], Any]] = {
-    "sum": lambda a, b, out: torch.add(a, b, out=out) if a.dtype != torch.bool else torch.logical_or(a, b, out=out),
-    "product": lambda a, b, out: torch.mul(a, b, out=out) if a.dtype != torch.bool else torch.logical_and(a, b, out=out),
-    "min": lambda a, b, out: torch.minimum(a, b, out=out),
-    "max": lambda a, b, out: torch.maximum(a, b, out=out),
-    "band": lambda a, b, out: torch.bitwise_and(a, b, out=out),
-}
 _LARGE_CHUNK_ELEMENTS = 64 * 1024
 """From this many elements per chunk on, copies dominate and the copy-saving allreduce variant is used."""
 

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from shoal.comm.shm import REDUCE_INTO, REDUCE_OUT, SharedMemoryGroup
+from shoal.comm.reductions import REDUCE_INTO, REDUCE_OUT
+from shoal.comm.shm import SharedMemoryGroup
 
 
 def block_bounds(counts: list[int]) -> list[tuple[int, int]]:

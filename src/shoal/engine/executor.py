@@ -348,7 +348,8 @@ def _scattered(
 ) -> torch.Tensor:
     """This rank's block of rows of ``source`` times ``prescale``, reduced across the set (rank i's block:
     ``rows[i]`` rows after the blocks before it), as a new tensor; ``source`` is left as it was. One host: through
-    shared memory, each rank reducing only its block. Else an allreduce of a copy, sliced."""
+    shared memory, each rank reducing only its block; over gloo, a ring. Else (NCCL, or shared memory with several
+    hosts) an allreduce of a copy, sliced."""
     me = state.members.index(transport.rank)
     local = transport.shared_blocks(source, response.process_set)
     if local is not None:
@@ -358,6 +359,14 @@ def _scattered(
             scale_(flat, prescale)
         with transport.wire(f"reducescatter '{response.name}'"):
             block = reduce_scatter_(local, flat, reduction, [count * math.prod(source.shape[1:]) for count in rows])
+        return block.view(rows[me], *source.shape[1:])
+    if not source.is_cuda and not source.is_complex() and not transport.uses_shared_memory(source, response.process_set):
+        # Over gloo (between hosts, one rank each): a ring sends (N-1)/N of the bytes, an allreduce twice that.
+        flat = source.reshape(-1).clone() if prescale != 1.0 else source.reshape(-1)
+        scale_(flat, prescale)
+        elements = [count * math.prod(source.shape[1:]) for count in rows]
+        with transport.wire(f"reducescatter '{response.name}'"):
+            block = collectives.ring_reduce_scatter(flat, elements, reduction, list(state.members), state.group)
         return block.view(rows[me], *source.shape[1:])
     buffer = source.clone()
     scale_(buffer, prescale)
