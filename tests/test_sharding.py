@@ -165,6 +165,15 @@ def test_the_layout_gives_every_element_to_exactly_one_rank_in_blocks_that_tile_
                 owner[piece.param][piece.start : piece.start + piece.length] += 1
                 assert groups[piece.param] == piece.group
         assert layout.owned == sum(layout.shard_sizes)
+        for chunk_elements in (1, 10, 1000):  # the gathered values, a run of buckets at a time, land everywhere once
+            landed = [np.zeros(n, dtype=int) for n in sizes]
+            chunks = layout.gather_chunks(chunk_elements)
+            assert chunks[0].owned_start == 0 and chunks[-1].owned_stop == layout.owned
+            assert all(a.owned_stop == b.owned_start for a, b in zip(chunks, chunks[1:], strict=False))
+            for chunk in chunks:
+                for param, start, length, _ in chunk.runs:
+                    landed[param][start : start + length] += 1
+            assert all((n == 1).all() for n in landed)
     assert all((o == 1).all() for o in owner)
 
 

@@ -78,14 +78,13 @@ class ScatteredGradients:
         for bucket in self.shards.layout.buckets:
             if bucket.index not in self._sent:
                 self._send(bucket, spec, process_set)
-        for sent in self._in_flight:
-            block = handles.synchronize(sent.handle)
-            self.shards.take_block(sent.bucket, sent.compressor.decompress(block, sent.context))
+        self._land(finished_only=False)
         self.reset()
 
     def _send(self, bucket: Bucket, spec: ReduceSpec, process_set: ProcessSet) -> None:
         params = [self.params[i] for i in bucket.params]
-        flat = torch.cat([_grad(p).reshape(-1) for p in params])
+        # A bucket of one parameter (a large layer) sends its gradient as it is: no copy.
+        flat = _grad(params[0]).reshape(-1) if len(params) == 1 else torch.cat([_grad(p).reshape(-1) for p in params])
         for param in params:  # what stage 2 saves: no rank keeps the whole gradient
             param.grad = None
         wire, context = self.compressor.compress(flat)
@@ -94,6 +93,15 @@ class ScatteredGradients:
         self._waiting.pop(bucket.index, None)
         self._sent.add(bucket.index)
         self._in_flight.append(_Sent(bucket, handle, self.compressor, context))
+        self._land(finished_only=True)
+
+    def _land(self, finished_only: bool) -> None:
+        """Hand the reduce-scatters that came back (``finished_only``), or all of them, to the shards, in order:
+        each one's gradient bytes are freed as soon as it lands, not all at the end of backward."""
+        while self._in_flight and (not finished_only or handles.poll(self._in_flight[0].handle)):
+            sent = self._in_flight.pop(0)
+            block = handles.synchronize(sent.handle)
+            self.shards.take_block(sent.bucket, sent.compressor.decompress(block, sent.context))
 
     def reset(self, discard: bool = False) -> None:
         """Forget this step (``discard``: it never finished, so drop the reduce-scatters in flight)."""

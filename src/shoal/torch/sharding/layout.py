@@ -120,14 +120,15 @@ class ShardLayout:
         """How many elements rank ``rank`` owns: the sum of its blocks."""
         return sum(bucket.blocks[rank] for bucket in self.buckets)
 
-    def runs(self) -> list[tuple[int, int, int, int]]:
-        """Where every rank's blocks, gathered one rank after another (each rank's in bucket order), land in the
-        parameters: (param, start in its flat view, length, start in the gathered tensor), covering every element
-        once."""
+    def runs(self, first: int = 0, last: int | None = None) -> list[tuple[int, int, int, int]]:
+        """Where every rank's blocks of buckets ``first`` to ``last`` (exclusive; default: every bucket), gathered
+        one rank after another (each rank's in bucket order), land in the parameters: (param, start in its flat
+        view, length, start in the gathered tensor), covering every element of those buckets once."""
+        buckets = self.buckets[first:last]
         found = []
         gathered = 0
         for rank in range(self.size):
-            for bucket in self.buckets:
+            for bucket in buckets:
                 low = bucket.block_start(rank)
                 high = low + bucket.blocks[rank]
                 for param, offset in zip(bucket.params, bucket.offsets, strict=True):
@@ -136,6 +137,29 @@ class ShardLayout:
                         found.append((param, start - offset, end - start, gathered + start - low))
                 gathered += bucket.blocks[rank]
         return found
+
+    def gather_chunks(self, max_elements: int) -> list[GatherChunk]:
+        """The buckets in runs of about ``max_elements`` (whole buckets, at least one each), gathered one run at a
+        time so that no rank holds more than two runs' gathered values at once."""
+        chunks: list[GatherChunk] = []
+        first, owned, numel = 0, 0, 0
+        for index, bucket in enumerate(self.buckets):
+            numel += bucket.numel
+            if numel >= max_elements or index == len(self.buckets) - 1:
+                mine = sum(b.blocks[self.rank] for b in self.buckets[first : index + 1])
+                chunks.append(GatherChunk(owned, owned + mine, self.runs(first, index + 1)))
+                first, owned, numel = index + 1, owned + mine, 0
+        return chunks
+
+
+@dataclass(frozen=True)
+class GatherChunk:
+    """A run of buckets gathered in one request: this rank's part of it (``owned_start`` to ``owned_stop`` of its
+    blocks in bucket order) and where the gathered values land (``ShardLayout.runs``)."""
+
+    owned_start: int
+    owned_stop: int
+    runs: list[tuple[int, int, int, int]]
 
 
 def _fill_buckets(sizes: list[int], element_bytes: int, bucket_bytes: int, size: int) -> list[Bucket]:

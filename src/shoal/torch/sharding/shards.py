@@ -16,11 +16,16 @@ from typing import Any
 
 import torch
 
+from shoal.core import session as handles
 from shoal.core.process_sets import ProcessSet
 from shoal.core.rules import ReduceOp
 from shoal.torch import functions
-from shoal.torch.sharding.layout import Bucket, ShardLayout
+from shoal.torch.sharding.layout import Bucket, GatherChunk, ShardLayout
 from shoal.torch.sharding.stage import Shard
+
+GATHER_CHUNK_BYTES = 8 << 20
+"""About how many bytes of parameters one allgather of updated values carries (at least a bucket): fewer requests
+than one per bucket, and two such runs held at once at most, never the whole model."""
 
 ELEMENTWISE: tuple[type[torch.optim.Optimizer], ...] = (
     torch.optim.SGD,
@@ -71,7 +76,20 @@ class ShardedOptimizer:
         name: a prefix for this optimizer's requests to the engine.
     """
 
-    __slots__ = ("_build", "_runs", "group_of", "inner", "layout", "loaded", "name", "params", "process_set", "shards", "stage")
+    __slots__ = (
+        "_build",
+        "_chunks",
+        "_runs",
+        "group_of",
+        "inner",
+        "layout",
+        "loaded",
+        "name",
+        "params",
+        "process_set",
+        "shards",
+        "stage",
+    )
 
     def __init__(
         self,
@@ -102,6 +120,7 @@ class ShardedOptimizer:
         self.layout = layout
         self.shards = [torch.zeros(n, dtype=like.dtype, device=like.device) for n in layout.shard_sizes]
         self._runs = layout.runs()
+        self._chunks = layout.gather_chunks(max(layout.bucket_bytes, GATHER_CHUNK_BYTES) // layout.element_bytes)
         self.copy_values_in()
         self.inner = self._build(self.shards)
 
@@ -188,14 +207,24 @@ class ShardedOptimizer:
         return loss
 
     def gather_values(self) -> None:
-        """Allgather every rank's blocks at once (one request: each rank's blocks of every bucket, in bucket order)
-        and write the parameters' new values."""
+        """Allgather every rank's updated blocks and write them into the parameters, a run of buckets per request
+        (``GATHER_CHUNK_BYTES``): the next run is on its way while this one is written, and no rank ever holds the
+        whole gathered model."""
         mine = self._owned(self.shards)
-        counts = [self.layout.owned_by(rank) for rank in range(self.layout.size)]
-        assert mine.numel() == counts[self.layout.rank]
-        whole = functions.allgather(mine, name=f"{self.name}.values", process_set=self.process_set)
+        previous = None
+        for index, chunk in enumerate(self._chunks):
+            part = mine[chunk.owned_start : chunk.owned_stop]
+            handle = functions.allgather_async(part, name=f"{self.name}.values.{index}", process_set=self.process_set)
+            if previous is not None:
+                self._write(*previous)
+            previous = (handle, chunk)
+        if previous is not None:
+            self._write(*previous)
+
+    def _write(self, handle: int, chunk: GatherChunk) -> None:
+        whole = handles.synchronize(handle)
         with torch.no_grad():
-            for param, start, length, at in self._runs:
+            for param, start, length, at in chunk.runs:
                 self.params[param].view(-1)[start : start + length].copy_(whole[at : at + length])
 
     def _owned(self, tensors: list[torch.Tensor]) -> torch.Tensor:
