@@ -3,20 +3,22 @@ DDP, and torch's own ZeRO stage 1 (``ZeroRedundancyOptimizer`` under DDP), with 
 
 Run: ``shoalrun -np 2 python -m shoal.bench.shard --model mlp``. Every phase trains the same model from the same
 weights on the same batches. Rank 0 prints one JSON line: ``{"bench":"shard","model":..,"world":..,"phases":{name:
-{"ips":..,"state_bytes":..,"grad_bytes":..,"peak_bytes":..,"sent_bytes_per_step":..,"max_abs_diff":..}},
+{"ips":..,"state_bytes":..,"grad_bytes":..,"peak_bytes":..,"held_bytes":..,"sent_bytes_per_step":..,"max_abs_diff":..}},
 "solo_ips":..,...}``. Per phase (the best of ``--rounds`` rounds, the phases alternating):
 
 - ``ips``: samples per second over all workers;
 - ``state_bytes``: the largest optimizer state any rank holds (its tensors' bytes);
 - ``grad_bytes``: the largest gradient bytes a rank holds once the step's reduction is done (before the update);
 - ``peak_bytes``: the largest rise of a rank's resident memory during the phase (Linux's peak resident size,
-  restarted before it);
+  restarted before it), and ``held_bytes`` the rise still held after its last step (``--only`` runs one phase in
+  the job, so that neither owes anything to the phases before it);
 - ``sent_bytes_per_step``: the most bytes a rank's network namespace sent per timed step, loopback aside (under
   ``shoal.bench.netns``, the bytes between hosts; 0 on one host);
 - ``max_abs_diff``: the largest difference of the phase's final weights from the unsharded Shoal phase's.
 
 ``solo_ips`` is one process training alone (the others wait); ``<phase>_ratio`` keys give each phase's ips over
-DDP's and ``<phase>_state_share`` its state bytes over DDP's.
+DDP's and ``<phase>_state_share`` its state bytes over DDP's (with every phase run; null or absent with
+``--only``).
 """
 
 from __future__ import annotations
@@ -42,9 +44,18 @@ PHASES = ("ddp", "torch_zero1", "shoal", "shoal_optimizer", "shoal_gradients")
 LR = 1e-3
 
 
+def _build(name: str) -> tuple[nn.Module, Callable[[int, torch.Generator], torch.Tensor]]:
+    """The benchmark's model: one of ``shoal.predict.models``, or ``wide-mlp``, an MLP of 33.6M parameters (134 MB in
+    fp32) on 4096 inputs, whose state outweighs the process's own memory (for ``peak_bytes``)."""
+    if name != "wide-mlp":
+        return build(name)
+    layers = [nn.Linear(4096, 4096), nn.ReLU(), nn.Linear(4096, 4096), nn.ReLU(), nn.Linear(4096, 10)]
+    return nn.Sequential(*layers), lambda n, g: torch.randn(n, 4096, generator=g)
+
+
 def _batches(model_name: str, batch_size: int, count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     generator = torch.Generator().manual_seed(1234 + hvd.rank())
-    _, make_input = build(model_name)
+    _, make_input = _build(model_name)
     return [(make_input(batch_size, generator), torch.randint(0, 10, (batch_size,), generator=generator)) for _ in range(count)]
 
 
@@ -115,7 +126,7 @@ def run_phase(name: str, args: argparse.Namespace, batches: list[tuple[torch.Ten
     """One phase: the model from seed 0, its optimizer as ``name`` says, trained; its figures and final weights."""
     base = _memory_mark()
     torch.manual_seed(0)
-    model, _ = build(args.model)
+    model, _ = _build(args.model)
     wait: Callable[[], None] = lambda: None  # noqa: E731
     if name == "ddp":
         model = wrap_ddp(model)
@@ -129,10 +140,10 @@ def run_phase(name: str, args: argparse.Namespace, batches: list[tuple[torch.Ten
         )
         wait = optimizer.synchronize  # type: ignore[attr-defined]
     elapsed, grad_bytes, sent = _train(model, optimizer, batches, args, wait)
-    peak_bytes = _status_bytes("VmHWM") - base
+    peak_bytes, held_bytes = _status_bytes("VmHWM") - base, _status_bytes("VmRSS") - base
     state_bytes = _state_bytes(optimizer)
-    figures = torch.tensor([state_bytes, grad_bytes, peak_bytes, sent / args.steps], dtype=torch.float64)
-    state_bytes, grad_bytes, peak_bytes, sent_per_step = (
+    figures = torch.tensor([state_bytes, grad_bytes, peak_bytes, held_bytes, sent / args.steps], dtype=torch.float64)
+    state_bytes, grad_bytes, peak_bytes, held_bytes, sent_per_step = (
         int(v) for v in hvd.allreduce(figures, op=hvd.Max, name=f"bench.shard.{name}.bytes")
     )
     weights = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
@@ -142,6 +153,7 @@ def run_phase(name: str, args: argparse.Namespace, batches: list[tuple[torch.Ten
         "state_bytes": state_bytes,
         "grad_bytes": grad_bytes,
         "peak_bytes": peak_bytes,
+        "held_bytes": held_bytes,
         "sent_bytes_per_step": sent_per_step,
         "weights": weights,
     }
@@ -152,7 +164,7 @@ def run_solo(args: argparse.Namespace, batches: list[tuple[torch.Tensor, torch.T
     elapsed = 0.0
     if hvd.rank() == 0:
         torch.manual_seed(0)
-        model, _ = build(args.model)
+        model, _ = _build(args.model)
         optimizer = torch.optim.Adam(model.parameters(), lr=LR)
         loss_fn = nn.CrossEntropyLoss()
         for index in range(args.warmup + args.steps):
@@ -169,7 +181,15 @@ def run_solo(args: argparse.Namespace, batches: list[tuple[torch.Tensor, torch.T
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m shoal.bench.shard", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="mlp", choices=["mlp", "cnn", "transformer"], help="the model (default mlp)")
+    parser.add_argument(
+        "--model", default="mlp", choices=["mlp", "cnn", "transformer", "wide-mlp"], help="the model (default mlp)"
+    )
+    parser.add_argument(
+        "--only",
+        choices=PHASES,
+        default=None,
+        help="run this phase alone (no solo run): its peak_bytes then owe nothing to the phases before it",
+    )
     parser.add_argument("--batch-size", type=int, default=32, help="samples per rank and step (default 32)")
     parser.add_argument("--steps", type=int, default=10, help="timed steps per phase (default 10)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps before each phase (default 2)")
@@ -185,23 +205,23 @@ def main(argv: list[str] | None = None) -> None:
     batches = _batches(args.model, args.batch_size, 4)
     phases: dict[str, dict[str, Any]] = {}
     for _ in range(args.rounds):  # the phases alternate round by round; each keeps its best round
-        for name in PHASES:
+        for name in (args.only,) if args.only else PHASES:
             run = run_phase(name, args, batches)
             if name not in phases or run["ips"] > phases[name]["ips"]:
                 phases[name] = run
-    solo_ips = run_solo(args, batches)
-    reference = phases["shoal"]["weights"]
     result: dict[str, Any] = {
         "bench": "shard",
         "model": args.model,
-        "params": parameter_count(build(args.model)[0]),
+        "params": parameter_count(_build(args.model)[0]),
         "world": hvd.size(),
-        "solo_ips": solo_ips,
+        "solo_ips": None if args.only else run_solo(args, batches),
     }
+    reference = phases["shoal"]["weights"] if "shoal" in phases else None
     for phase in phases.values():
-        phase["max_abs_diff"] = float((phase.pop("weights") - reference).abs().max())
+        weights = phase.pop("weights")
+        phase["max_abs_diff"] = None if reference is None else float((weights - reference).abs().max())
     result["phases"] = phases
-    for name, phase in phases.items():
+    for name, phase in phases.items() if "ddp" in phases else ():
         result[f"{name}_ratio"] = phase["ips"] / phases["ddp"]["ips"]
         result[f"{name}_state_share"] = phase["state_bytes"] / phases["ddp"]["state_bytes"]
     if hvd.rank() == 0:
