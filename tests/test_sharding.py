@@ -9,6 +9,7 @@ update computed over a flat shard instead of per tensor).
 from __future__ import annotations
 
 import copy
+import itertools
 import json
 import subprocess
 import sys
@@ -169,7 +170,7 @@ def test_the_layout_gives_every_element_to_exactly_one_rank_in_blocks_that_tile_
             landed = [np.zeros(n, dtype=int) for n in sizes]
             chunks = layout.gather_chunks(chunk_elements)
             assert chunks[0].owned_start == 0 and chunks[-1].owned_stop == layout.owned
-            assert all(a.owned_stop == b.owned_start for a, b in zip(chunks, chunks[1:], strict=False))
+            assert all(a.owned_stop == b.owned_start for a, b in itertools.pairwise(chunks))
             for chunk in chunks:
                 for param, start, length, _ in chunk.runs:
                     landed[param][start : start + length] += 1
