@@ -23,8 +23,10 @@ from torch import nn
 
 import shoal.torch as hvd
 from conftest import REPO, SHOALRUN, clean_env
+from shoal.plan.memory import ModelMemory, estimate, estimates
 from shoal.testing import run_ranks
 from shoal.torch.sharding import Shard, ShardLayout
+from shoal.torch.sharding.memory import model_memory, state_per_element
 
 pytestmark = pytest.mark.check  # the quick tier: make check
 
@@ -325,3 +327,33 @@ def test_shard_benchmark_compares_stages_with_ddp_and_torch_zero_in_one_run(tmp_
     for name, phase in phases.items():
         assert phase["ips"] > 0 and summary[f"{name}_ratio"] > 0
         assert phase["max_abs_diff"] < 1e-5, name  # the same training, whichever way it is sharded
+        if name.startswith("shoal"):  # the prediction is reported beside the measurement (the targets: the bench's)
+            assert phase["predicted_held_bytes"] > 0 and phase["predicted_peak_bytes"] >= phase["predicted_held_bytes"]
+            assert phase["held_error"] == phase["predicted_held_bytes"] / phase["held_bytes"] - 1
+
+
+def test_the_memory_prediction_holds_each_part_once_and_shards_what_each_stage_shards() -> None:
+    model = ModelMemory(param_bytes=1000, state_per_element=2.0, step_temporaries=1.0, activation_bytes=50)
+    none, optimizer, gradients = estimates(model, ranks=4)
+    assert none.parts == {"parameters": 1000, "gradients": 1000, "optimizer state": 2000}
+    assert none.peak == 4000 + 1000 + 50  # Adam's temporaries over every parameter, and the activations
+    assert optimizer.parts == {"parameters": 1000, "gradients": 1000, "optimizer state": 500, "shards": 250}
+    assert optimizer.peak == optimizer.held + 250 + 250 + 50  # temporaries over the shard, the gradients' copy
+    assert gradients.parts == {"parameters": 1000, "gradients": 250, "optimizer state": 500, "shards": 250}
+    assert none.held > optimizer.held > gradients.held
+    assert estimate(model, 1, "gradients").held == 1000 + 1000 + 2000 + 1000  # one rank: the shards are a copy
+    with pytest.raises(ValueError, match="unknown shard option"):
+        estimate(model, 2, "zero3")
+    with pytest.raises(ValueError, match="cannot be negative"):
+        ModelMemory(param_bytes=-1, state_per_element=1.0)
+
+
+def test_the_optimizer_state_per_element_follows_the_class_and_its_hyperparameters() -> None:
+    params = [nn.Parameter(torch.zeros(3))]
+    assert state_per_element(torch.optim.SGD(params, lr=0.1)) == 0.0
+    assert state_per_element(torch.optim.SGD(params, lr=0.1, momentum=0.9)) == 1.0
+    assert state_per_element(torch.optim.Adam(params)) == 2.0
+    assert state_per_element(torch.optim.Adam(params, amsgrad=True)) == 3.0
+    assert state_per_element(torch.optim.RMSprop(params, momentum=0.9, centered=True)) == 3.0
+    assert state_per_element(torch.optim.Adagrad(params)) == 1.0
+    assert model_memory(torch.optim.Adam(params)).param_bytes == 12

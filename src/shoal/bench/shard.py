@@ -12,6 +12,8 @@ weights on the same batches. Rank 0 prints one JSON line: ``{"bench":"shard","mo
 - ``peak_bytes``: the largest rise of a rank's resident memory during the phase (Linux's peak resident size,
   restarted before it), and ``held_bytes`` the rise still held after its last step (``--only`` runs one phase in
   the job, so that neither owes anything to the phases before it);
+- for Shoal's phases, ``predicted_held_bytes`` and ``predicted_peak_bytes`` (``shoal.plan.memory``'s prediction
+  for the option, activations not given) and ``held_error``, ``peak_error`` (prediction / measurement - 1);
 - ``sent_bytes_per_step``: the most bytes a rank's network namespace sent per timed step, loopback aside (under
   ``shoal.bench.netns``, the bytes between hosts; 0 on one host);
 - ``max_abs_diff``: the largest difference of the phase's final weights from the unsharded Shoal phase's.
@@ -37,7 +39,9 @@ import shoal.torch as hvd
 from shoal.bench import add_json_flag, emit
 from shoal.bench.far import sent_bytes
 from shoal.comm.baselines import wrap_ddp, wrap_zero_ddp
+from shoal.plan.memory import estimate
 from shoal.predict.models import build, parameter_count
+from shoal.torch.sharding.memory import model_memory
 
 PHASES = ("ddp", "torch_zero1", "shoal", "shoal_optimizer", "shoal_gradients")
 """Every phase, in the order they run: the baselines first, then Shoal unsharded and at stages 1 and 2."""
@@ -146,6 +150,11 @@ def run_phase(name: str, args: argparse.Namespace, batches: list[tuple[torch.Ten
     state_bytes, grad_bytes, peak_bytes, held_bytes, sent_per_step = (
         int(v) for v in hvd.allreduce(figures, op=hvd.Max, name=f"bench.shard.{name}.bytes")
     )
+    if name.startswith("shoal"):  # what shoal.plan.memory predicts for this option, against what was measured
+        option = {"shoal": "none", "shoal_optimizer": "optimizer", "shoal_gradients": "gradients"}[name]
+        predicted = estimate(model_memory(optimizer), hvd.size(), option)
+        extra = {"predicted_held_bytes": predicted.held, "held_error": predicted.held / max(held_bytes, 1) - 1}
+        extra |= {"predicted_peak_bytes": predicted.peak, "peak_error": predicted.peak / max(peak_bytes, 1) - 1}
     weights = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     ips = hvd.size() * args.batch_size * args.steps / elapsed
     return {
@@ -156,6 +165,7 @@ def run_phase(name: str, args: argparse.Namespace, batches: list[tuple[torch.Ten
         "held_bytes": held_bytes,
         "sent_bytes_per_step": sent_per_step,
         "weights": weights,
+        **(extra if name.startswith("shoal") else {}),
     }
 
 

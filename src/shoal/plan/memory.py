@@ -1,0 +1,98 @@
+"""What one rank's memory holds under each ``shard=`` option, predicted from the model's size and its optimizer:
+the first half of planning memory with the network (ZeRO's stages, arXiv 1910.02054, as Shoal runs them).
+
+The parts, per rank of N (P: the parameters' bytes; S: the optimizer state's, k per parameter element):
+
+| part | none | ``optimizer`` (stage 1) | ``gradients`` (stage 2) |
+|---|---|---|---|
+| parameters | P | P | P |
+| gradients | P | P | P/N in the shards |
+| optimizer state | S | S/N | S/N |
+| the shards' copy of the rank's values | 0 | P/N | P/N |
+
+``held`` is their sum: what a rank keeps between steps. ``peak`` adds the largest transient of a step: the
+optimizer's temporaries while it steps (``step_temporaries`` copies of what it steps: torch's foreach Adam makes
+about one), stage 1's copy of the gradients into the shards, and the activations of a step when they are given.
+
+Measured against ``shoal.bench.shard --only`` on one host (docs/sharding.md), ``held`` is within 10% for every option;
+``peak`` is not yet: it misses transients of the exchange (the gradients in flight during stage 2's backward,
+shared-memory adoption), so nothing chooses an option from it yet.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+OPTIONS = ("none", "optimizer", "gradients")
+"""The ``shard=`` options, from the least sharded."""
+
+
+@dataclass(frozen=True)
+class ModelMemory:
+    """What the prediction needs to know of a model and its optimizer."""
+
+    param_bytes: int
+    """The trainable parameters' bytes."""
+    state_per_element: float
+    """Optimizer state elements per parameter element (Adam: 2, SGD with momentum: 1, plain SGD: 0)."""
+    step_temporaries: float = 1.0
+    """The optimizer's temporaries while it steps, in copies of what it steps."""
+    activation_bytes: int = 0
+    """What a forward and backward pass holds beyond the model's state (measured; 0 when unknown)."""
+
+    def __post_init__(self) -> None:
+        if self.param_bytes < 0 or self.state_per_element < 0 or self.step_temporaries < 0 or self.activation_bytes < 0:
+            raise ValueError(f"memory figures cannot be negative: {self}")
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """One option's prediction for one rank."""
+
+    option: str
+    parts: dict[str, int] = field(default_factory=dict)
+    """What the rank holds between steps, by part."""
+    transient: int = 0
+    """The largest extra a step adds."""
+
+    @property
+    def held(self) -> int:
+        """Bytes held between steps."""
+        return sum(self.parts.values())
+
+    @property
+    def peak(self) -> int:
+        """Bytes at the step's peak."""
+        return self.held + self.transient
+
+
+def estimate(model: ModelMemory, ranks: int, option: str) -> MemoryEstimate:
+    """One rank's memory under ``option`` (``OPTIONS``) with ``ranks`` ranks sharing the state.
+
+    Raises:
+        ValueError: an unknown option, or fewer than one rank.
+    """
+    if option not in OPTIONS:
+        raise ValueError(f"unknown shard option {option!r}; choose from {OPTIONS}")
+    if ranks < 1:
+        raise ValueError(f"ranks must be >= 1, got {ranks}")
+    params = model.param_bytes
+    state = round(model.state_per_element * params)
+    own = -(-params // ranks)  # this rank's share, rounded up
+    stepped = params if option == "none" else own
+    temporaries = round(model.step_temporaries * stepped)
+    if option == "none":
+        parts = {"parameters": params, "gradients": params, "optimizer state": state}
+        transient = temporaries
+    elif option == "optimizer":
+        parts = {"parameters": params, "gradients": params, "optimizer state": -(-state // ranks), "shards": own}
+        transient = temporaries + own  # the gradients' copy into the shards, for the step
+    else:
+        parts = {"parameters": params, "gradients": own, "optimizer state": -(-state // ranks), "shards": own}
+        transient = temporaries
+    return MemoryEstimate(option, parts, transient + model.activation_bytes)
+
+
+def estimates(model: ModelMemory, ranks: int) -> list[MemoryEstimate]:
+    """Every option's prediction, from the least sharded."""
+    return [estimate(model, ranks, option) for option in OPTIONS]
