@@ -337,6 +337,9 @@ def test_the_memory_prediction_holds_each_part_once_and_shards_what_each_stage_s
     none, optimizer, gradients = estimates(model, ranks=4)
     assert none.parts == {"parameters": 1000, "gradients": 1000, "optimizer state": 2000}
     assert none.peak == 4000 + 1000 + 50  # Adam's temporaries over every parameter, and the activations
+    shared = ModelMemory(param_bytes=1000, state_per_element=2.0, step_temporaries=0.5, in_flight_bytes=800, adopts_shared=True)
+    assert estimate(shared, 4, "none").peak == 4000 + 1000  # the gradients' move into shared memory outweighs the step
+    assert estimate(shared, 4, "gradients").peak == estimate(shared, 4, "gradients").held + 800 + 200  # backward
     assert optimizer.parts == {"parameters": 1000, "gradients": 1000, "optimizer state": 500, "shards": 250}
     assert optimizer.peak == optimizer.held + 250 + 250 + 50  # temporaries over the shard, the gradients' copy
     assert gradients.parts == {"parameters": 1000, "gradients": 250, "optimizer state": 500, "shards": 250}
@@ -356,4 +359,6 @@ def test_the_optimizer_state_per_element_follows_the_class_and_its_hyperparamete
     assert state_per_element(torch.optim.Adam(params, amsgrad=True)) == 3.0
     assert state_per_element(torch.optim.RMSprop(params, momentum=0.9, centered=True)) == 3.0
     assert state_per_element(torch.optim.Adagrad(params)) == 1.0
-    assert model_memory(torch.optim.Adam(params)).param_bytes == 12
+    memory = model_memory(torch.optim.Adam([*params, nn.Parameter(torch.zeros(5))]), bucket_bytes=16, local_size=2)
+    assert memory.param_bytes == 32 and memory.adopts_shared
+    assert memory.in_flight_bytes == 20 + 12  # the two largest buckets: a 20-byte parameter alone, then 12 bytes

@@ -13,7 +13,8 @@ weights on the same batches. Rank 0 prints one JSON line: ``{"bench":"shard","mo
   restarted before it), and ``held_bytes`` the rise still held after its last step (``--only`` runs one phase in
   the job, so that neither owes anything to the phases before it);
 - for Shoal's phases, ``predicted_held_bytes`` and ``predicted_peak_bytes`` (``shoal.plan.memory``'s prediction
-  for the option, activations not given) and ``held_error``, ``peak_error`` (prediction / measurement - 1);
+  for the option, with the top level's ``activation_bytes``: what one plain forward and backward pass held beyond
+  its parameters and gradients, measured first) and ``held_error``, ``peak_error`` (prediction / measurement - 1);
 - ``sent_bytes_per_step``: the most bytes a rank's network namespace sent per timed step, loopback aside (under
   ``shoal.bench.netns``, the bytes between hosts; 0 on one host);
 - ``max_abs_diff``: the largest difference of the phase's final weights from the unsharded Shoal phase's.
@@ -39,6 +40,7 @@ import shoal.torch as hvd
 from shoal.bench import add_json_flag, emit
 from shoal.bench.far import sent_bytes
 from shoal.comm.baselines import wrap_ddp, wrap_zero_ddp
+from shoal.config import worker_setting
 from shoal.plan.memory import estimate
 from shoal.predict.models import build, parameter_count
 from shoal.torch.sharding.memory import model_memory
@@ -152,7 +154,9 @@ def run_phase(name: str, args: argparse.Namespace, batches: list[tuple[torch.Ten
     )
     if name.startswith("shoal"):  # what shoal.plan.memory predicts for this option, against what was measured
         option = {"shoal": "none", "shoal_optimizer": "optimizer", "shoal_gradients": "gradients"}[name]
-        predicted = estimate(model_memory(optimizer), hvd.size(), option)
+        bucket_bytes = worker_setting("bucket_bytes")
+        memory = model_memory(optimizer, bucket_bytes, hvd.local_size(), args.activation_bytes)
+        predicted = estimate(memory, hvd.size(), option)
         extra = {"predicted_held_bytes": predicted.held, "held_error": predicted.held / max(held_bytes, 1) - 1}
         extra |= {"predicted_peak_bytes": predicted.peak, "peak_error": predicted.peak / max(peak_bytes, 1) - 1}
     weights = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
@@ -167,6 +171,38 @@ def run_phase(name: str, args: argparse.Namespace, batches: list[tuple[torch.Ten
         "weights": weights,
         **(extra if name.startswith("shoal") else {}),
     }
+
+
+def _warm_up(args: argparse.Namespace) -> None:
+    """One short unsharded job, so that what the runtime allocates once (the engine's fusion buffer, shared-memory
+    slots, torch's first-use caches) is in place before any phase's memory is measured: a phase's ``held_bytes`` and
+    ``peak_bytes`` are then what its model and optimizer add."""
+    torch.manual_seed(0)
+    model, make_input = _build(args.model)
+    optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.0), named_parameters=model.named_parameters())
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(2):
+        optimizer.zero_grad()
+        nn.functional.cross_entropy(
+            model(make_input(args.batch_size, generator)), torch.zeros(args.batch_size, dtype=torch.long)
+        ).backward()
+        optimizer.step()
+    hvd.allgather(torch.zeros(4), name="bench.shard.warm.allgather")
+    hvd.reducescatter(torch.zeros(4), name="bench.shard.warm.reducescatter")
+
+
+def measure_activations(args: argparse.Namespace, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> int:
+    """What one plain forward and backward pass holds beyond its parameters and gradients (the activations, and the
+    kernels' workspaces), from the rise of this process's peak resident size: the measured step that
+    ``shoal.plan.memory`` takes its activations from."""
+    base = _memory_mark()
+    torch.manual_seed(0)
+    model, _ = _build(args.model)
+    x, y = batches[0]
+    nn.functional.cross_entropy(model(x), y).backward()
+    model_bytes = 2 * sum(p.numel() * p.element_size() for p in model.parameters())
+    risen = _status_bytes("VmHWM") - base - model_bytes
+    return max(0, int(hvd.allreduce(torch.tensor([float(risen)]), op=hvd.Max, name="bench.shard.activations").item()))
 
 
 def run_solo(args: argparse.Namespace, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
@@ -213,6 +249,8 @@ def main(argv: list[str] | None = None) -> None:
     hvd.init()
     torch.set_num_threads(1)
     batches = _batches(args.model, args.batch_size, 4)
+    _warm_up(args)
+    args.activation_bytes = measure_activations(args, batches)
     phases: dict[str, dict[str, Any]] = {}
     for _ in range(args.rounds):  # the phases alternate round by round; each keeps its best round
         for name in (args.only,) if args.only else PHASES:
@@ -225,6 +263,7 @@ def main(argv: list[str] | None = None) -> None:
         "params": parameter_count(_build(args.model)[0]),
         "world": hvd.size(),
         "solo_ips": None if args.only else run_solo(args, batches),
+        "activation_bytes": args.activation_bytes,
     }
     reference = phases["shoal"]["weights"] if "shoal" in phases else None
     for phase in phases.values():

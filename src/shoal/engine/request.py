@@ -154,6 +154,8 @@ class Request:
             self.user_tensor.copy_(result)
             result = self.user_tensor
         self.result = result
+        if result is not self.tensor:  # the input is spent: free it now, not when the caller synchronizes
+            self.tensor = None
         self.done.set()
 
     def fail(self, error: BaseException) -> None:

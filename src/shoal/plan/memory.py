@@ -10,13 +10,14 @@ The parts, per rank of N (P: the parameters' bytes; S: the optimizer state's, k 
 | optimizer state | S | S/N | S/N |
 | the shards' copy of the rank's values | 0 | P/N | P/N |
 
-``held`` is their sum: what a rank keeps between steps. ``peak`` adds the largest transient of a step: the
-optimizer's temporaries while it steps (``step_temporaries`` copies of what it steps: torch's foreach Adam makes
-about one), stage 1's copy of the gradients into the shards, and the activations of a step when they are given.
+``held`` is their sum: what a rank keeps between steps. ``peak`` adds the largest transient of a step and the
+activations when they are given. The transients: the optimizer's temporaries while it steps
+(``step_temporaries`` copies of what it steps: torch's foreach Adam makes about one); stage 1's copy of the
+gradients into the shards; the gradients' one move into shared memory where several ranks share a host (unsharded
+and stage 1); stage 2's gradients in flight during backward (the two largest buckets, and their blocks).
 
-Measured against ``shoal.bench.shard --only`` on one host (docs/sharding.md), ``held`` is within 10% for every option;
-``peak`` is not yet: it misses transients of the exchange (the gradients in flight during stage 2's backward,
-shared-memory adoption), so nothing chooses an option from it yet.
+Measured against ``shoal.bench.shard --only`` on one host (docs/sharding.md): within 5% where the model's state
+outweighs what the process holds for itself, not yet where it does not.
 """
 
 from __future__ import annotations
@@ -39,9 +40,16 @@ class ModelMemory:
     """The optimizer's temporaries while it steps, in copies of what it steps."""
     activation_bytes: int = 0
     """What a forward and backward pass holds beyond the model's state (measured; 0 when unknown)."""
+    in_flight_bytes: int = 0
+    """Stage 2's backward: the gradients of the two largest buckets, one being produced while the other is reduced
+    (wait-free backprop keeps both alive)."""
+    adopts_shared: bool = False
+    """Several ranks share a host: unsharded and at stage 1 the gradients move into shared memory after the first
+    steps, a copy of them held for a moment."""
 
     def __post_init__(self) -> None:
-        if self.param_bytes < 0 or self.state_per_element < 0 or self.step_temporaries < 0 or self.activation_bytes < 0:
+        figures = (self.param_bytes, self.state_per_element, self.step_temporaries, self.activation_bytes, self.in_flight_bytes)
+        if min(figures) < 0:
             raise ValueError(f"memory figures cannot be negative: {self}")
 
 
@@ -81,15 +89,17 @@ def estimate(model: ModelMemory, ranks: int, option: str) -> MemoryEstimate:
     own = -(-params // ranks)  # this rank's share, rounded up
     stepped = params if option == "none" else own
     temporaries = round(model.step_temporaries * stepped)
+    adoption = params if model.adopts_shared else 0  # the gradients' one move into shared memory
     if option == "none":
         parts = {"parameters": params, "gradients": params, "optimizer state": state}
-        transient = temporaries
+        transient = max(temporaries, adoption)
     elif option == "optimizer":
         parts = {"parameters": params, "gradients": params, "optimizer state": -(-state // ranks), "shards": own}
-        transient = temporaries + own  # the gradients' copy into the shards, for the step
+        transient = own + max(temporaries, adoption)  # the gradients' copy into the shards, for the step
     else:
         parts = {"parameters": params, "gradients": own, "optimizer state": -(-state // ranks), "shards": own}
-        transient = temporaries
+        in_flight = model.in_flight_bytes + -(-model.in_flight_bytes // ranks)  # and what their reduce-scatters return
+        transient = max(temporaries, in_flight)
     return MemoryEstimate(option, parts, transient + model.activation_bytes)
 
 

@@ -164,7 +164,7 @@ class GatherChunk:
 
 def _fill_buckets(sizes: list[int], element_bytes: int, bucket_bytes: int, size: int) -> list[Bucket]:
     """Buckets over the parameters in backward order (the optimizer's order reversed), each closed once it holds
-    ``bucket_bytes``."""
+    ``bucket_bytes``; a parameter of ``bucket_bytes`` or more gets a bucket of its own."""
     buckets: list[Bucket] = []
     members: list[int] = []
     offsets: list[int] = []
@@ -177,6 +177,8 @@ def _fill_buckets(sizes: list[int], element_bytes: int, bucket_bytes: int, size:
         members, offsets, numel = [], [], 0
 
     for param in reversed(range(len(sizes))):
+        if sizes[param] * element_bytes >= bucket_bytes:
+            close()  # a parameter as large as a bucket travels alone: its gradient leaves without a copy
         members.append(param)
         offsets.append(numel)
         numel += sizes[param]

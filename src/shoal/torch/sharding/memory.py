@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from shoal.plan.memory import ModelMemory
+from shoal.torch.sharding.layout import ShardLayout
 
 
 def state_per_element(optimizer: torch.optim.Optimizer) -> float:
@@ -23,8 +24,20 @@ def state_per_element(optimizer: torch.optim.Optimizer) -> float:
     return 2.0  # Adam, AdamW, Adamax, NAdam, RAdam, Adadelta, Rprop, and any other
 
 
-def model_memory(optimizer: torch.optim.Optimizer, activation_bytes: int = 0) -> ModelMemory:
-    """``shoal.plan.memory``'s view of ``optimizer``'s trainable parameters and its state."""
+def model_memory(
+    optimizer: torch.optim.Optimizer, bucket_bytes: int, local_size: int, activation_bytes: int = 0
+) -> ModelMemory:
+    """``shoal.plan.memory``'s view of ``optimizer``'s trainable parameters and its state, with buckets of
+    ``bucket_bytes`` and ``local_size`` ranks on this host."""
     params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
-    param_bytes = sum(p.numel() * p.element_size() for p in params)
-    return ModelMemory(param_bytes, state_per_element(optimizer), activation_bytes=activation_bytes)
+    sizes = [p.numel() for p in params]
+    element_bytes = params[0].element_size() if params else 4
+    layout = ShardLayout(sizes, [0] * len(sizes), element_bytes, bucket_bytes, 1, 0)
+    largest = sorted((bucket.numel * element_bytes for bucket in layout.buckets), reverse=True)[:2]
+    return ModelMemory(
+        sum(sizes) * element_bytes,
+        state_per_element(optimizer),
+        activation_bytes=activation_bytes,
+        in_flight_bytes=sum(largest),
+        adopts_shared=local_size > 1,
+    )
