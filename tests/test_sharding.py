@@ -187,7 +187,8 @@ def _against_unsharded(shard: str, options: dict[str, Any]) -> float:
     torch.set_num_threads(1)
     passes = int(options.get("backward_passes_per_step", 1))
     clip = options.pop("clip", None)  # clip the reduced gradients to this global norm before each step
-    options = {k: (getattr(hvd.Compression, v) if k == "compression" else v) for k, v in options.items()}
+    compressions = {"fp16": hvd.Compression.fp16, "powersgd": hvd.Compression.powersgd(rank=2, warmup_steps=1)}
+    options = {k: (compressions[v] if k == "compression" else v) for k, v in options.items()}
     x, y = _data(hvd.size())
     rows = slice(hvd.rank() * BATCH, (hvd.rank() + 1) * BATCH)
     finals, norms = [], []
@@ -232,6 +233,14 @@ OPTIONS = {
 def test_horovods_reduction_options_give_the_unsharded_weights(shard: str, case: str) -> None:
     for rank, difference in enumerate(run_ranks(_against_unsharded, 2, args=(shard, OPTIONS[case]), timeout_s=120)):
         assert difference < ATOL, f"{case}, rank {rank}: {difference}"
+
+
+def test_stage_one_keeps_the_compressed_schemes() -> None:
+    """PowerSGD (after one step of warm-up) still runs on the whole gradients at stage 1: the same weights as
+    unsharded with it; stage 2 refuses it, as it refuses every per-layer scheme."""
+    options = {"compression": "powersgd"}
+    for rank, difference in enumerate(run_ranks(_against_unsharded, 2, args=("optimizer", options), timeout_s=120)):
+        assert difference < ATOL, f"rank {rank}: {difference}"
 
 
 def _resharded(kind: str, given: dict[str, Any]) -> dict[str, Any]:
