@@ -206,6 +206,12 @@ def test_command_line_prints_a_row_per_worker_count_and_a_json_line(
     result = json.loads(lines[-1])
     assert [row["workers"] for row in result["rows"]] == [1, 2, 4]
     assert result["rows"][0]["efficiency"] == 1.0 and 0 < result["rows"][2]["efficiency"] <= 1.0
+    memory = [row["memory_bytes"] for row in result["rows"]]  # Adam: sharding pays from 2 workers on, more with more
+    assert memory[0]["none"] < memory[0]["optimizer"]  # one worker: the shards are only a copy
+    assert (
+        memory[2]["none"] > memory[2]["optimizer"] >= memory[2]["gradients"] and memory[2]["optimizer"] < memory[1]["optimizer"]
+    )
+    assert any(line.startswith("memory per rank at a step's peak") for line in lines)
     assert png.stat().st_size > 10_000
     # A calibration measured on 2 ranks of one host, carried to 2 hosts of 2 ranks over a 10 Gbit/s preset.
     measured = Calibration(

@@ -74,6 +74,33 @@ class MemoryEstimate:
         return self.held + self.transient
 
 
+def bucket_members(nbytes: list[int], bucket_bytes: int) -> list[list[int]]:
+    """The sharded optimizer's buckets over parameters of ``nbytes`` given in the order backward finishes them: the
+    indices each bucket holds. A bucket closes once it holds ``bucket_bytes``; a parameter of ``bucket_bytes`` or
+    more gets a bucket of its own (its gradient then leaves without a copy)."""
+    buckets: list[list[int]] = []
+    current: list[int] = []
+    held = 0
+    for index, size in enumerate(nbytes):
+        if size >= bucket_bytes and current:
+            buckets.append(current)
+            current, held = [], 0
+        current.append(index)
+        held += size
+        if held >= bucket_bytes:
+            buckets.append(current)
+            current, held = [], 0
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+def in_flight(nbytes: list[int], bucket_bytes: int) -> int:
+    """Stage 2's gradients in flight during backward: the two largest buckets' bytes (``bucket_members``)."""
+    sizes = sorted((sum(nbytes[i] for i in bucket) for bucket in bucket_members(nbytes, bucket_bytes)), reverse=True)
+    return sum(sizes[:2])
+
+
 def estimate(model: ModelMemory, ranks: int, option: str) -> MemoryEstimate:
     """One rank's memory under ``option`` (``OPTIONS``) with ``ranks`` ranks sharing the state.
 

@@ -6,8 +6,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from shoal.plan.memory import ModelMemory, estimates, in_flight
 from shoal.plan.schemes import SCHEMES, Planned, forces_outer, parse_comm, takes_outer
 from shoal.plan.simulate import Links, StepPrediction, StepProfile, simulate
 
@@ -30,6 +31,8 @@ class Row:
     layer_bytes: dict[str, int]
     far_efficiency: float = 0.0
     """Local steps' predicted efficiency (``comm="local"``, with the planner's H and codec)."""
+    memory: dict[str, int] = field(default_factory=dict)
+    """Each ``shard=`` option's predicted peak bytes per rank (``shoal.plan.memory``; activations not included)."""
 
     def advice(self) -> str:
         """Where the time goes and what would help, in one sentence."""
@@ -65,6 +68,7 @@ class Row:
             "best_comm": self.best_comm,
             "best_efficiency": round(self.best_efficiency, 3),
             "far_efficiency": round(self.far_efficiency, 3),
+            "memory_bytes": dict(self.memory),
             "advice": self.advice(),
         }
 
@@ -77,11 +81,14 @@ def scaling(
     comm: str = "allreduce",
     bucket_bytes: int = 2 * 1024 * 1024,
     cpu_bound: bool = False,
+    state_per_element: float = 2.0,
 ) -> list[Row]:
     """Predict ``comm`` at each worker count, and the best of the other comm settings beside it (``cpu_bound``: see
-    ``shoal.plan.simulate.simulate``)."""
+    ``shoal.plan.simulate.simulate``), with each ``shard=`` option's peak memory per rank for an optimizer keeping
+    ``state_per_element`` values per parameter element (Adam: 2)."""
     parse_comm(comm)
     layer_bytes = {layer.name: layer.nbytes for layer in profile.layers}
+    backward_order = [gradient.nbytes for gradient in sorted(profile.gradients, key=lambda g: g.ready_s)]
     rows = []
     for count in workers:
         if count < 1:
@@ -91,5 +98,12 @@ def scaling(
         results = {alt: simulate(profile, links, count, per_host, alt, bucket_bytes, cpu_bound=cpu_bound) for alt in settings}
         best = max(SYNCHRONOUS, key=lambda alt: results[alt].efficiency)
         far = results[LOCAL].efficiency
-        rows.append(Row(results[comm], comm, best, results[best].efficiency, layer_bytes, far))
+        model = ModelMemory(
+            sum(backward_order),
+            state_per_element,
+            in_flight_bytes=in_flight(backward_order, bucket_bytes),
+            adopts_shared=per_host > 1,
+        )
+        memory = {estimate.option: estimate.peak for estimate in estimates(model, count)}
+        rows.append(Row(results[comm], comm, best, results[best].efficiency, layer_bytes, far, memory))
     return rows

@@ -29,6 +29,10 @@ def _counts(text: str) -> list[int]:
     return counts
 
 
+OPTIMIZER_STATE = {"sgd": 0.0, "momentum": 1.0, "adam": 2.0}
+"""``--optimizer``: optimizer state values per parameter element (plain SGD, SGD with momentum, Adam or AdamW)."""
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m shoal.predict",
@@ -68,6 +72,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="whether compute takes every core, so only an exchange's wait on the wire (the calibration's CPU share; "
         "none without one) overlaps it (auto: yes when profiled here with threads x ranks per host >= cores; no with "
         "--device-flops)",
+    )
+    parser.add_argument(
+        "--optimizer",
+        choices=sorted(OPTIMIZER_STATE),
+        default="adam",
+        help="the optimizer, for the memory per rank: its state per parameter (default adam: two values)",
     )
     parser.add_argument("--steps", type=int, default=10, help="profiled steps (default 10)")
     parser.add_argument("--plot", metavar="PNG", help="draw the scaling curve (needs matplotlib)")
@@ -154,7 +164,8 @@ def main(argv: list[str] | None = None) -> None:
         if cpu_bound:
             where += "; CPU-bound: only the wait on the wire overlaps compute"
         links = _links(args, flops, cast)
-        rows = scaling(profile, links, args.workers, args.ranks_per_host, args.comm, args.bucket_bytes, cpu_bound)
+        state = OPTIMIZER_STATE[args.optimizer]
+        rows = scaling(profile, links, args.workers, args.ranks_per_host, args.comm, args.bucket_bytes, cpu_bound, state)
     except ValueError as error:
         raise SystemExit(f"shoal.predict: {error}") from None
     network = args.calibration or f"{args.link or 'one host'}"
@@ -170,6 +181,14 @@ def main(argv: list[str] | None = None) -> None:
             f"{data['workers']:>7} {data['step_ms']:>9.2f} {data['samples_per_s']:>11.1f} "
             f"{100 * row.prediction.efficiency:>9.0f}% {data['exposed_comm_ms']:>10.2f}  {schemes}; {row.advice()}"
         )
+    print(
+        f"memory per rank at a step's peak, MB ({args.optimizer}; parameters, gradients, optimizer state and the "
+        "exchange's transients, activations not included), by DistributedOptimizer(shard=...):"
+    )
+    print(f"{'workers':>7} {'None':>9} {'optimizer':>10} {'gradients':>10}")
+    for row in rows:
+        memory = {option: peak / 1e6 for option, peak in row.memory.items()}
+        print(f"{row.prediction.workers:>7} {memory['none']:>9.1f} {memory['optimizer']:>10.1f} {memory['gradients']:>10.1f}")
     if args.plot:
         plot(rows, args.plot, f"{args.model} on {network}, {args.ranks_per_host} per host, comm={args.comm}")
         print(f"wrote {args.plot}", file=sys.stderr)

@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from shoal.engine.buffers import split_rows
+from shoal.plan.memory import bucket_members
 
 
 @dataclass(frozen=True)
@@ -163,26 +164,13 @@ class GatherChunk:
 
 
 def _fill_buckets(sizes: list[int], element_bytes: int, bucket_bytes: int, size: int) -> list[Bucket]:
-    """Buckets over the parameters in backward order (the optimizer's order reversed), each closed once it holds
-    ``bucket_bytes``; a parameter of ``bucket_bytes`` or more gets a bucket of its own."""
+    """Buckets over the parameters in backward order (the optimizer's order reversed), as
+    ``shoal.plan.memory.bucket_members`` groups them."""
+    order = list(reversed(range(len(sizes))))
     buckets: list[Bucket] = []
-    members: list[int] = []
-    offsets: list[int] = []
-    numel = 0
-
-    def close() -> None:
-        nonlocal members, offsets, numel
-        if members:
-            buckets.append(Bucket(len(buckets), tuple(members), tuple(offsets), numel, tuple(split_rows(numel, size))))
-        members, offsets, numel = [], [], 0
-
-    for param in reversed(range(len(sizes))):
-        if sizes[param] * element_bytes >= bucket_bytes:
-            close()  # a parameter as large as a bucket travels alone: its gradient leaves without a copy
-        members.append(param)
-        offsets.append(numel)
-        numel += sizes[param]
-        if numel * element_bytes >= bucket_bytes:
-            close()
-    close()
+    for members in bucket_members([sizes[p] * element_bytes for p in order], bucket_bytes):
+        params = [order[i] for i in members]
+        offsets = [sum(sizes[q] for q in params[:k]) for k in range(len(params))]
+        numel = sum(sizes[q] for q in params)
+        buckets.append(Bucket(len(buckets), tuple(params), tuple(offsets), numel, tuple(split_rows(numel, size))))
     return buckets

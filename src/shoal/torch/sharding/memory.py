@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from shoal.plan.memory import ModelMemory
-from shoal.torch.sharding.layout import ShardLayout
+from shoal.plan.memory import ModelMemory, in_flight
 
 
 def state_per_element(optimizer: torch.optim.Optimizer) -> float:
@@ -30,14 +29,11 @@ def model_memory(
     """``shoal.plan.memory``'s view of ``optimizer``'s trainable parameters and its state, with buckets of
     ``bucket_bytes`` and ``local_size`` ranks on this host."""
     params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
-    sizes = [p.numel() for p in params]
-    element_bytes = params[0].element_size() if params else 4
-    layout = ShardLayout(sizes, [0] * len(sizes), element_bytes, bucket_bytes, 1, 0)
-    largest = sorted((bucket.numel * element_bytes for bucket in layout.buckets), reverse=True)[:2]
+    backward_order = [p.numel() * p.element_size() for p in reversed(params)]
     return ModelMemory(
-        sum(sizes) * element_bytes,
+        sum(backward_order),
         state_per_element(optimizer),
         activation_bytes=activation_bytes,
-        in_flight_bytes=sum(largest),
+        in_flight_bytes=in_flight(backward_order, bucket_bytes),
         adopts_shared=local_size > 1,
     )
