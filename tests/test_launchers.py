@@ -252,7 +252,7 @@ def test_calibration_measures_each_link_class_when_hosts_hold_several_ranks() ->
     assert set(rates) == {"intra-host", "inter-host"}, result.stdout
     # An intra-host line fitted with no cost per byte (latency-bound at these sizes, on a loaded machine) is unbounded.
     speed = {link: math.inf if rate == "unbounded" else float(rate.split()[0]) for link, rate in rates.items()}
-    assert speed["inter-host"] < speed["intra-host"], rates  # the shaped 1 Gbit/s link is the slow one
+    assert speed["inter-host"] < speed["intra-host"], (rates, result.stdout[-3000:])  # the shaped 1 Gbit/s link: slower
     assert speed["inter-host"] < 0.2, rates  # 1 Gbit/s is 0.125 GB/s
 
 
