@@ -352,21 +352,19 @@ def _scattered(
     hosts) an allreduce of a copy, sliced."""
     me = state.members.index(transport.rank)
     local = transport.shared_blocks(source, response.process_set)
-    if local is not None:
+    # Over gloo (between hosts, one rank each): a ring sends (N-1)/N of the bytes, an allreduce twice that.
+    ring = not source.is_cuda and not source.is_complex() and not transport.uses_shared_memory(source, response.process_set)
+    if local is not None or ring:
         flat = source.reshape(-1)
         if prescale != 1.0:
             flat = flat.clone()
             scale_(flat, prescale)
-        with transport.wire(f"reducescatter '{response.name}'"):
-            block = reduce_scatter_(local, flat, reduction, [count * math.prod(source.shape[1:]) for count in rows])
-        return block.view(rows[me], *source.shape[1:])
-    if not source.is_cuda and not source.is_complex() and not transport.uses_shared_memory(source, response.process_set):
-        # Over gloo (between hosts, one rank each): a ring sends (N-1)/N of the bytes, an allreduce twice that.
-        flat = source.reshape(-1).clone() if prescale != 1.0 else source.reshape(-1)
-        scale_(flat, prescale)
         elements = [count * math.prod(source.shape[1:]) for count in rows]
         with transport.wire(f"reducescatter '{response.name}'"):
-            block = collectives.ring_reduce_scatter(flat, elements, reduction, list(state.members), state.group)
+            if local is not None:
+                block = reduce_scatter_(local, flat, reduction, elements)
+            else:
+                block = collectives.ring_reduce_scatter(flat, elements, reduction, list(state.members), state.group)
         return block.view(rows[me], *source.shape[1:])
     buffer = source.clone()
     scale_(buffer, prescale)

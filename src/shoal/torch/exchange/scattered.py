@@ -26,8 +26,8 @@ from shoal.torch.sharding.shards import ShardedOptimizer
 class _Sent(NamedTuple):
     bucket: Bucket
     handle: int
-    compressor: type[Compressor]
     context: object
+    """The compressor's context, to decompress the block."""
 
 
 class ScatteredGradients:
@@ -54,10 +54,6 @@ class ScatteredGradients:
             self._layout = layout
             self._by_param = {id(self.params[p]): bucket for bucket in layout.buckets for p in bucket.params}
         return self._by_param
-
-    def holds(self, param: torch.Tensor) -> bool:
-        """Whether ``param``'s gradient travels here."""
-        return id(param) in self._bucket_of
 
     @property
     def pending(self) -> bool:
@@ -92,7 +88,7 @@ class ScatteredGradients:
         handle = functions.reducescatter_async(wire, name, spec.op, process_set, spec.prescale, spec.postscale)
         self._waiting.pop(bucket.index, None)
         self._sent.add(bucket.index)
-        self._in_flight.append(_Sent(bucket, handle, self.compressor, context))
+        self._in_flight.append(_Sent(bucket, handle, context))
         self._land(finished_only=True)
 
     def _land(self, finished_only: bool) -> None:
@@ -101,7 +97,7 @@ class ScatteredGradients:
         while self._in_flight and (not finished_only or handles.poll(self._in_flight[0].handle)):
             sent = self._in_flight.pop(0)
             block = handles.synchronize(sent.handle)
-            self.shards.take_block(sent.bucket, sent.compressor.decompress(block, sent.context))
+            self.shards.take_block(sent.bucket, self.compressor.decompress(block, sent.context))
 
     def reset(self, discard: bool = False) -> None:
         """Forget this step (``discard``: it never finished, so drop the reduce-scatters in flight)."""

@@ -13,6 +13,7 @@ groups and the rank count, so every rank computes the same one.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from shoal.engine.buffers import split_rows
@@ -48,6 +49,16 @@ class Bucket:
     def block_start(self, rank: int) -> int:
         """Where rank ``rank``'s block starts in the flat bucket."""
         return sum(self.blocks[:rank])
+
+    def spans(self, rank: int, sizes: list[int]) -> Iterator[tuple[int, int, int, int]]:
+        """Rank ``rank``'s block, parameter by parameter (``sizes``: every parameter's element count): (param,
+        start in its flat view, length, start in the block)."""
+        low = self.block_start(rank)
+        high = low + self.blocks[rank]
+        for param, offset in zip(self.params, self.offsets, strict=True):
+            start, end = max(low, offset), min(high, offset + sizes[param])
+            if start < end:
+                yield param, start - offset, end - start, start - low
 
 
 class ShardLayout:
@@ -92,15 +103,10 @@ class ShardLayout:
         """Per bucket, this rank's pieces in block order."""
         for bucket in self.buckets:
             owned = []
-            low = bucket.block_start(rank)
-            high = low + bucket.blocks[rank]
-            for param, offset in zip(bucket.params, bucket.offsets, strict=True):
-                start, end = max(low, offset), min(high, offset + sizes[param])
-                if start >= end:
-                    continue
+            for param, start, length, at in bucket.spans(rank, self.sizes):
                 group = groups[param]
-                owned.append(Piece(param, group, start - offset, end - start, self.shard_sizes[group], start - low))
-                self.shard_sizes[group] += end - start
+                owned.append(Piece(param, group, start, length, self.shard_sizes[group], at))
+                self.shard_sizes[group] += length
             self.pieces.append(owned)
 
     def for_world(self, size: int, rank: int) -> ShardLayout:
@@ -130,12 +136,7 @@ class ShardLayout:
         gathered = 0
         for rank in range(self.size):
             for bucket in buckets:
-                low = bucket.block_start(rank)
-                high = low + bucket.blocks[rank]
-                for param, offset in zip(bucket.params, bucket.offsets, strict=True):
-                    start, end = max(low, offset), min(high, offset + self.sizes[param])
-                    if start < end:
-                        found.append((param, start - offset, end - start, gathered + start - low))
+                found += [(param, start, length, gathered + at) for param, start, length, at in bucket.spans(rank, self.sizes)]
                 gathered += bucket.blocks[rank]
         return found
 
@@ -147,7 +148,7 @@ class ShardLayout:
         for index, bucket in enumerate(self.buckets):
             numel += bucket.numel
             if numel >= max_elements or index == len(self.buckets) - 1:
-                mine = sum(b.blocks[self.rank] for b in self.buckets[first : index + 1])
+                mine = sum(bucket.blocks[self.rank] for bucket in self.buckets[first : index + 1])
                 chunks.append(GatherChunk(owned, owned + mine, self.runs(first, index + 1)))
                 first, owned, numel = index + 1, owned + mine, 0
         return chunks

@@ -80,7 +80,6 @@ class ShardedOptimizer:
         "_build",
         "_chunks",
         "_runs",
-        "group_of",
         "inner",
         "layout",
         "loaded",
@@ -103,9 +102,6 @@ class ShardedOptimizer:
         name: str,
     ) -> None:
         self.stage, self.params, self.process_set, self.name = stage, params, process_set, name
-        found = {id(p): g for g, group in enumerate(param_groups) for p in group["params"]}
-        self.group_of = [found[id(p)] for p in params]
-        """Each parameter's param-group index."""
         self.loaded: dict[str, Any] | None = None
         """A full state dict loaded on this rank alone, kept until ``broadcast_optimizer_state`` hands it out."""
         self._build = lambda shards: _build(
@@ -249,7 +245,7 @@ class ShardedOptimizer:
         rank: call it on every rank. ``index_of``: each parameter's index in the state dict, by ``id``."""
         per_group = [self.inner.state.get(shard, {}) for shard in self.shards]
         keys = sorted({k for state in per_group for k, v in state.items() if _per_element(v)})
-        gathered: dict[str, list[torch.Tensor]] = {key: [torch.empty(0)] * len(self.params) for key in keys}
+        gathered: dict[str, list[torch.Tensor]] = {}
         for key in keys:
             tensors = [state.get(key, torch.zeros(0)) for state in per_group]
             whole = functions.allgather(self._owned(tensors), name=f"{self.name}.state.{key}", process_set=self.process_set)
@@ -259,7 +255,7 @@ class ShardedOptimizer:
             gathered[key] = [f.view(p.shape) for f, p in zip(full, self.params, strict=True)]
         result: dict[int, dict[str, Any]] = {}
         for param, tensor in enumerate(self.params):
-            state = per_group[self.group_of[param]]
+            state = per_group[self.layout.groups[param]]
             if not state:
                 continue
             entry = {k: (gathered[k][param] if k in gathered else _copy(v)) for k, v in state.items()}
@@ -268,7 +264,7 @@ class ShardedOptimizer:
 
     def load_full_state(self, state: dict[int, dict[str, Any]], index_of: dict[int, int]) -> None:
         """Keep this rank's pieces of a whole state (torch's form, ``state_dict()['state']``); no communication."""
-        group_of = self.group_of
+        group_of = self.layout.groups
         per_group: list[dict[str, Any]] = [{} for _ in self.shards]
         for param, tensor in enumerate(self.params):
             entry = state.get(index_of[id(tensor)])
